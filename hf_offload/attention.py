@@ -1,0 +1,317 @@
+"""The attention function and mask function that an :class:`~hf_offload.cache.OffloadCache` switches a model to.
+
+transformers calls ``cache.update(k, v, layer_idx)`` and then the attention function with the same key tensor, but
+never passes the cache to the attention function. ``OffloadLayer.update`` therefore leaves a :class:`Handoff` (the
+layer, and the key tensor it returned) that the next attention call takes. A call without a handoff (a
+``DynamicCache``, no cache, a sliding layer) is handed to the model's original attention function with the
+original mask, so a switched model behaves exactly as before whenever the cache is not an ``OffloadCache``.
+
+The registered mask function returns an :class:`OffloadMask`: the arguments transformers prepared, kept lazily.
+The original mask is built from them only if the original attention function needs it (once per forward, shared by
+the layers); the offload path evaluates the same mask function only at the positions it attends to, so no
+``q_len x context`` mask is ever built.
+
+Nothing here is registered at import time; :func:`enable_offload_attention` registers on first use.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from .kernels import OnlineSoftmax
+
+if TYPE_CHECKING:
+    from .cache import OffloadLayer
+
+PREFIX = "hf_offload_"
+SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+
+
+# ----------------------------------------------------------------------------------------------------------- handoff
+@dataclass
+class Handoff:
+    """What ``OffloadLayer.update`` leaves for the attention call that follows it.
+
+    Attributes:
+        layer: the cache layer that was updated.
+        key: the key tensor ``update`` returned (the attention call must receive this very object).
+        recent_values: the value tensor ``update`` returned.
+        first_recent_pos: cache position of the first token of ``key`` (the device-resident recent tokens).
+        n_blocks_before: sealed blocks before this update (the blocks this call selects from).
+    """
+
+    layer: "OffloadLayer"
+    key: torch.Tensor
+    recent_values: torch.Tensor
+    first_recent_pos: int
+    n_blocks_before: int
+
+
+_local = threading.local()
+
+
+def leave_handoff(handoff: Handoff) -> None:
+    """Record the handoff of an update; raises if the previous update of the same cache was never attended."""
+    stale = getattr(_local, "pending", None)
+    if stale is not None and stale.layer.cache_id == handoff.layer.cache_id:
+        if stale.layer.layer_idx == handoff.layer.layer_idx - 1:
+            raise RuntimeError(
+                "An OffloadCache was updated but the model's attention never used it: the model running this cache "
+                "does not use the offload attention. An OffloadCache serves only the model it was built with "
+                f"(built for {handoff.layer.model_name}); build one OffloadCache(model) per model."
+            )
+    _local.pending = handoff
+
+
+def take_handoff() -> Handoff | None:
+    """Remove and return the pending handoff of this thread, if any."""
+    handoff = getattr(_local, "pending", None)
+    _local.pending = None
+    return handoff
+
+
+# -------------------------------------------------------------------------------------------------------------- mask
+class OffloadMask:
+    """The arguments of one mask construction, evaluated lazily.
+
+    Args:
+        original: the original attention implementation whose mask function builds the dense mask.
+        kwargs: the keyword arguments transformers passed to the mask function (``batch_size``, ``q_length``,
+            ``kv_length``, ``q_offset``, ``kv_offset``, ``mask_function``, ``attention_mask`` (2D padding mask,
+            ``[batch, >= kv_length]``, ``torch.bool``), ...).
+    """
+
+    def __init__(self, original: str, kwargs: dict[str, Any]):
+        self.original = original
+        self.kwargs = kwargs
+        self._dense: Any = None
+        self._built = False
+        self._block_valid: dict[tuple[int, int, int], torch.Tensor] = {}
+        padding = kwargs.get("attention_mask")
+        if padding is not None:
+            needed = kwargs["kv_length"] + kwargs.get("kv_offset", 0)
+            if padding.shape[-1] < needed:
+                padding = torch.nn.functional.pad(padding, (0, needed - padding.shape[-1]))
+            padding = padding.bool()
+        self.padding = padding
+
+    def materialize(self) -> Any:
+        """The mask the original implementation would have received (built once)."""
+        if not self._built:
+            self._dense = ALL_MASK_ATTENTION_FUNCTIONS[self.original](**self.kwargs)
+            self._built = True
+        return self._dense
+
+    def to(self, *args, **kwargs) -> "OffloadMask":
+        """Move the padding mask (used by accelerate's device hooks)."""
+        moved = dict(self.kwargs)
+        if moved.get("attention_mask") is not None:
+            moved["attention_mask"] = moved["attention_mask"].to(*args, **kwargs)
+        return OffloadMask(self.original, moved)
+
+    def allowed(self, q_pos: torch.Tensor, kv_pos: torch.Tensor) -> torch.Tensor:
+        """Which (query, key) pairs may attend.
+
+        Args:
+            q_pos: absolute query positions, shape ``[q]``, ``torch.int64``, compute device.
+            kv_pos: absolute key positions, shape ``[batch or 1, heads or 1, n]``, ``torch.int64``.
+
+        Returns:
+            Shape ``[batch or 1, heads or 1, q, n]``, ``torch.bool``.
+        """
+        batch = self.kwargs.get("batch_size", kv_pos.shape[0])
+        b = torch.arange(batch, device=kv_pos.device).view(-1, 1, 1, 1)
+        q = q_pos.view(1, 1, -1, 1)
+        kv = kv_pos[:, :, None, :]
+        mask_function = self.kwargs.get("mask_function")
+        ok = torch.as_tensor(mask_function(b, 0, q, kv), device=kv.device) if mask_function else kv <= q
+        if self.padding is not None:
+            ok = ok & self.padding.to(kv.device)[b, kv]
+        return ok
+
+    def block_valid(self, q_pos: int, n_blocks: int, block_tokens: int, device) -> torch.Tensor:
+        """Blocks with at least one token that query position ``q_pos`` may attend, ``[batch, n_blocks]`` bool."""
+        key = (q_pos, n_blocks, block_tokens)
+        if key not in self._block_valid:
+            kv = torch.arange(n_blocks * block_tokens, device=device).view(1, 1, -1)
+            ok = self.allowed(torch.tensor([q_pos], device=device), kv)[:, 0, 0]
+            batch = self.kwargs.get("batch_size", ok.shape[0])
+            self._block_valid[key] = ok.expand(batch, -1).reshape(batch, n_blocks, block_tokens).any(-1)
+        return self._block_valid[key]
+
+
+def _make_mask_function(original: str):
+    def offload_mask(**kwargs) -> OffloadMask:
+        return OffloadMask(original, kwargs)
+
+    offload_mask.__name__ = f"{PREFIX}{original}_mask"
+    return offload_mask
+
+
+# --------------------------------------------------------------------------------------------------------- attention
+def _original_attention(original: str, module: torch.nn.Module):
+    if original == "eager":
+        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+        if fn is None:
+            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to hand over to.")
+        return fn
+    return ALL_ATTENTION_FUNCTIONS[original]
+
+
+def _make_attention_function(original: str):
+    def offload_attention(module, query, key, value, attention_mask, **kwargs):
+        handoff = take_handoff()
+        if handoff is None:
+            mask = attention_mask.materialize() if isinstance(attention_mask, OffloadMask) else attention_mask
+            return _original_attention(original, module)(module, query, key, value, mask, **kwargs)
+        if handoff.key is not key:
+            raise RuntimeError(
+                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) changed the key states between "
+                "cache.update() and the attention call, which the offload attention cannot follow. This architecture "
+                "needs an adapter in hf_offload/patches/."
+            )
+        layer = handoff.layer
+        if getattr(module, "config", None) is not None and module.config is not layer.model_config:
+            raise RuntimeError(
+                f"This OffloadCache was built for {layer.model_name} and is being used by another model. Build one "
+                "OffloadCache(model) per model."
+            )
+        if attention_mask is not None and not isinstance(attention_mask, OffloadMask):
+            raise NotImplementedError(
+                "OffloadCache received a ready-made attention mask (e.g. a custom 4D mask); pass a 2D attention_mask "
+                "(padding) instead."
+            )
+        out = offload_attention_forward(
+            handoff,
+            query,
+            attention_mask,
+            scaling=kwargs.get("scaling"),
+            softcap=kwargs.get("softcap"),
+            sink_logits=kwargs.get("s_aux"),
+        )
+        return out, None
+
+    offload_attention.__name__ = f"{PREFIX}{original}"
+    return offload_attention
+
+
+def offload_attention_forward(
+    handoff: Handoff,
+    query: torch.Tensor,
+    mask: OffloadMask | None,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    sink_logits: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one layer over the offloaded cache: plan (select, make resident), then run.
+
+    Decode (one query): the selected sealed blocks plus the recent tokens. Prefill (several queries): every earlier
+    sealed block plus the recent tokens, exactly, in tiles of ``prefill_chunk_tokens``.
+
+    Args:
+        handoff: what ``OffloadLayer.update`` left for this call.
+        query: shape ``[batch, q_heads, q_len, head_dim]``, model dtype, compute device (after RoPE).
+        mask: the lazy mask of this forward, or ``None`` for plain causal attention.
+        scaling: softmax scale; ``None``: ``head_dim ** -0.5``.
+        softcap: optional logit soft-capping.
+        sink_logits: optional learned sink logits, shape ``[q_heads]``.
+
+    Returns:
+        Shape ``[batch, q_len, q_heads, head_dim]``, ``query.dtype`` (the layout transformers' attention functions
+        return).
+    """
+    layer = handoff.layer
+    batch, q_heads, q_len, head_dim = query.shape
+    heads = layer.kv_heads
+    if scaling is None:
+        scaling = head_dim**-0.5
+    grouped = query.view(batch, heads, q_heads // heads, q_len, head_dim)
+    acc = OnlineSoftmax(grouped, scaling, softcap)
+    device = query.device
+    end = handoff.first_recent_pos + handoff.key.shape[-2]
+    q_pos = torch.arange(end - q_len, end, device=device)
+    tile = layer.config.prefill_chunk_tokens
+    q_tiles = [slice(s, min(s + tile, q_len)) for s in range(0, q_len, tile)]
+
+    def allowed(q_slice: slice, kv_pos: torch.Tensor) -> torch.Tensor:
+        if mask is None:
+            return (kv_pos[:, :, None, :] <= q_pos[q_slice].view(1, 1, -1, 1))[:, :, None]
+        return mask.allowed(q_pos[q_slice], kv_pos)[:, :, None]
+
+    # Sealed blocks: recalled into the slot pool in rounds of at most the pool size.
+    if handoff.n_blocks_before:
+        if q_len == 1:
+            selection = layer.select(grouped[:, :, :, 0], mask, scaling, handoff)
+        else:
+            selection = layer.select_all(handoff.n_blocks_before)
+        for blocks, keep, keys, values in layer.resident_rounds(selection, decode=q_len == 1):
+            tokens = torch.arange(layer.block_tokens, device=device)
+            kv_pos = (blocks[..., None] * layer.block_tokens + tokens).flatten(-2)  # [B, Hs, n*T]
+            keep_tokens = keep[..., None].expand(*keep.shape, layer.block_tokens).flatten(-2)
+            for q_slice in q_tiles:
+                ok = allowed(q_slice, kv_pos) & keep_tokens[:, :, None, None, :]
+                acc.add(keys, values, ok, q_slice)
+
+    # Recent tokens (open block and, in prefill, the new chunk): resident, causal tiles.
+    recent_k, recent_v = handoff.key, handoff.recent_values
+    for q_slice in q_tiles:
+        q_last = int(q_pos[q_slice.stop - 1]) if q_len > 1 else end - 1
+        for k_start in range(0, recent_k.shape[-2], tile):
+            if handoff.first_recent_pos + k_start > q_last:
+                break
+            k_slice = slice(k_start, min(k_start + tile, recent_k.shape[-2]))
+            kv_pos = torch.arange(
+                handoff.first_recent_pos + k_slice.start, handoff.first_recent_pos + k_slice.stop, device=device
+            ).view(1, 1, -1)
+            acc.add(recent_k[:, :, k_slice], recent_v[:, :, k_slice], allowed(q_slice, kv_pos), q_slice)
+
+    out = acc.result(sink_logits)  # [B, H, G, Q, D]
+    return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype).contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------- model switching
+def _register(original: str) -> str:
+    name = PREFIX + original
+    if name not in ALL_ATTENTION_FUNCTIONS:
+        AttentionInterface.register(name, _make_attention_function(original))
+    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
+        AttentionMaskInterface.register(name, _make_mask_function(original))
+    return name
+
+
+def original_implementation(model: torch.nn.Module) -> str:
+    """The attention implementation the model had before it was switched (or has now, if never switched)."""
+    current = model.config.get_text_config(decoder=True)._attn_implementation or "eager"
+    return current[len(PREFIX) :] if current.startswith(PREFIX) else current
+
+
+def enable_offload_attention(model: torch.nn.Module) -> str:
+    """Switch ``model`` to the offload attention (idempotent); returns the original implementation's name.
+
+    The switched model behaves exactly as before with any cache other than an ``OffloadCache``.
+    """
+    original = original_implementation(model)
+    if original not in SUPPORTED_IMPLEMENTATIONS:
+        raise ValueError(
+            f"OffloadCache supports models running attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; this model "
+            f"uses {original!r}. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
+        )
+    name = _register(original)
+    if model.config.get_text_config(decoder=True)._attn_implementation != name:
+        model.set_attn_implementation(name)
+    return original
+
+
+def disable_offload_attention(model: torch.nn.Module) -> None:
+    """Switch ``model`` back to its original attention implementation."""
+    current = model.config.get_text_config(decoder=True)._attn_implementation or ""
+    if current.startswith(PREFIX):
+        model.set_attn_implementation(current[len(PREFIX) :])

@@ -1,0 +1,476 @@
+"""``OffloadCache``: a transformers ``Cache`` whose full-attention layers keep their KV in host memory.
+
+Per full-attention layer (:class:`OffloadLayer`):
+
+* the open block (fewer than ``block_tokens`` most recent tokens) stays on the compute device;
+* every sealed block is written to the layer's host pool (one contiguous block = K and V of all KV heads) and
+  summarised on the device for scoring;
+* a device slot pool keeps recently used blocks across decode steps; decode recalls only the selected blocks that
+  are not resident.
+
+Sliding-window layers of hybrid models (e.g. Gemma 3) keep transformers' own dense sliding-window layer on the
+device: their KV is bounded by the window.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from . import transfer
+from .attention import Handoff, enable_offload_attention, leave_handoff
+from .config import OffloadConfig
+from .selectors import Selection, Selector, get_selector
+from .store import DeviceSlotPool, HostBlockPool, HostMemoryBudget
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+class LayerStats:
+    """Counters of one layer."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.lookups = 0  # kept (sequence, head, block) entries looked up in decode
+        self.hits = 0
+        self.recalled_blocks = 0  # host-to-device transfers (whole blocks or single-head pieces)
+        self.recalled_bytes = 0
+        self.offloaded_bytes = 0
+        self.decode_steps = 0
+
+
+class OffloadLayer(CacheLayerMixin):
+    """The KV state of one full-attention layer: open block on device, sealed blocks on host, hot blocks in slots.
+
+    ``self.keys`` / ``self.values`` hold the open block, shape ``[batch, kv_heads, < block_tokens, head_dim]``.
+
+    Args:
+        config: the cache's validated settings.
+        selector: the block selection policy.
+        layer_idx: index of this layer in the model.
+        budget: the cache-wide host memory budget.
+        cache_id: identity of the owning cache.
+        model_config: the (text) config object of the model the cache was built for.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        selector: Selector,
+        layer_idx: int,
+        budget: HostMemoryBudget,
+        cache_id: int,
+        model_config,
+    ):
+        super().__init__()
+        self.config = config
+        self.selector = selector
+        self.layer_idx = layer_idx
+        self.block_tokens = config.block_tokens
+        self.budget = budget
+        self.cache_id = cache_id
+        self.model_config = model_config
+        self.model_name = getattr(model_config, "model_type", "?")
+        self.stats = LayerStats()
+        self.n_tokens = 0
+        self.n_blocks = 0
+
+    # ------------------------------------------------------------------------------------------------- life cycle
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the device slot pool and an empty host pool for the shapes of the first update."""
+        batch, heads, _, head_dim = key_states.shape
+        if value_states.shape[-1] != head_dim:
+            raise NotImplementedError(
+                f"Layer {self.layer_idx}: keys and values of different head sizes ({head_dim} vs "
+                f"{value_states.shape[-1]}) are not supported."
+            )
+        self.batch, self.kv_heads, self.head_dim = batch, heads, head_dim
+        self.dtype, self.device = key_states.dtype, key_states.device
+        pin = self.config.pin_memory
+        if pin is None:
+            pin = self.device.type == "cuda"
+        self.host = HostBlockPool(
+            (2, heads, self.block_tokens, head_dim),
+            self.dtype,
+            pin_memory=bool(pin),
+            chunk_bytes=self.config.host_chunk_mib << 20,
+            budget=self.budget,
+        )
+        self.pool = DeviceSlotPool(
+            batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device
+        )
+        self.block_table = torch.empty((batch, 0), dtype=torch.int64)  # CPU: host block id per (sequence, block)
+        self.summaries: dict[str, torch.Tensor] = {}
+        self.keys = key_states.new_empty((batch, heads, 0, head_dim))
+        self.values = value_states.new_empty((batch, heads, 0, head_dim))
+        self.is_initialized = True
+
+    def reset(self) -> None:
+        """Drop all tokens; allocations are kept for reuse."""
+        if self.is_initialized:
+            self.host.clear()
+            self.pool.clear()
+            self.block_table = self.block_table[:, :0]
+            self.summaries = {}
+            self.keys = self.keys[:, :, :0]
+            self.values = self.values[:, :, :0]
+        self.n_tokens = 0
+        self.n_blocks = 0
+
+    # ------------------------------------------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new tokens; seal full blocks to the host. Returns the device-resident recent tokens.
+
+        Args:
+            key_states: new keys, shape ``[batch, kv_heads, q_len, head_dim]``, compute device (after RoPE).
+            value_states: new values, same shape.
+
+        Returns:
+            ``(keys, values)`` of the recent tokens: the previously open block followed by the new tokens, shape
+            ``[batch, kv_heads, open + q_len, head_dim]``. The offload attention uses them together with the
+            sealed blocks it selects.
+        """
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads:
+            raise ValueError(
+                f"Layer {self.layer_idx} holds batch {self.batch} x {self.kv_heads} KV heads but got keys of shape "
+                f"{tuple(key_states.shape)}; use a new OffloadCache for a new batch (or call cache.reset())."
+            )
+        first_recent = self.n_blocks * self.block_tokens
+        n_before = self.n_blocks
+        recent_k = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)
+        recent_v = torch.cat([self.values, value_states.to(self.dtype)], dim=-2)
+        n_new = recent_k.shape[-2] // self.block_tokens
+        if n_new:
+            self._seal(recent_k, recent_v, n_new)
+        sealed = n_new * self.block_tokens
+        self.keys = recent_k[:, :, sealed:].clone()
+        self.values = recent_v[:, :, sealed:].clone()
+        self.n_tokens += key_states.shape[-2]
+        leave_handoff(Handoff(self, recent_k, recent_v, first_recent, n_before))
+        return recent_k, recent_v
+
+    def _seal(self, recent_k: torch.Tensor, recent_v: torch.Tensor, n_new: int) -> None:
+        """Write the first ``n_new`` full blocks of the recent tokens to the host, summarise and cache the newest."""
+        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        span = n_new * T
+        keys = recent_k[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)  # [B, n, H, T, D]
+        values = recent_v[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)
+        blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
+        ids = self.host.allocate(batch * n_new)
+        self.stats.offloaded_bytes += transfer.offload_blocks(self.host, ids, blocks.reshape(-1, 2, heads, T, D))
+        self.block_table = torch.cat([self.block_table, ids.view(batch, n_new)], dim=1)
+        for name, summary in self.selector.summarize(keys).items():
+            old = self.summaries.get(name)
+            self.summaries[name] = summary if old is None else torch.cat([old, summary], dim=1)
+        # The newest blocks are the next steps' window: keep them resident (a block just written is a hit).
+        keep_n = min(n_new, max(self.config.window_blocks, 1), self.pool.slots)
+        new_idx = torch.arange(self.n_blocks + n_new - keep_n, self.n_blocks + n_new, device=self.device)
+        slots, _ = self.pool.assign(new_idx.expand(batch, 1, keep_n), torch.ones_like(new_idx, dtype=torch.bool))
+        self.pool.write(slots, blocks[:, n_new - keep_n :])
+        self.n_blocks += n_new
+
+    # ---------------------------------------------------------------------------------------------------- planning
+    def select_all(self, n_blocks: int) -> Selection:
+        """Every sealed block below ``n_blocks``, for every sequence (exact attention)."""
+        blocks = torch.arange(n_blocks, device=self.device).expand(self.batch, 1, n_blocks)
+        return Selection(blocks=blocks, keep=torch.ones_like(blocks, dtype=torch.bool))
+
+    def select(self, query: torch.Tensor, mask, scaling: float, handoff: Handoff) -> Selection:
+        """The blocks one decode query attends to, within ``budget_tokens`` (sink, window and open block included).
+
+        Args:
+            query: shape ``[batch, kv_heads, group, head_dim]``, compute device.
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask`, or ``None``.
+            scaling: softmax scale.
+            handoff: this step's handoff (recent tokens and the number of selectable blocks).
+        """
+        n = handoff.n_blocks_before
+        recent = handoff.key.shape[-2]
+        k = min(n, (self.config.budget_tokens - recent) // self.block_tokens)
+        q_pos = handoff.first_recent_pos + recent - 1
+        if mask is None:
+            valid = torch.ones((self.batch, n), dtype=torch.bool, device=self.device)
+        else:
+            valid = mask.block_valid(q_pos, n, self.block_tokens, self.device)
+        if k >= n:
+            selection = self.select_all(n)
+            selection.keep = valid[:, None, :]
+            return selection
+        idx = torch.arange(n, device=self.device)
+        # Sink: the first blocks holding a real token of each sequence (left padding shifts them).
+        start = valid.int().argmax(dim=-1, keepdim=True)
+        forced = (idx >= start) & (idx < start + self.config.sink_blocks)
+        forced |= idx >= n - self.config.window_blocks
+        summaries = {name: s[:, :n] for name, s in self.summaries.items()}
+        return self.selector.select(query, summaries, scaling, k, forced & valid, valid)
+
+    def resident_rounds(
+        self, selection: Selection, decode: bool
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
+
+        Yields:
+            ``(blocks, keep, keys, values)`` per round: block indices ``[batch, 1 or kv_heads, n]``, which are
+            attended (same shape, bool), and their keys and values ``[batch, kv_heads, n * block_tokens, head_dim]``.
+        """
+        total = selection.blocks.shape[-1]
+        per_round = self.pool.slots
+        if decode:
+            self.stats.decode_steps += 1
+        for start in range(0, total, per_round):
+            blocks = selection.blocks[..., start : start + per_round]
+            keep = selection.keep[..., start : start + per_round]
+            slots, miss = self.pool.assign(blocks, keep)
+            if decode:
+                looked = int(keep.expand_as(miss).sum())
+                self.stats.lookups += looked
+                self.stats.hits += looked - int(miss.sum())
+            self._recall(blocks, slots, miss)
+            keys, values = self.pool.gather(slots)
+            yield blocks, keep, keys, values
+
+    def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> None:
+        """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise)."""
+        if self.selector.per_head:
+            b, h, j = miss.nonzero(as_tuple=True)
+            block = blocks.expand_as(miss)[b, h, j]
+            ids = self.block_table[b.cpu(), block.cpu()]
+            nbytes = transfer.recall_blocks(self.host, self.pool, ids, b, slots[b, h, j], head_idx=h)
+        else:
+            # A shared selection keeps all heads of a slot on the same block: the misses of head 0 are all misses.
+            b, j = miss[:, 0].nonzero(as_tuple=True)
+            block = blocks[:, 0][b, j]
+            ids = self.block_table[b.cpu(), block.cpu()]
+            nbytes = transfer.recall_blocks(self.host, self.pool, ids, b, slots[:, 0][b, j])
+        self.stats.recalled_blocks += len(ids)
+        self.stats.recalled_bytes += nbytes
+
+    # ------------------------------------------------------------------------------------------------ bookkeeping
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the mask: every cached token plus the new ones, from position 0."""
+        return self.n_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens cached in this layer (padding included)."""
+        return self.n_tokens
+
+    def get_max_length(self) -> int:
+        """No maximum (``-1``): the host pool grows."""
+        return -1
+
+    def device_kv_bytes(self) -> int:
+        """Device bytes of KV held by this layer: the slot pool and the open block."""
+        if not self.is_initialized:
+            return 0
+        return self.pool.nbytes + 2 * self.keys.numel() * self.keys.element_size()
+
+    def device_summary_bytes(self) -> int:
+        """Device bytes of the block summaries."""
+        return sum(s.numel() * s.element_size() for s in getattr(self, "summaries", {}).values())
+
+    def host_kv_bytes(self) -> int:
+        """Host bytes of the sealed blocks."""
+        return self.host.used_bytes if self.is_initialized else 0
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of this layer re-assembled from the host pool and the open block (for checks and export).
+
+        Returns:
+            ``(keys, values)``, each ``[batch, kv_heads, n_tokens, head_dim]``, on the compute device.
+        """
+        if self.n_blocks == 0:
+            return self.keys, self.values
+        blocks = self.host.read(self.block_table.flatten()).to(self.device)
+        blocks = blocks.view(self.batch, self.n_blocks, 2, self.kv_heads, self.block_tokens, self.head_dim)
+        kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, self.batch, self.kv_heads, -1, self.head_dim)
+        return torch.cat([kv[0], self.keys], dim=-2), torch.cat([kv[1], self.values], dim=-2)
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"OffloadCache does not support {what} yet (beam search, assisted or contrastive decoding); use greedy "
+            "or sampling with one sequence per prompt."
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Not supported yet (beam search)."""
+        self._unsupported("reordering the batch")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not supported yet (assisted decoding)."""
+        if tokens_to_remove:
+            self._unsupported("cropping")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Only allowed while empty (generate expands inputs before the first forward)."""
+        if self.n_tokens and repeats != 1:
+            self._unsupported("expanding a filled cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Not supported yet."""
+        if self.n_tokens:
+            self._unsupported("selecting sequences of a filled cache")
+
+
+def _layer_types(config) -> list[str]:
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        n = config.num_hidden_layers
+        if getattr(config, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    return list(types[: len(types) - shared] if shared else types)
+
+
+class OffloadCache(Cache):
+    """A KV cache that keeps full-attention layers in host memory and attends to a budget of blocks per step.
+
+    Building it switches ``model`` to the offload attention (idempotent); with any other cache the switched model
+    behaves exactly as before.
+
+    Args:
+        model: the transformers decoder model that will use this cache.
+        budget_tokens: KV tokens one decode query attends to, per sequence and layer (sink and window included).
+        config: a full :class:`~hf_offload.config.OffloadConfig`; other keyword arguments override its fields.
+        **overrides: any :class:`~hf_offload.config.OffloadConfig` field (``block_tokens``, ``sink_tokens``,
+            ``window_tokens``, ``selector``, ``pool_tokens``, ...).
+
+    Example:
+        >>> from hf_offload import OffloadCache
+        >>> cache = OffloadCache(model, budget_tokens=2048)  # doctest: +SKIP
+        >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+        >>> cache.stats()["host_kv_bytes"]  # doctest: +SKIP
+    """
+
+    def __init__(self, model: torch.nn.Module, budget_tokens: int | None = None, *, config=None, **overrides):
+        if config is None:
+            config = OffloadConfig(**({} if budget_tokens is None else {"budget_tokens": budget_tokens}), **overrides)
+        else:
+            changes = dict(overrides, **({} if budget_tokens is None else {"budget_tokens": budget_tokens}))
+            config = config.replace(**changes) if changes else config
+        text_config = _check_model(model)
+        self.config = config
+        self.selector = get_selector(config.selector)
+        self.model_config = text_config
+        self.host_budget = HostMemoryBudget(config.host_memory_gib)
+        layer_types = _layer_types(text_config)
+        unsupported = sorted(set(layer_types) - {"full_attention", *_SLIDING_TYPES})
+        if unsupported:
+            raise ValueError(
+                f"OffloadCache serves attention layers only; {model.__class__.__name__} has layer types {unsupported} "
+                "(linear attention / state-space layers) that it cannot hold."
+            )
+        if "full_attention" not in layer_types:
+            raise ValueError(
+                f"Every attention layer of {model.__class__.__name__} is a sliding-window layer "
+                f"(sliding_window={getattr(text_config, 'sliding_window', None)}); sliding layers stay on the device, "
+                "so nothing would be offloaded. Load the model with config.sliding_window=None if it was trained "
+                "with full attention, or use DynamicCache."
+            )
+        layers: list[CacheLayerMixin] = []
+        for idx, kind in enumerate(layer_types):
+            if kind == "full_attention":
+                layers.append(OffloadLayer(config, self.selector, idx, self.host_budget, id(self), text_config))
+            else:
+                window = text_config.sliding_window if kind == "sliding_attention" else text_config.attention_chunk_size
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+        super().__init__(layers=layers)
+        self.original_attn_implementation = enable_offload_attention(model)
+        self._model_ref = weakref.ref(model)
+
+    @property
+    def offload_layers(self) -> list[OffloadLayer]:
+        """The offloaded (full-attention) layers."""
+        return [layer for layer in self.layers if isinstance(layer, OffloadLayer)]
+
+    def stats(self) -> dict:
+        """Bytes per tier, recall counters and hit rates (overall and per offloaded layer).
+
+        Returns:
+            A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
+            ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
+            ``recalled_blocks``, ``recalled_bytes``, ``offloaded_bytes``, ``hit_rate`` (share of selected blocks
+            already resident during decode; ``None`` before the first decode step), ``decode_steps`` and
+            ``layers`` (the same counters per offloaded layer, keyed by layer index).
+        """
+        per_layer = {}
+        device = summaries = host = reserved = 0
+        for layer in self.layers:
+            if isinstance(layer, OffloadLayer):
+                s = layer.stats
+                per_layer[layer.layer_idx] = {
+                    "device_kv_bytes": layer.device_kv_bytes(),
+                    "host_kv_bytes": layer.host_kv_bytes(),
+                    "recalled_blocks": s.recalled_blocks,
+                    "recalled_bytes": s.recalled_bytes,
+                    "hit_rate": s.hits / s.lookups if s.lookups else None,
+                    "lookups": s.lookups,
+                }
+                device += layer.device_kv_bytes()
+                summaries += layer.device_summary_bytes()
+                host += layer.host_kv_bytes()
+                reserved += layer.host.reserved_bytes if layer.is_initialized else 0
+            elif layer.is_initialized and layer.keys is not None:
+                device += 2 * layer.keys.numel() * layer.keys.element_size()
+        offload = self.offload_layers
+        lookups = sum(layer.stats.lookups for layer in offload)
+        return {
+            "device_kv_bytes": device,
+            "device_summary_bytes": summaries,
+            "host_kv_bytes": host,
+            "host_reserved_bytes": reserved,
+            "recalled_blocks": sum(layer.stats.recalled_blocks for layer in offload),
+            "recalled_bytes": sum(layer.stats.recalled_bytes for layer in offload),
+            "offloaded_bytes": sum(layer.stats.offloaded_bytes for layer in offload),
+            "hit_rate": sum(layer.stats.hits for layer in offload) / lookups if lookups else None,
+            "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
+            "layers": per_layer,
+        }
+
+    def reset_stats(self) -> None:
+        """Zero the counters of :meth:`stats` (the cached tokens stay)."""
+        for layer in self.offload_layers:
+            layer.stats.reset()
+
+    def dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of one offloaded layer re-assembled from all tiers; see :meth:`OffloadLayer.dense_kv`."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, OffloadLayer):
+            raise ValueError(f"Layer {layer_idx} is a sliding-window layer; its KV is layers[{layer_idx}].keys.")
+        return layer.dense_kv()
+
+
+def _check_model(model) -> object:
+    """Return the decoder text config of ``model`` or raise a clear error if the cache cannot serve it."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"OffloadCache(model, ...) takes the transformers model itself (it switches the model's attention), "
+            f"got {type(model).__name__}."
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{model.__class__.__name__} is an encoder-decoder model; OffloadCache serves decoder-only models."
+        )
+    if not model.can_generate():
+        raise ValueError(
+            f"{model.__class__.__name__} is not a generative decoder model with a KV cache (it cannot generate); "
+            "load it with AutoModelForCausalLM."
+        )
+    return model.config.get_text_config(decoder=True)

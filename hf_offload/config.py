@@ -1,0 +1,117 @@
+"""Typed, validated settings of an :class:`~hf_offload.cache.OffloadCache`."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+def _round_to_block(tokens: int, block_tokens: int) -> int:
+    return max(block_tokens, (tokens // block_tokens) * block_tokens)
+
+
+@dataclass
+class OffloadConfig:
+    """Settings of an offloaded KV cache. Sizes carry their unit in the name; all token counts are per sequence and
+    per layer.
+
+    Attributes:
+        budget_tokens: how many KV tokens one decode query attends to, sink and window included. A budget at least
+            as large as the context means "attend to everything": the output equals dense attention.
+        block_tokens: tokens per block, the unit of selection, storage and transfer. A positive power of two.
+        sink_tokens: first tokens of each sequence (its first non-padding tokens) that every decode query attends
+            to. ``None``: ``budget_tokens // 32`` clamped to ``[block_tokens, 64]``. A multiple of ``block_tokens``.
+        window_tokens: most recent sealed tokens that every decode query attends to, besides the open block of fewer
+            than ``block_tokens`` tokens that is always attended. ``None``: ``budget_tokens // 8`` clamped to
+            ``[block_tokens, 256]``. A multiple of ``block_tokens``.
+        selector: name of a registered selector (``"solohead"``, ``"headwise"``, ``"streaming"``, ``"oracle"``) or a
+            :class:`~hf_offload.selectors.Selector` instance.
+        pool_tokens: capacity of the device slot pool (hot blocks kept across decode steps). ``None``: 1.25 x
+            ``budget_tokens``, rounded up to whole blocks. A smaller pool still gives exact results; selected blocks
+            are then attended in several rounds.
+        prefill_chunk_tokens: queries (and keys) processed per attention tile during prefill; bounds the size of the
+            score matrix, ``batch x heads x prefill_chunk_tokens**2`` floats.
+        host_chunk_mib: size of one host pool allocation, in MiB; the pool grows by whole chunks.
+        host_memory_gib: upper bound on the host pool of the whole cache, in GiB; ``None``: no bound beyond the
+            machine's available memory.
+        pin_memory: pin the host pool (page-locked, needed for fast asynchronous copies). ``None``: pin when the
+            model runs on CUDA.
+    """
+
+    budget_tokens: int = 2048
+    block_tokens: int = 16
+    sink_tokens: int | None = None
+    window_tokens: int | None = None
+    selector: object = "solohead"
+    pool_tokens: int | None = None
+    prefill_chunk_tokens: int = 1024
+    host_chunk_mib: int = 16
+    host_memory_gib: float | None = None
+    pin_memory: bool | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Fill the ``None`` defaults and raise ``ValueError`` with what to change if a setting is invalid."""
+        for name in ("budget_tokens", "block_tokens", "prefill_chunk_tokens", "host_chunk_mib"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        block = self.block_tokens
+        if block & (block - 1):
+            raise ValueError(
+                f"block_tokens must be a positive power of two (e.g. 16 or 32), got {block}: blocks are the unit of "
+                "selection and transfer, and power-of-two blocks keep host chunks and kernels aligned."
+            )
+        if self.sink_tokens is None:
+            self.sink_tokens = min(64, _round_to_block(self.budget_tokens // 32, block))
+        if self.window_tokens is None:
+            self.window_tokens = min(256, _round_to_block(self.budget_tokens // 8, block))
+        for name in ("sink_tokens", "window_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % block:
+                raise ValueError(
+                    f"{name} must be a non-negative multiple of block_tokens={block}, got {value!r}; "
+                    f"try {_round_to_block(max(int(value or 0), 0), block)}."
+                )
+        # The open block (up to block_tokens - 1 tokens) is always attended besides sink and window.
+        needed = self.sink_tokens + self.window_tokens + block
+        if self.budget_tokens < needed:
+            raise ValueError(
+                f"budget_tokens={self.budget_tokens} is smaller than sink_tokens + window_tokens + block_tokens = "
+                f"{self.sink_tokens} + {self.window_tokens} + {block} = {needed}. Raise budget_tokens to at least "
+                f"{needed}, or lower sink_tokens / window_tokens."
+            )
+        if self.pool_tokens is None:
+            blocks = -(-self.budget_tokens * 5 // 4 // block)
+            self.pool_tokens = blocks * block
+        if isinstance(self.pool_tokens, bool) or not isinstance(self.pool_tokens, int) or self.pool_tokens < block:
+            raise ValueError(f"pool_tokens must be an integer >= block_tokens={block}, got {self.pool_tokens!r}.")
+        if self.pool_tokens % block:
+            raise ValueError(f"pool_tokens must be a multiple of block_tokens={block}, got {self.pool_tokens}.")
+        if self.host_memory_gib is not None and not self.host_memory_gib > 0:
+            raise ValueError(f"host_memory_gib must be positive or None, got {self.host_memory_gib!r}.")
+        if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
+            raise TypeError(
+                f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."
+            )
+
+    @property
+    def sink_blocks(self) -> int:
+        """Sink size in blocks."""
+        return self.sink_tokens // self.block_tokens
+
+    @property
+    def window_blocks(self) -> int:
+        """Window size in blocks (sealed blocks only)."""
+        return self.window_tokens // self.block_tokens
+
+    @property
+    def pool_blocks(self) -> int:
+        """Device slot pool capacity in blocks, per sequence and layer."""
+        return self.pool_tokens // self.block_tokens
+
+    def replace(self, **changes) -> "OffloadConfig":
+        """Return a validated copy with ``changes`` applied."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,122 @@
+"""The selector contract: which sealed blocks one decode query attends to.
+
+A selector summarises each sealed block once (when the block is sealed) and scores all blocks with the current query
+at every decode step. The base class owns everything that is not scoring: forced sink and window blocks, padding
+blocks, and top-k under the budget, so a new policy only writes ``score`` (and ``summarize`` if it needs other
+summaries than per-head key bounds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Selection:
+    """The blocks one decode step attends to, per sequence and (for per-head selectors) per KV head.
+
+    Attributes:
+        blocks: block indices, shape ``[batch, heads_or_1, k]``, dtype ``torch.int64``, on the compute device.
+            ``heads_or_1`` is 1 when one selection is shared by all KV heads of the layer (SoloHead).
+        keep: which entries of ``blocks`` are attended, same shape, dtype ``torch.bool``. Entries not kept
+            (padding-only blocks, or scores of ``-inf``) are neither recalled nor attended.
+    """
+
+    blocks: torch.Tensor
+    keep: torch.Tensor
+
+
+class Selector:
+    """Base class of block selection policies.
+
+    Attributes:
+        name: registry name.
+        per_head: ``True`` if each KV head selects its own blocks (recall then moves per-head pieces of a block);
+            ``False`` if one selection is shared by all heads of the layer (recall moves whole blocks).
+    """
+
+    name = "base"
+    per_head = False
+
+    def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Summaries of freshly sealed blocks, kept on the compute device for scoring.
+
+        Args:
+            keys: keys of the new blocks, shape ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache
+                dtype, on the compute device (after RoPE).
+
+        Returns:
+            Named tensors of shape ``[batch, n_new, ...]``; the cache appends them along dim 1. The default keeps
+            per-head elementwise key bounds (Quest): ``kmin`` and ``kmax`` of shape ``[batch, n_new, kv_heads,
+            head_dim]``.
+        """
+        return {"kmin": keys.amin(dim=3), "kmax": keys.amax(dim=3)}
+
+    def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+        """Score every sealed block for the current query.
+
+        Args:
+            query: the decode query, shape ``[batch, kv_heads, group, head_dim]`` (``group`` query heads share one
+                KV head), the model dtype, on the compute device.
+            summaries: the tensors ``summarize`` returned, concatenated over all sealed blocks, each
+                ``[batch, n_blocks, ...]``.
+            scaling: the attention's softmax scale.
+
+        Returns:
+            Scores of shape ``[batch, 1 or kv_heads, n_blocks]``, float32; higher is more important, ``-inf``
+            means "never attend".
+        """
+        raise NotImplementedError
+
+    def select(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        k: int,
+        forced: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> Selection:
+        """Pick ``k`` blocks per sequence (and head): forced blocks first, then the best scores.
+
+        Args:
+            query: see :meth:`score`.
+            summaries: see :meth:`score`.
+            scaling: see :meth:`score`.
+            k: blocks to select, ``1 <= k <= n_blocks``.
+            forced: sink and window blocks, shape ``[batch, n_blocks]``, dtype ``torch.bool``, compute device.
+            valid: blocks with at least one token the query may attend to (not padding-only), same shape and dtype.
+
+        Returns:
+            The :class:`Selection`.
+        """
+        scores = self.score(query, summaries, scaling).float()
+        scores = scores.masked_fill(forced[:, None, :], float("inf"))
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        top = scores.topk(k, dim=-1)
+        return Selection(blocks=top.indices, keep=top.values > float("-inf"))
+
+
+def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Reshape ``[batch, q_heads, head_dim]`` to ``[batch, kv_heads, q_heads // kv_heads, head_dim]`` (GQA groups)."""
+    batch, q_heads, head_dim = query.shape
+    return query.view(batch, kv_heads, q_heads // kv_heads, head_dim)
+
+
+def key_bound_logits(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of ``q . k`` over the keys of each block, per query head.
+
+    Args:
+        query: shape ``[batch, kv_heads, group, head_dim]``.
+        kmin: per-block elementwise key minimum, shape ``[batch, n_blocks, kv_heads, head_dim]``.
+        kmax: per-block elementwise key maximum, same shape.
+
+    Returns:
+        Bounds of shape ``[batch, kv_heads, group, n_blocks]``, float32.
+    """
+    q = query.float()[:, :, :, None, :]  # [B, H, G, 1, D]
+    lo = kmin.float().permute(0, 2, 1, 3)[:, :, None]  # [B, H, 1, N, D]
+    hi = kmax.float().permute(0, 2, 1, 3)[:, :, None]
+    return torch.maximum(q * lo, q * hi).sum(-1)

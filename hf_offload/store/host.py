@@ -1,0 +1,163 @@
+"""The host tier: a block pool in (pinned) host memory, one per layer.
+
+One block holds K and V of all KV heads of a layer contiguously, shape ``[2, kv_heads, block_tokens, head_dim]``,
+so a block selected for all heads (SoloHead) is one contiguous span. The pool grows in fixed-size chunks: torch's
+pinned host allocator rounds every allocation up to a power of two, so one large pinned tensor can ask for almost
+twice its size, while fixed chunks of a power-of-two size are taken exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_GIB = 1 << 30
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of this machine in bytes, or ``None`` where ``/proc/meminfo`` does not exist."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+class HostMemoryBudget:
+    """Host bytes reserved by all pools of one cache, checked against ``host_memory_gib`` before each chunk."""
+
+    def __init__(self, host_memory_gib: float | None):
+        self.limit_bytes = None if host_memory_gib is None else int(host_memory_gib * _GIB)
+        self.reserved_bytes = 0
+
+    def reserve(self, nbytes: int) -> None:
+        """Account for ``nbytes`` more, or raise ``MemoryError`` that says what to change."""
+        if self.limit_bytes is not None and self.reserved_bytes + nbytes > self.limit_bytes:
+            raise MemoryError(
+                f"The offloaded KV cache needs more than host_memory_gib={self.limit_bytes / _GIB:.2f} GiB of host "
+                f"memory ({(self.reserved_bytes + nbytes) / _GIB:.2f} GiB requested). Raise host_memory_gib, or "
+                "lower the batch size or the context length."
+            )
+        available = available_host_bytes()
+        if available is not None and nbytes > available:
+            raise MemoryError(
+                f"The host has {available / _GIB:.2f} GiB available but the KV cache needs a {nbytes / _GIB:.2f} GiB "
+                "chunk more. Lower the batch size or the context length, or lower OffloadConfig.host_chunk_mib."
+            )
+        self.reserved_bytes += nbytes
+
+
+class HostBlockPool:
+    """Fixed-shape blocks in host memory, addressed by integer block ids.
+
+    Args:
+        block_shape: shape of one block, ``(2, kv_heads, block_tokens, head_dim)``.
+        dtype: element type of the KV cache.
+        pin_memory: allocate page-locked memory (requires CUDA).
+        chunk_bytes: bytes of one allocation; rounded down to whole blocks (at least one block).
+        budget: the cache-wide host memory budget to reserve from.
+    """
+
+    def __init__(
+        self,
+        block_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        pin_memory: bool,
+        chunk_bytes: int,
+        budget: HostMemoryBudget,
+    ):
+        self.block_shape = tuple(block_shape)
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+        self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
+        self.budget = budget
+        self.chunks: list[torch.Tensor] = []
+        self._free: list[int] = []
+        self._next_id = 0
+
+    @property
+    def used_blocks(self) -> int:
+        """Blocks holding data."""
+        return self._next_id - len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the blocks holding data."""
+        return self.used_blocks * self.block_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes allocated, used or not."""
+        return len(self.chunks) * self.chunk_blocks * self.block_bytes
+
+    def _grow(self) -> None:
+        nbytes = self.chunk_blocks * self.block_bytes
+        self.budget.reserve(nbytes)
+        try:
+            chunk = torch.empty((self.chunk_blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.pin_memory)
+        except RuntimeError as err:
+            self.budget.reserved_bytes -= nbytes
+            raise MemoryError(
+                f"Could not allocate a {'pinned ' if self.pin_memory else ''}host chunk of {nbytes / 2**20:.1f} MiB "
+                f"for the KV cache ({err}). Lower the batch size or context, or pass pin_memory=False (slower recall)."
+            ) from err
+        self.chunks.append(chunk)
+
+    def allocate(self, n: int) -> torch.Tensor:
+        """Reserve ``n`` blocks; returns their ids, shape ``[n]``, dtype ``torch.int64``, on the CPU."""
+        take = min(n, len(self._free))
+        ids = self._free[len(self._free) - take :]
+        del self._free[len(self._free) - take :]
+        fresh = n - take
+        while self._next_id + fresh > len(self.chunks) * self.chunk_blocks:
+            self._grow()
+        ids.extend(range(self._next_id, self._next_id + fresh))
+        self._next_id += fresh
+        return torch.tensor(ids, dtype=torch.int64)
+
+    def free(self, ids: torch.Tensor) -> None:
+        """Return blocks to the pool. ``ids``: shape ``[n]``, dtype ``torch.int64``, CPU."""
+        self._free.extend(ids.tolist())
+
+    def clear(self) -> None:
+        """Forget every block (the chunks stay allocated for reuse)."""
+        self._free.clear()
+        self._next_id = 0
+
+    def _by_chunk(self, ids: torch.Tensor):
+        chunk_of = ids // self.chunk_blocks
+        offset = ids % self.chunk_blocks
+        for c in torch.unique(chunk_of).tolist():
+            rows = (chunk_of == c).nonzero().flatten()
+            yield self.chunks[c], rows, offset[rows]
+
+    def write(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """Store blocks.
+
+        Args:
+            ids: destination block ids, shape ``[n]``, dtype ``torch.int64``, CPU.
+            blocks: shape ``[n, *block_shape]``, the pool dtype, any device (copied to the host first).
+        """
+        blocks = blocks.to("cpu")
+        for chunk, rows, offset in self._by_chunk(ids):
+            chunk[offset] = blocks[rows]
+
+    def read(self, ids: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
+        """Load whole blocks, or one KV head's K and V of each block.
+
+        Args:
+            ids: block ids, shape ``[n]``, dtype ``torch.int64``, CPU.
+            heads: ``None`` for whole blocks, or the KV head to read per id, shape ``[n]``, ``torch.int64``, CPU.
+
+        Returns:
+            Shape ``[n, *block_shape]`` (whole blocks) or ``[n, 2, block_tokens, head_dim]`` (one head each), on
+            the CPU, pinned if the pool is.
+        """
+        shape = self.block_shape if heads is None else (self.block_shape[0], *self.block_shape[2:])
+        out = torch.empty((len(ids), *shape), dtype=self.dtype, pin_memory=self.pin_memory)
+        for chunk, rows, offset in self._by_chunk(ids):
+            out[rows] = chunk[offset] if heads is None else chunk[offset, :, heads[rows]]
+        return out

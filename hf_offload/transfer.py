@@ -1,0 +1,60 @@
+"""Moving KV bytes between tiers; no policy here (which blocks move is decided by selectors and the cache).
+
+This is the portable path: a host-side gather into a (pinned) staging buffer followed by one host-to-device copy,
+and one device-to-host copy per sealed group of blocks. It runs anywhere torch runs and is the reference that faster
+paths (a gather kernel reading pinned memory directly, side streams) must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .store import DeviceSlotPool, HostBlockPool
+
+
+def offload_blocks(host: HostBlockPool, ids: torch.Tensor, blocks: torch.Tensor) -> int:
+    """Write sealed blocks to the host pool.
+
+    Args:
+        host: the layer's host pool.
+        ids: destination block ids, shape ``[n]``, ``torch.int64``, CPU.
+        blocks: shape ``[n, 2, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
+
+    Returns:
+        Bytes written.
+    """
+    host.write(ids, blocks)
+    return len(ids) * host.block_bytes
+
+
+def recall_blocks(
+    host: HostBlockPool,
+    pool: DeviceSlotPool,
+    ids: torch.Tensor,
+    batch_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+    head_idx: torch.Tensor | None = None,
+) -> int:
+    """Copy host blocks (or single heads of blocks) into device slots.
+
+    Args:
+        host: the layer's host pool.
+        pool: the layer's device slot pool.
+        ids: host block ids to read, shape ``[n]``, ``torch.int64``, CPU.
+        batch_idx: destination sequence per id, shape ``[n]``, ``torch.int64``, pool device.
+        slot_idx: destination slot per id, shape ``[n]``, ``torch.int64``, pool device.
+        head_idx: ``None`` to copy whole blocks (all KV heads, one contiguous span each); else the KV head per id,
+            shape ``[n]``, ``torch.int64``, pool device (K and V of one head: two pieces per id).
+
+    Returns:
+        Bytes moved host-to-device.
+    """
+    if len(ids) == 0:
+        return 0
+    if head_idx is None:
+        staged = host.read(ids)
+        pool.data[batch_idx, slot_idx] = staged.to(pool.data.device, non_blocking=True)
+        return staged.numel() * staged.element_size()
+    staged = host.read(ids, heads=head_idx.cpu())
+    pool.data[batch_idx, slot_idx, :, head_idx] = staged.to(pool.data.device, non_blocking=True)
+    return staged.numel() * staged.element_size()
