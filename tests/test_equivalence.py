@@ -1,0 +1,93 @@
+"""Reference equivalence: at a budget covering the context, OffloadCache generates exactly what DynamicCache does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache
+from hf_offload.selectors import SELECTORS
+
+from .conftest import build_model, left_padded
+
+# Small blocks and a slot pool of 2 blocks, far smaller than the context: every decode step recalls from the host.
+SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=16, prefill_chunk_tokens=16)
+NEW_TOKENS = 10
+
+
+def _generate(model, ids, mask, cache, new_tokens=NEW_TOKENS):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False
+        )
+
+
+def _assert_offloaded(cache: OffloadCache):
+    stats = cache.stats()
+    assert stats["host_kv_bytes"] > 0
+    assert stats["recalled_blocks"] > 0 and stats["recalled_bytes"] > 0
+    assert stats["decode_steps"] == NEW_TOKENS - 1
+    for layer in cache.offload_layers:
+        assert layer.n_blocks > layer.pool.slots  # the pool is smaller than the context
+
+
+@pytest.mark.parametrize("selector", sorted(SELECTORS))
+def test_batch1_token_identical(arch, selector):
+    model = build_model(arch)
+    ids, mask = left_padded([37])  # not a multiple of the block size
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache = OffloadCache(model, budget_tokens=4096, selector=selector, **SMALL)
+    got = _generate(model, ids, mask, cache)
+    assert torch.equal(got, expected)
+    _assert_offloaded(cache)
+
+
+def test_batch3_left_padding_token_identical(arch):
+    model = build_model(arch)
+    ids, mask = left_padded([37, 29, 18], seed=1)
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache = OffloadCache(model, budget_tokens=4096, **SMALL)
+    got = _generate(model, ids, mask, cache)
+    assert torch.equal(got, expected)
+    _assert_offloaded(cache)
+
+
+def test_two_generate_calls_on_one_cache(arch):
+    model = build_model(arch)
+    ids, mask = left_padded([33, 21], seed=2)
+    follow_up, _ = left_padded([11, 11], seed=3)
+
+    def two_turns(cache):
+        first = _generate(model, ids, mask, cache)
+        ids2 = torch.cat([first, follow_up], dim=1)
+        mask2 = torch.cat([mask, torch.ones_like(first[:, ids.shape[1] :]), torch.ones_like(follow_up)], dim=1)
+        return first, _generate(model, ids2, mask2, cache)
+
+    expected = two_turns(DynamicCache(config=model.config))
+    cache = OffloadCache(model, budget_tokens=4096, **SMALL)
+    got = two_turns(cache)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert cache.stats()["host_kv_bytes"] > 0
+
+
+def test_chunked_prefill_matches(arch):
+    """generate(prefill_chunk_size=...) prefills in several forwards; later chunks read earlier ones from the host."""
+    model = build_model(arch)
+    ids, mask = left_padded([45])
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache = OffloadCache(model, budget_tokens=4096, **SMALL)
+    with torch.no_grad():
+        got = model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False,
+            prefill_chunk_size=16,
+        )
+    assert torch.equal(got, expected)
+
+
+def test_eager_model_token_identical():
+    model = build_model("llama", attn_implementation="eager")
+    ids, mask = left_padded([30, 19], seed=4)
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    got = _generate(model, ids, mask, OffloadCache(model, budget_tokens=4096, **SMALL))
+    assert torch.equal(got, expected)
