@@ -1,0 +1,1 @@
+"""Evaluation task generators for hf_offload benchmarks (no model code)."""

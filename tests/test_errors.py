@@ -1,0 +1,125 @@
+"""Bad input gets a clear error that says what to change."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache, OffloadConfig
+
+from .conftest import build_model, left_padded
+
+
+def test_budget_smaller_than_sink_plus_window():
+    with pytest.raises(ValueError, match=r"budget_tokens=64 is smaller than sink_tokens \+ window_tokens"):
+        OffloadConfig(budget_tokens=64, sink_tokens=32, window_tokens=64)
+
+
+@pytest.mark.parametrize("block_tokens", [0, -16, 12, 24])
+def test_block_size_must_be_power_of_two(block_tokens):
+    with pytest.raises(ValueError, match="block_tokens"):
+        OffloadConfig(block_tokens=block_tokens)
+
+
+def test_sink_and_window_must_be_whole_blocks():
+    with pytest.raises(ValueError, match="multiple of block_tokens=16"):
+        OffloadConfig(sink_tokens=20)
+
+
+def test_unknown_selector():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="Unknown selector 'quest'"):
+        OffloadCache(model, selector="quest")
+
+
+def test_encoder_decoder_model_is_refused():
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=4
+    )
+    model = transformers.T5ForConditionalGeneration(config)
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        OffloadCache(model)
+
+
+def test_model_without_kv_cache_is_refused():
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64
+    )
+    with pytest.raises(ValueError, match="not a generative decoder model"):
+        OffloadCache(transformers.BertModel(config))
+
+
+def test_state_space_model_is_refused():
+    config = transformers.MambaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=4)
+    with pytest.raises(ValueError, match="serves attention layers only"):
+        OffloadCache(transformers.MambaForCausalLM(config))
+
+
+def test_all_sliding_model_is_refused():
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, sliding_window=4096,
+    )
+    with pytest.raises(ValueError, match="sliding-window layer"):
+        OffloadCache(transformers.MistralForCausalLM(config))
+
+
+def test_not_a_model():
+    with pytest.raises(TypeError, match="takes the transformers model itself"):
+        OffloadCache(build_model("llama").config)
+
+
+def test_cache_reused_with_a_model_that_does_not_use_it():
+    model_a = build_model("llama")
+    model_b = build_model("llama", seed=1)  # never switched: its attention ignores the cache's handoff
+    cache = OffloadCache(model_a, budget_tokens=256)
+    ids, mask = left_padded([20])
+    with pytest.raises(RuntimeError, match="serves only the model it was built with"):
+        model_b.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+
+
+def test_cache_reused_with_another_switched_model():
+    model_a = build_model("llama")
+    model_b = build_model("llama", seed=1)
+    OffloadCache(model_b)  # model_b now runs the offload attention too
+    cache = OffloadCache(model_a, budget_tokens=256)
+    ids, mask = left_padded([20])
+    with pytest.raises(RuntimeError, match="built for llama and is being used by another model"):
+        model_b.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+
+
+def test_filled_cache_with_a_different_batch():
+    model = build_model("llama")
+    cache = OffloadCache(model, budget_tokens=256)
+    ids, mask = left_padded([20, 12])
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="use a new OffloadCache for a new batch"):
+        model(input_ids=ids[:1, -3:], past_key_values=cache)
+
+
+def test_host_memory_limit():
+    model = build_model("llama")
+    cache = OffloadCache(model, budget_tokens=256, host_memory_gib=1e-6)
+    ids, mask = left_padded([40])
+    with pytest.raises(MemoryError, match="host_memory_gib"):
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+
+
+def test_unsupported_attention_implementation():
+    model = build_model("llama")
+    model.config._attn_implementation = "flex_attention"
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        OffloadCache(model)
+
+
+def test_beam_search_is_refused_clearly():
+    model = build_model("llama")
+    ids, mask = left_padded([20])
+    with pytest.raises(NotImplementedError, match="beam search"):
+        model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=OffloadCache(model), max_new_tokens=3, num_beams=2,
+        )
+    # The refused cache leaves the model usable with a DynamicCache.
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=2)

@@ -1,0 +1,107 @@
+"""Model-free unit tests of the stores, the online softmax and the config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload import OffloadConfig
+from hf_offload.kernels import OnlineSoftmax
+from hf_offload.store import DeviceSlotPool, HostBlockPool, HostMemoryBudget
+
+
+def test_config_defaults_scale_with_budget():
+    cfg = OffloadConfig(budget_tokens=2048)
+    assert (cfg.sink_tokens, cfg.window_tokens, cfg.block_tokens) == (64, 256, 16)
+    assert cfg.pool_tokens == 2560 and cfg.pool_blocks == 160
+    small = OffloadConfig(budget_tokens=256)
+    assert (small.sink_tokens, small.window_tokens) == (16, 32)
+
+
+def test_host_pool_roundtrip_across_chunks_and_reuse():
+    shape = (2, 3, 4, 8)
+    pool = HostBlockPool(shape, torch.float32, pin_memory=False, chunk_bytes=5 * 2 * 3 * 4 * 8 * 4, budget=HostMemoryBudget(None))
+    assert pool.chunk_blocks == 5
+    ids = pool.allocate(12)  # three chunks
+    blocks = torch.randn(12, *shape)
+    pool.write(ids, blocks)
+    perm = torch.randperm(12)
+    assert torch.equal(pool.read(ids[perm]), blocks[perm])
+    heads = torch.tensor([0, 2, 1])
+    assert torch.equal(pool.read(ids[:3], heads=heads), blocks[torch.arange(3), :, heads])
+    assert len(pool.chunks) == 3 and pool.used_bytes == 12 * pool.block_bytes
+    pool.free(ids[:4])
+    again = pool.allocate(4)
+    assert sorted(again.tolist()) == sorted(ids[:4].tolist()) and len(pool.chunks) == 3
+
+
+def test_host_budget_refuses_growth_beyond_limit():
+    budget = HostMemoryBudget(host_memory_gib=1 / 1024)  # 1 MiB
+    pool = HostBlockPool((2, 1, 16, 64), torch.float32, False, chunk_bytes=768 << 10, budget=budget)
+    pool.allocate(1)
+    with pytest.raises(MemoryError, match="host_memory_gib"):
+        pool.allocate(pool.chunk_blocks + 1)
+
+
+def test_slot_pool_hits_and_lru_eviction():
+    pool = DeviceSlotPool(batch=1, slots=3, kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32, device="cpu")
+    keep = torch.ones(1, 1, 3, dtype=torch.bool)
+    slots, miss = pool.assign(torch.tensor([[[0, 1, 2]]]), keep)
+    assert miss.all() and sorted(slots[0, 0].tolist()) == [0, 1, 2]
+    slots2, miss2 = pool.assign(torch.tensor([[[2, 0]]]), keep[..., :2])
+    assert not miss2.any()
+    assert slots2[0, 0].tolist() == [slots[0, 0, 2].item(), slots[0, 0, 0].item()]
+    # Block 1 is now least recently used: a new block replaces it, not 0 or 2.
+    slots3, miss3 = pool.assign(torch.tensor([[[7]]]), keep[..., :1])
+    assert miss3.all() and slots3[0, 0, 0].item() == slots[0, 0, 1].item()
+    assert sorted(pool.block[0, 0].tolist()) == [0, 2, 7]
+
+
+def test_slot_pool_per_head_and_unkept_entries():
+    pool = DeviceSlotPool(batch=2, slots=2, kv_heads=2, block_tokens=4, head_dim=8, dtype=torch.float32, device="cpu")
+    blocks = torch.tensor([[[3, 4], [5, 6]], [[1, 2], [1, 9]]])
+    keep = torch.tensor([[[True, False], [True, True]], [[True, True], [False, True]]])
+    slots, miss = pool.assign(blocks, keep)
+    assert torch.equal(miss, keep)
+    for b in range(2):
+        for h in range(2):
+            held = set(pool.block[b, h].tolist()) - {-1}
+            assert held == set(blocks[b, h][keep[b, h]].tolist())
+
+
+def _reference(q, k, v, allowed, scaling):
+    group = q.shape[1] // k.shape[1]
+    logits = q @ k.repeat_interleave(group, 1).transpose(-1, -2) * scaling
+    logits = logits.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(logits, -1) @ v.repeat_interleave(group, 1)
+
+
+def test_online_softmax_over_segments_equals_one_softmax():
+    g = torch.Generator().manual_seed(0)
+    B, HQ, H, Q, N, D = 2, 6, 2, 5, 37, 16
+    q, k, v = torch.randn(B, HQ, Q, D, generator=g), torch.randn(B, H, N, D, generator=g), torch.randn(B, H, N, D, generator=g)
+    allowed = torch.rand(B, 1, Q, N, generator=g) > 0.3
+    allowed[..., 0] = True
+    acc = OnlineSoftmax(q.view(B, H, HQ // H, Q, D), 0.25)
+    for start in range(0, N, 10):
+        s = slice(start, min(start + 10, N))
+        for qs in (slice(0, 2), slice(2, Q)):
+            acc.add(k[:, :, s], v[:, :, s], allowed[:, :, None, qs, s], qs)
+    got = acc.result().reshape(B, HQ, Q, D)
+    torch.testing.assert_close(got, _reference(q, k, v, allowed, 0.25), rtol=1e-5, atol=1e-5)
+
+
+def test_online_softmax_fully_masked_rows_are_zero_and_sinks_join_the_denominator():
+    q, k, v = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8)
+    allowed = torch.ones(1, 1, 3, 4, dtype=torch.bool)
+    allowed[:, :, 0] = False
+    acc = OnlineSoftmax(q.view(1, 2, 1, 3, 8), 1.0)
+    acc.add(k, v, allowed[:, :, None])
+    out = acc.result()
+    assert torch.equal(out[:, :, :, 0], torch.zeros_like(out[:, :, :, 0]))
+    sink = torch.tensor([0.5, -1.0])
+    with_sink = acc.result(sink).reshape(1, 2, 3, 8)
+    logits = (q @ k.transpose(-1, -2)).masked_fill(~allowed, float("-inf"))
+    full = torch.cat([logits, sink.view(1, 2, 1, 1).expand(1, 2, 3, 1)], dim=-1)
+    expected = torch.softmax(full, -1)[..., :4] @ v
+    torch.testing.assert_close(with_sink[:, :, 1:], expected[:, :, 1:], rtol=1e-5, atol=1e-5)
