@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-chat", dest="chat", action="store_false", help="plain prompts instead of the chat template")
     p.add_argument(
         "--prefill-peak-both", action=argparse.BooleanOptionalAction, default=True,
-        help="also measure the solohead prefill with and without prefill_chunk_size at each length",
+        help="also measure the solohead prefill with and without prefill_chunk_size at each length (needs "
+        "--prefill-chunk > 0)",
     )  # fmt: skip
     p.add_argument("--fail-fast", action="store_true", help="re-raise the first error instead of recording it")
     args = p.parse_args(argv)
@@ -399,7 +400,8 @@ def main(argv=None) -> int:
         tmp.replace(out_path)
 
     print(
-        f"# needle: {results['metadata']['model']['type']} on {device} ({results['metadata']['machine']['gpu'] or 'cpu'}), "
+        f"# needle: {results['metadata']['model']['type']} on {device} "
+        f"({results['metadata']['machine']['gpu'] or 'cpu'}), "
         f"{dtype_name}, budget {args.budget}, needles {args.needles}, batch {args.batch}, "
         f"prefill chunk {args.prefill_chunk or 'off'}\n",
         flush=True,
@@ -428,7 +430,7 @@ def main(argv=None) -> int:
             results["runs"].append(record)
             print(table_row(record), flush=True)
             save()
-        if args.prefill_peak_both:
+        if args.prefill_peak_both and args.prefill_chunk:
             entry = {"length": length, "method": "solohead", "batch": min(args.batch, args.needles)}
             ids = torch.tensor([p["input_ids"] for p in prompts[: args.batch]], dtype=torch.long).to(device)
             for label, chunk in (("chunked", args.prefill_chunk or None), ("unchunked", None)):

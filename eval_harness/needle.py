@@ -12,12 +12,13 @@ Each sample hides one needle sentence, ``"The special magic number for {key} is 
 of the haystack, at depths spread evenly from 0.05 to 0.95, followed by the question. Every prompt of one call has
 exactly ``context_tokens`` tokens (the haystack is trimmed at token level), so a batch of them needs no padding.
 
->>> # doctest: +SKIP
->>> from transformers import AutoTokenizer
->>> tok = AutoTokenizer.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
->>> samples = make_needle_prompts(tok, context_tokens=8192, n=10, seed=0)
->>> {len(s["input_ids"]) for s in samples}
-{8192}
+Example (needs a tokenizer)::
+
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained("Qwen/Qwen2.5-0.5B-Instruct")
+    samples = make_needle_prompts(tok, context_tokens=8192, n=10, seed=0)
+    assert {len(s["input_ids"]) for s in samples} == {8192}
+    score(generated_text, samples[0]["answer"])  # True if the 7-digit value appears
 """
 
 from __future__ import annotations
@@ -54,7 +55,9 @@ NEEDLE_KEYS: tuple[str, ...] = (
 )  # fmt: skip
 
 NEEDLE_TEMPLATE = "The special magic number for {key} is {value}."
-QUESTION_TEMPLATE = "What is the special magic number for {key} mentioned in the text above? Answer with the number only."
+QUESTION_TEMPLATE = (
+    "What is the special magic number for {key} mentioned in the text above? Answer with the number only."
+)
 _SENTINEL = "\u2063HF_OFFLOAD_NEEDLE_CONTENT\u2063"
 
 _haystack_text_cache: str | None = None
@@ -142,7 +145,7 @@ def _haystack_tokens(tokenizer) -> tuple[list[int], list[int]]:
 
 
 def _haystack_prefix(tokenizer, n_tokens: int) -> tuple[list[int], list[int]]:
-    """The first ``n_tokens`` haystack tokens (the text repeated as often as needed) and the paragraph starts in them."""
+    """The first ``n_tokens`` haystack tokens (text repeated as needed) and the paragraph starts among them."""
     ids, starts = _haystack_tokens(tokenizer)
     out: list[int] = []
     out_starts: list[int] = []

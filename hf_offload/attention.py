@@ -257,8 +257,10 @@ def offload_attention_forward(
             kv_pos = (blocks[..., None] * layer.block_tokens + tokens).flatten(-2)  # [B, Hs, n*T]
             keep_tokens = keep[..., None].expand(*keep.shape, layer.block_tokens).flatten(-2)
             for q_slice in q_tiles:
-                ok = allowed(q_slice, kv_pos) & keep_tokens[:, :, None, None, :]
-                acc.add(keys, values, ok, q_slice)
+                for k_start in range(0, keys.shape[-2], tile):
+                    k_slice = slice(k_start, k_start + tile)
+                    ok = allowed(q_slice, kv_pos[..., k_slice]) & keep_tokens[:, :, None, None, k_slice]
+                    acc.add(keys[:, :, k_slice], values[:, :, k_slice], ok, q_slice)
 
     # Recent tokens (open block and, in prefill, the new chunk): resident, causal tiles.
     recent_k, recent_v = handoff.key, handoff.recent_values
@@ -273,6 +275,7 @@ def offload_attention_forward(
             ).view(1, 1, -1)
             acc.add(recent_k[:, :, k_slice], recent_v[:, :, k_slice], allowed(q_slice, kv_pos), q_slice)
 
+    layer.finish_step()
     out = acc.result(sink_logits)  # [B, H, G, Q, D]
     return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype).contiguous()
 

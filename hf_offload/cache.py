@@ -41,6 +41,8 @@ class LayerStats:
         self.hits = 0
         self.recalled_blocks = 0  # host-to-device transfers (whole blocks or single-head pieces)
         self.recalled_bytes = 0
+        self.decode_recalled_blocks = 0  # the part of the two above recalled by decode steps
+        self.decode_recalled_bytes = 0
         self.offloaded_bytes = 0
         self.decode_steps = 0
 
@@ -84,6 +86,7 @@ class OffloadLayer(CacheLayerMixin):
         self.stats = LayerStats()
         self.n_tokens = 0
         self.n_blocks = 0
+        self._window_insert: tuple[int, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------------- life cycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -126,6 +129,7 @@ class OffloadLayer(CacheLayerMixin):
             self.values = self.values[:, :, :0]
         self.n_tokens = 0
         self.n_blocks = 0
+        self._window_insert = None
 
     # ------------------------------------------------------------------------------------------------------ update
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -174,12 +178,23 @@ class OffloadLayer(CacheLayerMixin):
         for name, summary in self.selector.summarize(keys).items():
             old = self.summaries.get(name)
             self.summaries[name] = summary if old is None else torch.cat([old, summary], dim=1)
-        # The newest blocks are the next steps' window: keep them resident (a block just written is a hit).
+        # The newest blocks are the next steps' window: they enter the slot pool once this step's attention is done
+        # (a prefill step first streams older blocks through the pool, which would evict them again).
         keep_n = min(n_new, max(self.config.window_blocks, 1), self.pool.slots)
-        new_idx = torch.arange(self.n_blocks + n_new - keep_n, self.n_blocks + n_new, device=self.device)
-        slots, _ = self.pool.assign(new_idx.expand(batch, 1, keep_n), torch.ones_like(new_idx, dtype=torch.bool))
-        self.pool.write(slots, blocks[:, n_new - keep_n :])
+        self._window_insert = (self.n_blocks + n_new - keep_n, blocks[:, n_new - keep_n :])
         self.n_blocks += n_new
+
+    def finish_step(self) -> None:
+        """After this step's attention: put the blocks sealed by this step into the slot pool (a block just written
+        is a hit next step)."""
+        if self._window_insert is None:
+            return
+        first, blocks = self._window_insert
+        self._window_insert = None
+        n = blocks.shape[1]
+        idx = torch.arange(first, first + n, device=self.device).expand(self.batch, 1, n)
+        slots, _ = self.pool.assign(idx, torch.ones_like(idx, dtype=torch.bool))
+        self.pool.write(slots, blocks)
 
     # ---------------------------------------------------------------------------------------------------- planning
     def select_all(self, n_blocks: int) -> Selection:
@@ -237,11 +252,11 @@ class OffloadLayer(CacheLayerMixin):
                 looked = int(keep.expand_as(miss).sum())
                 self.stats.lookups += looked
                 self.stats.hits += looked - int(miss.sum())
-            self._recall(blocks, slots, miss)
+            self._recall(blocks, slots, miss, decode)
             keys, values = self.pool.gather(slots)
             yield blocks, keep, keys, values
 
-    def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> None:
+    def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, decode: bool) -> None:
         """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise)."""
         if self.selector.per_head:
             b, h, j = miss.nonzero(as_tuple=True)
@@ -256,6 +271,9 @@ class OffloadLayer(CacheLayerMixin):
             nbytes = transfer.recall_blocks(self.host, self.pool, ids, b, slots[:, 0][b, j])
         self.stats.recalled_blocks += len(ids)
         self.stats.recalled_bytes += nbytes
+        if decode:
+            self.stats.decode_recalled_blocks += len(ids)
+            self.stats.decode_recalled_bytes += nbytes
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -404,7 +422,8 @@ class OffloadCache(Cache):
         Returns:
             A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
             ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
-            ``recalled_blocks``, ``recalled_bytes``, ``offloaded_bytes``, ``hit_rate`` (share of selected blocks
+            ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
+            ``decode_recalled_bytes`` (decode steps only), ``offloaded_bytes``, ``hit_rate`` (share of selected blocks
             already resident during decode; ``None`` before the first decode step), ``decode_steps`` and
             ``layers`` (the same counters per offloaded layer, keyed by layer index).
         """
@@ -418,6 +437,7 @@ class OffloadCache(Cache):
                     "host_kv_bytes": layer.host_kv_bytes(),
                     "recalled_blocks": s.recalled_blocks,
                     "recalled_bytes": s.recalled_bytes,
+                    "decode_recalled_bytes": s.decode_recalled_bytes,
                     "hit_rate": s.hits / s.lookups if s.lookups else None,
                     "lookups": s.lookups,
                 }
@@ -436,6 +456,8 @@ class OffloadCache(Cache):
             "host_reserved_bytes": reserved,
             "recalled_blocks": sum(layer.stats.recalled_blocks for layer in offload),
             "recalled_bytes": sum(layer.stats.recalled_bytes for layer in offload),
+            "decode_recalled_blocks": sum(layer.stats.decode_recalled_blocks for layer in offload),
+            "decode_recalled_bytes": sum(layer.stats.decode_recalled_bytes for layer in offload),
             "offloaded_bytes": sum(layer.stats.offloaded_bytes for layer in offload),
             "hit_rate": sum(layer.stats.hits for layer in offload) / lookups if lookups else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),

@@ -144,3 +144,20 @@ def test_sparse_generate_stays_within_budget_and_reports(model):
         # Device KV is the slot pool plus the open block, independent of the 125-token context.
         assert layer.device_kv_bytes() == layer.pool.nbytes + 2 * layer.keys.numel() * 4
         assert layer.host_kv_bytes() == layer.n_blocks * B * 2 * H * T * D * 4
+
+
+def test_window_blocks_stay_resident_after_chunked_prefill(model):
+    """Blocks sealed by the last prefill chunk are hits at the first decode step, although the chunk streamed all
+    older blocks through the slot pool."""
+    from .conftest import left_padded
+
+    ids, mask = left_padded([100])
+    cache = OffloadCache(model, budget_tokens=64, block_tokens=8, sink_tokens=8, window_tokens=16, pool_tokens=32,
+                         selector="streaming")
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False,
+                       prefill_chunk_size=48)
+    for layer_stats in cache.stats()["layers"].values():
+        # One decode step: the sink block is recalled, both window blocks are already resident.
+        assert layer_stats["lookups"] == 3 * 2  # 3 blocks x 2 KV heads
+        assert layer_stats["hit_rate"] == pytest.approx(2 / 3)
