@@ -235,6 +235,9 @@ def mib(x) -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD of this checkout, or ``$HF_OFFLOAD_GIT_COMMIT`` where the code runs from a copy without git."""
+    if os.environ.get("HF_OFFLOAD_GIT_COMMIT"):
+        return os.environ["HF_OFFLOAD_GIT_COMMIT"]
     try:
         return subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True

@@ -13,3 +13,12 @@ def test_readme_quickstart_runs(capsys):
     quickstart = next(b for b in blocks if "Quickstart" in b or "LlamaConfig" in b)
     exec(compile(quickstart, "README-quickstart", "exec"), {})
     assert "hit rate" in capsys.readouterr().out
+
+
+def test_generated_results_tables_are_up_to_date():
+    import subprocess
+    import sys
+
+    script = README.parent / "benchmarks" / "report_core_needle.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
