@@ -113,10 +113,24 @@ class OffloadLayer(CacheLayerMixin):
             batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device
         )
         self.block_table = torch.empty((batch, 0), dtype=torch.int64)  # CPU: host block id per (sequence, block)
+        self.use_kernels = self._want_kernels(bool(pin))
+        if self.use_kernels:
+            self.block_table_dev = self.block_table.to(self.device)
         self.summaries: dict[str, torch.Tensor] = {}
         self.keys = key_states.new_empty((batch, heads, 0, head_dim))
         self.values = value_states.new_empty((batch, heads, 0, head_dim))
         self.is_initialized = True
+
+    def _want_kernels(self, pinned: bool) -> bool:
+        from .kernels.gather import kernels_available
+
+        # On CUDA the kernels read and write host memory through unified addressing, which needs pinned memory.
+        possible = kernels_available(self.device) and (pinned or self.device.type == "cpu")
+        if self.config.transfer == "kernel" and not possible:
+            raise RuntimeError(
+                "transfer='kernel' needs a CUDA device, a pinned host pool and Triton; use transfer='auto' or 'torch'."
+            )
+        return possible and self.config.transfer != "torch"
 
     def reset(self) -> None:
         """Drop all tokens; allocations are kept for reuse."""
@@ -124,6 +138,8 @@ class OffloadLayer(CacheLayerMixin):
             self.host.clear()
             self.pool.clear()
             self.block_table = self.block_table[:, :0]
+            if self.use_kernels:
+                self.block_table_dev = self.block_table_dev[:, :0]
             self.summaries = {}
             self.keys = self.keys[:, :, :0]
             self.values = self.values[:, :, :0]
@@ -173,7 +189,16 @@ class OffloadLayer(CacheLayerMixin):
         values = recent_v[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)
         blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
         ids = self.host.allocate(batch * n_new)
-        self.stats.offloaded_bytes += transfer.offload_blocks(self.host, ids, blocks.reshape(-1, 2, heads, T, D))
+        flat = blocks.reshape(-1, 2, heads, T, D)
+        if self.use_kernels:
+            # Stream order: the write is queued behind the computation of these keys and values, and every later
+            # recall of these blocks is queued behind the write.
+            ids_dev = ids.to(self.device, non_blocking=True)
+            transfer.offload_blocks_kernel(self.host, ids_dev, flat)
+            self.block_table_dev = torch.cat([self.block_table_dev, ids_dev.view(batch, n_new)], dim=1)
+            self.stats.offloaded_bytes += len(ids) * self.host.block_bytes
+        else:
+            self.stats.offloaded_bytes += transfer.offload_blocks(self.host, ids, flat)
         self.block_table = torch.cat([self.block_table, ids.view(batch, n_new)], dim=1)
         for name, summary in self.selector.summarize(keys).items():
             old = self.summaries.get(name)
@@ -249,15 +274,19 @@ class OffloadLayer(CacheLayerMixin):
             keep = selection.keep[..., start : start + per_round]
             slots, miss = self.pool.assign(blocks, keep)
             if decode:
-                looked = int(keep.expand_as(miss).sum())
+                # Device-side counts (read on the host only by stats()).
+                looked = keep.expand_as(miss).sum()
                 self.stats.lookups += looked
-                self.stats.hits += looked - int(miss.sum())
+                self.stats.hits += looked - miss.sum()
             self._recall(blocks, slots, miss, decode)
             keys, values = self.pool.gather(slots)
             yield blocks, keep, keys, values
 
     def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, decode: bool) -> None:
         """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise)."""
+        if self.use_kernels:
+            self._recall_kernel(blocks, slots, miss, decode)
+            return
         if self.selector.per_head:
             b, h, j = miss.nonzero(as_tuple=True)
             block = blocks.expand_as(miss)[b, h, j]
@@ -274,6 +303,31 @@ class OffloadLayer(CacheLayerMixin):
         if decode:
             self.stats.decode_recalled_blocks += len(ids)
             self.stats.decode_recalled_bytes += nbytes
+
+    def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, decode: bool) -> None:
+        """Kernel path of :meth:`_recall`: one launch over every candidate entry; no host synchronisation."""
+        batch, heads, n = miss.shape
+        b = torch.arange(batch, device=self.device)
+        if self.selector.per_head:
+            table = self.block_table_dev[:, None, :].expand(batch, heads, -1)
+            ids = torch.where(miss, table.gather(-1, blocks.expand(batch, heads, n)), -1)
+            head = torch.arange(heads, device=self.device)[None, :, None].expand(batch, heads, n)
+            transfer.recall_blocks_kernel(
+                self.host, self.pool, ids.flatten(), b[:, None, None].expand(batch, heads, n).flatten(),
+                slots.flatten(), head.flatten(),
+            )  # fmt: skip
+            count, unit = miss.sum(), self.host.block_bytes // heads
+        else:
+            ids = torch.where(miss[:, 0], self.block_table_dev.gather(-1, blocks[:, 0]), -1)
+            transfer.recall_blocks_kernel(
+                self.host, self.pool, ids.flatten(), b[:, None].expand(batch, n).flatten(), slots[:, 0].flatten()
+            )
+            count, unit = miss[:, 0].sum(), self.host.block_bytes
+        self.stats.recalled_blocks += count
+        self.stats.recalled_bytes += count * unit
+        if decode:
+            self.stats.decode_recalled_blocks += count
+            self.stats.decode_recalled_bytes += count * unit
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -310,6 +364,8 @@ class OffloadLayer(CacheLayerMixin):
         """
         if self.n_blocks == 0:
             return self.keys, self.values
+        if self.use_kernels and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the kernels write the host pool asynchronously
         blocks = self.host.read(self.block_table.flatten()).to(self.device)
         blocks = blocks.view(self.batch, self.n_blocks, 2, self.kv_heads, self.block_tokens, self.head_dim)
         kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, self.batch, self.kv_heads, -1, self.head_dim)
@@ -432,14 +488,15 @@ class OffloadCache(Cache):
         for layer in self.layers:
             if isinstance(layer, OffloadLayer):
                 s = layer.stats
+                lookups, hits = int(s.lookups), int(s.hits)
                 per_layer[layer.layer_idx] = {
                     "device_kv_bytes": layer.device_kv_bytes(),
                     "host_kv_bytes": layer.host_kv_bytes(),
-                    "recalled_blocks": s.recalled_blocks,
-                    "recalled_bytes": s.recalled_bytes,
-                    "decode_recalled_bytes": s.decode_recalled_bytes,
-                    "hit_rate": s.hits / s.lookups if s.lookups else None,
-                    "lookups": s.lookups,
+                    "recalled_blocks": int(s.recalled_blocks),
+                    "recalled_bytes": int(s.recalled_bytes),
+                    "decode_recalled_bytes": int(s.decode_recalled_bytes),
+                    "hit_rate": hits / lookups if lookups else None,
+                    "lookups": lookups,
                 }
                 device += layer.device_kv_bytes()
                 summaries += layer.device_summary_bytes()
@@ -448,18 +505,22 @@ class OffloadCache(Cache):
             elif layer.is_initialized and layer.keys is not None:
                 device += 2 * layer.keys.numel() * layer.keys.element_size()
         offload = self.offload_layers
-        lookups = sum(layer.stats.lookups for layer in offload)
+
+        def total(name: str) -> int:
+            return sum(int(getattr(layer.stats, name)) for layer in offload)
+
+        lookups = total("lookups")
         return {
             "device_kv_bytes": device,
             "device_summary_bytes": summaries,
             "host_kv_bytes": host,
             "host_reserved_bytes": reserved,
-            "recalled_blocks": sum(layer.stats.recalled_blocks for layer in offload),
-            "recalled_bytes": sum(layer.stats.recalled_bytes for layer in offload),
-            "decode_recalled_blocks": sum(layer.stats.decode_recalled_blocks for layer in offload),
-            "decode_recalled_bytes": sum(layer.stats.decode_recalled_bytes for layer in offload),
-            "offloaded_bytes": sum(layer.stats.offloaded_bytes for layer in offload),
-            "hit_rate": sum(layer.stats.hits for layer in offload) / lookups if lookups else None,
+            "recalled_blocks": total("recalled_blocks"),
+            "recalled_bytes": total("recalled_bytes"),
+            "decode_recalled_blocks": total("decode_recalled_blocks"),
+            "decode_recalled_bytes": total("decode_recalled_bytes"),
+            "offloaded_bytes": total("offloaded_bytes"),
+            "hit_rate": total("hits") / lookups if lookups else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
         }

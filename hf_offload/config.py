@@ -36,6 +36,9 @@ class OffloadConfig:
             machine's available memory.
         pin_memory: pin the host pool (page-locked, needed for fast asynchronous copies). ``None``: pin when the
             model runs on CUDA.
+        transfer: how blocks move between host and device. ``"kernel"``: one Triton launch per layer and step that
+            reads/writes pinned memory directly and never synchronises with the host (CUDA, pinned pool, Triton);
+            ``"torch"``: the portable path (host-side gather, one copy); ``"auto"``: ``"kernel"`` where it can run.
     """
 
     budget_tokens: int = 2048
@@ -48,6 +51,7 @@ class OffloadConfig:
     host_chunk_mib: int = 16
     host_memory_gib: float | None = None
     pin_memory: bool | None = None
+    transfer: str = "auto"
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +96,8 @@ class OffloadConfig:
             raise ValueError(f"pool_tokens must be a multiple of block_tokens={block}, got {self.pool_tokens}.")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:
             raise ValueError(f"host_memory_gib must be positive or None, got {self.host_memory_gib!r}.")
+        if self.transfer not in ("auto", "kernel", "torch"):
+            raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(
                 f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."

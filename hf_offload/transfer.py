@@ -58,3 +58,59 @@ def recall_blocks(
     staged = host.read(ids, heads=head_idx.cpu())
     pool.data[batch_idx, slot_idx, :, head_idx] = staged.to(pool.data.device, non_blocking=True)
     return staged.numel() * staged.element_size()
+
+
+# ------------------------------------------------------------------------------------- kernel path (CUDA, pinned)
+def offload_blocks_kernel(host: HostBlockPool, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Write sealed blocks straight into pinned host memory in one launch (current stream, no host sync).
+
+    Args:
+        host: the layer's host pool (pinned).
+        ids: destination block ids, shape ``[n]``, ``torch.int64``, on the blocks' device.
+        blocks: shape ``[n, 2, kv_heads, block_tokens, head_dim]``, contiguous, CUDA.
+    """
+    from .kernels.gather import copy_pieces
+
+    words = host.block_words
+    offsets = torch.arange(len(ids), device=blocks.device, dtype=torch.int64) * words
+    copy_pieces(
+        host.chunk_addrs(blocks.device), host.chunk_blocks, words, ids, torch.zeros_like(ids), blocks.contiguous(),
+        offsets, words, to_host=True,
+    )  # fmt: skip
+
+
+def recall_blocks_kernel(
+    host: HostBlockPool,
+    pool: DeviceSlotPool,
+    ids: torch.Tensor,
+    batch_idx: torch.Tensor,
+    slot_idx: torch.Tensor,
+    head_idx: torch.Tensor | None = None,
+) -> None:
+    """Gather host blocks (or single heads) into device slots in one launch; entries with id ``-1`` are skipped.
+
+    Args:
+        host: the layer's host pool (pinned).
+        pool: the layer's device slot pool.
+        ids: host block id per entry or ``-1``, shape ``[n]``, ``torch.int64``, pool device.
+        batch_idx: destination sequence per entry, shape ``[n]``, ``torch.int64``, pool device.
+        slot_idx: destination slot per entry, shape ``[n]``, ``torch.int64``, pool device.
+        head_idx: ``None`` for whole blocks (one contiguous span each); else the KV head per entry, shape ``[n]``:
+            its K and V are copied as two pieces.
+    """
+    from .kernels.gather import copy_pieces
+
+    words = host.block_words
+    slot_base = (batch_idx * pool.slots + slot_idx) * words
+    addrs = host.chunk_addrs(pool.data.device)
+    if head_idx is None:
+        copy_pieces(addrs, host.chunk_blocks, words, ids, torch.zeros_like(ids), pool.data, slot_base, words, False)
+        return
+    heads = pool.data.shape[3]
+    head_words = words // (2 * heads)
+    kv = torch.arange(2, device=ids.device)
+    host_off = ((kv[None, :] * heads + head_idx[:, None]) * head_words).flatten()
+    dev_off = (slot_base[:, None] + (kv[None, :] * heads + head_idx[:, None]) * head_words).flatten()
+    copy_pieces(
+        addrs, host.chunk_blocks, words, ids.repeat_interleave(2), host_off, pool.data, dev_off, head_words, False
+    )

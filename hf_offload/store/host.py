@@ -77,6 +77,20 @@ class HostBlockPool:
         self.chunks: list[torch.Tensor] = []
         self._free: list[int] = []
         self._next_id = 0
+        self._chunk_addrs: torch.Tensor | None = None
+
+    @property
+    def block_words(self) -> int:
+        """32-bit words per block (the unit of the copy kernels)."""
+        return self.block_bytes // 4
+
+    def chunk_addrs(self, device: torch.device) -> torch.Tensor:
+        """Addresses of the pinned chunks, shape ``[n_chunks]``, ``torch.int64``, on ``device`` (for the copy
+        kernels, which read and write pinned memory through unified addressing)."""
+        if self._chunk_addrs is None or len(self._chunk_addrs) != len(self.chunks):
+            addrs = torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)
+            self._chunk_addrs = addrs.to(device)
+        return self._chunk_addrs
 
     @property
     def used_blocks(self) -> int:

@@ -1,0 +1,110 @@
+"""The copy kernels: bit-exact against their reference, and the kernel transfer path end to end.
+
+Runs where Triton can run: on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache
+from hf_offload.attention import offload_attention_forward, take_handoff
+from hf_offload.kernels.gather import copy_pieces, copy_pieces_reference, kernels_available
+from hf_offload.store import HostBlockPool, HostMemoryBudget
+
+from .conftest import build_model, left_padded
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+
+
+def _pool(block_shape, dtype, chunk_blocks=3):
+    nbytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
+    return HostBlockPool(block_shape, dtype, DEVICE.type == "cuda", chunk_blocks * nbytes, HostMemoryBudget(None))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("to_host", [False, True])
+def test_copy_pieces_bit_exact_against_reference(dtype, to_host):
+    g = torch.Generator().manual_seed(0)
+    host = _pool((2, 2, 8, 16), dtype)
+    ids = host.allocate(8)  # three chunks
+    for chunk in host.chunks:
+        chunk.view(torch.int16 if dtype != torch.float32 else torch.int32).random_(generator=g)
+    words = host.block_words
+    n_pieces, piece_words = 6, words // 4
+    piece_ids = torch.tensor([ids[7], -1, ids[0], ids[4], ids[4], ids[2]], dtype=torch.int64)
+    host_off = torch.tensor([0, 0, 1, 2, 3, 0], dtype=torch.int64) * piece_words
+    dev_off = torch.randperm(10, generator=g)[:n_pieces] * piece_words
+    device_tensor = torch.randn(10 * piece_words * 4 // torch.empty((), dtype=dtype).element_size(), generator=g).to(dtype)
+    ref_chunks = [c.clone() for c in host.chunks]
+    ref_device = device_tensor.clone()
+    got_device = device_tensor.to(DEVICE)
+    copy_pieces(
+        host.chunk_addrs(DEVICE), host.chunk_blocks, words, piece_ids.to(DEVICE), host_off.to(DEVICE), got_device,
+        dev_off.to(DEVICE), piece_words, to_host,
+    )  # fmt: skip
+    copy_pieces_reference(ref_chunks, host.chunk_blocks, piece_ids, host_off, ref_device, dev_off, piece_words, to_host)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(got_device.cpu().view(torch.int8), ref_device.view(torch.int8))
+    for got, ref in zip(host.chunks, ref_chunks):
+        assert torch.equal(got.view(torch.int8), ref.view(torch.int8))
+
+
+SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=16, prefill_chunk_tokens=16)
+
+
+@pytest.mark.parametrize("selector", ["solohead", "headwise"])
+def test_kernel_transfer_token_identical_to_dynamic_cache(selector):
+    model = build_model("qwen2").to(DEVICE)
+    ids, mask = left_padded([37, 29, 18], seed=1)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    with torch.no_grad():
+        expected = model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=8,
+            do_sample=False,
+        )
+        cache = OffloadCache(model, budget_tokens=4096, selector=selector, transfer="kernel", **SMALL)
+        got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert all(layer.use_kernels for layer in cache.offload_layers)
+    assert torch.equal(got, expected)
+    assert cache.stats()["recalled_blocks"] > 0
+
+
+@pytest.mark.parametrize("selector", ["solohead", "headwise"])
+def test_kernel_and_torch_transfer_agree_in_sparse_mode(selector):
+    """Same selections, same slots, same bytes: the two transfer paths give identical sparse outputs and state."""
+    model = build_model("llama").to(DEVICE)
+    ids, mask = left_padded([70, 51], seed=2)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    runs = {}
+    for transfer in ("kernel", "torch"):
+        cache = OffloadCache(model, budget_tokens=40, selector=selector, transfer=transfer, **SMALL)
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                 do_sample=False)  # fmt: skip
+        runs[transfer] = (out, cache.stats(), cache.dense_kv(0))
+    assert torch.equal(runs["kernel"][0], runs["torch"][0])
+    for key in ("recalled_blocks", "recalled_bytes", "hit_rate", "host_kv_bytes"):
+        assert runs["kernel"][1][key] == runs["torch"][1][key], key
+    assert torch.equal(runs["kernel"][2][0], runs["torch"][2][0])
+
+
+def test_kernel_path_slots_never_stale():
+    model = build_model("llama").to(DEVICE)
+    cache = OffloadCache(model, budget_tokens=32, selector="headwise", transfer="kernel", **SMALL)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(3)
+    for q_len in [21, 1, 1, 17] + [1] * 10:
+        k, v = torch.randn(2, 2, q_len, 16, generator=g).to(DEVICE), torch.randn(2, 2, q_len, 16, generator=g).to(DEVICE)
+        layer.update(k, v)
+        offload_attention_forward(take_handoff(), torch.randn(2, 4, q_len, 16, generator=g).to(DEVICE), None)
+        dense_k, dense_v = layer.dense_kv()
+        pool = layer.pool
+        for b, h, s in (pool.block >= 0).nonzero().tolist():
+            j = pool.block[b, h, s].item()
+            assert torch.equal(pool.data[b, s, 0, h], dense_k[b, h, j * 8 : (j + 1) * 8])
+            assert torch.equal(pool.data[b, s, 1, h], dense_v[b, h, j * 8 : (j + 1) * 8])
