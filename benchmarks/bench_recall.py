@@ -1,0 +1,182 @@
+"""Host-to-device recall bandwidth: the gather kernel against the alternatives, in one run.
+
+For each block size it times, on the same pinned host pool and the same random block ids:
+
+* ``bulk``: one contiguous pinned -> device copy of the same number of bytes (the PCIe ceiling of this run);
+* ``kernel``: one launch of the gather kernel (hf_offload.kernels.gather), reading pinned memory directly;
+* ``memcpy_per_block``: one ``copy_`` (cudaMemcpyAsync) per block;
+* ``cpu_gather_copy``: ``index_select`` into a pinned staging buffer on the host, then one copy.
+
+and, for an 8B-model block (8 KV heads, head_dim 128, 16 tokens, bf16 = 64 KB), the SoloHead layout (one 64 KB span
+per block) against the headwise layout (16 pieces of 4 KB per block), through the kernel and through one copy per
+piece. Prints a table and writes raw JSON (machine, versions, git commit) to ``--out``.
+
+    python benchmarks/bench_recall.py --out results/recall/bench_recall.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from hf_offload.kernels.gather import copy_pieces  # noqa: E402
+from hf_offload.store import HostBlockPool, HostMemoryBudget  # noqa: E402
+
+KIB = 1024
+
+
+def timed(fn, repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs (CUDA events), after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def git_commit() -> str | None:
+    if os.environ.get("HF_OFFLOAD_GIT_COMMIT"):
+        return os.environ["HF_OFFLOAD_GIT_COMMIT"]
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pool-gib", type=float, default=4.0, help="host pool size to draw random blocks from")
+    parser.add_argument("--move-mib", type=int, default=512, help="bytes moved per timed gather")
+    parser.add_argument("--block-kib", type=int, nargs="+", default=[2, 4, 16, 64, 256])
+    parser.add_argument("--memcpy-blocks", type=int, default=2048, help="blocks copied one by one (kept small)")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", default="results/recall/bench_recall.json")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+
+    def bench(block_bytes: int, label: str = "") -> dict:
+        n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
+        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None))
+        ids_all = host.allocate(n_pool)
+        n = (args.move_mib << 20) // block_bytes
+        ids = ids_all[torch.randperm(n_pool, generator=g)[:n]]
+        dst = torch.empty((n, block_bytes // 2), dtype=torch.bfloat16, device=device)
+        words = block_bytes // 4
+        ids_dev, zeros = ids.to(device), torch.zeros(n, dtype=torch.int64, device=device)
+        offs = torch.arange(n, device=device, dtype=torch.int64) * words
+        addrs = host.chunk_addrs(device)
+        nbytes = n * block_bytes
+        bulk_src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
+        bulk_dst = torch.empty_like(bulk_src, device=device)
+        res = {"block_bytes": block_bytes, "blocks": n, "bytes": nbytes}
+        res["bulk_gbps"] = nbytes / timed(lambda: bulk_dst.copy_(bulk_src, non_blocking=True), args.repeat) / 1e9
+        res["kernel_gbps"] = nbytes / timed(
+            lambda: copy_pieces(addrs, host.chunk_blocks, words, ids_dev, zeros, dst, offs, words, False), args.repeat
+        ) / 1e9
+        # Bit-exact check of the timed gather against a host-side gather of the same ids.
+        res["kernel_bit_exact"] = bool(torch.equal(dst.cpu().view(torch.int16), host.read(ids).view(n, -1).view(torch.int16)))
+        m = min(n, args.memcpy_blocks)
+        srcs = [host.chunks[int(i) // host.chunk_blocks][int(i) % host.chunk_blocks] for i in ids[:m]]
+
+        def per_block():
+            for i, src in enumerate(srcs):
+                dst[i].copy_(src, non_blocking=True)
+
+        res["memcpy_per_block_gbps"] = m * block_bytes / timed(per_block, max(1, args.repeat // 2)) / 1e9
+        staging = torch.empty((n, block_bytes // 2), dtype=torch.bfloat16, pin_memory=True)
+
+        def cpu_gather():
+            for c in range(len(host.chunks)):
+                sel = (ids // host.chunk_blocks == c).nonzero().flatten()
+                torch.index_select(host.chunks[c], 0, ids[sel] % host.chunk_blocks, out=staging[: len(sel)])
+            dst.copy_(staging, non_blocking=True)
+
+        res["cpu_gather_copy_gbps"] = nbytes / timed(cpu_gather, max(1, args.repeat // 2)) / 1e9
+        res["kernel_over_bulk"] = res["kernel_gbps"] / res["bulk_gbps"]
+        del host, bulk_src, bulk_dst, dst, staging
+        torch.cuda.empty_cache()
+        return res
+
+    for kib in args.block_kib:
+        rows.append(bench(kib * KIB))
+        r = rows[-1]
+        print(f"{kib:>4} KiB  bulk {r['bulk_gbps']:6.1f}  kernel {r['kernel_gbps']:6.1f} ({r['kernel_over_bulk']:.3f} x bulk, "
+              f"exact={r['kernel_bit_exact']})  memcpy/block {r['memcpy_per_block_gbps']:6.2f}  "
+              f"cpu gather+copy {r['cpu_gather_copy_gbps']:6.1f} GB/s", flush=True)
+
+    # SoloHead vs headwise layout for an 8B block: 2 (K, V) x 8 heads x 16 tokens x 128 dims x 2 bytes = 64 KiB.
+    heads, block_bytes = 8, 64 * KIB
+    piece_bytes = block_bytes // (2 * heads)
+    n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
+    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None))
+    ids_all = host.allocate(n_pool)
+    n = (args.move_mib << 20) // block_bytes
+    ids = ids_all[torch.randperm(n_pool, generator=g)[:n]].to(device)
+    dst = torch.empty((n, block_bytes // 2), dtype=torch.bfloat16, device=device)
+    words, piece_words = block_bytes // 4, piece_bytes // 4
+    addrs = host.chunk_addrs(device)
+    solo = timed(lambda: copy_pieces(addrs, host.chunk_blocks, words, ids, torch.zeros_like(ids), dst,
+                                     torch.arange(n, device=device) * words, words, False), args.repeat)  # fmt: skip
+    pieces = torch.arange(2 * heads, device=device)
+    p_ids = ids.repeat_interleave(2 * heads)
+    p_host = pieces.repeat(n) * piece_words
+    p_dev = torch.arange(n * 2 * heads, device=device) * piece_words
+    headwise = timed(lambda: copy_pieces(addrs, host.chunk_blocks, words, p_ids, p_host, dst, p_dev, piece_words, False),
+                     args.repeat)  # fmt: skip
+    m = min(n, args.memcpy_blocks // (2 * heads))
+    flat_dst = dst.view(-1, piece_bytes // 2)
+    srcs = [host.chunks[int(i) // host.chunk_blocks][int(i) % host.chunk_blocks].view(-1, piece_bytes // 2) for i in ids[:m].cpu()]
+
+    def headwise_memcpy():
+        for i, src in enumerate(srcs):
+            for p in range(2 * heads):
+                flat_dst[i * 2 * heads + p].copy_(src[p], non_blocking=True)
+
+    layout = {
+        "block_bytes": block_bytes,
+        "piece_bytes": piece_bytes,
+        "solohead_kernel_gbps": n * block_bytes / solo / 1e9,
+        "headwise_kernel_gbps": n * block_bytes / headwise / 1e9,
+        "headwise_memcpy_per_piece_gbps": m * block_bytes / timed(headwise_memcpy, 1) / 1e9,
+    }
+    print(f"8B block 64 KiB: solohead kernel {layout['solohead_kernel_gbps']:.1f}  headwise kernel (4 KiB pieces) "
+          f"{layout['headwise_kernel_gbps']:.1f}  headwise one copy per piece {layout['headwise_memcpy_per_piece_gbps']:.2f} GB/s")
+
+    import transformers
+
+    meta = {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(device), "cpu_count": os.cpu_count()},
+        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
+                     "triton": __import__("triton").__version__},
+        "git_commit": git_commit(),
+        "args": vars(args),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"metadata": meta, "block_sizes": rows, "layout_8b": layout}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
