@@ -19,6 +19,6 @@ def test_generated_results_tables_are_up_to_date():
     import subprocess
     import sys
 
-    script = README.parent / "benchmarks" / "report_core_needle.py"
+    script = README.parent / "benchmarks" / "report.py"
     done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

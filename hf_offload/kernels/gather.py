@@ -81,6 +81,8 @@ def copy_pieces(
     device_word_offsets: torch.Tensor,
     piece_words: int,
     to_host: bool,
+    words_per_program: int | None = None,
+    num_warps: int = 4,
 ) -> None:
     """Copy equal-sized pieces between host blocks and a device tensor in one launch, on the current stream.
 
@@ -94,15 +96,17 @@ def copy_pieces(
         device_word_offsets: word offset of each piece in ``device_tensor``, shape ``[n]``, ``torch.int64``, device.
         piece_words: 32-bit words per piece.
         to_host: copy device -> host if true, else host -> device.
+        words_per_program: 32-bit words one program moves (a power of two); ``None``: up to 4096.
+        num_warps: warps per program.
     """
     n = ids.numel()
     if n == 0:
         return
-    block = min(4096, triton.next_power_of_2(piece_words))
+    block = min(words_per_program or 4096, triton.next_power_of_2(piece_words))
     grid = (n, triton.cdiv(piece_words, block))
     _copy_pieces_kernel[grid](
         chunk_addrs, ids, host_word_offsets, _words(device_tensor), device_word_offsets,
-        chunk_blocks, block_words, piece_words, TO_HOST=to_host, BLOCK=block, num_warps=4,
+        chunk_blocks, block_words, piece_words, TO_HOST=to_host, BLOCK=block, num_warps=num_warps,
     )  # fmt: skip
 
 
