@@ -24,7 +24,7 @@ from . import transfer
 from .attention import Handoff, enable_offload_attention, leave_handoff
 from .config import OffloadConfig
 from .selectors import Selection, Selector, get_selector
-from .store import DeviceSlotPool, HostBlockPool, HostMemoryBudget
+from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -59,6 +59,8 @@ class OffloadLayer(CacheLayerMixin):
         budget: the cache-wide host memory budget.
         cache_id: identity of the owning cache.
         model_config: the (text) config object of the model the cache was built for.
+        admission: returns the cache's :class:`~hf_offload.store.DeviceAdmission` for a device, or ``None``
+            (every block offloaded).
     """
 
     is_sliding = False
@@ -73,6 +75,7 @@ class OffloadLayer(CacheLayerMixin):
         budget: HostMemoryBudget,
         cache_id: int,
         model_config,
+        admission=lambda device: None,
     ):
         super().__init__()
         self.config = config
@@ -80,6 +83,7 @@ class OffloadLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.block_tokens = config.block_tokens
         self.budget = budget
+        self.cache_admission = admission
         self.cache_id = cache_id
         self.model_config = model_config
         self.model_name = getattr(model_config, "model_type", "?")
@@ -106,8 +110,9 @@ class OffloadLayer(CacheLayerMixin):
             (2, heads, self.block_tokens, head_dim),
             self.dtype,
             pin_memory=bool(pin),
-            chunk_bytes=self.config.host_chunk_mib << 20,
+            chunk_bytes=int(self.config.host_chunk_mib * (1 << 20)),
             budget=self.budget,
+            admission=self.cache_admission(self.device),
         )
         self.pool = DeviceSlotPool(
             batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device
@@ -343,18 +348,18 @@ class OffloadLayer(CacheLayerMixin):
         return -1
 
     def device_kv_bytes(self) -> int:
-        """Device bytes of KV held by this layer: the slot pool and the open block."""
+        """Device bytes of KV held by this layer: the slot pool, the open block and admitted blocks."""
         if not self.is_initialized:
             return 0
-        return self.pool.nbytes + 2 * self.keys.numel() * self.keys.element_size()
+        return self.pool.nbytes + 2 * self.keys.numel() * self.keys.element_size() + self.host.used_bytes_on(True)
 
     def device_summary_bytes(self) -> int:
         """Device bytes of the block summaries."""
         return sum(s.numel() * s.element_size() for s in getattr(self, "summaries", {}).values())
 
     def host_kv_bytes(self) -> int:
-        """Host bytes of the sealed blocks."""
-        return self.host.used_bytes if self.is_initialized else 0
+        """Host bytes of the sealed blocks (blocks admitted to the device excluded)."""
+        return self.host.used_bytes_on(False) if self.is_initialized else 0
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of this layer re-assembled from the host pool and the open block (for checks and export).
@@ -442,6 +447,7 @@ class OffloadCache(Cache):
         self.selector = get_selector(config.selector)
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)
+        self._admissions: dict[torch.device, DeviceAdmission] = {}
         layer_types = _layer_types(text_config)
         unsupported = sorted(set(layer_types) - {"full_attention", *_SLIDING_TYPES})
         if unsupported:
@@ -459,13 +465,24 @@ class OffloadCache(Cache):
         layers: list[CacheLayerMixin] = []
         for idx, kind in enumerate(layer_types):
             if kind == "full_attention":
-                layers.append(OffloadLayer(config, self.selector, idx, self.host_budget, id(self), text_config))
+                layers.append(
+                    OffloadLayer(config, self.selector, idx, self.host_budget, id(self), text_config, self._admission)
+                )
             else:
                 window = text_config.sliding_window if kind == "sliding_attention" else text_config.attention_chunk_size
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
         super().__init__(layers=layers)
         self.original_attn_implementation = enable_offload_attention(model)
         self._model_ref = weakref.ref(model)
+
+    def _admission(self, device: torch.device) -> DeviceAdmission | None:
+        """The device admission budget of ``device`` (one per device, shared by the layers on it)."""
+        if self.config.admission != "auto":
+            return None
+        if device not in self._admissions:
+            gib = self.config.device_memory_gib
+            self._admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
+        return self._admissions[device]
 
     @property
     def offload_layers(self) -> list[OffloadLayer]:

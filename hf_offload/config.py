@@ -39,6 +39,12 @@ class OffloadConfig:
         transfer: how blocks move between host and device. ``"kernel"``: one Triton launch per layer and step that
             reads/writes pinned memory directly and never synchronises with the host (CUDA, pinned pool, Triton);
             ``"torch"``: the portable path (host-side gather, one copy); ``"auto"``: ``"kernel"`` where it can run.
+        admission: where sealed blocks are stored. ``"always"``: every block goes to the host pool (offloaded).
+            ``"auto"``: IO-adaptive admission (PulseInfer): block pool chunks stay in device memory while the cache
+            fits ``device_memory_gib``, and only the rest is offloaded; selection and budget are unchanged, so the
+            output is identical, only the recall traffic differs.
+        device_memory_gib: device memory that ``admission="auto"`` may use for blocks, in GiB, for the whole cache.
+            ``None``: 80% of the free device memory when the first block is sealed (nothing on CPU-only machines).
     """
 
     budget_tokens: int = 2048
@@ -48,17 +54,21 @@ class OffloadConfig:
     selector: object = "solohead"
     pool_tokens: int | None = None
     prefill_chunk_tokens: int = 1024
-    host_chunk_mib: int = 16
+    host_chunk_mib: float = 16
     host_memory_gib: float | None = None
     pin_memory: bool | None = None
     transfer: str = "auto"
+    admission: str = "always"
+    device_memory_gib: float | None = None
 
     def __post_init__(self) -> None:
         self.validate()
 
     def validate(self) -> None:
         """Fill the ``None`` defaults and raise ``ValueError`` with what to change if a setting is invalid."""
-        for name in ("budget_tokens", "block_tokens", "prefill_chunk_tokens", "host_chunk_mib"):
+        if isinstance(self.host_chunk_mib, bool) or not isinstance(self.host_chunk_mib, (int, float)) or not self.host_chunk_mib > 0:
+            raise ValueError(f"host_chunk_mib must be a positive number, got {self.host_chunk_mib!r}.")
+        for name in ("budget_tokens", "block_tokens", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
@@ -98,6 +108,10 @@ class OffloadConfig:
             raise ValueError(f"host_memory_gib must be positive or None, got {self.host_memory_gib!r}.")
         if self.transfer not in ("auto", "kernel", "torch"):
             raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
+        if self.admission not in ("always", "auto"):
+            raise ValueError(f"admission must be 'always' or 'auto', got {self.admission!r}.")
+        if self.device_memory_gib is not None and not self.device_memory_gib >= 0:
+            raise ValueError(f"device_memory_gib must be >= 0 or None, got {self.device_memory_gib!r}.")
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(
                 f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."

@@ -91,3 +91,28 @@ def test_eager_model_token_identical():
     expected = _generate(model, ids, mask, DynamicCache(config=model.config))
     got = _generate(model, ids, mask, OffloadCache(model, budget_tokens=4096, **SMALL))
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("device_memory_gib", [1.0, 12e-6])  # everything admitted / one or two chunks admitted
+def test_admission_auto_and_always_give_identical_tokens(device_memory_gib):
+    model = build_model("qwen2")
+    ids, mask = left_padded([45, 33, 20], seed=6)
+    tiny_chunks = dict(SMALL, host_chunk_mib=0.01)  # ~5 blocks per chunk, so placement varies chunk by chunk
+    outs, caches = {}, {}
+    for admission in ("always", "auto"):
+        caches[admission] = OffloadCache(
+            model, budget_tokens=40, admission=admission, device_memory_gib=device_memory_gib, **tiny_chunks
+        )
+        outs[admission] = _generate(model, ids, mask, caches[admission])
+    assert torch.equal(outs["auto"], outs["always"])
+    always, auto = caches["always"].stats(), caches["auto"].stats()
+    total_kv = always["host_kv_bytes"]
+    assert total_kv > 0
+    # Admitted blocks move from the host column to the device column; nothing is lost or counted twice.
+    assert auto["host_kv_bytes"] + (auto["device_kv_bytes"] - always["device_kv_bytes"]) == total_kv
+    if device_memory_gib >= 1:
+        assert auto["host_kv_bytes"] == 0
+    else:
+        assert 0 < auto["host_kv_bytes"] < total_kv
+    for layer in caches["auto"].offload_layers:
+        assert torch.equal(layer.dense_kv()[0], caches["always"].layers[layer.layer_idx].dense_kv()[0])

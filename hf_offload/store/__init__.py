@@ -1,6 +1,6 @@
 """Where KV bytes live: the host block pool and the device slot pool (a disk tier comes later)."""
 
 from .device import DeviceSlotPool
-from .host import HostBlockPool, HostMemoryBudget
+from .host import DeviceAdmission, HostBlockPool, HostMemoryBudget
 
-__all__ = ["DeviceSlotPool", "HostBlockPool", "HostMemoryBudget"]
+__all__ = ["DeviceAdmission", "DeviceSlotPool", "HostBlockPool", "HostMemoryBudget"]

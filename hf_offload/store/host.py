@@ -1,4 +1,8 @@
-"""The host tier: a block pool in (pinned) host memory, one per layer.
+"""The block pool of one layer: every sealed block, in (pinned) host memory by default.
+
+With IO-adaptive admission (PulseInfer's idea, ``admission="auto"``) a chunk is placed in device memory instead while
+the cache's device admission budget allows, so small caches never pay for recall; the copy kernels read device and
+pinned host chunks alike (unified addressing), and the portable path copies either.
 
 One block holds K and V of all KV heads of a layer contiguously, shape ``[2, kv_heads, block_tokens, head_dim]``,
 so a block selected for all heads (SoloHead) is one contiguous span. The pool grows in fixed-size chunks: torch's
@@ -49,6 +53,30 @@ class HostMemoryBudget:
         self.reserved_bytes += nbytes
 
 
+class DeviceAdmission:
+    """Device bytes the block pools of one cache may take instead of host memory (IO-adaptive admission).
+
+    Args:
+        device: the compute device.
+        limit_bytes: bytes that may be admitted; ``None``: 80% of the device's free memory when the first chunk
+            asks (only on CUDA; elsewhere nothing is admitted).
+    """
+
+    def __init__(self, device: torch.device, limit_bytes: int | None):
+        self.device = device
+        self.limit_bytes = limit_bytes
+        self.admitted_bytes = 0
+
+    def admit(self, nbytes: int) -> bool:
+        """Reserve ``nbytes`` on the device if the budget allows."""
+        if self.limit_bytes is None:
+            self.limit_bytes = int(0.8 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 0
+        if self.admitted_bytes + nbytes > self.limit_bytes:
+            return False
+        self.admitted_bytes += nbytes
+        return True
+
+
 class HostBlockPool:
     """Fixed-shape blocks in host memory, addressed by integer block ids.
 
@@ -58,6 +86,7 @@ class HostBlockPool:
         pin_memory: allocate page-locked memory (requires CUDA).
         chunk_bytes: bytes of one allocation; rounded down to whole blocks (at least one block).
         budget: the cache-wide host memory budget to reserve from.
+        admission: if given, new chunks go to the device while it admits them (IO-adaptive admission).
     """
 
     def __init__(
@@ -67,6 +96,7 @@ class HostBlockPool:
         pin_memory: bool,
         chunk_bytes: int,
         budget: HostMemoryBudget,
+        admission: DeviceAdmission | None = None,
     ):
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -74,7 +104,9 @@ class HostBlockPool:
         self.block_bytes = torch.Size(block_shape).numel() * torch.empty((), dtype=dtype).element_size()
         self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
         self.budget = budget
+        self.admission = admission
         self.chunks: list[torch.Tensor] = []
+        self.chunk_admitted: list[bool] = []  # per chunk: admitted to the device (else host memory)
         self._free: list[int] = []
         self._next_id = 0
         self._chunk_addrs: torch.Tensor | None = None
@@ -104,14 +136,19 @@ class HostBlockPool:
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes allocated, used or not."""
-        return len(self.chunks) * self.chunk_blocks * self.block_bytes
+        """Host bytes allocated, used or not (admitted device chunks excluded)."""
+        return self.chunk_admitted.count(False) * self.chunk_blocks * self.block_bytes
 
     def _grow(self) -> None:
         nbytes = self.chunk_blocks * self.block_bytes
+        shape = (self.chunk_blocks, *self.block_shape)
+        if self.admission is not None and self.admission.admit(nbytes):
+            self.chunks.append(torch.empty(shape, dtype=self.dtype, device=self.admission.device))
+            self.chunk_admitted.append(True)
+            return
         self.budget.reserve(nbytes)
         try:
-            chunk = torch.empty((self.chunk_blocks, *self.block_shape), dtype=self.dtype, pin_memory=self.pin_memory)
+            chunk = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
         except RuntimeError as err:
             self.budget.reserved_bytes -= nbytes
             raise MemoryError(
@@ -119,6 +156,14 @@ class HostBlockPool:
                 f"for the KV cache ({err}). Lower the batch size or context, or pass pin_memory=False (slower recall)."
             ) from err
         self.chunks.append(chunk)
+        self.chunk_admitted.append(False)
+
+    def used_bytes_on(self, admitted: bool) -> int:
+        """Bytes of the blocks holding data in admitted (device) chunks, or in host chunks."""
+        used = [max(0, min(self.chunk_blocks, self._next_id - c * self.chunk_blocks)) for c in range(len(self.chunks))]
+        for block_id in self._free:
+            used[block_id // self.chunk_blocks] -= 1
+        return sum(n for n, on_device in zip(used, self.chunk_admitted) if on_device == admitted) * self.block_bytes
 
     def allocate(self, n: int) -> torch.Tensor:
         """Reserve ``n`` blocks; returns their ids, shape ``[n]``, dtype ``torch.int64``, on the CPU."""
@@ -157,7 +202,7 @@ class HostBlockPool:
         """
         blocks = blocks.to("cpu")
         for chunk, rows, offset in self._by_chunk(ids):
-            chunk[offset] = blocks[rows]
+            chunk[offset.to(chunk.device)] = blocks[rows].to(chunk.device)
 
     def read(self, ids: torch.Tensor, heads: torch.Tensor | None = None) -> torch.Tensor:
         """Load whole blocks, or one KV head's K and V of each block.
@@ -173,5 +218,7 @@ class HostBlockPool:
         shape = self.block_shape if heads is None else (self.block_shape[0], *self.block_shape[2:])
         out = torch.empty((len(ids), *shape), dtype=self.dtype, pin_memory=self.pin_memory)
         for chunk, rows, offset in self._by_chunk(ids):
-            out[rows] = chunk[offset] if heads is None else chunk[offset, :, heads[rows]]
+            offset = offset.to(chunk.device)
+            part = chunk[offset] if heads is None else chunk[offset, :, heads[rows].to(chunk.device)]
+            out[rows] = part.cpu()
         return out
