@@ -246,13 +246,20 @@ def offload_attention_forward(
             return (kv_pos[:, :, None, :] <= q_pos[q_slice].view(1, 1, -1, 1))[:, :, None]
         return mask.allowed(q_pos[q_slice], kv_pos)[:, :, None]
 
+    timer = layer.timer if q_len == 1 else None
+    if timer is not None:
+        t_start = timer.mark()
     # Sealed blocks: recalled into the slot pool in rounds of at most the pool size.
     if handoff.n_blocks_before:
         if q_len == 1:
             selection = layer.select(grouped[:, :, :, 0], mask, scaling, handoff)
         else:
             selection = layer.select_all(handoff.n_blocks_before)
+        if timer is not None:
+            timer.add("select", t_start, t_select := timer.mark())
         for blocks, keep, keys, values in layer.resident_rounds(selection, decode=q_len == 1):
+            if timer is not None:
+                timer.add("recall", t_select, t_recalled := timer.mark())
             tokens = torch.arange(layer.block_tokens, device=device)
             kv_pos = (blocks[..., None] * layer.block_tokens + tokens).flatten(-2)  # [B, Hs, n*T]
             keep_tokens = keep[..., None].expand(*keep.shape, layer.block_tokens).flatten(-2)
@@ -261,6 +268,10 @@ def offload_attention_forward(
                     k_slice = slice(k_start, k_start + tile)
                     ok = allowed(q_slice, kv_pos[..., k_slice]) & keep_tokens[:, :, None, None, k_slice]
                     acc.add(keys[:, :, k_slice], values[:, :, k_slice], ok, q_slice)
+            if timer is not None:
+                timer.add("attention", t_recalled, t_select := timer.mark())
+    elif timer is not None:
+        t_select = t_start
 
     # Recent tokens (open block and, in prefill, the new chunk): resident, causal tiles.
     recent_k, recent_v = handoff.key, handoff.recent_values
@@ -277,6 +288,8 @@ def offload_attention_forward(
 
     layer.finish_step()
     out = acc.result(sink_logits)  # [B, H, G, Q, D]
+    if timer is not None:
+        timer.add("attention", t_select, timer.mark())
     return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype).contiguous()
 
 

@@ -25,6 +25,7 @@ from .attention import Handoff, enable_offload_attention, leave_handoff
 from .config import OffloadConfig
 from .selectors import Selection, Selector, get_selector
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
+from .timing import PhaseTimer
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
@@ -61,6 +62,8 @@ class OffloadLayer(CacheLayerMixin):
         model_config: the (text) config object of the model the cache was built for.
         admission: returns the cache's :class:`~hf_offload.store.DeviceAdmission` for a device, or ``None``
             (every block offloaded).
+        timer: returns the cache's :class:`~hf_offload.timing.PhaseTimer` for a device (called when timing is on).
+        is_first_offload_layer: whether this layer marks the start of each decode step for the timer.
     """
 
     is_sliding = False
@@ -76,6 +79,8 @@ class OffloadLayer(CacheLayerMixin):
         cache_id: int,
         model_config,
         admission=lambda device: None,
+        timer=lambda device: None,
+        is_first_offload_layer: bool = True,
     ):
         super().__init__()
         self.config = config
@@ -84,10 +89,13 @@ class OffloadLayer(CacheLayerMixin):
         self.block_tokens = config.block_tokens
         self.budget = budget
         self.cache_admission = admission
+        self.cache_timer = timer
+        self.is_first_offload_layer = is_first_offload_layer
         self.cache_id = cache_id
         self.model_config = model_config
         self.model_name = getattr(model_config, "model_type", "?")
         self.stats = LayerStats()
+        self.timer = None  # a PhaseTimer shared by the cache's layers when timing is on
         self.n_tokens = 0
         self.n_blocks = 0
         self._window_insert: tuple[int, torch.Tensor] | None = None
@@ -167,11 +175,15 @@ class OffloadLayer(CacheLayerMixin):
         """
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+            if self.config.timing:
+                self.timer = self.cache_timer(self.device)
         elif key_states.shape[0] != self.batch or key_states.shape[1] != self.kv_heads:
             raise ValueError(
                 f"Layer {self.layer_idx} holds batch {self.batch} x {self.kv_heads} KV heads but got keys of shape "
                 f"{tuple(key_states.shape)}; use a new OffloadCache for a new batch (or call cache.reset())."
             )
+        if self.timer is not None and self.is_first_offload_layer and key_states.shape[-2] == 1:
+            self.timer.step_start()
         first_recent = self.n_blocks * self.block_tokens
         n_before = self.n_blocks
         recent_k = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)
@@ -448,6 +460,7 @@ class OffloadCache(Cache):
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)
         self._admissions: dict[torch.device, DeviceAdmission] = {}
+        self._phase_timer: PhaseTimer | None = None
         layer_types = _layer_types(text_config)
         unsupported = sorted(set(layer_types) - {"full_attention", *_SLIDING_TYPES})
         if unsupported:
@@ -465,9 +478,13 @@ class OffloadCache(Cache):
         layers: list[CacheLayerMixin] = []
         for idx, kind in enumerate(layer_types):
             if kind == "full_attention":
+                first = not any(isinstance(layer, OffloadLayer) for layer in layers)
                 layers.append(
-                    OffloadLayer(config, self.selector, idx, self.host_budget, id(self), text_config, self._admission)
-                )
+                    OffloadLayer(
+                        config, self.selector, idx, self.host_budget, id(self), text_config, self._admission,
+                        self._timer, first,
+                    )
+                )  # fmt: skip
             else:
                 window = text_config.sliding_window if kind == "sliding_attention" else text_config.attention_chunk_size
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
@@ -484,6 +501,12 @@ class OffloadCache(Cache):
             self._admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
         return self._admissions[device]
 
+    def _timer(self, device: torch.device) -> PhaseTimer:
+        """The cache's phase timer (created on first use)."""
+        if self._phase_timer is None:
+            self._phase_timer = PhaseTimer(device)
+        return self._phase_timer
+
     @property
     def offload_layers(self) -> list[OffloadLayer]:
         """The offloaded (full-attention) layers."""
@@ -496,7 +519,9 @@ class OffloadCache(Cache):
             A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
             ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
             ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
-            ``decode_recalled_bytes`` (decode steps only), ``offloaded_bytes``, ``hit_rate`` (share of selected blocks
+            ``decode_recalled_bytes`` (decode steps only), ``offloaded_bytes``, ``timing`` (with
+            ``timing=True``: mean ms per decode step of select, recall, attention, rest and the whole step; else
+            ``None``), ``hit_rate`` (share of selected blocks
             already resident during decode; ``None`` before the first decode step), ``decode_steps`` and
             ``layers`` (the same counters per offloaded layer, keyed by layer index).
         """
@@ -540,6 +565,7 @@ class OffloadCache(Cache):
             "hit_rate": total("hits") / lookups if lookups else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
+            "timing": self._phase_timer.summary() if self._phase_timer is not None else None,
         }
 
     def reset_stats(self) -> None:

@@ -45,6 +45,8 @@ class OffloadConfig:
             output is identical, only the recall traffic differs.
         device_memory_gib: device memory that ``admission="auto"`` may use for blocks, in GiB, for the whole cache.
             ``None``: 80% of the free device memory when the first block is sealed (nothing on CPU-only machines).
+        timing: record per-phase times of decode steps (select, recall, attention, rest; ms per step) into
+            ``cache.stats()["timing"]``.
     """
 
     budget_tokens: int = 2048
@@ -60,6 +62,7 @@ class OffloadConfig:
     transfer: str = "auto"
     admission: str = "always"
     device_memory_gib: float | None = None
+    timing: bool = False
 
     def __post_init__(self) -> None:
         self.validate()

