@@ -28,6 +28,9 @@ sys.path.insert(0, str(REPO))
 from hf_offload import OffloadCache  # noqa: E402
 
 SHAPES = {
+    # a tiny shape for smoke tests on a CPU
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256),
     # Llama-3.2-1B
     "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                      num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0),

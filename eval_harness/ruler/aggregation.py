@@ -97,10 +97,14 @@ def make_cwe_sample(tokenizer, prompt_tokens: int, length: int, rng: random.Rand
     lowest = NUM_COMMON + 1
     per_item = max(1.0, len(encode(tokenizer, _numbered(order[:200]))) / 200)
     guess = int((budget / per_item - NUM_COMMON * common) / other) + NUM_COMMON
-    try:
-        n, _ = fit_count(lambda n: len(context(n)), budget, lowest, max(guess, lowest))
-    except ValueError as err:
-        raise ValueError(f"cwe at {prompt_tokens} prompt tokens: {err}; raise the length") from None
+    smallest = len(context(lowest))
+    if smallest > budget:
+        need = prompt_tokens - budget + smallest
+        raise ValueError(
+            f"cwe needs at least {need} prompt tokens here (a context length of at least {need + CWE_MAX_NEW_TOKENS}): "
+            f"the solved example, the template and the smallest list take {need}; got {prompt_tokens}"
+        )
+    n, _ = fit_count(lambda n: len(context(n)), budget, lowest, max(guess, lowest))
     return {
         "input_ids": compose(frame, before_ids, context(n), after_ids, answer_ids),
         "outputs": order[:NUM_COMMON],
@@ -148,11 +152,11 @@ def make_fwe_sample(
     z = zeta(alpha)
     seed = f"fwe:{rng.getrandbits(64)}"
 
-    def words(scale: int) -> list[str]:
-        out = []
+    def words(scale: int, dots: int = 0) -> list[str]:
+        out = [vocab[0]] * dots  # extra noise words fill the last few tokens (they only add to the noise count)
         for k, word in enumerate(vocab, start=1):
             out += [word] * int(scale * k**-alpha / z)
-        random.Random(f"{seed}:{scale}").shuffle(out)
+        random.Random(f"{seed}:{scale}:{dots}").shuffle(out)
         return out
 
     frame = chat_frame(tokenizer, chat)
@@ -160,18 +164,19 @@ def make_fwe_sample(
     answer_ids = encode(tokenizer, answer_prefix_text(_FWE_PREFIX, frame))
     budget = prompt_tokens - len(frame.head) - len(before_ids) - len(after_ids) - len(frame.tail) - len(answer_ids)
 
-    def context(scale: int) -> list[int]:
-        return encode(tokenizer, " " + " ".join(words(scale)))
+    def context(scale: int, dots: int = 0) -> list[int]:
+        return encode(tokenizer, " " + " ".join(words(scale, dots)))
 
     lowest = int(4**alpha * z) + 1  # the 4th word (the last answer) appears at least once
     per_word = max(1.0, len(context(400)) / max(len(words(400)), 1))
     try:
-        scale, _ = fit_count(lambda s: len(context(s)), budget, lowest, int(budget / per_word))
+        scale, size = fit_count(lambda s: len(context(s)), budget, lowest, int(budget / per_word))
     except ValueError as err:
         raise ValueError(f"fwe at {prompt_tokens} prompt tokens: {err}; raise the length") from None
+    dots, _ = fit_count(lambda d: len(context(scale, d)), budget, 0, budget - size)
     return {
-        "input_ids": compose(frame, before_ids, context(scale), after_ids, answer_ids),
+        "input_ids": compose(frame, before_ids, context(scale, dots), after_ids, answer_ids),
         "outputs": vocab[1:4],
         "vocab_size": vocab_size,
-        "num_words": len(words(scale)),
+        "num_words": len(words(scale, dots)),
     }
