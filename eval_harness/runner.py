@@ -382,6 +382,7 @@ def run_study(
         "suite_info": suite.info(task_names),
         "generation": {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "batch_size": batch_size,
                        "prefill_chunk_size": prefill_chunk_size, "max_new_tokens_cap": max_new_tokens},
+        "budgets": {"methods": methods, "budgets": [b.spec for b in parsed], "budget_min_tokens": budget_min_tokens},
     }  # fmt: skip
     writer = ResultWriter(results_dir, study, header)
     bar = _Progress(total, progress, study)
@@ -415,7 +416,8 @@ def run_study(
                         traceback.print_exc()
                         failed += len(batch)
                         for s in batch:
-                            writer.write({"type": "error", **base, "sample_id": s["id"], "error": f"{type(err).__name__}: {err}"})
+                            error = f"{type(err).__name__}: {err}"
+                            writer.write({"type": "error", **base, "sample_id": s["id"], "error": error})
                         _free_memory()
                         bar.update(len(batch), f"{task} {length} {method}: error")
                         continue

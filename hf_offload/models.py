@@ -30,6 +30,7 @@ import argparse
 import difflib
 import hashlib
 import importlib.metadata
+import inspect
 import json
 import logging
 import os
@@ -537,16 +538,60 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     src_dir, filename = str(gguf_path.parent), gguf_path.name
     torch_dtype = getattr(torch, _dtype_name(dtype))
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=filename, dtype=torch_dtype)
-    # The weights are fully dequantized on load, but the model still carries the GGUF quantizer, and
-    # save_pretrained refuses it ("The model is quantized with gguf and is not serializable").
+    model = AutoModelForCausalLM.from_pretrained(
+        src_dir, gguf_file=filename, dtype=torch_dtype, **_dequantize_kwargs()
+    )
+    # The weights are dequantized on load, but the model still carries the GGUF quantizer, and save_pretrained
+    # refuses it ("The model is quantized with gguf and is not serializable").
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    packed = sorted(
+        [name for name, t in model.named_parameters() if not t.is_floating_point()]
+        + [name for name, m in model.named_modules() if type(m).__name__.lower().startswith("gguf")]
+    )
+    if packed:
+        raise RuntimeError(
+            f"transformers {_version('transformers')} left {len(packed)} weights of {gguf_path.name} packed in GGUF "
+            f"blocks (e.g. {packed[0]}), so they cannot be saved as a dense checkpoint. Use a transformers release "
+            f"from 5.17.0 to 5.24.0 (the range this was tested with)."
+        )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
+    _fix_permissions(out_dir)
+
+
+def _dequantize_kwargs() -> dict[str, Any]:
+    """``from_pretrained`` arguments that make transformers unpack every GGUF weight into a dense tensor.
+
+    Newer transformers keep quantized GGUF weights packed when a matmul kernel is installed (``kernels``); a packed
+    model cannot be saved as a dense checkpoint, so ask for dequantization explicitly where the option exists.
+    """
+    try:
+        from transformers import GgufConfig
+    except ImportError:
+        return {}
+    if "dequantize" not in inspect.signature(GgufConfig.__init__).parameters:
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _fix_permissions(folder: Path) -> None:
+    """Give the written files the permissions of the umask (some writers create them private, 0600)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -698,10 +743,6 @@ def fetch(
 
 
 def _marker_for(spec: ModelSpec, dtype: str, seconds: float) -> dict[str, Any]:
-    try:
-        transformers_version = importlib.metadata.version("transformers")
-    except importlib.metadata.PackageNotFoundError:
-        transformers_version = None
     return {
         "format": MARKER_FORMAT,
         "name": spec.name,
@@ -710,7 +751,8 @@ def _marker_for(spec: ModelSpec, dtype: str, seconds: float) -> dict[str, Any]:
         "gguf_bytes": spec.gguf_bytes,
         "dtype": dtype,
         "parts": list(spec.requirements),
-        "transformers": transformers_version,
+        "transformers": _version("transformers"),
+        "gguf": _version("gguf"),
         "convert_seconds": round(seconds, 1),
         "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

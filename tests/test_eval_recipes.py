@@ -1,0 +1,90 @@
+"""Recipes: defaults < YAML < --set overrides, typed validation, clear errors; the shipped recipes load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from eval_harness.cli import main
+from eval_harness.recipes import RECIPES_DIR, Recipe, load_recipe, parse_override, valid_keys
+
+BASE = "study: demo\nsuite: ruler\nmodel: some/model\n"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", sorted(RECIPES_DIR.glob("*.yaml")), ids=lambda p: p.stem)
+def test_shipped_recipes_load(path):
+    recipe = load_recipe(path)
+    assert recipe.study == path.stem
+    assert recipe.suite in ("ruler", "longbench", "longbench_e")
+    assert "dense" in recipe.methods and recipe.budgets == ["1/16"] and recipe.budget_min_tokens == 512
+
+
+def test_ruler_recipe_is_the_issue_study():
+    recipe = load_recipe("ruler_qwen05")  # a bare name resolves to recipes/ruler_qwen05.yaml
+    assert recipe.model == "Qwen/Qwen2.5-Coder-0.5B-Instruct"
+    assert recipe.lengths == [4096, 8192, 16384, 32768]
+    assert recipe.methods == ["dense", "solohead", "headwise", "streaming"]
+    assert recipe.samples == 50
+
+
+def test_precedence_defaults_yaml_overrides(tmp_path):
+    path = write(tmp_path, BASE + "samples: 7\nlengths: [4K, 8192]\n")
+    recipe = load_recipe(path)
+    assert recipe.samples == 7  # YAML over default (50)
+    assert recipe.batch_size == 1  # default
+    assert recipe.lengths == [4096, 8192]
+    recipe = load_recipe(path, ["samples=3", "chat=false", "budgets=['1/8', 1024]", "offload.block_tokens=32"])
+    assert recipe.samples == 3 and recipe.chat is False  # override over YAML
+    assert recipe.budgets == ["1/8", 1024]
+    assert recipe.offload == {"block_tokens": 32}
+    assert load_recipe(path, ["data=null"]).data is None
+
+
+def test_unknown_keys_list_the_valid_ones(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown recipe key\(s\) 'sample'.*valid keys: study, suite, model"):
+        load_recipe(write(tmp_path, BASE + "sample: 3\n"))
+    with pytest.raises(ValueError, match="unknown recipe key.*'lenghts'.*valid keys"):
+        load_recipe(write(tmp_path, BASE), ["lenghts=[1024]"])
+    assert "budget_min_tokens" in valid_keys()
+
+
+def test_type_and_value_errors(tmp_path):
+    path = write(tmp_path, BASE)
+    with pytest.raises(ValueError, match="'samples' must be an integer or null"):
+        load_recipe(path, ["samples=many"])
+    with pytest.raises(ValueError, match="suite must be one of ruler, longbench, longbench_e"):
+        load_recipe(path, ["suite=needle"])
+    with pytest.raises(ValueError, match="bad budget '1/0'"):
+        load_recipe(path, ["budgets=['1/0']"])
+    with pytest.raises(ValueError, match="a share must lie in"):
+        load_recipe(path, ["budgets=['3/2']"])
+    with pytest.raises(ValueError, match="like '4K'"):
+        load_recipe(path, ["lengths=[four]"])
+    with pytest.raises(ValueError, match="key=value"):
+        parse_override("samples")
+    with pytest.raises(ValueError, match="lacks the required key.*model"):
+        load_recipe({"study": "x", "suite": "ruler"})
+    with pytest.raises(FileNotFoundError, match="shipped recipes: .*ruler_qwen05"):
+        load_recipe("no_such_recipe")
+
+
+def test_recipe_from_dict_and_dump():
+    recipe = load_recipe({"study": "s", "suite": "longbench_e", "model": "m", "samples": None})
+    assert isinstance(recipe, Recipe) and recipe.samples is None
+    assert recipe.to_dict()["suite"] == "longbench_e"
+
+
+def test_cli_dry_run_and_errors(tmp_path, capsys):
+    path = write(tmp_path, BASE)
+    assert main([str(path), "--set", "samples=2", "--dry-run"]) == 0
+    assert json.loads(capsys.readouterr().out)["samples"] == 2
+    assert main([str(path), "--set", "colour=blue"]) == 2
+    assert "valid keys" in capsys.readouterr().err
