@@ -190,7 +190,8 @@ def _describe(hint) -> str:
 def _unknown(keys, where: str) -> None:
     bad = sorted(set(keys) - set(valid_keys()))
     if bad:
-        raise ValueError(f"unknown recipe key(s) {', '.join(map(repr, bad))} in {where}; valid keys: {', '.join(valid_keys())}")
+        names = ", ".join(map(repr, bad))
+        raise ValueError(f"unknown recipe key(s) {names} in {where}; valid keys: {', '.join(valid_keys())}")
 
 
 def parse_override(text: str) -> tuple[str, object]:

@@ -222,7 +222,7 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------------------------------- generation
-def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, prefill_chunk_size) -> tuple[list, float]:
+def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, prefill_chunk_size):
     """Greedy generation for a batch of samples (left padding); returns the new token ids per sample and seconds."""
     import torch
 
@@ -403,8 +403,10 @@ def run_study(
                         n_new = min(n_new, max_new_tokens)
                     context = max(len(s["input_ids"]) for s in batch) + n_new
                     budget_tokens = None if budget is None else budget.resolve(context)
-                    base = {"study": study, "suite": suite.name, "task": task, "length": length, "method": method,
-                            "budget": None if budget is None else budget.spec, "budget_tokens": budget_tokens}  # fmt: skip
+                    base = {
+                        "study": study, "suite": suite.name, "task": task, "length": length, "method": method,
+                        "budget": None if budget is None else budget.spec, "budget_tokens": budget_tokens,
+                    }  # fmt: skip
                     try:
                         cache = make_cache(method, budget_tokens)
                         new_ids, seconds = _generate(model, tokenizer, batch, cache, n_new, prefill_chunk_size)

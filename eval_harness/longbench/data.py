@@ -3,7 +3,8 @@
 A source is one of:
 
 * a folder holding ``{dataset}.jsonl`` / ``{dataset}_e.jsonl`` (directly or under ``data/``, as in the release zip);
-* a ``.zip`` file or URL (the release's ``data.zip``, :data:`~eval_harness.longbench.config.DATA_URL`);
+* a ``.zip`` file or URL (the release's ``data.zip``, :data:`~eval_harness.longbench.config.DATA_URL`; a zip URL is
+  downloaded once into ``$HF_OFFLOAD_CACHE`` or ``~/.cache/hf_offload``);
 * an ``http(s)://`` URL of a folder holding the jsonl files.
 
 With the optional ``datasets`` package the files are read through ``datasets.load_dataset("json", data_files=...)``
@@ -13,9 +14,13 @@ With the optional ``datasets`` package the files are read through ``datasets.loa
 from __future__ import annotations
 
 import functools
+import hashlib
 import io
 import json
+import os
+import shutil
 import urllib.request
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -39,7 +44,9 @@ def locate(source: str | None, task: str, e: bool) -> tuple[str, str | None]:
     source = DATA_URL if source is None else str(source)
     name = _file_name(task, e)
     if source.endswith(".zip"):
-        if not _is_url(source) and not Path(source).is_file():
+        if _is_url(source):
+            source = str(cached_download(source))
+        elif not Path(source).is_file():
             raise FileNotFoundError(f"LongBench zip {source} does not exist; point `data` at the release's data.zip")
         return source, f"data/{name}"
     if _is_url(source):
@@ -84,6 +91,24 @@ def _download(url: str) -> bytes:
         return response.read()
 
 
+def cache_dir() -> Path:
+    """Where downloaded zips are kept: ``$HF_OFFLOAD_CACHE`` or ``~/.cache/hf_offload``."""
+    return Path(os.environ.get("HF_OFFLOAD_CACHE") or Path.home() / ".cache" / "hf_offload")
+
+
+def cached_download(url: str) -> Path:
+    """Download ``url`` once into :func:`cache_dir` (a later call reuses the file) and return the local path."""
+    digest = hashlib.sha256(url.encode()).hexdigest()[:16]
+    path = cache_dir() / "longbench" / f"{digest}-{Path(url.split('?')[0]).name}"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(path.suffix + ".part")
+        with urllib.request.urlopen(url, timeout=600) as response, partial.open("wb") as f:
+            shutil.copyfileobj(response, f, length=1 << 20)
+        partial.replace(path)
+    return path
+
+
 def _read_stdlib(location: str, member: str | None) -> list[dict]:
     where = f"{location}::{member}" if member else location
     if member is not None:
@@ -120,5 +145,14 @@ def load_records(source: str | None, task: str, e: bool = False, use_datasets: b
             use_datasets = True
         except ImportError:
             use_datasets = False
-    records = _read_datasets(location, member) if use_datasets else _read_stdlib(location, member)
+    records = None
+    if use_datasets:
+        try:
+            records = _read_datasets(location, member)
+        except ImportError as err:  # e.g. fsspec's HTTP file system needs aiohttp, which datasets may not pull in
+            if not _is_url(location):
+                raise
+            warnings.warn(f"datasets could not read {location} ({err}); reading it with the standard library", stacklevel=2)
+    if records is None:
+        records = _read_stdlib(location, member)
     return _check(records, f"{location}::{member}" if member else location)

@@ -25,7 +25,9 @@ def middle_truncate(tokenizer, text: str, max_input_tokens: int) -> tuple[str, b
     return head + tail, True
 
 
-def build_prompt(tokenizer, task: str, record: dict, max_input_tokens: int, chat: bool = True) -> tuple[list[int], bool]:
+def build_prompt(
+    tokenizer, task: str, record: dict, max_input_tokens: int, chat: bool = True
+) -> tuple[list[int], bool]:
     """Token ids of one LongBench prompt and whether the middle was cut.
 
     Args:

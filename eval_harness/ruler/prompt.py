@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 _SENTINEL = "\u2063RULER_USER_CONTENT\u2063"
-_frames: dict[tuple[int, bool], tuple[weakref.ref, "ChatFrame"]] = {}
+_frames: dict[tuple[int, bool], tuple[weakref.ref, object]] = {}
 
 
 def encode(tokenizer, text: str) -> list[int]:
@@ -118,7 +118,7 @@ class Assembly:
 
 
 def assemble(units: Iterator[list[int]], fill_tokens: int, signals: list[tuple[float, list[int]]]) -> Assembly:
-    """Fill ``fill_tokens`` haystack tokens from ``units`` and insert each signal at the unit boundary nearest its depth.
+    """Fill ``fill_tokens`` haystack tokens from ``units``; insert each signal at the unit boundary nearest its depth.
 
     Args:
         units: an endless iterator of haystack units (token id lists); the last unit taken is cut at token level so

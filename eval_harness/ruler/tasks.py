@@ -89,13 +89,14 @@ def get_task(name: str) -> RulerTask:
 
 
 def _builder(task: RulerTask) -> Callable:
+    """``build(tokenizer, prompt_tokens, length, rng, chat, depths) -> sample`` for one task."""
     if task.family == "niah":
-        return lambda tok, prompt, length, rng, chat, depths: make_niah_sample(tok, task.niah, prompt, rng, chat, depths)
+        return lambda tok, prompt, length, rng, chat, d: make_niah_sample(tok, task.niah, prompt, rng, chat, d)
     if task.family == "variable_tracking":
-        return lambda tok, prompt, length, rng, chat, depths: make_vt_sample(tok, prompt, rng, chat, depths=depths)
+        return lambda tok, prompt, length, rng, chat, d: make_vt_sample(tok, prompt, rng, chat, depths=d)
     if task.family == "common_words_extraction":
-        return lambda tok, prompt, length, rng, chat, depths: make_cwe_sample(tok, prompt, length, rng, chat)
-    return lambda tok, prompt, length, rng, chat, depths: make_fwe_sample(tok, prompt, rng, chat)
+        return lambda tok, prompt, length, rng, chat, d: make_cwe_sample(tok, prompt, length, rng, chat)
+    return lambda tok, prompt, length, rng, chat, d: make_fwe_sample(tok, prompt, rng, chat)
 
 
 def make_ruler_samples(
@@ -127,7 +128,9 @@ def make_ruler_samples(
     """
     spec = get_task(task)
     if isinstance(length, bool) or not isinstance(length, int) or length <= spec.max_new_tokens:
-        raise ValueError(f"length must be an integer above {spec.max_new_tokens} (the task's new tokens); got {length!r}")
+        raise ValueError(
+            f"length must be an integer above {spec.max_new_tokens} (the task's new tokens); got {length!r}"
+        )
     if n < 1:
         raise ValueError(f"n must be at least 1, got {n}")
     if depths is not None and len(depths) != n:

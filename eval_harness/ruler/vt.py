@@ -83,7 +83,7 @@ def make_vt_sample(
     frame = chat_frame(tokenizer, chat)
     # The solved example (RULER's one-shot example), inside the user message before the task.
     ex_budget = min(EXAMPLE_TOKENS, prompt_tokens // 4)
-    ex_chains, ex_values, ex_before, ex_after, ex_prefix, ex_signals = _body(
+    ex_chains, _, ex_before, ex_after, ex_prefix, ex_signals = _body(
         tokenizer, rng, num_chains, num_hops, 3, None
     )
     ex_before_ids = encode(tokenizer, ex_before)
