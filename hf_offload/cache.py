@@ -24,6 +24,7 @@ from . import transfer
 from .attention import Handoff, enable_offload_attention, leave_handoff
 from .config import OffloadConfig
 from .selectors import Selection, Selector, get_selector
+from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
 from .timing import PhaseTimer
 
@@ -271,7 +272,12 @@ class OffloadLayer(CacheLayerMixin):
         forced = (idx >= start) & (idx < start + self.config.sink_blocks)
         forced |= idx >= n - self.config.window_blocks
         summaries = {name: s[:, :n] for name, s in self.summaries.items()}
-        return self.selector.select(query, summaries, scaling, k, forced & valid, valid)
+        selection = self.selector.select(query, summaries, scaling, k, forced & valid, valid)
+        cap = self.config.transfer_cap_blocks
+        if cap is not None and selection.scores is not None:
+            resident = resident_blocks(self.pool.block, selection.blocks.shape[1], n)
+            selection = cap_transfers(selection, resident, cap, self.config.transfer_cap_margin)
+        return selection
 
     def resident_rounds(
         self, selection: Selection, decode: bool

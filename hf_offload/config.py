@@ -45,6 +45,10 @@ class OffloadConfig:
             output is identical, only the recall traffic differs.
         device_memory_gib: device memory that ``admission="auto"`` may use for blocks, in GiB, for the whole cache.
             ``None``: 80% of the free device memory when the first block is sealed (nothing on CPU-only machines).
+        transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer; beyond it a
+            resident block within ``transfer_cap_margin`` of a missing block's score is attended instead (NOSA's
+            locality idea). ``None``: no cap.
+        transfer_cap_margin: relative score margin of the transfer cap.
         timing: record per-phase times of decode steps (select, recall, attention, rest; ms per step) into
             ``cache.stats()["timing"]``.
     """
@@ -62,6 +66,8 @@ class OffloadConfig:
     transfer: str = "auto"
     admission: str = "always"
     device_memory_gib: float | None = None
+    transfer_cap_blocks: int | None = None
+    transfer_cap_margin: float = 0.1
     timing: bool = False
 
     def __post_init__(self) -> None:
@@ -111,6 +117,11 @@ class OffloadConfig:
             raise ValueError(f"host_memory_gib must be positive or None, got {self.host_memory_gib!r}.")
         if self.transfer not in ("auto", "kernel", "torch"):
             raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
+        cap = self.transfer_cap_blocks
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int) or cap < 0):
+            raise ValueError(f"transfer_cap_blocks must be a non-negative integer or None, got {cap!r}.")
+        if not self.transfer_cap_margin >= 0:
+            raise ValueError(f"transfer_cap_margin must be >= 0, got {self.transfer_cap_margin!r}.")
         if self.admission not in ("always", "auto"):
             raise ValueError(f"admission must be 'always' or 'auto', got {self.admission!r}.")
         if self.device_memory_gib is not None and not self.device_memory_gib >= 0:

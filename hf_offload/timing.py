@@ -30,7 +30,8 @@ class PhaseTimer:
         self.pending: list[tuple[str, object, object]] = []
         self.totals_ms: dict[str, float] = defaultdict(float)
         self.step_marks: list[object] = []
-        self.steps = 0
+        self.steps = 0  # complete step-to-step spans
+        self.started = 0  # decode steps begun (phases are averaged over these)
 
     def mark(self) -> object:
         """A point in time on the current stream."""
@@ -47,6 +48,7 @@ class PhaseTimer:
     def step_start(self) -> None:
         """Mark the start of a decode step (called by the first offloaded layer)."""
         self.step_marks.append(self.mark())
+        self.started += 1
 
     def _elapsed_ms(self, start, end) -> float:
         return start.elapsed_time(end) if self.cuda else (end - start) * 1e3
@@ -65,7 +67,8 @@ class PhaseTimer:
         self.step_marks = self.step_marks[-1:]
         if not self.steps:
             return {}
-        out = {f"{phase}_ms": self.totals_ms[phase] / self.steps for phase in (*PHASES, "step")}
+        out = {f"{phase}_ms": self.totals_ms[phase] / self.started for phase in PHASES}
+        out["step_ms"] = self.totals_ms["step"] / self.steps
         out["rest_ms"] = out["step_ms"] - sum(out[f"{phase}_ms"] for phase in PHASES)
         out["timed_steps"] = self.steps
         return out

@@ -176,3 +176,39 @@ def test_timing_reports_phases_per_decode_step(model):
         assert timing[phase] > 0
     assert timing["step_ms"] >= timing["select_ms"] + timing["recall_ms"] + timing["attention_ms"]
     assert OffloadCache(model).stats()["timing"] is None
+
+
+def test_transfer_cap_swaps_lowest_misses_for_close_resident_blocks():
+    from hf_offload.selectors import Selection
+    from hf_offload.selectors.transfer_cap import cap_transfers, resident_blocks
+
+    inf = float("inf")
+    #           block: 0     1    2    3    4    5    6    7
+    scores = torch.tensor([[[inf, 5.0, 4.0, 3.0, 2.9, 2.0, 1.0, inf]]])
+    selection = Selection(blocks=torch.tensor([[[0, 7, 1, 2, 3]]]), keep=torch.ones(1, 1, 5, dtype=torch.bool),
+                          scores=scores)
+    slot_blocks = torch.tensor([[[4, 6, -1, 0]]])  # blocks 4, 6 and 0 resident; one empty slot
+    resident = resident_blocks(slot_blocks, 1, 8)
+    assert resident[0, 0].tolist() == [True, False, False, False, True, False, True, False]
+    capped = cap_transfers(selection, resident, cap_blocks=2, margin=0.1)
+    chosen = set(capped.blocks[0, 0][capped.keep[0, 0]].tolist())
+    # Misses 1, 2, 3, 7 (7 is forced, never swapped); one over the cap: the lowest miss (3, score 3.0) is replaced
+    # by resident block 4 (2.9 >= 3.0 - 0.3). Block 6 (1.0) is too far from any miss.
+    assert chosen == {0, 7, 1, 2, 4}
+    none = cap_transfers(selection, resident, cap_blocks=0, margin=0.0)
+    assert set(none.blocks[0, 0][none.keep[0, 0]].tolist()) == {0, 7, 1, 2, 3}  # no resident block is close enough
+
+
+def test_transfer_cap_bounds_recall_in_generate(model):
+    from .conftest import left_padded
+
+    ids, mask = left_padded([150, 120], seed=8)
+    recalled = {}
+    for cap in (None, 0):
+        cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8,
+                             transfer_cap_blocks=cap, transfer_cap_margin=1e9)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        recalled[cap] = cache.stats()["decode_recalled_blocks"]
+    # With a cap of 0 and an unbounded margin only forced blocks (sink, window) are ever recalled.
+    assert recalled[0] < recalled[None]

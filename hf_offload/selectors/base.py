@@ -22,10 +22,13 @@ class Selection:
             ``heads_or_1`` is 1 when one selection is shared by all KV heads of the layer (SoloHead).
         keep: which entries of ``blocks`` are attended, same shape, dtype ``torch.bool``. Entries not kept
             (padding-only blocks, or scores of ``-inf``) are neither recalled nor attended.
+        scores: the scores the choice was made from, shape ``[batch, heads_or_1, n_blocks]``, float32 (``+inf``
+            for forced blocks, ``-inf`` for blocks never to attend); ``None`` when every block is selected.
     """
 
     blocks: torch.Tensor
     keep: torch.Tensor
+    scores: torch.Tensor | None = None
 
 
 class Selector:
@@ -96,7 +99,7 @@ class Selector:
         scores = scores.masked_fill(forced[:, None, :], float("inf"))
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         top = scores.topk(k, dim=-1)
-        return Selection(blocks=top.indices, keep=top.values > float("-inf"))
+        return Selection(blocks=top.indices, keep=top.values > float("-inf"), scores=scores)
 
 
 def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

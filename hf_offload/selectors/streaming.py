@@ -24,4 +24,4 @@ class StreamingSelector(Selector):
         """Sink and window blocks only (see :meth:`Selector.select` for the arguments)."""
         scores = torch.zeros(forced.shape, device=forced.device).masked_fill(~(forced & valid), float("-inf"))
         top = scores[:, None, :].topk(k, dim=-1)
-        return Selection(blocks=top.indices, keep=top.values > float("-inf"))
+        return Selection(blocks=top.indices, keep=top.values > float("-inf"), scores=scores[:, None, :])
