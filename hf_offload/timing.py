@@ -27,11 +27,11 @@ class PhaseTimer:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.pending: list[tuple[str, object, object]] = []
+        self.pending: list[tuple[int, str, object, object]] = []  # (step number, phase, start, end)
         self.totals_ms: dict[str, float] = defaultdict(float)
         self.step_marks: list[object] = []
         self.steps = 0  # complete step-to-step spans
-        self.started = 0  # decode steps begun (phases are averaged over these)
+        self.started = 0  # decode steps begun
 
     def mark(self) -> object:
         """A point in time on the current stream."""
@@ -42,8 +42,8 @@ class PhaseTimer:
         return time.perf_counter()
 
     def add(self, phase: str, start: object, end: object) -> None:
-        """Attribute the span ``start``..``end`` to ``phase``."""
-        self.pending.append((phase, start, end))
+        """Attribute the span ``start``..``end`` to ``phase`` of the current decode step."""
+        self.pending.append((self.started, phase, start, end))
 
     def step_start(self) -> None:
         """Mark the start of a decode step (called by the first offloaded layer)."""
@@ -57,18 +57,19 @@ class PhaseTimer:
         """Mean milliseconds per decode step of each phase, of the whole step, and of the rest."""
         if self.cuda and (self.pending or self.step_marks):
             torch.cuda.synchronize()
-        for phase, start, end in self.pending:
+        # Only complete steps count (those followed by another step's start), for the phases and the step alike,
+        # so that step = select + recall + attention + rest holds for every step counted.
+        done = [entry for entry in self.pending if entry[0] < self.started]
+        self.pending = [entry for entry in self.pending if entry[0] >= self.started]
+        for _, phase, start, end in done:
             self.totals_ms[phase] += self._elapsed_ms(start, end)
-        self.pending.clear()
-        # Complete steps only: the span from each step start to the next.
         for start, end in zip(self.step_marks, self.step_marks[1:]):
             self.totals_ms["step"] += self._elapsed_ms(start, end)
             self.steps += 1
         self.step_marks = self.step_marks[-1:]
         if not self.steps:
             return {}
-        out = {f"{phase}_ms": self.totals_ms[phase] / self.started for phase in PHASES}
-        out["step_ms"] = self.totals_ms["step"] / self.steps
+        out = {f"{phase}_ms": self.totals_ms[phase] / self.steps for phase in (*PHASES, "step")}
         out["rest_ms"] = out["step_ms"] - sum(out[f"{phase}_ms"] for phase in PHASES)
         out["timed_steps"] = self.steps
         return out
