@@ -1,10 +1,10 @@
 """``eval RECIPE [--set key=value ...]``: run a study from a recipe and write its report.
 
-Usage (until it is wired into the ``hf-offload`` command)::
+Usage (``hf-offload eval`` and ``python -m eval_harness`` are the same command)::
 
-    python -m eval_harness recipes/ruler_qwen05.yaml --set model=/models/qwen05 --set samples=10
-    python -m eval_harness ruler_qwen05 --dry-run          # show the resolved recipe and stop
-    python -m eval_harness ruler_qwen05 --report-only      # regenerate docs/results/ruler_qwen05.md
+    hf-offload eval recipes/ruler_qwen05.yaml --set model=/models/qwen05 --set samples=10
+    hf-offload eval ruler_qwen05 --dry-run          # show the resolved recipe and stop
+    hf-offload eval ruler_qwen05 --report-only      # regenerate docs/results/ruler_qwen05.md
 
 This module loads the model with transformers' Auto classes and builds the caches (``dense``: ``DynamicCache``;
 any other method: ``hf_offload.OffloadCache(model, budget_tokens=budget, selector=method, **recipe.offload)``); the
@@ -32,6 +32,15 @@ def load_model(recipe: Recipe):
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     else:
         dtype = getattr(torch, recipe.dtype)
+    if not recipe.gguf_file and not recipe.tokenizer:
+        # Registry names of hf_offload.models (e.g. "qwen05") are fetched and converted once; any other name or
+        # path goes to from_pretrained unchanged.
+        from hf_offload import models
+
+        model, tokenizer = models.load(
+            recipe.model, dtype=dtype, device=device, attn_implementation=recipe.attn_implementation
+        )
+        return model.eval(), tokenizer
     extra = {"gguf_file": recipe.gguf_file} if recipe.gguf_file else {}
     tokenizer = AutoTokenizer.from_pretrained(recipe.tokenizer or recipe.model, **extra)
     model = AutoModelForCausalLM.from_pretrained(
@@ -77,6 +86,12 @@ def build_suite(recipe: Recipe, tokenizer):
 
 def run_recipe(recipe: Recipe, model=None, tokenizer=None, make_cache=None, progress: bool = True, fail_fast=False):
     """Run a study (loading the model unless given) and write its report; returns the run summary."""
+    if make_cache is None:
+        from hf_offload import get_selector
+
+        for method in recipe.methods:
+            if method != "dense":
+                get_selector(method)  # an unknown method fails here, before the model loads
     if model is None:
         model, tokenizer = load_model(recipe)
     suite = build_suite(recipe, tokenizer)
@@ -125,7 +140,11 @@ def main(argv=None) -> int:
         print(json.dumps(recipe.to_dict(), indent=1))
         return 0
     if not args.report_only:
-        summary = run_recipe(recipe, fail_fast=args.fail_fast)
+        try:
+            summary = run_recipe(recipe, fail_fast=args.fail_fast)
+        except ValueError as err:  # settings that only the suite or the library can check
+            print(f"eval: {err}", file=sys.stderr)
+            return 2
         print(f"{recipe.study}: ran {summary.ran}, skipped {summary.skipped} (done before), failed {summary.failed}; "
               f"results in {summary.path or 'no new file'}")  # fmt: skip
     if not args.no_report:

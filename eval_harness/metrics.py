@@ -83,9 +83,7 @@ def normalize_answer(s: str) -> str:
     return " ".join(s.split())
 
 
-_ZH_PUNCTUATION = (
-    "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
-)
+_ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."  # noqa: E501 (data)
 
 
 def normalize_zh_answer(s: str) -> str:
@@ -295,7 +293,7 @@ def longbench_score(dataset: str, prediction: str, answers: Sequence[str], all_c
         answers: the sample's reference answers.
         all_classes: the sample's class names (classification datasets).
     """
-    name = dataset[:-2] if dataset.endswith("_e") else dataset
+    name = dataset.removesuffix("_e")
     if name not in LONGBENCH_METRICS:
         raise ValueError(f"unknown LongBench dataset {dataset!r}; choose from {', '.join(LONGBENCH_METRICS)}")
     if name in FIRST_LINE_DATASETS:

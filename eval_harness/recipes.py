@@ -126,6 +126,22 @@ class Recipe:
 
         for b in self.budgets:
             parse_budget(b, self.budget_min_tokens)
+        if self.tasks != "all":
+            self._check_tasks()
+
+    def _check_tasks(self) -> None:
+        if self.suite == "ruler":
+            from .ruler import get_task
+
+            for t in self.tasks:
+                get_task(t)  # raises for unknown tasks and for qa_1 / qa_2 (not built), saying why
+            return
+        from .longbench import LONGBENCH_E_TASKS, LONGBENCH_TASKS
+
+        known = LONGBENCH_E_TASKS if self.suite == "longbench_e" else LONGBENCH_TASKS
+        bad = [t for t in self.tasks if t.removesuffix("_e") not in known]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: not {self.suite} dataset(s); choose from {', '.join(known)}")
 
     def to_dict(self) -> dict:
         """The recipe as plain data (for the results header)."""

@@ -5,8 +5,8 @@ Usage::
     python -m eval_harness.report STUDY [--results results] [--out docs/results] [--no-plot] [--check]
 
 Tables: the mean score (0-100, the suites' published scores) per method and budget, averaged over tasks, per
-context length (LongBench-E: per length bucket); the same per task; the mean time per sample; tasks left out, and
-samples whose last attempt failed. Nothing in the markdown is typed by hand.
+context length (LongBench-E: per length bucket); the same per task; the mean time per sample; the tasks left out;
+and the items whose last attempt failed. Nothing in the markdown is typed by hand.
 """
 
 from __future__ import annotations
@@ -16,15 +16,25 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .runner import item_key, read_study
+from .runner import item_key, read_lines
+
+_METRIC_NOTE = {
+    "ruler": "RULER's string_match_all",
+    "longbench": "the LongBench release's metric per dataset",
+    "longbench_e": "the LongBench release's metric per dataset; buckets by the records' length in words",
+}
 
 
 def _label(method: str, budget) -> str:
     return method if budget is None else f"{method} {budget}"
 
 
-def _fmt(x) -> str:
-    return "-" if x is None else f"{x:.1f}"
+def _fmt(x, digits: int = 1) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _point(p) -> str:
+    return f"{p:,}" if isinstance(p, int) else str(p)
 
 
 def _mean(xs) -> float | None:
@@ -38,131 +48,140 @@ def _bucket(record: dict) -> str:
     return length_bucket(int(record["extra"]["source_length"]))
 
 
-def _load(results_dir, study: str):
-    headers, results = read_study(results_dir, study)
-    latest: dict[tuple, dict] = {}
-    for r in results:  # files in name (= time) order: a later result of the same item wins
-        latest[item_key(r)] = r
-    return headers, list(latest.values())
+def _bucket_rank(name: str) -> int:
+    from .longbench import BUCKETS
+
+    return [b for b, _ in BUCKETS].index(name)
 
 
-def _columns(results: list[dict], headers: list[dict]) -> list[tuple[str, object]]:
-    order: list[str] = []
-    for h in headers:
-        for m in (h.get("budgets") or {}).get("methods", []):
-            if m not in order:
-                order.append(m)
-    combos = {(r["method"], r["budget"]) for r in results}
-    for m, _ in sorted(combos, key=lambda c: (c[0], str(c[1]))):
-        if m not in order:
-            order.append(m)
-    return sorted(combos, key=lambda c: (order.index(c[0]), str(c[1])))
+class _Study:
+    """The latest result per item of a study, its latest header, and the items whose last attempt failed."""
+
+    def __init__(self, results_dir, study: str):
+        lines = read_lines(results_dir, study)
+        self.headers = [x for x in lines if x.get("type") == "header"]
+        latest: dict[tuple, dict] = {}
+        for x in lines:  # files in time order: a later line of the same item wins
+            if x.get("type") in ("result", "error"):
+                latest[item_key(x)] = x
+        self.results = [x for x in latest.values() if x["type"] == "result"]
+        self.failed = [x for x in latest.values() if x["type"] == "error"]
+        if not self.results:
+            raise FileNotFoundError(f"no results for study {study!r} under {Path(results_dir) / study}; run it first")
+        self.header = self.headers[-1] if self.headers else {}
+        self.suite = self.results[0]["suite"]
+        self.by_bucket = self.suite == "longbench_e"
+        self.points = sorted({self.axis(r) for r in self.results}, key=_bucket_rank if self.by_bucket else int)
+        order = list((self.header.get("suite_info") or {}).get("tasks", {}))
+        found = sorted({r["task"] for r in self.results})
+        self.tasks = [t for t in order if t in found] + [t for t in found if t not in order]
+        self.columns = self._columns()
+        scores: dict[tuple, list[float]] = defaultdict(list)
+        for r in self.results:
+            scores[(r["task"], self.axis(r), r["method"], r["budget"])].append(float(r["score"]))
+        self.task_mean = {k: _mean(v) for k, v in scores.items()}
+        self.counts = sorted({len(v) for v in scores.values()})
+
+    def axis(self, record: dict):
+        """The record's column: its length bucket (LongBench-E) or its context length."""
+        return _bucket(record) if self.by_bucket else record["length"]
+
+    def _columns(self) -> list[tuple[str, object]]:
+        order: list[str] = []
+        for h in self.headers:
+            order += [m for m in (h.get("budgets") or {}).get("methods", []) if m not in order]
+        combos = {(r["method"], r["budget"]) for r in self.results}
+        order += sorted({m for m, _ in combos} - set(order))
+        return sorted(combos, key=lambda c: (order.index(c[0]), str(c[1])))
+
+    def average(self, point, method: str, budget) -> tuple[float | None, int]:
+        """Mean over tasks of the task means at one point, and how many tasks have one."""
+        means = [self.task_mean[k] for t in self.tasks if (k := (t, point, method, budget)) in self.task_mean]
+        return _mean(means), len(means)
 
 
 def render(study: str, results_dir="results", plot_file: str | None = None) -> str:
     """The markdown report of a study (``plot_file``: name of a plot image beside it to link, if any)."""
-    headers, results = _load(results_dir, study)
-    if not results:
-        raise FileNotFoundError(f"no results for study {study!r} under {Path(results_dir) / study}; run it first")
-    suite = results[0]["suite"]
-    by_bucket = suite == "longbench_e"
-    cols = _columns(results, headers)
-    tasks = list(dict.fromkeys(r["task"] for r in sorted(results, key=lambda r: r["task"])))
-    first = headers[-1] if headers else {}
-    task_order = list((first.get("suite_info") or {}).get("tasks", {}))
-    tasks = [t for t in task_order if t in tasks] + [t for t in tasks if t not in task_order]
-    axis = (lambda r: _bucket(r)) if by_bucket else (lambda r: r["length"])
-    points = sorted({axis(r) for r in results}, key=lambda x: (str(type(x)), x))
-    if by_bucket:
-        from .longbench import BUCKETS
-
-        points = [b for b, _ in BUCKETS if b in points]
-
-    scores: dict[tuple, list[float]] = defaultdict(list)
-    times: dict[tuple, list[float]] = defaultdict(list)
-    for r in results:
-        scores[(r["task"], axis(r), r["method"], r["budget"])].append(float(r["score"]))
-        times[(r["length"], r["method"], r["budget"])].append(float(r["time_s"]))
-    task_mean = {k: _mean(v) for k, v in scores.items()}
-    counts = sorted({len(v) for v in scores.values()})
-
-    files = sorted({r["_file"] for r in results})
-    commits = sorted({h.get("git_commit") or "unknown" for h in headers})
-    model = first.get("model", {})
-    versions = first.get("versions", {})
-    machine = first.get("machine", {})
-    settings = first.get("settings", {})
-    budgets = first.get("budgets", {})
-    axis_name = "length bucket (words)" if by_bucket else "context length (tokens)"
+    s = _Study(results_dir, study)
+    h = s.header
+    model, versions, machine = h.get("model", {}), h.get("versions", {}), h.get("machine", {})
+    name = (h.get("settings") or {}).get("model") or model.get("name_or_path") or "-"
+    commits = sorted({x.get("git_commit") or "unknown" for x in s.headers}) or ["unknown"]
+    files = sorted({r["_file"] for r in s.results})
+    axis_name = "length bucket (words)" if s.by_bucket else "context length (tokens)"
+    min_tokens = (h.get("budgets") or {}).get("budget_min_tokens", "?")
     lines = [
-        f"# {study}: {suite} (generated)",
+        f"# {study}: {s.suite} (generated)",
         "",
-        f"Generated by `python -m eval_harness.report {study}` from {len(files)} file(s) in `results/{study}/` "
-        f"({len(results)} results). Do not edit by hand.",
+        f"Generated by `python -m eval_harness.report {study}` from {len(files)} file(s) in "
+        f"`{(Path(results_dir) / study).as_posix()}/` ({len(s.results)} results). Do not edit by hand.",
         "",
-        f"Model: `{settings.get('model') or model.get('name_or_path') or '-'}` ({model.get('type')}, "
-        f"{model.get('layers')} layers, {model.get('kv_heads')} KV heads), {model.get('dtype')} on "
-        f"{machine.get('gpu') or model.get('device')}; "
-        f"torch {versions.get('torch')}, transformers {versions.get('transformers')}; git commit(s) "
-        f"{', '.join(c[:12] for c in commits)}.",
+        f"Model: `{name}` ({model.get('type')}, {model.get('layers')} layers, {model.get('kv_heads')} KV heads), "
+        f"{model.get('dtype')} on {machine.get('gpu') or model.get('device')}; torch {versions.get('torch')}, "
+        f"transformers {versions.get('transformers')}; git commit(s) {', '.join(c[:12] for c in commits)}.",
         "",
-        "Scores: mean per-sample score, 0-100 (RULER: string_match_all; LongBench: the release's per-dataset "
-        f"metrics), greedy decoding. Samples per cell: {', '.join(map(str, counts))}. Budgets are per sequence and "
-        f"layer (a share of prompt + answer, at least {budgets.get('budget_min_tokens', '?')} tokens, or tokens).",
+        f"Scores: mean per-sample score, 0-100 ({_METRIC_NOTE.get(s.suite, s.suite)}), greedy decoding. Samples per "
+        f"cell: {', '.join(map(str, s.counts))}. Budgets are per sequence and layer: a share of prompt + answer (at "
+        f"least {min_tokens} tokens), or a number of tokens.",
         "",
         f"## Average over tasks, by {axis_name}",
         "",
-        "| method | " + " | ".join(f"{p:,}" if isinstance(p, int) else str(p) for p in points) + " |",
-        "|---|" + "---:|" * len(points),
+        "| method | " + " | ".join(_point(p) for p in s.points) + " |",
+        "|---|" + "---:|" * len(s.points),
     ]
-    for method, budget in cols:
+    for method, budget in s.columns:
         cells = []
-        for p in points:
-            means = [task_mean[(t, p, method, budget)] for t in tasks if (t, p, method, budget) in task_mean]
-            partial = "" if len(means) == len(tasks) else f" ({len(means)}/{len(tasks)} tasks)"
-            cells.append(_fmt(_mean(means)) + partial)
+        for p in s.points:
+            mean, n = s.average(p, method, budget)
+            cells.append(_fmt(mean) + ("" if n == len(s.tasks) else f" ({n}/{len(s.tasks)} tasks)"))
         lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
     lines += [
         "",
         f"## Per task, by {axis_name}",
         "",
-        "| task | " + axis_name.split(" (")[0] + " | " + " | ".join(_label(m, b) for m, b in cols) + " |",
-        "|---|---:|" + "---:|" * len(cols),
+        f"| task | {axis_name.split(' (')[0]} | " + " | ".join(_label(m, b) for m, b in s.columns) + " |",
+        "|---|---:|" + "---:|" * len(s.columns),
     ]
-    for t in tasks:
-        for p in points:
-            cells = [_fmt(task_mean.get((t, p, m, b))) for m, b in cols]
+    for t in s.tasks:
+        for p in s.points:
+            cells = [_fmt(s.task_mean.get((t, p, m, b))) for m, b in s.columns]
             if any(c != "-" for c in cells):
-                lines.append(f"| {t} | {p:,} | " if isinstance(p, int) else f"| {t} | {p} | ")
-                lines[-1] += " | ".join(cells) + " |"
-    lengths = sorted({r["length"] for r in results})
+                lines.append(f"| {t} | {_point(p)} | " + " | ".join(cells) + " |")
+    times: dict[tuple, list[float]] = defaultdict(list)
+    for r in s.results:
+        times[(r["length"], r["method"], r["budget"])].append(float(r["time_s"]))
+    lengths = sorted({r["length"] for r in s.results})
     lines += [
         "",
         "## Mean time per sample (s)",
         "",
-        "| method | " + " | ".join(f"{x:,}" for x in lengths) + " |",
+        "| method | " + " | ".join(_point(x) for x in lengths) + " |",
         "|---|" + "---:|" * len(lengths),
     ]
-    for method, budget in cols:
-        cells = [_fmt3(_mean(times.get((x, method, budget), []))) for x in lengths]
+    for method, budget in s.columns:
+        cells = [_fmt(_mean(times.get((x, method, budget), [])), 3) for x in lengths]
         lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
-    not_built = (first.get("suite_info") or {}).get("not_built") or {}
-    if not_built:
-        lines += ["", "## Not built", ""] + [f"- `{k}`: {v}" for k, v in not_built.items()]
-    haystack = (first.get("suite_info") or {}).get("essay_haystack")
-    if haystack:
+    if s.failed:
+        groups: dict[tuple, list[dict]] = defaultdict(list)
+        for e in s.failed:
+            groups[(e["task"], e["length"], _label(e["method"], e["budget"]))].append(e)
+        lines += ["", "## Failed (last attempt; rerun the study to retry)", "", "| task | length | method | samples | "
+                  "error |", "|---|---:|---|---:|---|"]  # fmt: skip
+        for (task, length, label), errors in sorted(groups.items()):
+            message = errors[0]["error"].replace("|", "/").replace("\n", " ")[:100]
+            lines.append(f"| {task} | {_point(length)} | {label} | {len(errors)} | {message} |")
+    info = h.get("suite_info") or {}
+    if info.get("not_built"):
+        lines += ["", "## Not built", ""] + [f"- `{k}`: {v}" for k, v in info["not_built"].items()]
+    if info.get("essay_haystack"):
+        hay = info["essay_haystack"]
         lines += [
             "",
-            f"Essay haystack: {haystack['source']} ({haystack['licence']}), Python {haystack['python']}, "
-            f"sha256 {haystack['sha256'][:16]}.",
+            f"Essay haystack: {hay['source']} ({hay['licence']}), Python {hay['python']}, sha256 {hay['sha256'][:16]}.",
         ]
     if plot_file:
         lines += ["", f"![{study}]({plot_file})"]
     return "\n".join(lines) + "\n"
-
-
-def _fmt3(x) -> str:
-    return "-" if x is None else f"{x:.3f}"
 
 
 def plot(study: str, results_dir, path: Path) -> bool:
@@ -174,23 +193,14 @@ def plot(study: str, results_dir, path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    headers, results = _load(results_dir, study)
-    by_bucket = results[0]["suite"] == "longbench_e"
-    axis = _bucket if by_bucket else (lambda r: r["length"])
-    per: dict[tuple, list[float]] = defaultdict(list)
-    for r in results:
-        per[(r["task"], axis(r), r["method"], r["budget"])].append(float(r["score"]))
-    points = sorted({axis(r) for r in results}, key=str if by_bucket else int)
+    s = _Study(results_dir, study)
     fig, ax = plt.subplots(figsize=(6, 4))
-    for method, budget in _columns(results, headers):
-        ys = []
-        for p in points:
-            means = [_mean(v) for (t, q, m, b), v in per.items() if q == p and m == method and b == budget]
-            ys.append(_mean(means))
-        ax.plot([str(p) for p in points], [float("nan") if y is None else y for y in ys], marker="o",
+    for method, budget in s.columns:
+        ys = [s.average(p, method, budget)[0] for p in s.points]
+        ax.plot([_point(p) for p in s.points], [float("nan") if y is None else y for y in ys], marker="o",
                 label=_label(method, budget))  # fmt: skip
-    ax.set_xlabel("length bucket" if by_bucket else "context length (tokens)")
-    ax.set_ylabel("score (average over tasks)")
+    ax.set_xlabel("length bucket (words)" if s.by_bucket else "context length (tokens)")
+    ax.set_ylabel("score, average over tasks")
     ax.set_title(study)
     ax.set_ylim(0, 100)
     ax.grid(alpha=0.3)
@@ -223,14 +233,18 @@ def main(argv=None) -> int:
     p.add_argument("--check", action="store_true", help="exit 1 if the markdown is out of date")
     args = p.parse_args(argv)
     md = Path(args.out) / f"{args.study}.md"
-    if args.check:
-        png = Path(args.out) / f"{args.study}.png"
-        text = render(args.study, args.results, png.name if png.exists() and not args.no_plot else None)
-        if not md.exists() or md.read_text(encoding="utf-8") != text:
-            print(f"{md} is out of date; run python -m eval_harness.report {args.study}", file=sys.stderr)
-            return 1
-        return 0
-    print(f"wrote {write_report(args.study, args.results, args.out, plots=not args.no_plot)}")
+    try:
+        if args.check:
+            png = Path(args.out) / f"{args.study}.png"
+            text = render(args.study, args.results, png.name if png.exists() and not args.no_plot else None)
+            if not md.exists() or md.read_text(encoding="utf-8") != text:
+                print(f"{md} is out of date; run python -m eval_harness.report {args.study}", file=sys.stderr)
+                return 1
+            return 0
+        print(f"wrote {write_report(args.study, args.results, args.out, plots=not args.no_plot)}")
+    except FileNotFoundError as err:
+        print(f"report: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -148,10 +148,13 @@ def item_key(record: dict) -> tuple:
     return (record["task"], int(record["length"]), record["method"], record["budget"], str(record["sample_id"]))
 
 
-def read_study(results_dir, study: str) -> tuple[list[dict], list[dict]]:
-    """Headers and result lines of every jsonl file of a study (files in name order; bad lines reported)."""
+def read_lines(results_dir, study: str) -> list[dict]:
+    """Every line of every jsonl file of a study, files in name (= time) order, each with its ``_file`` name.
+
+    A line that is not valid JSON (a write cut short) is skipped with a warning.
+    """
     folder = Path(results_dir) / study
-    headers, results = [], []
+    lines = []
     for path in sorted(folder.glob("*.jsonl")):
         with path.open(encoding="utf-8") as f:
             for n, line in enumerate(f, start=1):
@@ -163,11 +166,14 @@ def read_study(results_dir, study: str) -> tuple[list[dict], list[dict]]:
                     warnings.warn(f"{path}:{n} is not valid JSON (an interrupted write?); skipped", stacklevel=2)
                     continue
                 record["_file"] = path.name
-                if record.get("type") == "header":
-                    headers.append(record)
-                elif record.get("type") == "result":
-                    results.append(record)
-    return headers, results
+                lines.append(record)
+    return lines
+
+
+def read_study(results_dir, study: str) -> tuple[list[dict], list[dict]]:
+    """Header lines and result lines of a study (see :func:`read_lines`)."""
+    lines = read_lines(results_dir, study)
+    return [x for x in lines if x.get("type") == "header"], [x for x in lines if x.get("type") == "result"]
 
 
 class ResultWriter:
@@ -223,7 +229,12 @@ class _Progress:
 
 # ------------------------------------------------------------------------------------------------------- generation
 def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, prefill_chunk_size):
-    """Greedy generation for a batch of samples (left padding); returns the new token ids per sample and seconds."""
+    """Greedy generation for a batch of samples (left padding).
+
+    Returns:
+        The new token ids of each sample up to (not including) its first stop token (an EOS of the model's
+        generation config, the newline for ``stop_at_newline`` samples, or padding), and the wall time in seconds.
+    """
     import torch
 
     device = next(model.parameters()).device
@@ -269,7 +280,9 @@ def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, p
         out = model.generate(**kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return out[:, width:].tolist(), time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    stop = {*kwargs.get("eos_token_id", eos), pad}
+    return [_trim(row, stop) for row in out[:, width:].tolist()], seconds
 
 
 def _trim(tokens: list[int], stop: set[int]) -> list[int]:
@@ -387,10 +400,6 @@ def run_study(
     writer = ResultWriter(results_dir, study, header)
     bar = _Progress(total, progress, study)
     ran = failed = 0
-    stop = set()
-    for t in (tokenizer.eos_token_id, tokenizer.pad_token_id):
-        if t is not None:
-            stop.add(t)
     try:
         for task, length, pending in plan:
             samples = {s["id"]: s for s in suite.samples(task, length)}
@@ -424,7 +433,6 @@ def run_study(
                         bar.update(len(batch), f"{task} {length} {method}: error")
                         continue
                     for s, ids in zip(batch, new_ids):
-                        ids = _trim(ids, stop)
                         prediction = tokenizer.decode(ids, skip_special_tokens=True)
                         record = {
                             "type": "result",

@@ -52,8 +52,13 @@ def test_load_records_from_zip(tmp_path):
     assert records[0]["answers"] == ["    return total / len(values)"]
 
 
-def test_load_records_from_url(tmp_path):
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(LONGBENCH_DIR))
+def test_load_records_from_url(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_OFFLOAD_CACHE", str(tmp_path / "cache"))
+    with zipfile.ZipFile(tmp_path / "served.zip", "w") as z:
+        z.write(LONGBENCH_DIR / "trec_e.jsonl", "data/trec_e.jsonl")
+    shutil.copytree(LONGBENCH_DIR, tmp_path / "site")
+    shutil.move(tmp_path / "served.zip", tmp_path / "site" / "data.zip")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "site"))
     handler.log_message = lambda *a, **k: None
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -62,6 +67,9 @@ def test_load_records_from_url(tmp_path):
         url = f"http://127.0.0.1:{server.server_address[1]}"
         records = load_records(url, "passage_count", e=True, use_datasets=False)
         assert records[0]["answers"] == ["4"]
+        # a zip URL is downloaded once into the cache, then read from there
+        assert load_records(url + "/data.zip", "trec", e=True, use_datasets=False)[1]["answers"] == ["Date"]
+        assert len(list((tmp_path / "cache" / "longbench").glob("*-data.zip"))) == 1
     finally:
         server.shutdown()
         server.server_close()

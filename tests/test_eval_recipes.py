@@ -68,6 +68,10 @@ def test_type_and_value_errors(tmp_path):
         load_recipe(path, ["budgets=['3/2']"])
     with pytest.raises(ValueError, match="like '4K'"):
         load_recipe(path, ["lengths=[four]"])
+    with pytest.raises(ValueError, match="not built.*SQuAD"):
+        load_recipe(path, ["tasks=[niah_single_1, qa_1]"])
+    with pytest.raises(ValueError, match="dureader: not longbench_e dataset"):
+        load_recipe(path, ["suite=longbench_e", "tasks=[qasper_e, dureader]"])
     with pytest.raises(ValueError, match="key=value"):
         parse_override("samples")
     with pytest.raises(ValueError, match="lacks the required key.*model"):
@@ -88,3 +92,5 @@ def test_cli_dry_run_and_errors(tmp_path, capsys):
     assert json.loads(capsys.readouterr().out)["samples"] == 2
     assert main([str(path), "--set", "colour=blue"]) == 2
     assert "valid keys" in capsys.readouterr().err
+    assert main([str(path), "--set", "methods=[dense, solohaed]"]) == 2  # before any model is loaded
+    assert "Unknown selector 'solohaed'" in capsys.readouterr().err

@@ -4,6 +4,7 @@ metrics recorded, resume, errors, report and the ``eval`` command."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,16 +156,53 @@ def test_correct_answers_score_100_in_batches(tmp_path, tok):
     assert all(r["new_tokens"] == len(tok(" " + ", ".join(r["references"]) + ".")["input_ids"]) for r in results)
 
 
-def test_failures_are_recorded_and_retried(tmp_path, tok, model):
-    def broken(method, budget):
-        raise RuntimeError("out of memory (simulated)")
+def test_plain_progress_without_tqdm(tmp_path, tok, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "tqdm.auto", None)  # import fails -> printed progress lines
+    suite = RulerSuite(tok, samples=2)
+    answers = {tuple(s["input_ids"]): s["outputs"][0] for s in suite.samples("niah_single_1", 1024)}
+    run_study(
+        study="plain", suite=suite, model=EchoModel(tok, answers), tokenizer=tok, make_cache=lambda m, b: None,
+        tasks=["niah_single_1"], lengths=[1024], methods=["dense"], budgets=[], results_dir=tmp_path,
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert "plain: 2 samples to run" in out and "plain: 2/2 niah_single_1 1024 dense" in out
 
-    failed = ruler_run(tmp_path, tok, model, make_cache=broken, tasks=["niah_single_1"], methods=["dense"])
-    assert (failed.ran, failed.failed) == (0, 2)
-    errors = [json.loads(x) for x in failed.path.read_text().splitlines()[1:]]
-    assert [e["type"] for e in errors] == ["error", "error"] and "simulated" in errors[0]["error"]
-    retried = ruler_run(tmp_path, tok, model, tasks=["niah_single_1"], methods=["dense"])
-    assert (retried.ran, retried.skipped) == (2, 0)
+
+def test_full_budget_matches_dense_with_padding_and_chunked_prefill(tmp_path, tok, model):
+    # a budget above every context makes OffloadCache exact: the same greedy tokens as DynamicCache, here with
+    # left-padded batches of two prompts of different lengths and a chunked prefill
+    suite = LongBenchSuite(tok, data=str(LONGBENCH_DIR), e=True, use_datasets=False)
+    run_study(
+        study="exact", suite=suite, model=model, tokenizer=tok, make_cache=cache_factory(model),
+        tasks=["hotpotqa", "trec"], lengths=[300], methods=["dense", "solohead"], budgets=[4096],
+        results_dir=tmp_path, max_new_tokens=5, batch_size=2, prefill_chunk_size=128, progress=False,
+    )  # fmt: skip
+    _, results = read_study(tmp_path, "exact")
+    preds = {(r["sample_id"], r["method"]): r["prediction"] for r in results}
+    ids = {r["sample_id"] for r in results}
+    assert len(ids) == 4 and {r["batch"] for r in results} == {2}
+    assert all(preds[(i, "dense")] == preds[(i, "solohead")] for i in ids)
+
+
+def test_failures_are_recorded_reported_and_retried(tmp_path, tok, model):
+    working = cache_factory(model)
+
+    def flaky(method, budget):
+        if method == "solohead":
+            raise RuntimeError("out of memory (simulated)")
+        return working(method, budget)
+
+    kw = {"tasks": ["niah_single_1"], "methods": ["dense", "solohead"]}
+    failed = ruler_run(tmp_path, tok, model, make_cache=flaky, **kw)
+    assert (failed.ran, failed.failed) == (2, 2)
+    lines = [json.loads(x) for x in failed.path.read_text().splitlines()[1:]]
+    errors = [x for x in lines if x["type"] == "error"]
+    assert len(errors) == 2 and "simulated" in errors[0]["error"] and errors[0]["method"] == "solohead"
+    md = render("ruler_tiny", tmp_path)
+    assert "## Failed" in md and "| niah_single_1 | 512 | solohead 128 | 2 | RuntimeError: out of memory" in md
+    retried = ruler_run(tmp_path, tok, model, **kw)
+    assert (retried.ran, retried.skipped) == (2, 2)  # only the failed items run again
+    assert "## Failed" not in render("ruler_tiny", tmp_path)
 
 
 def test_budgets():

@@ -152,7 +152,9 @@ def load_records(source: str | None, task: str, e: bool = False, use_datasets: b
         except ImportError as err:  # e.g. fsspec's HTTP file system needs aiohttp, which datasets may not pull in
             if not _is_url(location):
                 raise
-            warnings.warn(f"datasets could not read {location} ({err}); reading it with the standard library", stacklevel=2)
+            warnings.warn(
+                f"datasets could not read {location} ({err}); reading it with the standard library", stacklevel=2
+            )
     if records is None:
         records = _read_stdlib(location, member)
     return _check(records, f"{location}::{member}" if member else location)

@@ -68,7 +68,7 @@ class LongBenchSuite:
             return list(self.all_tasks)
         out = []
         for t in tasks:
-            name = t[:-2] if t.endswith("_e") else t
+            name = t.removesuffix("_e")
             if name not in self.all_tasks:
                 raise ValueError(f"{t!r} is not a {self.name} dataset; choose from {', '.join(self.all_tasks)}")
             out.append(name)

@@ -83,17 +83,13 @@ def make_vt_sample(
     frame = chat_frame(tokenizer, chat)
     # The solved example (RULER's one-shot example), inside the user message before the task.
     ex_budget = min(EXAMPLE_TOKENS, prompt_tokens // 4)
-    ex_chains, _, ex_before, ex_after, ex_prefix, ex_signals = _body(
-        tokenizer, rng, num_chains, num_hops, 3, None
-    )
+    ex_chains, _, ex_before, ex_after, ex_prefix, ex_signals = _body(tokenizer, rng, num_chains, num_hops, 3, None)
     ex_before_ids = encode(tokenizer, ex_before)
     ex_after_ids = encode(tokenizer, ex_after + ex_prefix + " ".join(ex_chains[0][0]) + "\n")
     ex_fill = ex_budget - len(ex_before_ids) - len(ex_after_ids) - sum(len(ids) for _, ids in ex_signals)
     example = ex_before_ids + assemble(noise_units(tokenizer), max(ex_fill, 1), ex_signals).ids + ex_after_ids
 
-    chains, values, before, after, prefix, signals = _body(
-        tokenizer, rng, num_chains, num_hops, 5, depths
-    )
+    chains, values, before, after, prefix, signals = _body(tokenizer, rng, num_chains, num_hops, 5, depths)
     before_ids = example + encode(tokenizer, before)
     after_ids = encode(tokenizer, after)
     answer_ids = encode(tokenizer, answer_prefix_text(prefix, frame))
