@@ -11,11 +11,6 @@ tokens per second, hit rate and recalled bytes per step, for each transfer path.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
+from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
 
@@ -103,22 +99,7 @@ def main() -> int:
         if cuda:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
-    import transformers
-
-    meta = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name() if cuda else None, "cpu_count": os.cpu_count()},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
-        "git_commit": os.environ.get("HF_OFFLOAD_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or None,
-        "args": vars(args),
-        "model_build_s": build_s,
-        "note": "decode-only: the KV is filled with random values without a prefill; random weights",
-    }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"metadata": meta, "runs": runs}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note="decode-only: the KV is filled with random values without a prefill; random weights"), "runs": runs})
     return 0
 
 

@@ -17,11 +17,6 @@ piece. Prints a table and writes raw JSON (machine, versions, git commit) to ``-
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import os
-import platform
-import subprocess
 import sys
 from pathlib import Path
 
@@ -30,34 +25,12 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import cuda_timed as timed  # noqa: E402
+from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import HostBlockPool, HostMemoryBudget  # noqa: E402
 
 KIB = 1024
-
-
-def timed(fn, repeat: int) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs (CUDA events), after one warm-up."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
-
-
-def git_commit() -> str | None:
-    if os.environ.get("HF_OFFLOAD_GIT_COMMIT"):
-        return os.environ["HF_OFFLOAD_GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return None
 
 
 def main() -> int:
@@ -161,20 +134,7 @@ def main() -> int:
     print(f"8B block 64 KiB: solohead kernel {layout['solohead_kernel_gbps']:.1f}  headwise kernel (4 KiB pieces) "
           f"{layout['headwise_kernel_gbps']:.1f}  headwise one copy per piece {layout['headwise_memcpy_per_piece_gbps']:.2f} GB/s")
 
-    import transformers
-
-    meta = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(device), "cpu_count": os.cpu_count()},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__,
-                     "triton": __import__("triton").__version__},
-        "git_commit": git_commit(),
-        "args": vars(args),
-    }
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"metadata": meta, "block_sizes": rows, "layout_8b": layout}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, {"metadata": run_metadata(args), "block_sizes": rows, "layout_8b": layout})
     return 0
 
 

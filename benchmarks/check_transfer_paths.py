@@ -11,11 +11,6 @@ must be identical; the script also reports time per step and the cache statistic
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import os
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +20,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 
 SHAPES = {
@@ -84,21 +80,7 @@ def main() -> int:
         results.append({"selector": selector, "tokens_identical": same, "first_differing_step": first_diff,
                         "steps": args.steps})  # fmt: skip
         print(f"{selector}: kernel vs torch tokens identical over {args.steps} steps: {same}", flush=True)
-    import transformers
-
-    meta = {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {"platform": platform.platform(), "gpu": torch.cuda.get_device_name(), "cpu_count": os.cpu_count()},
-        "versions": {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__},
-        "git_commit": os.environ.get("HF_OFFLOAD_GIT_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip() or None,
-        "args": vars(args),
-        "note": "random weights; prompt of random tokens; KV filled by a real (chunked) prefill",
-    }  # fmt: skip
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"metadata": meta, "runs": results}, indent=1))
-    print(f"wrote {out}")
+    write_results(args.out, {"metadata": run_metadata(args, note="random weights; prompt of random tokens; KV filled by a real (chunked) prefill"), "runs": results})
     return 0
 
 

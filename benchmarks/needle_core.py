@@ -33,7 +33,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 import traceback
@@ -45,6 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.common import git_commit  # noqa: E402
 from eval_harness.needle import haystack_info, make_needle_prompts, score  # noqa: E402
 
 OFFLOAD_METHODS = ("solohead", "headwise", "streaming", "oracle")
@@ -232,18 +232,6 @@ def aggregate_stats(per_batch: list[dict]) -> dict:
 
 def mib(x) -> str:
     return "-" if x is None else f"{x / MIB:.1f}"
-
-
-def git_commit() -> str | None:
-    """HEAD of this checkout, or ``$HF_OFFLOAD_GIT_COMMIT`` where the code runs from a copy without git."""
-    if os.environ.get("HF_OFFLOAD_GIT_COMMIT"):
-        return os.environ["HF_OFFLOAD_GIT_COMMIT"]
-    try:
-        return subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10, check=True
-        ).stdout.strip()
-    except Exception:
-        return None
 
 
 def source_sha256() -> str:

@@ -14,22 +14,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.common import cuda_timed  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import HostBlockPool, HostMemoryBudget  # noqa: E402
-
-
-def timed(fn, repeat: int = 7) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[repeat // 2]
 
 
 def main() -> None:
@@ -47,14 +34,14 @@ def main() -> None:
         offs, zeros, addrs = torch.arange(n, device=device) * words, torch.zeros_like(ids), host.chunk_addrs(device)
         src = torch.empty(n * block_bytes // 2, dtype=torch.bfloat16, pin_memory=True)
         bulk_dst = torch.empty_like(src, device=device)
-        bulk = n * block_bytes / timed(lambda: bulk_dst.copy_(src, non_blocking=True)) / 1e9
+        bulk = n * block_bytes / cuda_timed(lambda: bulk_dst.copy_(src, non_blocking=True), 7) / 1e9
         line = f"{kib:>3}KiB bulk {bulk:.1f} |"
         for wpp in (256, 512, 1024, 2048, 4096, 8192):
             if wpp > words and wpp != 256:
                 continue
             for warps in (1, 2, 4, 8):
-                t = timed(lambda: copy_pieces(addrs, host.chunk_blocks, words, ids, zeros, dst, offs, words, False,
-                                              words_per_program=wpp, num_warps=warps))  # fmt: skip
+                t = cuda_timed(lambda: copy_pieces(addrs, host.chunk_blocks, words, ids, zeros, dst, offs, words, False,
+                                                   words_per_program=wpp, num_warps=warps), 7)  # fmt: skip
                 line += f" {wpp}/{warps}:{n * block_bytes / t / 1e9 / bulk:.3f}"
         print(line, flush=True)
         del host, src, bulk_dst, dst

@@ -1,0 +1,75 @@
+"""Helpers shared by the benchmark scripts: CUDA timing, run metadata and result files."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cuda_timed(fn, repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs, timed with CUDA events after one warm-up run."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def git_commit() -> str | None:
+    """HEAD of this checkout, or ``$HF_OFFLOAD_GIT_COMMIT`` where the code runs from a copy without git."""
+    if os.environ.get("HF_OFFLOAD_GIT_COMMIT"):
+        return os.environ["HF_OFFLOAD_GIT_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        return done.stdout.strip() or None
+    except Exception:
+        return None
+
+
+def run_metadata(args, **extra) -> dict:
+    """Machine, versions, git commit, arguments and ``extra`` for a results file."""
+    import transformers
+
+    cuda = torch.cuda.is_available()
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return {
+        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "machine": {
+            "platform": platform.platform(),
+            "gpu": torch.cuda.get_device_name() if cuda else None,
+            "cpu_count": os.cpu_count(),
+        },
+        "versions": versions,
+        "git_commit": git_commit(),
+        "args": vars(args),
+        **extra,
+    }
+
+
+def write_results(path: str, payload: dict) -> None:
+    """Write ``payload`` as indented JSON to ``path`` (folders created) and say where."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out}")
