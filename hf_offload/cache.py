@@ -147,16 +147,13 @@ class OffloadLayer(CacheLayerMixin):
         return possible and self.config.transfer != "torch"
 
     def reset(self) -> None:
-        """Drop all tokens; allocations are kept for reuse."""
+        """Drop all tokens and free the pools; the next update starts afresh (any batch size)."""
         if self.is_initialized:
-            self.host.clear()
-            self.pool.clear()
-            self.block_table = self.block_table[:, :0]
-            if self.use_kernels:
-                self.block_table_dev = self.block_table_dev[:, :0]
-            self.summaries = {}
-            self.keys = self.keys[:, :, :0]
-            self.values = self.values[:, :, :0]
+            self.host.release()
+            del self.pool, self.block_table, self.summaries
+            self.block_table_dev = None
+            self.keys = self.values = None
+            self.is_initialized = False
         self.n_tokens = 0
         self.n_blocks = 0
         self._window_insert = None

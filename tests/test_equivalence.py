@@ -116,3 +116,16 @@ def test_admission_auto_and_always_give_identical_tokens(device_memory_gib):
         assert 0 < auto["host_kv_bytes"] < total_kv
     for layer in caches["auto"].offload_layers:
         assert torch.equal(layer.dense_kv()[0], caches["always"].layers[layer.layer_idx].dense_kv()[0])
+
+
+def test_reset_frees_and_serves_a_new_batch():
+    model = build_model("llama")
+    cache = OffloadCache(model, budget_tokens=4096, **SMALL)
+    ids, mask = left_padded([30, 22], seed=9)
+    _generate(model, ids, mask, cache)
+    assert cache.host_budget.reserved_bytes > 0
+    cache.reset()
+    assert cache.host_budget.reserved_bytes == 0 and cache.get_seq_length() == 0
+    ids3, mask3 = left_padded([26, 19, 33], seed=10)
+    expected = _generate(model, ids3, mask3, DynamicCache(config=model.config))
+    assert torch.equal(_generate(model, ids3, mask3, cache), expected)

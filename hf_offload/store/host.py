@@ -186,6 +186,18 @@ class HostBlockPool:
         self._free.clear()
         self._next_id = 0
 
+    def release(self) -> None:
+        """Forget every block and free the chunks, returning their bytes to the host budget and device admission."""
+        self.clear()
+        host_bytes = self.reserved_bytes
+        device_bytes = self.chunk_admitted.count(True) * self.chunk_blocks * self.block_bytes
+        self.budget.reserved_bytes -= host_bytes
+        if self.admission is not None:
+            self.admission.admitted_bytes -= device_bytes
+        self.chunks.clear()
+        self.chunk_admitted.clear()
+        self._chunk_addrs = None
+
     def _by_chunk(self, ids: torch.Tensor):
         chunk_of = ids // self.chunk_blocks
         offset = ids % self.chunk_blocks
