@@ -19,3 +19,18 @@ def test_models_list_runs(capsys):
     assert main(["models", "list"]) == 0
     out = capsys.readouterr().out
     assert "qwen2.5-coder-0.5b-instruct" in out and "gemma-3-270m" in out
+
+
+def test_demo_runs_dense_and_offloaded_side_by_side():
+    from hf_offload.demo import run_demo
+
+    from .fixtures.tiny import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(len(tokenizer))
+    result = run_demo(model, tokenizer, context_tokens=400, budget_tokens=128, max_new_tokens=4)
+    assert result["dense"]["host_kv_bytes"] == 0 and result["dense"]["device_kv_bytes"] > 0
+    assert result["offload"]["host_kv_bytes"] > 0
+    # The offloaded side keeps a budget-sized working set on the device, less than the dense cache.
+    assert result["offload"]["device_kv_bytes"] < result["dense"]["device_kv_bytes"]
+    assert isinstance(result["offload"]["answer"], str) and isinstance(result["dense"]["correct"], bool)
