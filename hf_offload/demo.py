@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 import torch
 
@@ -69,7 +70,9 @@ def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), warnings.catch_warnings():
+            # transformers 5.24 renamed generate(past_key_values=) to cache=; 5.17 knows only the old name.
+            warnings.filterwarnings("ignore", message="`past_key_values` is deprecated")
             out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                                  max_new_tokens=max_new_tokens, do_sample=False,
                                  prefill_chunk_size=4096)  # fmt: skip
