@@ -34,3 +34,9 @@ def test_demo_runs_dense_and_offloaded_side_by_side():
     # The offloaded side keeps a budget-sized working set on the device, less than the dense cache.
     assert result["offload"]["device_kv_bytes"] < result["dense"]["device_kv_bytes"]
     assert isinstance(result["offload"]["answer"], str) and isinstance(result["dense"]["correct"], bool)
+
+
+def test_plan_prints_both_methods(capsys):
+    assert main(["plan", "llama-3.1-8b", "--context", "65536", "--batch", "8", "--device-gib", "139"]) == 0
+    out = capsys.readouterr().out
+    assert "dense" in out and "offload" in out and "largest batch" in out

@@ -1,0 +1,226 @@
+"""What fits: KV bytes per architecture, and device / host bytes of a cache for a batch and context.
+
+The predictions follow the cache's own layout, so they equal what ``cache.stats()`` reports (tested), and need no
+device: per full-attention layer the host holds every sealed block, the device the slot pool, the open block and
+the block summaries; sliding-window layers keep their window on the device; ``DynamicCache`` keeps everything on
+the device.
+
+    hf-offload plan llama-3.1-8b --context 65536 --batch 8
+    hf-offload plan /path/to/model --context 32768 --batch 4 --budget 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from dataclasses import dataclass
+
+from .cache import _layer_types
+from .config import OffloadConfig
+from .selectors import get_selector
+
+GIB = 1 << 30
+
+# Shapes of common models (for planning without downloading a config).
+PRESETS: dict[str, dict] = {
+    "llama-3.1-8b": dict(num_hidden_layers=32, num_key_value_heads=8, head_dim=128, params=8.03e9),
+    "llama-3.2-1b": dict(num_hidden_layers=16, num_key_value_heads=8, head_dim=64, params=1.24e9),
+    "llama-3.2-3b": dict(num_hidden_layers=28, num_key_value_heads=8, head_dim=128, params=3.21e9),
+    "qwen2.5-7b": dict(num_hidden_layers=28, num_key_value_heads=4, head_dim=128, params=7.62e9),
+    "qwen2.5-coder-0.5b": dict(num_hidden_layers=24, num_key_value_heads=2, head_dim=64, params=0.63e9),
+    "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_key_value_heads=2, head_dim=128, params=1.54e9),
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the KV size of a model depends on.
+
+    Attributes:
+        full_layers: full-attention layers (offloaded).
+        sliding_layers: sliding-window layers (kept dense on the device).
+        sliding_window: their window in tokens (``None`` without sliding layers).
+        kv_heads: KV heads per layer.
+        head_dim: head size.
+        dtype_bytes: bytes per KV element (2 for bf16 / fp16).
+        weights_bytes: bytes of the weights, when known (for the largest-batch search).
+    """
+
+    full_layers: int
+    sliding_layers: int
+    sliding_window: int | None
+    kv_heads: int
+    head_dim: int
+    dtype_bytes: int = 2
+    weights_bytes: int | None = None
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V bytes of one token in one layer."""
+        return 2 * self.kv_heads * self.head_dim * self.dtype_bytes
+
+
+def shape_from_config(config, dtype_bytes: int = 2, weights_bytes: int | None = None) -> ModelShape:
+    """The :class:`ModelShape` of a transformers config (the decoder's text config is used)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    types = _layer_types(config)
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    sliding = sum(t != "full_attention" for t in types)
+    return ModelShape(
+        full_layers=len(types) - sliding,
+        sliding_layers=sliding,
+        sliding_window=getattr(config, "sliding_window", None) if sliding else None,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        dtype_bytes=dtype_bytes,
+        weights_bytes=weights_bytes,
+    )
+
+
+def shape_from_preset(name: str) -> ModelShape:
+    """The :class:`ModelShape` of a preset (bf16 weights and KV)."""
+    if name not in PRESETS:
+        raise KeyError(f"Unknown preset {name!r}; presets: {sorted(PRESETS)}")
+    p = PRESETS[name]
+    return ModelShape(p["num_hidden_layers"], 0, None, p["num_key_value_heads"], p["head_dim"], 2, int(2 * p["params"]))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Predicted bytes of one cache.
+
+    Attributes:
+        method: ``"dense"`` (``DynamicCache``) or ``"offload"`` (``OffloadCache``).
+        batch, context_tokens: the workload.
+        device_kv_bytes: KV on the device (``stats()["device_kv_bytes"]`` for the offloaded cache).
+        device_summary_bytes: block summaries on the device.
+        host_kv_bytes: sealed blocks in host memory.
+        host_reserved_bytes: host memory the block pools allocate (whole chunks).
+    """
+
+    method: str
+    batch: int
+    context_tokens: int
+    device_kv_bytes: int
+    device_summary_bytes: int
+    host_kv_bytes: int
+    host_reserved_bytes: int
+
+    @property
+    def device_bytes(self) -> int:
+        """All device bytes of the cache."""
+        return self.device_kv_bytes + self.device_summary_bytes
+
+
+def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
+    selector = get_selector(config.selector)
+    name = selector.name
+    if name == "streaming":
+        return 0
+    if name == "oracle":
+        return shape.kv_heads * config.block_tokens * shape.head_dim * shape.dtype_bytes
+    # Quest bounds (kmin, kmax) per KV head; selectors with other summaries are not modelled.
+    return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+
+
+def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offload",
+         config: OffloadConfig | None = None) -> Plan:  # fmt: skip
+    """Predict the bytes of a cache holding ``context_tokens`` tokens for ``batch`` sequences.
+
+    Args:
+        shape: the model's :class:`ModelShape`.
+        context_tokens: tokens per sequence (prompt, padding and generated tokens).
+        batch: sequences.
+        method: ``"dense"`` or ``"offload"``.
+        config: the offloaded cache's settings (default ``OffloadConfig()``).
+    """
+    per_token = shape.kv_bytes_per_token
+    # A sliding layer keeps its last ``sliding_window - 1`` tokens.
+    sliding_tokens = min(context_tokens, shape.sliding_window - 1) if shape.sliding_layers else 0
+    sliding_bytes = shape.sliding_layers * batch * sliding_tokens * per_token
+    if method == "dense":
+        kv = shape.full_layers * batch * context_tokens * per_token + sliding_bytes
+        return Plan("dense", batch, context_tokens, kv, 0, 0, 0)
+    if method != "offload":
+        raise ValueError(f"method must be 'dense' or 'offload', got {method!r}")
+    config = config or OffloadConfig()
+    block_tokens = config.block_tokens
+    blocks = context_tokens // block_tokens
+    open_tokens = context_tokens % block_tokens
+    block_bytes = block_tokens * per_token
+    pool_bytes = batch * config.pool_blocks * block_bytes
+    device = shape.full_layers * (pool_bytes + batch * open_tokens * per_token) + sliding_bytes
+    summaries = shape.full_layers * batch * blocks * _summary_bytes_per_block(shape, config)
+    host = shape.full_layers * batch * blocks * block_bytes
+    chunk_blocks = max(1, int(config.host_chunk_mib * (1 << 20)) // block_bytes)
+    chunks = math.ceil(batch * blocks / chunk_blocks)
+    reserved = shape.full_layers * chunks * chunk_blocks * block_bytes
+    return Plan("offload", batch, context_tokens, device, summaries, host, reserved)
+
+
+def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
+                  host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
+    """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``."""
+    best = 0
+    lo, hi = 1, limit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        p = plan(shape, context_tokens, mid, method, config)
+        if p.device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
+def _load_shape(model: str) -> ModelShape:
+    if model in PRESETS:
+        return shape_from_preset(model)
+    from transformers import AutoConfig
+
+    from . import models
+
+    if models._lookup(model) is not None:  # a registry model: its converted folder (fetched on first use)
+        return shape_from_config(AutoConfig.from_pretrained(models.fetch(model)))
+    return shape_from_config(AutoConfig.from_pretrained(model))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hf-offload plan`` entry point."""
+    parser = argparse.ArgumentParser(
+        prog="hf-offload plan", description=__doc__.split("\n\n")[0],
+        epilog="example: hf-offload plan llama-3.1-8b --context 65536 --batch 8 --device-gib 139 --host-gib 120",
+    )  # fmt: skip
+    parser.add_argument("model", help=f"a preset ({', '.join(sorted(PRESETS))}), a local model folder or a hub name")
+    parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
+    parser.add_argument("--selector", default="solohead")
+    parser.add_argument("--device-gib", type=float, default=None, help="device memory for weights + cache")
+    parser.add_argument("--host-gib", type=float, default=None, help="host memory for the offloaded cache")
+    args = parser.parse_args(argv)
+    shape = _load_shape(args.model)
+    config = OffloadConfig(budget_tokens=args.budget, selector=args.selector)
+    print(f"{args.model}: {shape.full_layers} full + {shape.sliding_layers} sliding layers, {shape.kv_heads} KV heads, "
+          f"head_dim {shape.head_dim}: {shape.kv_bytes_per_token * (shape.full_layers + shape.sliding_layers) / 1024:.0f}"
+          f" KiB of KV per token (bf16)\n")  # fmt: skip
+    print(f"{'method':8s} {'device KV GiB':>14s} {'summaries GiB':>14s} {'host KV GiB':>12s} {'host reserved GiB':>18s}")
+    for method in ("dense", "offload"):
+        p = plan(shape, args.context, args.batch, method, config)
+        print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.device_summary_bytes / GIB:14.2f} "
+              f"{p.host_kv_bytes / GIB:12.2f} {p.host_reserved_bytes / GIB:18.2f}")  # fmt: skip
+    if args.device_gib is not None:
+        weights = shape.weights_bytes or 0
+        device_free = int(args.device_gib * GIB) - weights
+        host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
+        print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"
+              f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}; weights {weights / GIB:.1f} GiB):")
+        for method in ("dense", "offload"):
+            print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""The planner predicts exactly what a cache holds: against stats() on tiny models and against measured GPU runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache, OffloadConfig
+from hf_offload.planner import ModelShape, largest_batch, plan, shape_from_config
+
+from .conftest import build_model, left_padded
+
+SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=24, host_chunk_mib=0.01)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+@pytest.mark.parametrize("selector", ["solohead", "streaming"])
+def test_offload_prediction_equals_stats(arch, selector):
+    model = build_model(arch)
+    config = OffloadConfig(budget_tokens=48, selector=selector, **SMALL)
+    cache = OffloadCache(model, config=config)
+    ids, mask = left_padded([61, 40, 52], seed=11)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
+    stats = cache.stats()
+    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
+    assert predicted.device_kv_bytes == stats["device_kv_bytes"]
+    assert predicted.device_summary_bytes == stats["device_summary_bytes"]
+    assert predicted.host_kv_bytes == stats["host_kv_bytes"]
+    assert predicted.host_reserved_bytes == stats["host_reserved_bytes"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_dense_prediction_equals_dynamic_cache(arch):
+    model = build_model(arch)
+    cache = DynamicCache(config=model.config)
+    ids, mask = left_padded([45, 30], seed=12)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    held = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
+    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 2, "dense")
+    assert predicted.device_kv_bytes == held
+
+
+def test_prediction_matches_the_measured_real_model_runs():
+    """Qwen2.5-Coder-0.5B, batch 10, budget 2048 on the H200 (results/core_needle): device KV, summaries, host KV."""
+    data = json.loads((Path(__file__).resolve().parents[1] / "results/core_needle/needle.json").read_text())
+    shape = ModelShape(full_layers=24, sliding_layers=0, sliding_window=None, kv_heads=2, head_dim=64)
+    checked = 0
+    for run in data["runs"]:
+        if run["method"] not in ("solohead", "headwise"):
+            continue
+        for stats in run["stats_per_batch"]:
+            context = run["length"] + stats["decode_steps"]  # prompt + tokens fed back during decode
+            p = plan(shape, context, run["batch"], "offload", OffloadConfig(budget_tokens=2048))
+            assert (p.device_kv_bytes, p.device_summary_bytes, p.host_kv_bytes) == (
+                stats["device_kv_bytes"], stats["device_summary_bytes"], stats["host_kv_bytes"]
+            )
+            checked += 1
+    assert checked >= 6
+
+
+def test_largest_batch_is_monotone_and_offload_fits_more():
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128)
+    device, host = 100 << 30, 120 << 30
+    dense = largest_batch(shape, 65536, "dense", device, host)
+    offload = largest_batch(shape, 65536, "offload", device, host)
+    assert dense == 12  # 8 GiB of KV per sequence at 64K: 100 GiB holds 12
+    assert offload > dense
+    assert plan(shape, 65536, offload, "offload").host_reserved_bytes <= host
+    assert plan(shape, 65536, offload + 1, "offload").host_reserved_bytes > host or plan(
+        shape, 65536, offload + 1, "offload").device_bytes > device
