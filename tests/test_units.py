@@ -105,3 +105,15 @@ def test_online_softmax_fully_masked_rows_are_zero_and_sinks_join_the_denominato
     full = torch.cat([logits, sink.view(1, 2, 1, 1).expand(1, 2, 3, 1)], dim=-1)
     expected = torch.softmax(full, -1)[..., :4] @ v
     torch.testing.assert_close(with_sink[:, :, 1:], expected[:, :, 1:], rtol=1e-5, atol=1e-5)
+
+
+def test_key_bound_logits_equals_elementwise_quest_bound():
+    from hf_offload.selectors.base import key_bound_logits
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 3, 4, 16, generator=g)
+    a, b = torch.randn(2, 9, 3, 16, generator=g), torch.randn(2, 9, 3, 16, generator=g)
+    kmin, kmax = torch.minimum(a, b), torch.maximum(a, b)
+    expected = torch.maximum(q[:, :, :, None] * kmin.permute(0, 2, 1, 3)[:, :, None],
+                             q[:, :, :, None] * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)  # fmt: skip
+    torch.testing.assert_close(key_bound_logits(q, kmin, kmax), expected, rtol=1e-5, atol=1e-5)

@@ -111,6 +111,9 @@ def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def key_bound_logits(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
     """Quest's upper bound of ``q . k`` over the keys of each block, per query head.
 
+    ``sum_d max(q_d * kmin_d, q_d * kmax_d)`` equals ``relu(q) . kmax + min(q, 0) . kmin``, two batched matrix
+    products, so no ``[..., n_blocks, head_dim]`` intermediate is built.
+
     Args:
         query: shape ``[batch, kv_heads, group, head_dim]``.
         kmin: per-block elementwise key minimum, shape ``[batch, n_blocks, kv_heads, head_dim]``.
@@ -119,7 +122,8 @@ def key_bound_logits(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     Returns:
         Bounds of shape ``[batch, kv_heads, group, n_blocks]``, float32.
     """
-    q = query.float()[:, :, :, None, :]  # [B, H, G, 1, D]
-    lo = kmin.float().permute(0, 2, 1, 3)[:, :, None]  # [B, H, 1, N, D]
-    hi = kmax.float().permute(0, 2, 1, 3)[:, :, None]
-    return torch.maximum(q * lo, q * hi).sum(-1)
+    q = query.float()
+    positive, negative = q.clamp(min=0), q.clamp(max=0)
+    return torch.einsum("bhgd,bnhd->bhgn", positive, kmax.float()) + torch.einsum(
+        "bhgd,bnhd->bhgn", negative, kmin.float()
+    )
