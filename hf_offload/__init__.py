@@ -16,6 +16,7 @@ from .selectors import (
     SoloHeadSelector,
     StreamingSelector,
     get_selector,
+    register_selector,
 )
 
 __version__ = "0.1.0"
@@ -34,4 +35,5 @@ __all__ = [
     "disable_offload_attention",
     "enable_offload_attention",
     "get_selector",
+    "register_selector",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _round_to_block(tokens: int, block_tokens: int) -> int:
@@ -69,8 +69,11 @@ class OffloadConfig:
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
     timing: bool = False
+    # Fields that were None and got a value derived from the others (recomputed by replace()).
+    _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        self._derived = tuple(n for n in ("sink_tokens", "window_tokens", "pool_tokens") if getattr(self, n) is None)
         self.validate()
 
     def validate(self) -> None:
@@ -107,8 +110,11 @@ class OffloadConfig:
                 f"{needed}, or lower sink_tokens / window_tokens."
             )
         if self.pool_tokens is None:
-            blocks = -(-self.budget_tokens * 5 // 4 // block)
-            self.pool_tokens = blocks * block
+            if self.selector == "streaming":  # reads only the sink and the window (plus the block being sealed)
+                self.pool_tokens = self.sink_tokens + self.window_tokens + 2 * block
+            else:
+                blocks = -(-self.budget_tokens * 5 // 4 // block)
+                self.pool_tokens = blocks * block
         if isinstance(self.pool_tokens, bool) or not isinstance(self.pool_tokens, int) or self.pool_tokens < block:
             raise ValueError(f"pool_tokens must be an integer >= block_tokens={block}, got {self.pool_tokens!r}.")
         if self.pool_tokens % block:
@@ -147,5 +153,9 @@ class OffloadConfig:
         return self.pool_tokens // self.block_tokens
 
     def replace(self, **changes) -> "OffloadConfig":
-        """Return a validated copy with ``changes`` applied."""
-        return dataclasses.replace(self, **changes)
+        """Return a validated copy with ``changes`` applied; sizes that were derived (sink, window, pool left at
+        ``None``) are derived again from the new values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+        values.update({name: None for name in self._derived})
+        values.update(changes)
+        return OffloadConfig(**values)

@@ -117,3 +117,48 @@ def test_key_bound_logits_equals_elementwise_quest_bound():
     expected = torch.maximum(q[:, :, :, None] * kmin.permute(0, 2, 1, 3)[:, :, None],
                              q[:, :, :, None] * kmax.permute(0, 2, 1, 3)[:, :, None]).sum(-1)  # fmt: skip
     torch.testing.assert_close(key_bound_logits(q, kmin, kmax), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_replace_rederives_sizes_that_were_derived():
+    small = OffloadConfig(budget_tokens=128)
+    big = small.replace(budget_tokens=8192)
+    assert (big.sink_tokens, big.window_tokens, big.pool_tokens) == (64, 256, 10240)
+    pinned = OffloadConfig(budget_tokens=128, sink_tokens=32).replace(budget_tokens=8192)
+    assert pinned.sink_tokens == 32  # given explicitly: kept
+
+
+def test_streaming_pool_holds_only_sink_window_and_the_open_block():
+    cfg = OffloadConfig(budget_tokens=2048, selector="streaming")
+    assert cfg.pool_tokens == cfg.sink_tokens + cfg.window_tokens + 2 * cfg.block_tokens
+
+
+def test_score_shape_must_match_per_head():
+    from hf_offload.selectors import SoloHeadSelector
+
+    class Wrong(SoloHeadSelector):
+        name = "wrong"
+
+        def score(self, query, summaries, scaling):
+            return torch.zeros(query.shape[0], query.shape[1], summaries["kmin"].shape[1])  # per head, but shared
+
+    q = torch.randn(2, 3, 4, 8)
+    summaries = {"kmin": torch.zeros(2, 5, 3, 8), "kmax": torch.zeros(2, 5, 3, 8)}
+    forced = torch.zeros(2, 5, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"per_head=False it must be \[batch, 1, n_blocks=5\]"):
+        Wrong().select(q, summaries, 1.0, 2, forced, ~forced)
+
+
+def test_register_selector():
+    from hf_offload import register_selector
+    from hf_offload.selectors import SELECTORS, SoloHeadSelector
+
+    @register_selector
+    class Mine(SoloHeadSelector):
+        name = "mine_for_test"
+
+    try:
+        assert SELECTORS["mine_for_test"] is Mine
+    finally:
+        SELECTORS.pop("mine_for_test")
+    with pytest.raises(ValueError, match="own class attribute `name`"):
+        register_selector(type("NoName", (SoloHeadSelector,), {"name": "base"}))

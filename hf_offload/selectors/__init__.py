@@ -18,6 +18,20 @@ SELECTORS: dict[str, type[Selector]] = {
 }
 
 
+def register_selector(cls: type[Selector]) -> type[Selector]:
+    """Register a selector class under its ``name`` so that ``OffloadCache(model, selector=name)`` finds it.
+
+    Usable as a class decorator. Selectors given by name are built without arguments, so every field of the class
+    needs a default.
+    """
+    if not (isinstance(cls, type) and issubclass(cls, Selector)):
+        raise TypeError(f"register_selector takes a Selector subclass, got {cls!r}")
+    if not isinstance(cls.name, str) or cls.name == Selector.name:
+        raise ValueError(f"{cls.__name__} needs its own class attribute `name`")
+    SELECTORS[cls.name] = cls
+    return cls
+
+
 def get_selector(selector: str | Selector) -> Selector:
     """Return a selector instance from a registered name, or ``selector`` itself if it is already one."""
     if isinstance(selector, Selector):
@@ -36,4 +50,5 @@ __all__ = [
     "SoloHeadSelector",
     "StreamingSelector",
     "get_selector",
+    "register_selector",
 ]

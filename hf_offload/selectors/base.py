@@ -96,6 +96,12 @@ class Selector:
             The :class:`Selection`.
         """
         scores = self.score(query, summaries, scaling).float()
+        expected = query.shape[1] if self.per_head else 1
+        if scores.dim() != 3 or scores.shape[1] != expected or scores.shape[2] != forced.shape[1]:
+            raise ValueError(
+                f"{type(self).__name__}.score() returned shape {tuple(scores.shape)}; with per_head={self.per_head} "
+                f"it must be [batch, {expected}, n_blocks={forced.shape[1]}]."
+            )
         scores = scores.masked_fill(forced[:, None, :], float("inf"))
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         top = scores.topk(k, dim=-1)
