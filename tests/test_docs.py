@@ -22,3 +22,28 @@ def test_generated_results_tables_are_up_to_date():
     script = README.parent / "benchmarks" / "report.py"
     done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_every_public_name_the_docs_mention_imports():
+    import importlib
+
+    root = README.parent
+    texts = [README, root / "CONTRIBUTING.md", *sorted((root / "docs").glob("*.md"))]
+    names: set[str] = set()
+    for path in texts:
+        text = path.read_text()
+        for module, imported in re.findall(r"from (hf_offload[\w.]*) import ([\w, ]+)", text):
+            names.update(f"{module}.{name.strip()}" for name in imported.split(",") if name.strip())
+        names.update(re.findall(r"\b(hf_offload(?:\.\w+)+)", text))
+    assert len(names) >= 5
+    for dotted in sorted(names):
+        parts = dotted.split(".")
+        for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+                break
+            except ImportError:
+                continue
+        for attr in parts[cut:]:
+            assert hasattr(obj, attr), f"{dotted} (mentioned in the docs) does not exist"
+            obj = getattr(obj, attr)
