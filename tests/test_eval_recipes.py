@@ -27,7 +27,7 @@ def test_shipped_recipes_load(path):
     assert "dense" in recipe.methods and recipe.budgets == ["1/16"] and recipe.budget_min_tokens == 512
 
 
-def test_ruler_recipe_is_the_issue_study():
+def test_ruler_recipe_is_the_published_study():
     recipe = load_recipe("ruler_qwen05")  # a bare name resolves to recipes/ruler_qwen05.yaml
     assert recipe.model == "qwen2.5-coder-0.5b-instruct"  # the hf_offload.models registry name
     assert recipe.lengths == [4096, 8192, 16384, 32768]
