@@ -31,8 +31,6 @@ import datetime as _dt
 import gc
 import hashlib
 import json
-import os
-import platform
 import sys
 import time
 import traceback
@@ -44,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.common import git_commit  # noqa: E402
+from benchmarks.common import run_metadata  # noqa: E402
 from eval_harness.needle import haystack_info, make_needle_prompts, score  # noqa: E402
 
 OFFLOAD_METHODS = ("solohead", "headwise", "streaming", "oracle")
@@ -244,32 +242,14 @@ def source_sha256() -> str:
 
 
 def metadata(args, model, device, dtype) -> dict:
-    import transformers
-
+    """Results header: machine, versions, commit and arguments (benchmarks.common) plus the run's own fields."""
     cfg = model.config.get_text_config(decoder=True)
-    gpu = None
-    if device.type == "cuda":
-        gpu = torch.cuda.get_device_name(device)
-    return {
-        "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "machine": {
-            "platform": platform.platform(),
-            "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "gpu": gpu,
-            "cuda": torch.version.cuda,
-        },
-        "versions": {
-            "python": sys.version.split()[0],
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-        },
-        "git_commit": git_commit(),
-        "hf_offload_source_sha256": source_sha256(),
-        "args": vars(args),
-        "device": str(device),
-        "dtype": str(dtype).replace("torch.", ""),
-        "model": {
+    return run_metadata(
+        args,
+        hf_offload_source_sha256=source_sha256(),
+        device=str(device),
+        dtype=str(dtype).replace("torch.", ""),
+        model={
             "type": getattr(cfg, "model_type", None),
             "layers": getattr(cfg, "num_hidden_layers", None),
             "kv_heads": getattr(cfg, "num_key_value_heads", None),
@@ -277,9 +257,9 @@ def metadata(args, model, device, dtype) -> dict:
             or getattr(cfg, "hidden_size", 0) // max(getattr(cfg, "num_attention_heads", 1), 1),
             "parameters": sum(p.numel() for p in model.parameters()),
         },
-        "generation": {"do_sample": False, "repetition_penalty": 1.0, "max_new_tokens": args.max_new_tokens},
-        "haystack": haystack_info(),
-    }
+        generation={"do_sample": False, "repetition_penalty": 1.0, "max_new_tokens": args.max_new_tokens},
+        haystack=haystack_info(),
+    )
 
 
 # ------------------------------------------------------------------------------------------------------------ run
