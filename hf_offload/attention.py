@@ -214,7 +214,8 @@ def offload_attention_forward(
     """Attention of one layer over the offloaded cache: plan (select, make resident), then run.
 
     Decode (one query): the selected sealed blocks plus the recent tokens. Prefill (several queries): every earlier
-    sealed block plus the recent tokens, exactly, in tiles of ``prefill_chunk_tokens``.
+    sealed block plus the recent tokens, exactly, in tiles of ``prefill_chunk_tokens``; a prompt's first forward with
+    a plain causal mask (left padding allowed) runs as one fused ``scaled_dot_product_attention`` instead.
 
     Args:
         handoff: what ``OffloadLayer.update`` left for this call.
@@ -233,6 +234,11 @@ def offload_attention_forward(
     heads = layer.kv_heads
     if scaling is None:
         scaling = head_dim**-0.5
+    if softcap is None and sink_logits is None:
+        out = _first_prefill(handoff, query, mask, scaling)
+        if out is not None:
+            layer.finish_step()
+            return out
     grouped = query.view(batch, heads, q_heads // heads, q_len, head_dim)
     acc = OnlineSoftmax(grouped, scaling, softcap)
     device = query.device
@@ -291,6 +297,68 @@ def offload_attention_forward(
     if timer is not None:
         timer.add("attention", t_select, timer.mark())
     return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def _plain_causal(mask: OffloadMask | None) -> bool:
+    """Whether ``mask`` is transformers' plain causal mask (with or without a padding mask), from position 0."""
+    if mask is None:
+        return True
+    from transformers.masking_utils import causal_mask_function
+
+    kwargs = mask.kwargs
+    return (
+        kwargs.get("mask_function") is causal_mask_function
+        and not kwargs.get("q_offset", 0)
+        and not kwargs.get("kv_offset", 0)
+    )
+
+
+def _first_prefill(
+    handoff: Handoff, query: torch.Tensor, mask: OffloadMask | None, scaling: float
+) -> torch.Tensor | None:
+    """Exact attention of a first prefill (no earlier tokens) through ``scaled_dot_product_attention``.
+
+    A prompt's first forward attends only to its own tokens, which are all on the device: one fused causal
+    attention per batch (or per sequence, on its unpadded span, when the batch is left-padded) instead of tiles.
+    Outputs at padding positions are zero (no real token reads them).
+
+    Args:
+        handoff: this call's handoff; used only when nothing was cached before it.
+        query: shape ``[batch, q_heads, q_len, head_dim]``, compute device.
+        mask: the forward's lazy mask, or ``None``.
+        scaling: softmax scale.
+
+    Returns:
+        Shape ``[batch, q_len, q_heads, head_dim]``, ``query.dtype``; ``None`` when the call is not a first prefill
+        with a plain causal mask and left padding (the tiled path handles every other case).
+    """
+    batch, q_heads, q_len, _ = query.shape
+    key, value = handoff.key, handoff.recent_values
+    if q_len == 1 or handoff.n_blocks_before or handoff.first_recent_pos or key.shape[-2] != q_len:
+        return None
+    if not _plain_causal(mask):
+        return None
+    padding = None if mask is None else mask.padding
+    gqa = key.shape[1] != q_heads
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if padding is None or bool(padding[:, :q_len].all()):
+        out = sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
+        return out.transpose(1, 2).contiguous()
+    padding = padding[:, :q_len].to(query.device)
+    starts = padding.int().argmax(dim=-1)
+    positions = torch.arange(q_len, device=query.device)
+    contiguous = padding == ((positions >= starts[:, None]) & padding.any(dim=-1, keepdim=True))
+    if not bool(contiguous.all()):
+        return None  # not left padding: the tiled path evaluates the mask exactly
+    out = torch.zeros_like(query)
+    for b, start in enumerate(starts.tolist()):
+        if not bool(padding[b].any()):
+            continue
+        out[b : b + 1, :, start:] = sdpa(
+            query[b : b + 1, :, start:], key[b : b + 1, :, start:], value[b : b + 1, :, start:],
+            is_causal=True, scale=scaling, enable_gqa=gqa,
+        )  # fmt: skip
+    return out.transpose(1, 2).contiguous()
 
 
 # ---------------------------------------------------------------------------------------------------- model switching
