@@ -1,0 +1,748 @@
+"""Decode throughput of HF's KV caches and of OffloadCache on a random-weight model of a real shape, in one run.
+
+Methods, each decoding one new token per sequence and step through the model's forward:
+
+* ``dynamic``: transformers' ``DynamicCache`` (all KV on the device; every step concatenates a layer's KV anew).
+* ``static``: transformers' ``StaticCache`` (all KV on the device, preallocated to the context; run eagerly, without
+  ``torch.compile``).
+* ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)``: every layer's whole KV lives in host memory
+  and is copied to the device before the layer runs (prefetched one layer ahead on a side stream) and back after.
+* ``solohead``: ``OffloadCache(selector="solohead")``, the default transfer path (the gather kernel where Triton
+  runs on CUDA).
+* ``headwise-copy``: ``OffloadCache(selector="headwise", transfer="torch")``: one selection per KV head, so a
+  recalled block moves as ``2 x kv_heads`` pieces, through the portable path: per layer and step the block table
+  is read on the host (a device-to-host synchronisation), the CPU gathers the missing pieces from the pinned pool
+  into a pinned staging tensor, and one host-to-device copy moves them.
+
+Decode-only: the KV is filled with random values, no prefill (decode speed depends on the size of the KV, not on its
+values). ``--e2e`` adds one end-to-end run with a real (chunked) prefill at batch 1, ``DynamicCache`` vs
+``OffloadCache``. Per configuration: tokens per second, time per step, peak device memory, host bytes, recalled
+GB/s, hit rate, a roofline bound from bandwidths measured in the same run, and the planner's predicted bytes.
+The JSON (``benchmarks.common.write_results``) is rewritten after every configuration.
+
+    python benchmarks/bench_decode.py --shape llama-8b --contexts 32768 65536 131072 --batches auto --e2e
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import inspect
+import io
+import math
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_decode_step import fill_random  # noqa: E402
+from benchmarks.common import run_metadata, write_results  # noqa: E402
+from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
+from hf_offload.attention import take_handoff  # noqa: E402
+from hf_offload.planner import plan, shape_from_config  # noqa: E402
+from hf_offload.store.host import available_host_bytes  # noqa: E402
+
+GIB = 1 << 30
+DECODE_ONLY = "decode-only: KV filled with random values, no prefill"
+METHODS = ["dynamic", "static", "hf-offloaded", "solohead", "headwise-copy"]
+OFFLOAD_METHODS = ("solohead", "headwise-copy")
+
+# Model sizes (random bf16 weights: speed does not depend on the values). ``family``: the transformers model class;
+# ``preset``: the matching hf_offload.planner preset (same KV geometry).
+SHAPES: dict[str, dict] = {
+    "tiny": dict(family="llama", preset=None, config=dict(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=256)),
+    "llama-1b": dict(family="llama", preset="llama-3.2-1b", config=dict(  # Llama-3.2-1B
+        hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=64, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True)),
+    "llama-3b": dict(family="llama", preset="llama-3.2-3b", config=dict(  # Llama-3.2-3B
+        hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=True)),
+    "llama-8b": dict(family="llama", preset="llama-3.1-8b", config=dict(  # Llama-3.1-8B
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=128256, rope_theta=500000.0, tie_word_embeddings=False)),
+    "qwen-7b": dict(family="qwen2", preset="qwen2.5-7b", config=dict(  # Qwen2.5-7B
+        hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+        head_dim=128, vocab_size=152064, rope_theta=1000000.0, tie_word_embeddings=False)),
+}  # fmt: skip
+
+METHOD_NOTES = {
+    "dynamic": "transformers DynamicCache: all KV on the device; each step concatenates every layer's KV anew",
+    "static": "transformers StaticCache(max_cache_len=context): all KV on the device, preallocated; run eagerly "
+    "(no torch.compile, no CUDA graphs), so every step attends over the whole preallocated length under a mask",
+    "hf-offloaded": "transformers DynamicCache(offloading=True): each layer's whole KV in (pinned) host memory, copied "
+    "to the device one layer ahead on a side stream and back to the host after the layer's update, every step",
+    "solohead": "OffloadCache(selector='solohead', transfer='auto'): one block selection per layer and sequence, "
+    "whole-block recall (gather kernel where Triton runs on CUDA)",
+    "headwise-copy": "OffloadCache(selector='headwise', transfer='torch'): one selection per KV head (2 x kv_heads "
+    "pieces per block); per layer and step the block table is read on the host (one synchronisation), the CPU "
+    "gathers the missed pieces into a pinned staging tensor, one host-to-device copy moves them (the random fill "
+    "writes through the gather kernel where it runs; every decode step uses the torch path)",
+}
+
+
+# ---------------------------------------------------------------------------------------------------------- helpers
+def build_model(shape: str, max_positions: int, device: torch.device):
+    """A model of ``shape`` with random bf16 weights, built directly on ``device`` (never loaded), in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    spec = SHAPES[shape]
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
+        spec["family"]
+    ]
+    config = config_cls(**spec["config"], max_position_embeddings=max_positions, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            model = model_cls(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def weight_bytes(model) -> tuple[int, int]:
+    """``(all weight bytes, weight bytes read per decode step)``: the step reads every weight except the input
+    embedding table (a few rows), unless that table is also the output projection."""
+    params = {p.data_ptr(): p for p in model.parameters()}
+    total = sum(p.numel() * p.element_size() for p in params.values())
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings()
+    tied = out is not None and out.weight.data_ptr() == embed.data_ptr()
+    return total, total - (0 if tied else embed.numel() * embed.element_size())
+
+
+def cache_kwarg(model) -> str:
+    """The forward's cache argument: ``cache`` (transformers 5.24) or ``past_key_values`` (5.17)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def sync(device: torch.device) -> None:
+    """Wait for the device."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def empty_host_cache() -> bool:
+    """Return torch's cached, unused pinned host blocks to the system; ``False`` where this torch cannot."""
+    fn = getattr(getattr(torch, "accelerator", None), "empty_host_cache", None) or getattr(
+        torch._C, "_host_emptyCache", None
+    )
+    if fn is None or not torch.cuda.is_available():
+        return False
+    fn()
+    return True
+
+
+def pinned_allocator_bytes() -> tuple[int | None, int | None]:
+    """``(bytes owned by torch's pinned host allocator, of which in use)``; ``None`` where unknown."""
+    if not torch.cuda.is_available():
+        return None, None
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except Exception:
+        return None, None
+    return stats.get("allocated_bytes.current"), stats.get("active_bytes.current")
+
+
+def host_free_bytes() -> int | None:
+    """Host bytes a new cache may take: available memory plus pinned blocks torch keeps cached for reuse."""
+    available = available_host_bytes()
+    if available is None:
+        return None
+    owned, active = pinned_allocator_bytes()
+    return available + (owned - active if owned is not None and active is not None else 0)
+
+
+def release(device: torch.device) -> None:
+    """Free what the last configuration left (after an exception too)."""
+    take_handoff()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class Clock:
+    """Per-step timing: CUDA events on CUDA (no synchronisation inside the loop), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []
+
+    def mark(self) -> None:
+        """Record a time point (after all work queued so far)."""
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def spans_s(self) -> list[float]:
+        """Seconds between consecutive marks (synchronises once)."""
+        if self.cuda:
+            self.marks[-1].synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def measure_bandwidths(device: torch.device, nbytes: int, repeat: int = 5) -> dict:
+    """Device-memory bandwidth (a device-to-device copy of ``nbytes``: bytes read + written per second) and the
+    host-to-device / device-to-host bandwidth of a pinned buffer. On the CPU both are host memory copies."""
+    cuda = device.type == "cuda"
+    buf = {"src": torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)}
+    buf["dst"] = torch.empty_like(buf["src"])
+    buf["host"] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda).fill_(2)
+
+    def timed(fn) -> float:
+        fn()
+        sync(device)
+        times = []
+        for _ in range(repeat):
+            clock = Clock(device)
+            clock.mark()
+            fn()
+            clock.mark()
+            times.append(clock.spans_s()[0])
+        return sorted(times)[len(times) // 2]
+
+    d2d = timed(lambda: buf["dst"].copy_(buf["src"]))
+    h2d = timed(lambda: buf["dst"].copy_(buf["host"], non_blocking=cuda))
+    d2h = timed(lambda: buf["host"].copy_(buf["src"], non_blocking=cuda))
+    buf.clear()
+    release(device)
+    empty_host_cache()
+    return {
+        "bytes": nbytes,
+        "hbm_bytes_per_s": 2 * nbytes / d2d,
+        "h2d_pinned_bytes_per_s": nbytes / h2d,
+        "d2h_pinned_bytes_per_s": nbytes / d2h,
+        "note": "hbm: device-to-device copy, bytes read + written per second; h2d / d2h: one pinned buffer "
+        "(on a CPU: host memory copies); medians of " + str(repeat),
+    }
+
+
+def tensor_bytes(cache, device: torch.device) -> tuple[int, int]:
+    """``(bytes on the compute device, bytes elsewhere)`` of a transformers cache's key and value tensors."""
+    on_device = elsewhere = 0
+    for layer in cache.layers:
+        for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(t, torch.Tensor):
+                n = t.numel() * t.element_size()
+                if t.device == device or (t.device.type == device.type and device.index is None):
+                    on_device += n
+                else:
+                    elsewhere += n
+    return on_device, elsewhere
+
+
+# ----------------------------------------------------------------------------------------------------- predictions
+def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
+            n_rep: int) -> dict:  # fmt: skip
+    """Predicted cache bytes of ``method`` holding ``context`` tokens per sequence.
+
+    Returns:
+        ``device_bytes`` and ``host_bytes`` of the cache (the planner's numbers where it models the method),
+        ``transient_device_bytes`` (the largest extra allocation during a step, an estimate) and ``source``.
+    """
+    if method in OFFLOAD_METHODS:
+        p = plan(shape, context, batch, "offload", config)
+        return {"source": "hf_offload.planner.plan(method='offload')", "device_bytes": p.device_bytes,
+                "host_bytes": p.host_reserved_bytes, "host_kv_bytes": p.host_kv_bytes,
+                "transient_device_bytes": 0}  # fmt: skip
+    dense = plan(shape, context, batch, "dense")
+    if method == "hf-offloaded":
+        # Whole KV on the host; on the device the prefetched layer and the one being updated (plus its concatenation).
+        return {"source": "estimate: the planner's dense KV on the host, two layers on the device",
+                "device_bytes": 2 * layer_kv_bytes, "host_bytes": dense.device_kv_bytes,
+                "host_kv_bytes": dense.device_kv_bytes,
+                "transient_device_bytes": (1 + n_rep) * layer_kv_bytes}  # fmt: skip
+    # dynamic: a step concatenates a layer's K and V anew; attention may expand one layer's KV to all query heads.
+    return {"source": "hf_offload.planner.plan(method='dense')", "device_bytes": dense.device_bytes,
+            "host_bytes": 0, "host_kv_bytes": 0, "transient_device_bytes": (1 + n_rep) * layer_kv_bytes}  # fmt: skip
+
+
+def fit_problem(method: str, pred: dict, device: torch.device, args, pinned_round: int = 0) -> str | None:
+    """Why the prediction says this configuration cannot fit device or host memory, or ``None``."""
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        need = pred["device_bytes"] + pred["transient_device_bytes"] + int(args.device_margin_gib * GIB)
+        if need > free:
+            return f"predicted not to fit device memory: {need / GIB:.1f} GiB needed, {free / GIB:.1f} GiB free"
+    host_need = pred["host_bytes"] + pinned_round
+    if device.type != "cuda":  # dense caches live in host memory too
+        host_need += pred["device_bytes"] + pred["transient_device_bytes"]
+    free_host = host_free_bytes()
+    if host_need and free_host is not None and host_need + int(args.host_margin_gib * GIB) > free_host:
+        return f"predicted not to fit host memory: {host_need / GIB:.1f} GiB needed, {free_host / GIB:.1f} GiB free"
+    return None
+
+
+# ------------------------------------------------------------------------------------------------------ decoding
+def decode(model, cache, kw: str, ids: torch.Tensor, start: int, n: int, mask: torch.Tensor, clock=None):
+    """``n`` greedy decode steps through the model's forward, one new token per sequence, from position ``start``.
+
+    Args:
+        model: the model.
+        cache: its cache, holding ``start`` tokens per sequence.
+        kw: the forward's cache argument name.
+        ids: the next input token per sequence, ``[batch, 1]``.
+        start: position of the first new token.
+        n: steps.
+        mask: all-ones padding mask, ``[batch, >= start + n]``.
+        clock: a :class:`Clock` marked after every step, or ``None``.
+
+    Returns:
+        The token after the last step, ``[batch, 1]``.
+    """
+    batch = ids.shape[0]
+    for i in range(n):
+        pos = start + i
+        out = model(input_ids=ids, position_ids=torch.full((batch, 1), pos, device=ids.device),
+                    attention_mask=mask[:, : pos + 1], use_cache=True, logits_to_keep=1, **{kw: cache})  # fmt: skip
+        ids = out.logits[:, -1:].argmax(-1)
+        if clock is not None:
+            clock.mark()
+    return ids
+
+
+def make_cache(method: str, model, context: int, args, device: torch.device):
+    """A fresh cache of ``method``; returns ``(cache, transfer path used by decode steps or None)``."""
+    from transformers import DynamicCache, StaticCache
+
+    if method == "dynamic":
+        return DynamicCache(config=model.config), None
+    if method == "static":
+        return StaticCache(config=model.config, max_cache_len=context), None
+    if method == "hf-offloaded":
+        return DynamicCache(config=model.config, offloading=True), None
+    if method == "solohead":
+        return OffloadCache(model, budget_tokens=args.budget, selector="solohead", transfer="auto"), "auto"
+    from hf_offload.kernels.gather import kernels_available
+
+    # headwise-copy decodes through transfer='torch'. Where the kernels run, the fill writes through them (the
+    # torch path writes host blocks with the CPU, far slower) and the layers switch to the torch path before the
+    # first decode step; host contents, block table and summaries are the same either way.
+    fill_kernel = kernels_available(device)
+    cache = OffloadCache(model, budget_tokens=args.budget, selector="headwise",
+                         transfer="kernel" if fill_kernel else "torch")  # fmt: skip
+    return cache, "torch"
+
+
+def fill_dense(cache, batch: int, tokens: int, layers: int, kv_heads: int, head_dim: int, device) -> None:
+    """Write ``tokens`` random bf16 tokens per sequence into every layer of a transformers cache, one
+    ``cache.update`` per layer."""
+    g = torch.Generator(device=device).manual_seed(0)
+    for idx in range(layers):
+        k = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+        v = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=g)
+        cache.update(k, v, idx)
+        del k, v
+
+
+def run_config(model, env: dict, method: str, context: int, batch: int, args) -> dict:
+    """Fill a cache of ``method`` with ``context - warmup - steps`` random tokens per sequence, decode warm-up and
+    timed steps (so the last step attends to at most ``context`` tokens) and return the measurements."""
+    device, kw, shape = env["device"], env["kw"], env["shape"]
+    cfg = model.config
+    layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, env["head_dim"]
+    cuda = device.type == "cuda"
+    fill_tokens = context - args.warmup - args.steps
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device) if cuda else None
+    row: dict = {"method": method, "context": context, "batch": batch, "kv_tokens_start": fill_tokens}
+    with torch.inference_mode():
+        cache, transfer = make_cache(method, model, context, args, device)
+        sync(device)
+        t0 = time.perf_counter()
+        if method in OFFLOAD_METHODS:
+            fill_random(cache, batch, fill_tokens, kv_heads, head_dim, device)
+            sync(device)
+            row["fill_transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
+            if transfer == "torch":
+                for layer in cache.offload_layers:
+                    layer.use_kernels = False
+            row["transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
+        else:
+            fill_dense(cache, batch, fill_tokens, layers, kv_heads, head_dim, device)
+            sync(device)
+        row["fill_s"] = time.perf_counter() - t0
+        g = torch.Generator(device=device).manual_seed(1)
+        ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=device, generator=g)
+        mask = torch.ones(batch, context, dtype=torch.long, device=device)
+        pos = fill_tokens
+        warm_s = []
+        for _ in range(args.warmup):
+            sync(device)
+            t0 = time.perf_counter()
+            ids = decode(model, cache, kw, ids, pos, 1, mask)
+            sync(device)
+            warm_s.append(time.perf_counter() - t0)
+            pos += 1
+        steps = args.steps
+        if warm_s and args.config_seconds:
+            steps = min(args.steps, max(args.min_steps, math.ceil(args.config_seconds / warm_s[-1])))
+        if method in OFFLOAD_METHODS:
+            cache.reset_stats()
+        clock = Clock(device)
+        clock.mark()
+        ids = decode(model, cache, kw, ids, pos, steps, mask, clock)
+        spans = clock.spans_s()
+        sync(device)
+        pos += steps
+        timed_s = sum(spans)
+        step_s = timed_s / steps
+        row.update(
+            warmup_steps=args.warmup, warmup_step_s=warm_s, steps=steps, kv_tokens_end=pos, timed_s=timed_s,
+            step_ms=step_s * 1e3, step_ms_median=sorted(spans)[len(spans) // 2] * 1e3,
+            tokens_per_s=batch / step_s, ms_per_output_token=step_s * 1e3 / batch,
+            peak_device_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+            device_bytes_before=base,
+        )  # fmt: skip
+        stats = None
+        if method in OFFLOAD_METHODS:
+            stats = cache.stats()
+            stats.pop("layers")
+            row["cache_device_bytes"] = stats["device_kv_bytes"] + stats["device_summary_bytes"]
+            row["host_bytes"] = stats["host_reserved_bytes"]
+            row["host_kv_bytes"] = stats["host_kv_bytes"]
+            row["hit_rate"] = stats["hit_rate"]
+            row["stats"] = stats
+            pcie_per_step = stats["decode_recalled_bytes"] / steps
+        else:
+            on_device, elsewhere = tensor_bytes(cache, device)
+            row["cache_device_bytes"], row["host_bytes"], row["host_kv_bytes"] = on_device, elsewhere, elsewhere
+            row["hit_rate"] = None
+            # transformers' offloading copies every layer's whole KV to the device (and back) at every step.
+            kv_mid = fill_tokens + args.warmup + (steps + 1) / 2
+            pcie_per_step = layers * batch * kv_mid * 2 * kv_heads * head_dim * 2 if method == "hf-offloaded" else 0
+        owned, _ = pinned_allocator_bytes()
+        row["pinned_allocator_bytes"] = owned
+        row["recalled_bytes_per_step"] = pcie_per_step
+        row["recalled_gbps"] = pcie_per_step / step_s / 1e9
+        kv_mid = fill_tokens + args.warmup + (steps + 1) / 2  # KV tokens per sequence, mean over the timed steps
+        row["roofline"] = roofline(method, env, batch, kv_mid, pcie_per_step, step_s, layers, kv_heads, head_dim,
+                                   cache if method in OFFLOAD_METHODS else None)  # fmt: skip
+        cfg_off = cache.config if method in OFFLOAD_METHODS else OffloadConfig(budget_tokens=args.budget)
+        held = context if method == "static" else pos
+        pred = predict(method, shape, held, batch, cfg_off, env["layer_kv_bytes"](batch, held), env["n_rep"])
+        predicted_peak = (base or 0) + pred["device_bytes"]
+        row["prediction"] = {
+            **pred,
+            "kv_tokens": held,
+            "predicted_peak_device_bytes": predicted_peak if cuda else None,
+            "peak_over_predicted": row["peak_device_bytes"] / predicted_peak if cuda else None,
+            "device_matches": row["cache_device_bytes"] == pred["device_bytes"],
+            "host_matches": row["host_bytes"] == pred["host_bytes"],
+            "host_over_predicted": row["host_bytes"] / pred["host_bytes"] if pred["host_bytes"] else None,
+        }
+        del cache, ids, mask
+    if method in OFFLOAD_METHODS:
+        disable_offload_attention(model)
+    return row
+
+
+def roofline(method: str, env: dict, batch: int, kv_tokens: float, pcie_per_step: float, step_s: float, layers: int,
+             kv_heads: int, head_dim: int, offload_cache=None) -> dict:  # fmt: skip
+    """Lower bound of one step: weights and attended KV read once from device memory, missed bytes over PCIe.
+
+    OffloadCache attends to ``budget_tokens`` per sequence and layer; the dense methods to the whole KV. The block
+    summaries the selector reads each step are reported apart (``summary_bytes``, ``roofline_with_summaries_ms``).
+    """
+    bw = env["bandwidth"]
+    per_token = 2 * kv_heads * head_dim * 2
+    summary_bytes = 0
+    if offload_cache is not None:
+        cfg = offload_cache.config
+        kv_read = min(cfg.budget_tokens, kv_tokens) * batch * layers * per_token
+        summary_bytes = int(kv_tokens // cfg.block_tokens) * batch * layers * 2 * kv_heads * head_dim * 2
+    else:
+        kv_read = kv_tokens * batch * layers * per_token
+    weights = env["weights_per_step"]
+    hbm_s = (weights + kv_read) / bw["hbm_bytes_per_s"]
+    pcie_s = pcie_per_step / bw["h2d_pinned_bytes_per_s"]
+    bound = hbm_s + pcie_s
+    with_summaries = bound + summary_bytes / bw["hbm_bytes_per_s"]
+    return {
+        "weight_bytes": weights, "kv_read_bytes": int(kv_read), "pcie_bytes": int(pcie_per_step),
+        "summary_bytes": summary_bytes, "hbm_ms": hbm_s * 1e3, "pcie_ms": pcie_s * 1e3, "roofline_ms": bound * 1e3,
+        "step_over_roofline": step_s / bound, "roofline_with_summaries_ms": with_summaries * 1e3,
+        "step_over_roofline_with_summaries": step_s / with_summaries,
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------- e2e
+def run_e2e(model, env: dict, args) -> dict:
+    """Prefill a random prompt of ``--e2e-context`` tokens at batch 1 (chunks of ``--e2e-prefill-chunk``), then
+    decode ``--e2e-steps`` tokens, with ``DynamicCache`` and with ``OffloadCache(selector="solohead")``.
+
+    The prefill is exact with both caches, so the first generated token should agree (bf16 rounding of the two
+    attention paths can still flip a near tie); ``first_token_identical`` reports it."""
+    from transformers import DynamicCache
+
+    device, kw = env["device"], env["kw"]
+    cuda = device.type == "cuda"
+    n = args.e2e_context
+    chunk = args.e2e_prefill_chunk or n
+    g = torch.Generator(device=device).manual_seed(2)
+    prompt = torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=g)
+    mask = torch.ones(1, n + args.e2e_steps + 1, dtype=torch.long, device=device)
+    runs = []
+    for method in ("dynamic", "solohead"):
+        release(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        with torch.inference_mode():
+            if method == "dynamic":
+                cache = DynamicCache(config=model.config)
+            else:
+                cache = OffloadCache(model, budget_tokens=args.budget, selector="solohead")
+            sync(device)
+            t0 = time.perf_counter()
+            for s in range(0, n, chunk):
+                e = min(n, s + chunk)
+                out = model(input_ids=prompt[:, s:e], position_ids=torch.arange(s, e, device=device)[None],
+                            attention_mask=mask[:, :e], use_cache=True, logits_to_keep=1, **{kw: cache})  # fmt: skip
+            first = out.logits[:, -1:].argmax(-1)
+            sync(device)
+            prefill_s = time.perf_counter() - t0
+            clock = Clock(device)
+            clock.mark()
+            decode(model, cache, kw, first, n, args.e2e_steps, mask, clock)
+            spans = clock.spans_s()
+            run = {
+                "method": method, "prefill_s": prefill_s, "prefill_tokens_per_s": n / prefill_s,
+                # The first decode step after a prefill pays one-time costs: reported apart.
+                "decode_first_step_ms": spans[0] * 1e3 if spans else None,
+                "decode_step_ms": sum(spans[1:]) / len(spans[1:]) * 1e3 if len(spans) > 1 else None,
+                "first_token": int(first),
+                "peak_device_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
+            }  # fmt: skip
+            if method == "solohead":
+                stats = cache.stats()
+                run["host_kv_bytes"], run["hit_rate"] = stats["host_kv_bytes"], stats["hit_rate"]
+            del cache, out
+        if method == "solohead":
+            disable_offload_attention(model)
+        runs.append(run)
+        print(f"e2e {method:9s} prefill {n:,} tokens {prefill_s:7.2f} s ({n / prefill_s:8.0f} tok/s); decode "
+              f"{run['decode_step_ms'] or 0:7.1f} ms/step; first token {run['first_token']}", flush=True)  # fmt: skip
+    release(device)
+    return {"context": n, "batch": 1, "prefill_chunk": chunk, "decode_steps": args.e2e_steps, "runs": runs,
+            "first_token_identical": len({r["first_token"] for r in runs}) == 1}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------------ main
+HEADER = (f"{'method':13s} {'context':>8s} {'batch':>5s} {'steps':>5s} {'tok/s':>9s} {'step ms':>9s} "
+          f"{'peak GiB':>8s} {'pred GiB':>8s} {'host GiB':>8s} {'PCIe GB/s':>9s} {'hit':>5s} {'roof ms':>8s} "
+          f"{'x roof':>6s} {'pk/pred':>7s}")  # fmt: skip
+
+
+def format_row(r: dict) -> str:
+    """One printed table line."""
+
+    def gib(x):
+        return "-" if x is None else f"{x / GIB:.1f}"
+
+    hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.2f}"
+    p = r["prediction"]
+    ratio = "-" if p["peak_over_predicted"] is None else f"{p['peak_over_predicted']:.2f}"
+    return (f"{r['method']:13s} {r['context']:8d} {r['batch']:5d} {r['steps']:5d} {r['tokens_per_s']:9.1f} "
+            f"{r['step_ms']:9.1f} {gib(r['peak_device_bytes']):>8s} {gib(p['predicted_peak_device_bytes']):>8s} "
+            f"{gib(r['host_bytes']):>8s} {r['recalled_gbps']:9.2f} {hit:>5s} {r['roofline']['roofline_ms']:8.1f} "
+            f"{r['roofline']['step_over_roofline']:6.1f} {ratio:>7s}")  # fmt: skip
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama-8b")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072],
+                        help="KV tokens per sequence at the last decode step")  # fmt: skip
+    parser.add_argument("--batches", nargs="+", default=["auto"],
+                        help="batch sizes, or 'auto': 1, 2, 4, ... while predicted to fit (and no OOM)")  # fmt: skip
+    parser.add_argument("--max-batch", type=int, default=256, help="largest batch of an auto sweep")
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
+    parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
+    parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
+    parser.add_argument("--config-seconds", type=float, default=3.0,
+                        help="timed steps per configuration: about this many seconds (by the last warm-up step), "
+                        "within [--min-steps, --steps]; 0: always --steps")  # fmt: skip
+    parser.add_argument("--hf-offloaded-max-batch", type=int, default=4)
+    parser.add_argument("--hf-offloaded-max-kv-gib", type=float, default=16.0,
+                        help="skip hf-offloaded where its whole KV (copied both ways every step) exceeds this")
+    parser.add_argument("--device-margin-gib", type=float, default=3.0, help="device memory kept free (activations)")
+    parser.add_argument("--host-margin-gib", type=float, default=8.0, help="host memory kept free")
+    parser.add_argument("--bandwidth-mib", type=int, default=None, help="bytes per bandwidth copy (CUDA 1024, CPU 64)")
+    parser.add_argument("--max-seconds", type=float, default=390.0,
+                        help="wall budget of the run; configurations not started by then are skipped")  # fmt: skip
+    parser.add_argument("--e2e", action="store_true", help="also one run with a real prefill at batch 1")
+    parser.add_argument("--e2e-context", type=int, default=32768)
+    parser.add_argument("--e2e-prefill-chunk", type=int, default=4096, help="0: the whole prompt in one forward")
+    parser.add_argument("--e2e-steps", type=int, default=16)
+    parser.add_argument("--device", default="auto", help="auto (CUDA where available), cpu, cuda, ...")
+    parser.add_argument("--out", default="results/decode/bench_decode.json")
+    args = parser.parse_args(argv)
+    if args.batches != ["auto"]:
+        args.batches = [int(b) for b in args.batches]
+    for context in args.contexts:
+        if context - args.warmup - args.steps < 1:
+            parser.error(f"context {context} must exceed --warmup + --steps = {args.warmup + args.steps}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the sweep; returns 0."""
+    t_start = time.perf_counter()
+    args = parse_args(argv)
+    device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
+    cuda = device.type == "cuda"
+    max_positions = max(args.contexts + ([args.e2e_context + args.e2e_steps + 1] if args.e2e else [])) + 16
+    t0 = time.perf_counter()
+    model = build_model(args.shape, max_positions, device)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    cfg = model.config
+    total_w, per_step_w = weight_bytes(model)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = shape_from_config(cfg, dtype_bytes=2, weights_bytes=total_w)
+    bandwidth = measure_bandwidths(device, (args.bandwidth_mib or (1024 if cuda else 64)) << 20)
+    env = {
+        "device": device, "kw": cache_kwarg(model), "shape": shape, "head_dim": head_dim, "bandwidth": bandwidth,
+        "weights_per_step": per_step_w, "n_rep": cfg.num_attention_heads // cfg.num_key_value_heads,
+        "layer_kv_bytes": lambda batch, tokens: batch * tokens * shape.kv_bytes_per_token,
+    }  # fmt: skip
+    print(f"{DECODE_ONLY}; {args.shape} shape, random bf16 weights ({total_w / GIB:.2f} GiB, {per_step_w / GIB:.2f} "
+          f"GiB read per step) on {torch.cuda.get_device_name(device) if cuda else 'cpu'}; device copy "
+          f"{bandwidth['hbm_bytes_per_s'] / 1e9:.0f} GB/s, pinned host-to-device "
+          f"{bandwidth['h2d_pinned_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)  # fmt: skip
+    result = {
+        "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
+                                 device=str(device)),  # fmt: skip
+        "decode_only": DECODE_ONLY,
+        "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
+                  SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,
+                  "weight_bytes_read_per_step": per_step_w, "kv_bytes_per_token": shape.kv_bytes_per_token *
+                  shape.full_layers},  # fmt: skip
+        "methods": {m: METHOD_NOTES[m] for m in args.methods},
+        "bandwidth": bandwidth,
+        "roofline_note": "roofline_ms = (weights read per step + attended KV) / hbm_bytes_per_s + recalled bytes per "
+        "step / h2d_pinned_bytes_per_s; attended KV: budget_tokens per sequence and layer for OffloadCache, the whole "
+        "KV for the other methods; hf-offloaded recalls its whole KV every step",
+        "runs": [], "skipped": [], "e2e": None, "complete": False,
+    }  # fmt: skip
+
+    def save(final: bool = False) -> None:
+        result["elapsed_s"] = time.perf_counter() - t_start
+        result["complete"] = final
+        if final:
+            write_results(args.out, result)
+        else:
+            with contextlib.redirect_stdout(io.StringIO()):
+                write_results(args.out, result)
+
+    def over_budget() -> bool:
+        return time.perf_counter() - t_start > args.max_seconds
+
+    if args.e2e:
+        if over_budget():
+            result["skipped"].append({"method": "e2e", "reason": "time budget (--max-seconds)"})
+        else:
+            try:
+                result["e2e"] = run_e2e(model, env, args)
+            except (torch.cuda.OutOfMemoryError, MemoryError) as err:
+                result["e2e"] = {"error": f"out of memory: {str(err).splitlines()[0]}"}
+            except Exception:
+                result["e2e"] = {"error": traceback.format_exc()}
+            release(device)
+        save()
+
+    print(HEADER, flush=True)
+    # transformers' offloading runs last: its pinned blocks (power-of-two sizes) would otherwise sit next to the
+    # OffloadCache chunks that torch's pinned allocator keeps for reuse by the next configuration.
+    order = [m for m in args.methods if m != "hf-offloaded"]
+    phases = [(c, m) for c in args.contexts for m in order]
+    if "hf-offloaded" in args.methods:
+        phases += [(c, "hf-offloaded") for c in args.contexts]
+    emptied = False
+    for context, method in phases:
+        if method == "hf-offloaded" and not cuda:
+            for batch in args.batches:
+                reason = "needs CUDA (transformers' offloading uses CUDA streams)"
+                result["skipped"].append({"method": method, "context": context, "batch": batch, "reason": reason})
+            continue
+        if method == "hf-offloaded" and not emptied:
+            emptied = empty_host_cache()
+        batches = args.batches if args.batches != ["auto"] else [2**i for i in range(args.max_batch.bit_length())
+                                                                 if 2**i <= args.max_batch]  # fmt: skip
+        auto = args.batches == ["auto"]
+        for batch in batches:
+            skip = {"method": method, "context": context, "batch": batch}
+            if over_budget():
+                result["skipped"].append({**skip, "batch": "auto" if auto else batch,
+                                          "reason": "time budget (--max-seconds)"})  # fmt: skip
+                if auto:
+                    break
+                continue
+            layer_kv = env["layer_kv_bytes"](batch, context)
+            if method == "hf-offloaded":
+                kv = layer_kv * cfg.num_hidden_layers
+                if batch > args.hf_offloaded_max_batch or kv > args.hf_offloaded_max_kv_gib * GIB:
+                    result["skipped"].append({**skip, "reason": f"hf-offloaded copies the whole KV ({kv / GIB:.1f} "
+                                              "GiB) both ways every step: beyond --hf-offloaded-max-batch / "
+                                              "--hf-offloaded-max-kv-gib"})  # fmt: skip
+                    if auto:
+                        break
+                    continue
+            off_cfg = OffloadConfig(budget_tokens=args.budget, selector="headwise" if method == "headwise-copy" else
+                                    "solohead")  # fmt: skip
+            pred = predict(method, shape, context, batch, off_cfg, layer_kv, env["n_rep"])
+            # torch's pinned allocator rounds each hf-offloaded layer tensor up to a power of two.
+            pinned_round = 0
+            if method == "hf-offloaded":
+                per_tensor = layer_kv // 2
+                pinned_round = 2 * cfg.num_hidden_layers * (2 ** math.ceil(math.log2(per_tensor)) - per_tensor)
+            problem = fit_problem(method, pred, device, args, pinned_round)
+            if problem:
+                result["skipped"].append({**skip, "reason": problem})
+                save()
+                if auto:
+                    break
+                continue
+            try:
+                row = run_config(model, env, method, context, batch, args)
+            except (torch.cuda.OutOfMemoryError, MemoryError) as err:
+                row = None
+                reason = f"out of memory: {str(err).splitlines()[0][:300]}"
+            except Exception:
+                row = None
+                reason = "error: " + traceback.format_exc()[-2000:]
+            if method in OFFLOAD_METHODS:
+                disable_offload_attention(model)
+            release(device)
+            if row is None:
+                result["skipped"].append({**skip, "reason": reason})
+                print(f"{method:13s} {context:8d} {batch:5d} {reason.splitlines()[0][:90]}", flush=True)
+                save()
+                if auto or reason.startswith("out of memory"):
+                    break
+                continue
+            result["runs"].append(row)
+            print(format_row(row), flush=True)
+            save()
+    save(final=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""benchmarks/bench_decode.py on the CPU at the tiny shape: every method decodes, the JSON holds what the GPU run
+reports (throughput, roofline, planner predictions), sweeps stop cleanly on out-of-memory and on the time budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_decode
+
+CONTEXT, BATCH, BUDGET, STEPS = 256, 2, 128, 2
+COMMON = ["--shape", "tiny", "--budget", str(BUDGET), "--steps", str(STEPS), "--warmup", "1", "--bandwidth-mib", "8",
+          "--device", "cpu"]  # fmt: skip
+
+
+def _run(tmp_path, *extra) -> dict:
+    out = tmp_path / "bench_decode.json"
+    assert bench_decode.main([*COMMON, "--out", str(out), *extra]) == 0
+    return json.loads(out.read_text())
+
+
+def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, capsys):
+    data = _run(tmp_path, "--contexts", str(CONTEXT), "--batches", str(BATCH), "--e2e", "--e2e-context", "128",
+                "--e2e-prefill-chunk", "64", "--e2e-steps", "2")  # fmt: skip
+    printed = capsys.readouterr().out
+    assert bench_decode.DECODE_ONLY in printed and data["decode_only"] == bench_decode.DECODE_ONLY
+    assert bench_decode.DECODE_ONLY in data["metadata"]["note"]
+    assert data["complete"] is True
+    bw = data["bandwidth"]
+    assert bw["hbm_bytes_per_s"] > 0 and bw["h2d_pinned_bytes_per_s"] > 0
+
+    runs = {r["method"]: r for r in data["runs"]}
+    expected = [m for m in bench_decode.METHODS if torch.cuda.is_available() or m != "hf-offloaded"]
+    assert sorted(runs) == sorted(expected)
+    if not torch.cuda.is_available():
+        (skip,) = data["skipped"]
+        assert skip["method"] == "hf-offloaded" and "CUDA" in skip["reason"]
+    model = bench_decode.build_model("tiny", CONTEXT + 16, torch.device("cpu"))
+    per_token = 2 * model.config.num_key_value_heads * model.config.head_dim * 2 * model.config.num_hidden_layers
+    for method, r in runs.items():
+        assert any(line.startswith(f"{method} ") for line in printed.splitlines())  # a table line as it went
+        assert r["context"] == CONTEXT and r["batch"] == BATCH and r["steps"] == STEPS
+        assert r["kv_tokens_end"] == CONTEXT == r["kv_tokens_start"] + 1 + STEPS
+        assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
+        assert r["tokens_per_s"] == pytest.approx(BATCH * 1e3 / r["step_ms"])
+        assert r["ms_per_output_token"] == pytest.approx(r["step_ms"] / BATCH)
+        roof = r["roofline"]
+        for key in ("weight_bytes", "kv_read_bytes", "hbm_ms", "roofline_ms", "step_over_roofline"):
+            assert roof[key] > 0, (method, key)
+        assert roof["roofline_ms"] == pytest.approx(roof["hbm_ms"] + roof["pcie_ms"])
+        assert roof["step_over_roofline"] == pytest.approx(r["step_ms"] / roof["roofline_ms"])
+        pred = r["prediction"]
+        assert pred["device_bytes"] > 0 and pred["kv_tokens"] == CONTEXT
+    for method in ("dynamic", "static"):
+        r = runs[method]
+        assert r["cache_device_bytes"] == BATCH * CONTEXT * per_token == r["prediction"]["device_bytes"]
+        assert r["host_bytes"] == 0 and r["hit_rate"] is None and r["recalled_bytes_per_step"] == 0
+        assert r["roofline"]["kv_read_bytes"] > BATCH * (CONTEXT - STEPS) * per_token
+    for method in ("solohead", "headwise-copy"):
+        r = runs[method]
+        pred = r["prediction"]
+        # The planner predicts the OffloadCache's host (pinned pool) and device bytes exactly.
+        assert r["host_bytes"] == pred["host_bytes"] == r["stats"]["host_reserved_bytes"] > 0
+        assert r["host_kv_bytes"] == pred["host_kv_bytes"] == BATCH * (CONTEXT // 16) * 16 * per_token
+        assert r["cache_device_bytes"] == pred["device_bytes"] and pred["device_matches"] and pred["host_matches"]
+        assert 0 <= r["hit_rate"] <= 1
+        assert r["roofline"]["kv_read_bytes"] == BUDGET * BATCH * per_token  # the budget, not the whole KV
+        assert r["roofline"]["summary_bytes"] > 0
+        assert r["recalled_bytes_per_step"] == r["stats"]["decode_recalled_bytes"] / STEPS
+    assert runs["headwise-copy"]["transfer"] == "torch"
+
+    e2e = data["e2e"]
+    assert [r["method"] for r in e2e["runs"]] == ["dynamic", "solohead"]
+    for r in e2e["runs"]:
+        assert r["prefill_s"] > 0 and r["decode_step_ms"] > 0
+    assert isinstance(e2e["first_token_identical"], bool)
+
+
+def test_auto_sweep_doubles_and_stops_at_out_of_memory(tmp_path, monkeypatch):
+    real = bench_decode.run_config
+
+    def run_config(model, env, method, context, batch, args):
+        if batch >= 4:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, env, method, context, batch, args)
+
+    monkeypatch.setattr(bench_decode, "run_config", run_config)
+    data = _run(tmp_path, "--contexts", "64", "--batches", "auto", "--max-batch", "16", "--methods", "dynamic",
+                "solohead", "--steps", "1", "--min-steps", "1", "--budget", "48")  # fmt: skip
+    done = sorted((r["method"], r["batch"]) for r in data["runs"])
+    assert done == [("dynamic", 1), ("dynamic", 2), ("solohead", 1), ("solohead", 2)]
+    oom = [s for s in data["skipped"] if s["reason"].startswith("out of memory")]
+    assert sorted((s["method"], s["batch"]) for s in oom) == [("dynamic", 4), ("solohead", 4)]
+    assert len(data["skipped"]) == 2  # the sweep stopped: batches 8 and 16 were never tried
+
+
+def test_time_budget_skips_and_lists_the_rest(tmp_path):
+    data = _run(tmp_path, "--contexts", "64", "128", "--batches", "1", "2", "--methods", "dynamic", "solohead",
+                "--max-seconds", "0")  # fmt: skip
+    assert data["runs"] == [] and data["complete"] is True
+    listed = sorted((s["method"], s["context"], s["batch"]) for s in data["skipped"])
+    assert listed == sorted((m, c, b) for m in ("dynamic", "solohead") for c in (64, 128) for b in (1, 2))
+    assert all("time budget" in s["reason"] for s in data["skipped"])
