@@ -23,19 +23,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
-from hf_offload.attention import take_handoff  # noqa: E402
-
-
-def fill_random(cache, batch: int, context: int, kv_heads: int, head_dim: int, device, chunk: int = 4096) -> None:
-    """Write ``context`` random bf16 tokens into every layer of ``cache``, chunk by chunk."""
-    g = torch.Generator(device=device).manual_seed(0)
-    for layer in cache.layers:
-        for start in range(0, context, chunk):
-            n = min(chunk, context - start)
-            k = torch.randn(batch, kv_heads, n, head_dim, device=device, dtype=torch.bfloat16, generator=g)
-            layer.update(k, torch.randn_like(k))
-            take_handoff()  # no attention runs for a fill
-            layer.finish_step()
+from hf_offload.bench import fill_random  # noqa: E402
 
 
 def main() -> int:

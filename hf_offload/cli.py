@@ -6,6 +6,7 @@ Examples::
     hf-offload models list                      # the real models and whether they are installed / fetched
     hf-offload models fetch qwen05              # assemble, verify (sha256), convert once, print the folder
     hf-offload plan llama-3.1-8b --context 65536 --batch 8 --device-gib 139
+    hf-offload bench --shape llama-3.1-8b --context 32768 --batch 8 --budget 2048
     hf-offload eval ruler_qwen05 --set samples=5 --set lengths=[4096]
 """
 
@@ -17,6 +18,7 @@ COMMANDS = {
     "demo": ("hf_offload.demo", "a needle prompt answered with a dense and an offloaded cache, side by side"),
     "models": ("hf_offload.models", "list, fetch and check the real models (one optional extra each)"),
     "plan": ("hf_offload.planner", "device / host bytes of a cache and the largest batch per method"),
+    "bench": ("hf_offload.bench", "decode speed and KV bytes of OffloadCache vs DynamicCache on a random-weight model"),
     "eval": ("eval_harness.cli", "run an evaluation recipe (RULER, LongBench): hf-offload eval RECIPE --set k=v"),
 }
 
