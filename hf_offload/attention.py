@@ -142,7 +142,7 @@ class OffloadMask:
         key = (q_pos, n_blocks, block_tokens)
         if key not in self._block_valid:
             kv = torch.arange(n_blocks * block_tokens, device=device).view(1, 1, -1)
-            ok = self.allowed(torch.tensor([q_pos], device=device), kv)[:, 0, 0]
+            ok = self.allowed(torch.full((1,), q_pos, device=device), kv)[:, 0, 0]  # no host-to-device copy
             batch = self.kwargs.get("batch_size", ok.shape[0])
             self._block_valid[key] = ok.expand(batch, -1).reshape(batch, n_blocks, block_tokens).any(-1)
         return self._block_valid[key]
@@ -213,7 +213,8 @@ def offload_attention_forward(
 ) -> torch.Tensor:
     """Attention of one layer over the offloaded cache: plan (select, make resident), then run.
 
-    Decode (one query): the selected sealed blocks plus the recent tokens. Prefill (several queries): every earlier
+    Decode (one query): the selected sealed blocks plus the recent tokens; right after the plan, the next offloaded
+    layer's likely blocks are prefetched (lookahead, :meth:`~hf_offload.cache.OffloadLayer.lookahead_next`). Prefill (several queries): every earlier
     sealed block plus the recent tokens, exactly, in tiles of ``prefill_chunk_tokens``; a prompt's first forward with
     a plain causal mask (left padding allowed) runs as one fused ``scaled_dot_product_attention`` instead.
 
@@ -263,6 +264,11 @@ def offload_attention_forward(
             selection = layer.select_all(handoff.n_blocks_before)
         if timer is not None:
             timer.add("select", t_start, t_select := timer.mark())
+        if q_len == 1 and layer.lookahead:
+            # Lookahead: the next offloaded layer's likely blocks start moving now, behind this layer's work.
+            layer.lookahead_next(grouped[:, :, :, 0], mask, scaling)
+            if timer is not None:
+                timer.add("prefetch", t_select, t_select := timer.mark())
         for blocks, keep, keys, values in layer.resident_rounds(selection, decode=q_len == 1):
             if timer is not None:
                 timer.add("recall", t_select, t_recalled := timer.mark())

@@ -6,7 +6,9 @@ Per full-attention layer (:class:`OffloadLayer`):
 * every sealed block is written to the layer's host pool (one contiguous block = K and V of all KV heads) and
   summarised on the device for scoring;
 * a device slot pool keeps recently used blocks across decode steps; decode recalls only the selected blocks that
-  are not resident.
+  are not resident;
+* with lookahead, a decode step scores the next offloaded layer's blocks with this layer's query and starts their
+  recall early (on a side stream on CUDA); the next layer's own plan then finds them resident.
 
 Sliding-window layers of hybrid models (e.g. Gemma 3) keep transformers' own dense sliding-window layer on the
 device: their KV is bounded by the window.
@@ -47,6 +49,9 @@ class LayerStats:
         self.decode_recalled_bytes = 0
         self.offloaded_bytes = 0
         self.decode_steps = 0
+        self.prefetched_blocks = 0  # speculative recalls (lookahead); included in the recall counters above
+        self.prefetched_bytes = 0
+        self.prefetch_used_blocks = 0  # prefetched blocks that the exact plan that followed attended
 
 
 class OffloadLayer(CacheLayerMixin):
@@ -65,6 +70,11 @@ class OffloadLayer(CacheLayerMixin):
             (every block offloaded).
         timer: returns the cache's :class:`~hf_offload.timing.PhaseTimer` for a device (called when timing is on).
         is_first_offload_layer: whether this layer marks the start of each decode step for the timer.
+        streams: returns the cache's :class:`~hf_offload.transfer.TransferStreams` for a CUDA device.
+
+    Attributes:
+        next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
+        lookahead: whether decode steps of this layer prefetch for ``next_layer`` (resolved from the config).
     """
 
     is_sliding = False
@@ -82,6 +92,7 @@ class OffloadLayer(CacheLayerMixin):
         admission=lambda device: None,
         timer=lambda device: None,
         is_first_offload_layer: bool = True,
+        streams=lambda device: None,
     ):
         super().__init__()
         self.config = config
@@ -92,6 +103,11 @@ class OffloadLayer(CacheLayerMixin):
         self.cache_admission = admission
         self.cache_timer = timer
         self.is_first_offload_layer = is_first_offload_layer
+        self.cache_streams = streams
+        self.next_layer: OffloadLayer | None = None
+        self.lookahead = False
+        self.streams = None
+        self._clear_transfer_state()
         self.cache_id = cache_id
         self.model_config = model_config
         self.model_name = getattr(model_config, "model_type", "?")
@@ -130,6 +146,9 @@ class OffloadLayer(CacheLayerMixin):
         self.use_kernels = self._want_kernels(bool(pin))
         if self.use_kernels:
             self.block_table_dev = self.block_table.to(self.device)
+        # Side streams only where the kernel path runs asynchronously (CUDA); elsewhere every copy is synchronous.
+        self.streams = self.cache_streams(self.device) if self.use_kernels and self.device.type == "cuda" else None
+        self.resolve_lookahead()
         self.summaries: dict[str, torch.Tensor] = {}
         self.keys = key_states.new_empty((batch, heads, 0, head_dim))
         self.values = value_states.new_empty((batch, heads, 0, head_dim))
@@ -146,14 +165,34 @@ class OffloadLayer(CacheLayerMixin):
             )
         return possible and self.config.transfer != "torch"
 
+    def resolve_lookahead(self) -> None:
+        """Set :attr:`lookahead` from the config: ``None`` means on with the kernel path on CUDA."""
+        wanted = self.config.lookahead
+        if wanted is None:  # known once the first update has fixed the device and the transfer path
+            device = getattr(self, "device", None)
+            wanted = getattr(self, "use_kernels", False) and device is not None and device.type == "cuda"
+        self.lookahead = bool(wanted)
+
+    def _clear_transfer_state(self) -> None:
+        # Events of the side streams (None: nothing pending, or no side streams).
+        self._last_write = None  # after the host writes of every block sealed so far
+        self._selectable_written = None  # after the host writes of the blocks this forward may read
+        self._prefetch_event = None  # after the speculative recall into this layer's slot pool
+        self._prefetched_slots: torch.Tensor | None = None  # [batch, kv_heads, slots] bool: filled by that recall
+
     def reset(self) -> None:
         """Drop all tokens and free the pools; the next update starts afresh (any batch size)."""
         if self.is_initialized:
+            if self.streams is not None:
+                # Side streams may still read or write the pools (kernels over pinned memory are invisible to the
+                # caching host allocator): finish them before the memory is freed.
+                torch.cuda.synchronize(self.device)
             self.host.release()
             del self.pool, self.block_table, self.summaries
             self.block_table_dev = None
             self.keys = self.values = None
             self.is_initialized = False
+        self._clear_transfer_state()
         self.n_tokens = 0
         self.n_blocks = 0
         self._window_insert = None
@@ -182,6 +221,8 @@ class OffloadLayer(CacheLayerMixin):
             )
         if self.timer is not None and self.is_first_offload_layer and key_states.shape[-2] == 1:
             self.timer.step_start()
+        # This forward reads only blocks sealed before it: their host writes are the ones recalls wait for.
+        self._selectable_written = self._last_write
         first_recent = self.n_blocks * self.block_tokens
         n_before = self.n_blocks
         recent_k = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)
@@ -206,10 +247,16 @@ class OffloadLayer(CacheLayerMixin):
         ids = self.host.allocate(batch * n_new)
         flat = blocks.reshape(-1, 2, heads, T, D)
         if self.use_kernels:
-            # Stream order: the write is queued behind the computation of these keys and values, and every later
-            # recall of these blocks is queued behind the write.
-            ids_dev = ids.to(self.device, non_blocking=True)
-            transfer.offload_blocks_kernel(self.host, ids_dev, flat)
+            # Stream order: the write runs on the offload stream behind the computation of these keys and values
+            # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
+            # The ids go through pinned memory so that their copy never blocks the host.
+            ids_dev = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
+            addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream
+            self._last_write = transfer.launch_on(
+                self.streams.offload if self.streams is not None else None,
+                lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
+                uses=(ids_dev, flat, addrs),
+            )
             self.block_table_dev = torch.cat([self.block_table_dev, ids_dev.view(batch, n_new)], dim=1)
             self.stats.offloaded_bytes += len(ids) * self.host.block_bytes
         else:
@@ -227,6 +274,7 @@ class OffloadLayer(CacheLayerMixin):
     def finish_step(self) -> None:
         """After this step's attention: put the blocks sealed by this step into the slot pool (a block just written
         is a hit next step)."""
+        self._wait_prefetch()  # the slot written below may be one a prefetch was filling
         if self._window_insert is None:
             return
         first, blocks = self._window_insert
@@ -251,10 +299,12 @@ class OffloadLayer(CacheLayerMixin):
             scaling: softmax scale.
             handoff: this step's handoff (recent tokens and the number of selectable blocks).
         """
-        n = handoff.n_blocks_before
         recent = handoff.key.shape[-2]
+        return self._plan(query, mask, scaling, handoff.n_blocks_before, recent, handoff.first_recent_pos + recent - 1)
+
+    def _plan(self, query: torch.Tensor, mask, scaling: float, n: int, recent: int, q_pos: int) -> Selection:
+        """:meth:`select` for ``n`` selectable blocks, ``recent`` device-resident tokens and query position ``q_pos``."""
         k = min(n, (self.config.budget_tokens - recent) // self.block_tokens)
-        q_pos = handoff.first_recent_pos + recent - 1
         if mask is None:
             valid = torch.ones((self.batch, n), dtype=torch.bool, device=self.device)
         else:
@@ -281,12 +331,16 @@ class OffloadLayer(CacheLayerMixin):
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
 
+        Before its first recall the compute stream waits for the host writes of the blocks this forward may read
+        and for this layer's pending prefetch, if any (events, no host synchronisation).
+
         Yields:
             ``(blocks, keep, keys, values)`` per round: block indices ``[batch, 1 or kv_heads, n]``, which are
             attended (same shape, bool), and their keys and values ``[batch, kv_heads, n * block_tokens, head_dim]``.
         """
         total = selection.blocks.shape[-1]
         per_round = self.pool.slots
+        prefetched, self._prefetched_slots = self._prefetched_slots, None
         if decode:
             self.stats.decode_steps += 1
         for start in range(0, total, per_round):
@@ -298,15 +352,51 @@ class OffloadLayer(CacheLayerMixin):
                 looked = keep.expand_as(miss).sum()
                 self.stats.lookups += looked
                 self.stats.hits += looked - miss.sum()
-            self._recall(blocks, slots, miss, decode)
+                if prefetched is not None:
+                    used = keep.expand_as(miss) & ~miss & prefetched.gather(-1, slots)
+                    self.stats.prefetch_used_blocks += (used if self.selector.per_head else used[:, :1]).sum()
+            if start == 0:
+                # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
+                # them; both must come after the prefetch. Recalled blocks must have reached the host.
+                self._wait_prefetch()
+                transfer.wait_event(self._selectable_written, self.device)
+                self._selectable_written = None
+            self._count(*self._recall(blocks, slots, miss), decode=decode)
             keys, values = self.pool.gather(slots)
             yield blocks, keep, keys, values
 
-    def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, decode: bool) -> None:
-        """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise)."""
+    def _wait_prefetch(self) -> None:
+        """Make the compute stream wait for this layer's pending speculative recall, if any."""
+        if self._prefetch_event is not None:
+            transfer.wait_event(self._prefetch_event, self.device)
+            self._prefetch_event = None
+
+    def _count(self, count, nbytes, decode: bool, prefetch: bool = False) -> None:
+        """Add ``count`` recalled blocks (or pieces) of ``nbytes`` bytes in all to the counters."""
+        self.stats.recalled_blocks += count
+        self.stats.recalled_bytes += nbytes
+        if decode:
+            self.stats.decode_recalled_blocks += count
+            self.stats.decode_recalled_bytes += nbytes
+        if prefetch:
+            self.stats.prefetched_blocks += count
+            self.stats.prefetched_bytes += nbytes
+
+    def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
+        """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise).
+
+        Args:
+            blocks: block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``, compute device.
+            slots: slot per entry, ``[batch, kv_heads, n]``, ``torch.int64``, compute device.
+            miss: entries to recall, ``[batch, kv_heads, n]``, ``torch.bool``, compute device.
+            stream: kernel path on CUDA only: a side stream to run the copy on (its event goes to
+                ``self._prefetch_event``); ``None``: the current stream.
+
+        Returns:
+            ``(count, nbytes)``: pieces moved and their bytes (device tensors on the kernel path, ints otherwise).
+        """
         if self.use_kernels:
-            self._recall_kernel(blocks, slots, miss, decode)
-            return
+            return self._recall_kernel(blocks, slots, miss, stream)
         if self.selector.per_head:
             b, h, j = miss.nonzero(as_tuple=True)
             block = blocks.expand_as(miss)[b, h, j]
@@ -318,36 +408,105 @@ class OffloadLayer(CacheLayerMixin):
             block = blocks[:, 0][b, j]
             ids = self.block_table[b.cpu(), block.cpu()]
             nbytes = transfer.recall_blocks(self.host, self.pool, ids, b, slots[:, 0][b, j])
-        self.stats.recalled_blocks += len(ids)
-        self.stats.recalled_bytes += nbytes
-        if decode:
-            self.stats.decode_recalled_blocks += len(ids)
-            self.stats.decode_recalled_bytes += nbytes
+        return len(ids), nbytes
 
-    def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, decode: bool) -> None:
-        """Kernel path of :meth:`_recall`: one launch over every candidate entry; no host synchronisation."""
+    def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
+        """Kernel path of :meth:`_recall`: one launch over every candidate entry; no host synchronisation.
+
+        The launch arguments are computed on the compute stream; only the copy runs on ``stream``.
+        """
         batch, heads, n = miss.shape
         b = torch.arange(batch, device=self.device)
         if self.selector.per_head:
             table = self.block_table_dev[:, None, :].expand(batch, heads, -1)
-            ids = torch.where(miss, table.gather(-1, blocks.expand(batch, heads, n)), -1)
-            head = torch.arange(heads, device=self.device)[None, :, None].expand(batch, heads, n)
-            transfer.recall_blocks_kernel(
-                self.host, self.pool, ids.flatten(), b[:, None, None].expand(batch, heads, n).flatten(),
-                slots.flatten(), head.flatten(),
-            )  # fmt: skip
+            ids = torch.where(miss, table.gather(-1, blocks.expand(batch, heads, n)), -1).flatten()
+            batch_idx = b[:, None, None].expand(batch, heads, n).flatten()
+            slot_idx = slots.flatten()
+            head_idx = torch.arange(heads, device=self.device)[None, :, None].expand(batch, heads, n).flatten()
             count, unit = miss.sum(), self.host.block_bytes // heads
         else:
-            ids = torch.where(miss[:, 0], self.block_table_dev.gather(-1, blocks[:, 0]), -1)
-            transfer.recall_blocks_kernel(
-                self.host, self.pool, ids.flatten(), b[:, None].expand(batch, n).flatten(), slots[:, 0].flatten()
-            )
+            ids = torch.where(miss[:, 0], self.block_table_dev.gather(-1, blocks[:, 0]), -1).flatten()
+            batch_idx = b[:, None].expand(batch, n).flatten()
+            slot_idx = slots[:, 0].flatten()
+            head_idx = None
             count, unit = miss[:, 0].sum(), self.host.block_bytes
-        self.stats.recalled_blocks += count
-        self.stats.recalled_bytes += count * unit
-        if decode:
-            self.stats.decode_recalled_blocks += count
-            self.stats.decode_recalled_bytes += count * unit
+        addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream, before any side stream
+        uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,))
+        event = transfer.launch_on(
+            stream,
+            lambda: transfer.recall_blocks_kernel(self.host, self.pool, ids, batch_idx, slot_idx, head_idx),
+            uses=uses,
+            wait_for=(self._last_write,) if stream is not None else (),
+        )
+        if stream is not None:
+            self._prefetch_event = event
+        return count, count * unit
+
+    # -------------------------------------------------------------------------------------------------- lookahead
+    def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:
+        """After this layer's decode plan: speculatively plan :attr:`next_layer` with this layer's query and start
+        recalling its misses (see :meth:`prefetch`). A no-op unless :attr:`lookahead` is on and the next layer has
+        the same geometry on the same device.
+
+        Args:
+            query: this layer's decode query, ``[batch, kv_heads, group, head_dim]``, compute device.
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask`, or ``None``.
+            scaling: softmax scale.
+        """
+        nxt = self.next_layer
+        if not self.lookahead or nxt is None or not nxt.is_initialized:
+            return
+        if nxt.device != self.device or (nxt.batch, nxt.kv_heads, nxt.head_dim) != (
+            query.shape[0], query.shape[1], query.shape[-1]
+        ):
+            return
+        nxt.prefetch(query, mask, scaling)
+
+    def prefetch(self, query: torch.Tensor, mask, scaling: float) -> None:
+        """Speculative plan of this layer's coming decode step from an earlier layer's query; recalls its misses.
+
+        Runs before this layer's ``update`` of the step. The plan is :meth:`select` over the blocks sealed so far,
+        bounded to ``lookahead_blocks`` blocks besides sink and window (forced blocks are always part of it, so
+        the slots it takes are never those of the sink and window blocks the exact plan will need). Its misses get
+        slots in this layer's pool (least recently used first, like any miss, but left ranked as never used, so a
+        wrong guess is the first victim of the exact plan) and are recalled on the prefetch stream, whose event the
+        exact plan waits on before it touches the pool's data (:meth:`resident_rounds`).
+        Without side streams (CPU, torch path) the recall runs synchronously. Never changes what is attended.
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, compute device (an earlier layer's decode query).
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask`, or ``None``.
+            scaling: softmax scale.
+        """
+        n = self.n_blocks
+        if n == 0:
+            return
+        selection = self._plan(query, mask, scaling, n, self.keys.shape[-2] + 1, self.n_tokens)
+        if selection.blocks.shape[-1] > self.pool.slots:
+            return  # the exact plan runs in rounds that cycle the whole pool: nothing would stay resident
+        keep = self._bounded(selection)
+        slots, miss = self.pool.assign(selection.blocks, keep, touch=False)
+        stream = self.streams.prefetch if self.streams is not None else None
+        count, nbytes = self._recall(selection.blocks, slots, miss, stream)
+        self._count(count, nbytes, decode=True, prefetch=True)
+        filled = torch.zeros(self.pool.block.shape, dtype=torch.int32, device=self.device)
+        self._prefetched_slots = filled.scatter_add_(-1, slots, miss.int()) > 0
+
+    def _bounded(self, selection: Selection) -> torch.Tensor:
+        """``selection.keep`` limited to the forced blocks plus the ``lookahead_blocks`` best-scored others."""
+        limit = self.config.lookahead_blocks
+        keep = selection.keep
+        k = keep.shape[-1]
+        if limit is None or limit >= k:
+            return keep
+        rank = torch.arange(k, device=keep.device)
+        if selection.scores is None:  # every block is attended (select_all): the newest ones
+            return keep & (rank >= k - limit)
+        scores = selection.scores.gather(-1, selection.blocks)
+        forced = scores == float("inf")
+        others = scores.masked_fill(forced | ~keep, float("-inf"))
+        best = torch.zeros_like(keep).scatter_(-1, others.topk(limit, dim=-1).indices, True)
+        return keep & (forced | best)
 
     # ------------------------------------------------------------------------------------------------ bookkeeping
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -463,6 +622,7 @@ class OffloadCache(Cache):
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)
         self._admissions: dict[torch.device, DeviceAdmission] = {}
+        self._transfer_streams: dict[torch.device, transfer.TransferStreams] = {}
         self._phase_timer: PhaseTimer | None = None
         layer_types = _layer_types(text_config)
         unsupported = sorted(set(layer_types) - {"full_attention", *_SLIDING_TYPES})
@@ -485,13 +645,16 @@ class OffloadCache(Cache):
                 layers.append(
                     OffloadLayer(
                         config, self.selector, idx, self.host_budget, id(self), text_config, self._admission,
-                        self._timer, first,
+                        self._timer, first, self._streams,
                     )
                 )  # fmt: skip
             else:
                 window = text_config.sliding_window if kind == "sliding_attention" else text_config.attention_chunk_size
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
         super().__init__(layers=layers)
+        offload = self.offload_layers
+        for layer, nxt in zip(offload, offload[1:]):
+            layer.next_layer = nxt  # lookahead goes from each offloaded layer to the next one
         self.original_attn_implementation = enable_offload_attention(model)
         self._model_ref = weakref.ref(model)
 
@@ -503,6 +666,20 @@ class OffloadCache(Cache):
             gib = self.config.device_memory_gib
             self._admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
         return self._admissions[device]
+
+    def _streams(self, device: torch.device) -> transfer.TransferStreams:
+        """The side streams of a CUDA device (created on first use, shared by the layers on it)."""
+        if device not in self._transfer_streams:
+            self._transfer_streams[device] = transfer.TransferStreams(device)
+        return self._transfer_streams[device]
+
+    def set_lookahead(self, lookahead: bool | None) -> None:
+        """Switch layer-ahead lookahead on (``True``), off (``False``) or to its default (``None``) for the coming
+        decode steps, e.g. to compare both on one filled cache; see :class:`~hf_offload.config.OffloadConfig`."""
+        self.config = self.config.replace(lookahead=lookahead)
+        for layer in self.offload_layers:
+            layer.config = self.config
+            layer.resolve_lookahead()
 
     def _timer(self, device: torch.device) -> PhaseTimer:
         """The cache's phase timer (created on first use)."""
@@ -522,11 +699,13 @@ class OffloadCache(Cache):
             A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
             ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
             ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
-            ``decode_recalled_bytes`` (decode steps only), ``offloaded_bytes``, ``timing`` (with
-            ``timing=True``: mean ms per decode step of select, recall, attention, rest and the whole step; else
-            ``None``), ``hit_rate`` (share of selected blocks
-            already resident during decode; ``None`` before the first decode step), ``decode_steps`` and
-            ``layers`` (the same counters per offloaded layer, keyed by layer index).
+            ``decode_recalled_bytes`` (decode steps only, prefetches included), ``prefetched_blocks``,
+            ``prefetched_bytes`` (speculative recalls of lookahead), ``prefetch_used_blocks`` (prefetched blocks
+            that the exact plan right after attended), ``offloaded_bytes``, ``timing`` (with ``timing=True``: mean
+            ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
+            ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
+            ``None`` before the first decode step), ``decode_steps`` and ``layers`` (the same counters per
+            offloaded layer, keyed by layer index). Blocks are counted per KV head for per-head selectors.
         """
         per_layer = {}
         device = summaries = host = reserved = 0
@@ -540,6 +719,8 @@ class OffloadCache(Cache):
                     "recalled_blocks": int(s.recalled_blocks),
                     "recalled_bytes": int(s.recalled_bytes),
                     "decode_recalled_bytes": int(s.decode_recalled_bytes),
+                    "prefetched_blocks": int(s.prefetched_blocks),
+                    "prefetch_used_blocks": int(s.prefetch_used_blocks),
                     "hit_rate": hits / lookups if lookups else None,
                     "lookups": lookups,
                 }
@@ -564,6 +745,9 @@ class OffloadCache(Cache):
             "recalled_bytes": total("recalled_bytes"),
             "decode_recalled_blocks": total("decode_recalled_blocks"),
             "decode_recalled_bytes": total("decode_recalled_bytes"),
+            "prefetched_blocks": total("prefetched_blocks"),
+            "prefetched_bytes": total("prefetched_bytes"),
+            "prefetch_used_blocks": total("prefetch_used_blocks"),
             "offloaded_bytes": total("offloaded_bytes"),
             "hit_rate": total("hits") / lookups if lookups else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
@@ -572,9 +756,11 @@ class OffloadCache(Cache):
         }
 
     def reset_stats(self) -> None:
-        """Zero the counters of :meth:`stats` (the cached tokens stay)."""
+        """Zero the counters and the phase timing of :meth:`stats` (the cached tokens stay)."""
         for layer in self.offload_layers:
             layer.stats.reset()
+        if self._phase_timer is not None:
+            self._phase_timer.reset()
 
     def dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of one offloaded layer re-assembled from all tiers; see :meth:`OffloadLayer.dense_kv`."""

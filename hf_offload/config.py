@@ -49,8 +49,17 @@ class OffloadConfig:
             resident block within ``transfer_cap_margin`` of a missing block's score is attended instead (NOSA's
             locality idea). ``None``: no cap.
         transfer_cap_margin: relative score margin of the transfer cap.
-        timing: record per-phase times of decode steps (select, recall, attention, rest; ms per step) into
-            ``cache.stats()["timing"]``.
+        timing: record per-phase times of decode steps (select, prefetch, recall, attention, rest; ms per step)
+            into ``cache.stats()["timing"]``.
+        lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): right after a layer's
+            plan, the same query is scored against the next offloaded layer's block summaries and that layer's
+            likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
+            early: what is attended is decided by each layer's exact plan, so outputs do not change. ``None``: on
+            where blocks move through the copy kernels on CUDA (``transfer="kernel"``), off elsewhere; ``True``
+            elsewhere runs the same speculative plan and recall synchronously (for tests; no overlap).
+        lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one speculative plan
+            selects besides the sink and window blocks, which bounds the bytes a wrong guess costs. ``None``: as
+            many as the budget selects.
     """
 
     budget_tokens: int = 2048
@@ -69,6 +78,8 @@ class OffloadConfig:
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
     timing: bool = False
+    lookahead: bool | None = None
+    lookahead_blocks: int | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -132,6 +143,17 @@ class OffloadConfig:
             raise ValueError(f"admission must be 'always' or 'auto', got {self.admission!r}.")
         if self.device_memory_gib is not None and not self.device_memory_gib >= 0:
             raise ValueError(f"device_memory_gib must be >= 0 or None, got {self.device_memory_gib!r}.")
+        if self.lookahead is not None and not isinstance(self.lookahead, bool):
+            raise ValueError(
+                f"lookahead must be True, False or None (None: on where blocks move through the copy kernels on "
+                f"CUDA), got {self.lookahead!r}."
+            )
+        ahead = self.lookahead_blocks
+        if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
+            raise ValueError(
+                f"lookahead_blocks must be a non-negative integer (blocks per sequence beyond sink and window) or "
+                f"None (as many as the budget selects), got {ahead!r}."
+            )
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(
                 f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."

@@ -1,11 +1,13 @@
 """Optional per-phase timing of decode steps (``OffloadConfig(timing=True)``).
 
-Phases per offloaded layer and decode step: ``select`` (scoring and top-k), ``recall`` (slot assignment and
-host-to-device copies), ``attention`` (the softmax over the selected blocks and the recent tokens). ``step`` is the
-time between the starts of two consecutive decode steps, and ``rest`` what the step spends outside those phases (the
-model's own layers, sampling, Python). On CUDA the marks are events on the current stream, read only when
-:meth:`PhaseTimer.summary` is called (timing adds no host synchronisation to the step itself); elsewhere they are
-wall-clock times.
+Phases per offloaded layer and decode step: ``select`` (scoring and top-k), ``prefetch`` (lookahead: the speculative
+plan of the next offloaded layer, its slot assignment and the launch of its recall; on CUDA the copy itself runs on
+a side stream and belongs to no phase, elsewhere it runs here), ``recall`` (slot assignment, waiting for the layer's
+prefetch, host-to-device copies of what is still missing), ``attention`` (the softmax over the selected blocks and
+the recent tokens). ``step`` is the time between the starts of two consecutive decode steps, and ``rest`` what the
+step spends outside those phases (the model's own layers, sampling, Python). On CUDA the marks are events on the
+current stream, read only when :meth:`PhaseTimer.summary` is called (timing adds no host synchronisation to the
+step itself); elsewhere they are wall-clock times.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections import defaultdict
 
 import torch
 
-PHASES = ("select", "recall", "attention")
+PHASES = ("select", "prefetch", "recall", "attention")
 
 
 class PhaseTimer:
@@ -32,6 +34,14 @@ class PhaseTimer:
         self.step_marks: list[object] = []
         self.steps = 0  # complete step-to-step spans
         self.started = 0  # decode steps begun
+
+    def reset(self) -> None:
+        """Forget every mark and total (e.g. between two measured runs on one cache)."""
+        self.pending.clear()
+        self.totals_ms.clear()
+        self.step_marks.clear()
+        self.steps = 0
+        self.started = 0
 
     def mark(self) -> object:
         """A point in time on the current stream."""

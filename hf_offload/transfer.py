@@ -1,11 +1,17 @@
 """Moving KV bytes between tiers; no policy here (which blocks move is decided by selectors and the cache).
 
-This is the portable path: a host-side gather into a (pinned) staging buffer followed by one host-to-device copy,
-and one device-to-host copy per sealed group of blocks. It runs anywhere torch runs and is the reference that faster
-paths (a gather kernel reading pinned memory directly, side streams) must match bit for bit.
+The portable path: a host-side gather into a (pinned) staging buffer followed by one host-to-device copy, and one
+device-to-host copy per sealed group of blocks. It runs anywhere torch runs and is the reference that the kernel
+path (a copy kernel reading and writing pinned memory directly, below) must match bit for bit.
+
+On CUDA the kernel path runs on side streams (:class:`TransferStreams`): sealed blocks are written to the host on an
+offload stream and speculative recalls run on a prefetch stream, each launch queued behind everything issued so
+far on the compute stream and followed by an event that the consumers wait on (:func:`launch_on`).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -111,6 +117,63 @@ def recall_blocks_kernel(
     kv = torch.arange(2, device=ids.device)
     host_off = ((kv[None, :] * heads + head_idx[:, None]) * head_words).flatten()
     dev_off = (slot_base[:, None] + (kv[None, :] * heads + head_idx[:, None]) * head_words).flatten()
-    copy_pieces(
-        addrs, host.chunk_blocks, words, ids.repeat_interleave(2), host_off, pool.data, dev_off, head_words, False
-    )
+    ids = ids[:, None].expand(-1, 2).flatten()  # K and V piece of each entry (expand: no host synchronisation)
+    copy_pieces(addrs, host.chunk_blocks, words, ids, host_off, pool.data, dev_off, head_words, False)
+
+
+# ------------------------------------------------------------------------------------------- streams and events
+class TransferStreams:
+    """The side streams of one CUDA device, shared by the layers of a cache on that device.
+
+    Attributes:
+        offload: device-to-host writes of sealed blocks.
+        prefetch: speculative host-to-device recalls (layer-ahead lookahead).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.offload = torch.cuda.Stream(device)
+        self.prefetch = torch.cuda.Stream(device)
+
+
+def launch_on(
+    stream: torch.cuda.Stream | None,
+    launch: Callable[[], None],
+    uses: tuple[torch.Tensor, ...] = (),
+    wait_for: tuple[torch.cuda.Event | None, ...] = (),
+) -> torch.cuda.Event | None:
+    """Run ``launch`` on a side stream, after all work queued so far on the current stream; returns its event.
+
+    Stream order: the side stream first waits for the current (compute) stream, so the inputs of ``launch`` and
+    every earlier read or write of its destination are complete before it runs; it also waits for ``wait_for``
+    (e.g. the host writes of the blocks it reads). Tensors made on the compute stream and read by ``launch`` are
+    ``record_stream``-ed, so the caching allocator does not hand out their memory before the side stream is done.
+    Consumers wait on the returned event (``torch.cuda.current_stream().wait_event``), never on the host.
+
+    Args:
+        stream: the side stream; ``None`` runs ``launch`` synchronously on the current stream (CPU, tests) and
+            returns ``None``.
+        launch: enqueues the work; tensors it allocates are used on the side stream only.
+        uses: tensors allocated on the compute stream that ``launch`` reads or writes (any device tensors).
+        wait_for: events the side stream waits on besides the compute stream (``None`` entries are skipped).
+    """
+    if stream is None:
+        launch()
+        return None
+    stream.wait_stream(torch.cuda.current_stream(stream.device))
+    for event in wait_for:
+        if event is not None:
+            stream.wait_event(event)
+    with torch.cuda.stream(stream):
+        launch()
+    for tensor in uses:
+        tensor.record_stream(stream)
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def wait_event(event: torch.cuda.Event | None, device: torch.device) -> None:
+    """Make the current stream of ``device`` wait for ``event`` (no host synchronisation); ``None``: no-op."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)

@@ -47,13 +47,18 @@ class DeviceSlotPool:
         self.block.fill_(-1)
         self.last_used.fill_(-1)
 
-    def assign(self, blocks: torch.Tensor, keep: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def assign(
+        self, blocks: torch.Tensor, keep: torch.Tensor, touch: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Find or make a slot for every wanted block; evicts least recently used slots for misses.
 
         Args:
             blocks: wanted block indices, shape ``[batch, 1 or kv_heads, n]`` with ``n <= slots`` distinct entries
                 per row, ``torch.int64``, pool device.
             keep: which entries are wanted at all, same shape, ``torch.bool``.
+            touch: mark the entries used now (``True``). ``False`` (speculative prefetch): resident entries keep
+                their age and filled slots rank as never used, so an unused guess is the first victim later and
+                the recency order of what was really used does not change.
 
         Returns:
             ``(slots, miss)``: slot per entry, shape ``[batch, kv_heads, n]`` (0 where not kept), and which kept
@@ -79,8 +84,11 @@ class DeviceSlotPool:
         owned = torch.nn.functional.one_hot(slots, self.slots).bool() & keep[..., None]  # [B, H, n, S]
         filled = owned & miss[..., None]
         self.block = torch.where(filled.any(-2), (filled.long() * blocks[..., None]).sum(-2), self.block)
-        self.clock += 1
-        self.last_used = self.last_used.masked_fill(owned.any(-2), self.clock)
+        if touch:
+            self.clock += 1
+            self.last_used = self.last_used.masked_fill(owned.any(-2), self.clock)
+        else:
+            self.last_used = self.last_used.masked_fill(filled.any(-2), -1)
         return slots, miss
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -121,7 +121,9 @@ class HostBlockPool:
         kernels, which read and write pinned memory through unified addressing)."""
         if self._chunk_addrs is None or len(self._chunk_addrs) != len(self.chunks):
             addrs = torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)
-            self._chunk_addrs = addrs.to(device)
+            if torch.device(device).type == "cuda":
+                addrs = addrs.pin_memory()  # an asynchronous copy: no host synchronisation when the pool grows
+            self._chunk_addrs = addrs.to(device, non_blocking=True)
         return self._chunk_addrs
 
     @property

@@ -1,0 +1,95 @@
+"""The asynchronous recall engine on a CUDA device: copy kernels on side streams with lookahead give exactly the
+tokens of the synchronous portable path, leave no stale slot, and never synchronise with the host while decoding.
+Skipped without CUDA (and Triton)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload import OffloadCache
+from hf_offload.attention import OffloadMask, offload_attention_forward, take_handoff
+from hf_offload.kernels.gather import kernels_available
+
+from .conftest import left_padded
+from .test_lookahead import _llama
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and kernels_available(torch.device("cuda"))), reason="needs CUDA and Triton"
+    ),
+]
+
+STEPS = 200
+SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8)
+
+
+@pytest.mark.parametrize("selector", ["solohead", "headwise"])
+@pytest.mark.parametrize("correlated", [False, True])
+def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, correlated):
+    model = _llama(4, correlated=correlated).cuda()
+    ids, mask = left_padded([300, 260, 190], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    outs, caches = {}, {}
+    for name, options in {"sync": dict(transfer="torch", lookahead=False), "async": dict(transfer="kernel")}.items():
+        cache = OffloadCache(model, budget_tokens=64, selector=selector, **options, **SMALL)
+        with torch.no_grad():
+            outs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                                        max_new_tokens=STEPS, min_new_tokens=STEPS)  # fmt: skip
+        caches[name] = cache
+    assert outs["sync"].shape[1] == ids.shape[1] + STEPS
+    assert torch.equal(outs["async"], outs["sync"])
+    sync, cache = caches["sync"], caches["async"]
+    # The asynchronous run really used side streams and lookahead (on by default with the kernels on CUDA).
+    assert all(layer.streams is not None and layer.lookahead for layer in cache.offload_layers)
+    assert not any(layer.lookahead for layer in sync.offload_layers)
+    stats = cache.stats()
+    assert stats["prefetched_blocks"] > 0 and stats["prefetch_used_blocks"] > 0
+    assert stats["decode_steps"] == sync.stats()["decode_steps"] == STEPS - 1
+    torch.cuda.synchronize()
+    for layer, reference in zip(cache.offload_layers, sync.offload_layers):
+        dense_k, dense_v = layer.dense_kv()
+        ref_k, ref_v = reference.dense_kv()
+        assert torch.equal(dense_k, ref_k) and torch.equal(dense_v, ref_v)  # the host pool got every write
+        pool, T = layer.pool, layer.block_tokens
+        for b, h, s in (pool.block >= 0).nonzero().tolist():  # and no slot serves stale data
+            j = pool.block[b, h, s].item()
+            assert torch.equal(pool.data[b, s, 0, h], dense_k[b, h, j * T : (j + 1) * T])
+            assert torch.equal(pool.data[b, s, 1, h], dense_v[b, h, j * T : (j + 1) * T])
+
+
+@pytest.mark.parametrize("selector", ["solohead", "headwise"])
+def test_decode_loop_never_synchronises_with_the_host(selector):
+    """Decode steps through two layers (seals, recalls, lookahead, a padding mask) under CUDA's sync debug mode,
+    which raises on any host synchronisation (``.item()``, ``.cpu()``, blocking copies, ``nonzero``...)."""
+    from transformers.masking_utils import causal_mask_function
+
+    cache = OffloadCache(_llama(2), budget_tokens=48, selector=selector, transfer="kernel", **SMALL)
+    first, second = cache.layers[0], cache.layers[1]
+    B, H, HQ, D = 2, 2, 4, 16
+    g = torch.Generator(device="cuda").manual_seed(0)
+    prompt = 90
+    steps = 24  # crosses block boundaries: blocks are sealed (and written to the host) during the loop
+    padding = torch.ones(B, prompt + steps, dtype=torch.bool, device="cuda")
+    padding[1, :13] = False
+    kv = [torch.randn(2, B, H, prompt + steps, D, device="cuda", generator=g) for _ in range(2)]
+    queries = torch.randn(steps, 2, B, HQ, 1, D, device="cuda", generator=g)
+    for layer, (k, v) in zip((first, second), kv):
+        layer.update(k[:, :, :prompt], v[:, :, :prompt])
+        offload_attention_forward(take_handoff(), torch.randn(B, HQ, prompt, D, device="cuda", generator=g), None)
+    assert first.lookahead and first.streams is not None
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(steps):
+            pos = prompt + step
+            mask = OffloadMask("sdpa", dict(batch_size=B, kv_length=pos + 1, kv_offset=0,
+                                            mask_function=causal_mask_function, attention_mask=padding))  # fmt: skip
+            for idx, (layer, (k, v)) in enumerate(zip((first, second), kv)):
+                layer.update(k[:, :, pos : pos + 1], v[:, :, pos : pos + 1])
+                offload_attention_forward(take_handoff(), queries[step, idx], mask)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert second.n_blocks > prompt // 8 and int(second.stats.prefetched_blocks) > 0
