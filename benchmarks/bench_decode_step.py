@@ -2,15 +2,38 @@
 
 The KV cache is filled directly with random keys and values (no prefill: decode speed does not depend on the KV
 contents, only its size), then the model decodes ``--steps`` tokens through ``generate()`` with
-``OffloadCache(timing=True)``. Reports mean milliseconds per decode step of select / recall / attention / rest,
-tokens per second, hit rate and recalled bytes per step, for each transfer path. Raw JSON to ``--out``.
+``OffloadCache(timing=True)``. Reports mean milliseconds per decode step of select / prefetch / recall / attention /
+rest, tokens per second, hit rate and recalled bytes per step, for each transfer path and lookahead setting
+(``--lookahead off|on|both``; every setting decodes on the same filled cache, one after the other). Raw JSON to
+``--out``.
 
-    python benchmarks/bench_decode_step.py --shape llama-8b --context 32768 --batch 8 --budget 2048
+``--hidden-share`` also measures how much of the recall is hidden behind compute::
+
+    hidden share = 1 - (step ms with recall - step ms with every selected block resident) / recall ms alone
+
+* "every selected block resident": the same decode steps (same plans, slot assignments, launches and attention)
+  with the recall copies emptied, so no byte moves: the copy kernel is launched with every entry skipped (the
+  launch a step whose blocks are all resident makes), the portable path copies nothing. The pool, the hit rate and
+  all other work stay those of the real run, which a larger pool (or a replayed step) would change.
+* "recall ms alone": the copies of that step's missed bytes in isolation, measured in the same run: per offloaded
+  layer one recall of as many random blocks (pieces for per-head selectors) of that layer's host pool as the exact
+  plans of the lookahead-off run missed per layer and step, into a scratch slot pool, on an idle device; median of
+  ``--alone-repeats``. Also given for the bytes each setting moved itself (``recall_alone_own_ms``: prefetches
+  included).
+
+Must-show of the recall engine (H200, ~1 min)::
+
+    python benchmarks/bench_decode_step.py --shape llama-8b --context 32768 --batch 8 --budget 2048 \\
+        --transfers kernel --lookahead both --hidden-share --out results/decode/decode_step_lookahead.json
+
+Smoke test on a CPU: ``--shape tiny --context 512 --batch 2 --budget 128 --steps 4 --transfers torch``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,72 +45,225 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache  # noqa: E402
+from hf_offload import OffloadCache, transfer  # noqa: E402
 from hf_offload.bench import fill_random  # noqa: E402
+from hf_offload.kernels.gather import kernels_available  # noqa: E402
+from hf_offload.store import DeviceSlotPool  # noqa: E402
+
+LOOKAHEAD = {"off": [False], "on": [True], "both": [False, True]}
 
 
-def main() -> int:
+@contextlib.contextmanager
+def copies_skipped():
+    """Within the block, recalls move no bytes: the kernel is launched with every entry skipped (``-1``), the
+    portable path copies nothing; every other part of a decode step runs as usual."""
+    kernel, portable = transfer.recall_blocks_kernel, transfer.recall_blocks
+
+    def kernel_skipping(host, pool, ids, batch_idx, slot_idx, head_idx=None):
+        kernel(host, pool, torch.full_like(ids, -1), batch_idx, slot_idx, head_idx)
+
+    def portable_skipping(host, pool, ids, batch_idx, slot_idx, head_idx=None):
+        unit = host.block_bytes if head_idx is None else host.block_bytes // pool.data.shape[3]
+        return len(ids) * unit
+
+    transfer.recall_blocks_kernel, transfer.recall_blocks = kernel_skipping, portable_skipping
+    try:
+        yield
+    finally:
+        transfer.recall_blocks_kernel, transfer.recall_blocks = kernel, portable
+
+
+def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool) -> tuple[torch.Tensor, float]:
+    """``steps`` greedy decode steps continuing ``ids`` on ``cache``; returns the new ids and the wall seconds."""
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+                             max_new_tokens=steps, min_new_tokens=steps)  # fmt: skip
+    if cuda:
+        torch.cuda.synchronize()
+    return out, time.perf_counter() - t0
+
+
+def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, seed: int = 0) -> float | None:
+    """Median ms to recall ``pieces_per_layer`` random blocks (or head pieces) of every offloaded layer's host pool,
+    one recall per layer as in a decode step, into a scratch slot pool on an otherwise idle device.
+
+    Args:
+        cache: a filled :class:`~hf_offload.OffloadCache`.
+        pieces_per_layer: blocks (whole blocks for shared selectors, single-head pieces for per-head selectors)
+            per layer; rounded to the nearest integer.
+        path: ``"kernel"`` or ``"torch"``: the transfer path to time.
+        repeats: timed repetitions (after one warm-up).
+    """
+    n = round(pieces_per_layer)
+    layers = cache.offload_layers
+    if n <= 0 or not layers:
+        return 0.0 if n <= 0 else None
+    first = layers[0]
+    device = first.device
+    per_head = first.selector.per_head
+    scratch = DeviceSlotPool(1, n, first.kv_heads, first.block_tokens, first.head_dim, first.dtype, device)
+    g = torch.Generator().manual_seed(seed)
+    plans = []
+    for layer in layers:  # every index on its side before the clock starts
+        table = layer.block_table.flatten()
+        ids = table[torch.randint(0, len(table), (n,), generator=g)]
+        heads = torch.randint(0, layer.kv_heads, (n,), generator=g).to(device) if per_head else None
+        plans.append((layer, ids if path == "torch" else ids.to(device), heads))
+    zeros, slots = torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device)
+    recall = transfer.recall_blocks_kernel if path == "kernel" else transfer.recall_blocks
+
+    def one_step():
+        for layer, ids, heads in plans:
+            recall(layer.host, scratch, ids, zeros, slots, heads)
+
+    cuda = device.type == "cuda"
+    times = []
+    for rep in range(repeats + 1):
+        if cuda:
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            one_step()
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end)
+        else:
+            t0 = time.perf_counter()
+            one_step()
+            ms = (time.perf_counter() - t0) * 1e3
+        if rep:  # the first run warms up
+            times.append(ms)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--budget", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=24, help="timed decode steps per setting")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed decode steps first, per transfer path")
     parser.add_argument("--transfers", nargs="+", default=["kernel", "torch"])
     parser.add_argument("--selector", default="solohead")
+    parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="off")
+    parser.add_argument("--lookahead-blocks", type=int, default=None, help="OffloadConfig.lookahead_blocks")
+    parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
+                        "and the recall alone, and report the share of recall hidden behind compute")  # fmt: skip
+    parser.add_argument("--alone-repeats", type=int, default=5)
+    parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--out", default="results/decode/decode_step.json")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be at least 2 (step times are measured from one step's start to the next)")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = SHAPES[args.shape]
-    config = LlamaConfig(**shape, max_position_embeddings=args.context + args.steps + 16)
+    settings = LOOKAHEAD[args.lookahead]
+    modes = [False, True] if args.hidden_share else [False]  # copies skipped?
+    total_steps = args.warmup + args.steps * len(settings) * len(modes)
+    config = LlamaConfig(**shape, max_position_embeddings=args.context + total_steps + 16)
     torch.manual_seed(0)
     t0 = time.perf_counter()
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     cuda = device.type == "cuda"
     with device:
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     build_s = time.perf_counter() - t0
-    runs = []
-    for transfer in args.transfers:
-        cache = OffloadCache(model, budget_tokens=args.budget, selector=args.selector, transfer=transfer, timing=True)
+    runs, shares, skipped = [], [], []
+    print(f"{'transfer':8s} {'lookahead':9s} {'bytes':8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "
+          f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s}")  # fmt: skip
+    for path in args.transfers:
+        if path == "kernel" and not kernels_available(device):
+            skipped.append({"transfer": path, "reason": f"the copy kernels cannot run on {device.type} here"})
+            print(f"{path:8s} skipped: the copy kernels cannot run on {device.type} here")
+            continue
+        cache = OffloadCache(model, budget_tokens=args.budget, selector=args.selector, transfer=path, timing=True,
+                             admission="always", lookahead=settings[0], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
         t0 = time.perf_counter()
         fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
         if cuda:
             torch.cuda.synchronize()
         fill_s = time.perf_counter() - t0
         ids = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), device=device)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                           max_new_tokens=args.steps, min_new_tokens=args.steps)  # fmt: skip
-        if cuda:
-            torch.cuda.synchronize()
-        total_s = time.perf_counter() - t0
-        stats = cache.stats()
-        stats.pop("layers")
-        timing = stats["timing"]
-        run = {
-            "transfer": transfer,
-            "fill_s": fill_s,
-            "generate_s": total_s,
-            "tokens_per_s": args.batch * timing["timed_steps"] / (timing["step_ms"] * timing["timed_steps"] / 1e3),
-            "decode_recalled_bytes_per_step": stats["decode_recalled_bytes"] / max(stats["decode_steps"], 1),
-            "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-            "stats": stats,
-        }
-        runs.append(run)
-        print(f"{transfer:6s} step {timing['step_ms']:7.2f} ms = select {timing['select_ms']:.2f} + recall "
-              f"{timing['recall_ms']:.2f} + attention {timing['attention_ms']:.2f} + rest {timing['rest_ms']:.2f}; "
-              f"{run['tokens_per_s']:.1f} tok/s; hit {stats['hit_rate']:.3f}; recall "
-              f"{run['decode_recalled_bytes_per_step'] / 2**20:.1f} MiB/step; fill {fill_s:.1f} s", flush=True)  # fmt: skip
+        if args.warmup:
+            ids, _ = decode(model, cache, ids, args.warmup, cuda)  # compiles kernels, fills the slot pools
+        layers = len(cache.offload_layers)
+        measured = {}
+        # Settings run one after the other on this cache. After a run without copies the slots hold stale bytes,
+        # which changes the tokens that follow but no timing (decode cost does not depend on the values).
+        for lookahead in settings:
+            cache.set_lookahead(lookahead)
+            for skip in modes:
+                cache.reset_stats()
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                with copies_skipped() if skip else contextlib.nullcontext():
+                    ids, generate_s = decode(model, cache, ids, args.steps, cuda)
+                stats = cache.stats()
+                stats.pop("layers")
+                timing = stats["timing"]
+                steps = max(stats["decode_steps"], 1)
+                run = {
+                    "transfer": path,
+                    "lookahead": lookahead,
+                    "bytes_moved": not skip,
+                    "fill_s": fill_s,
+                    "generate_s": generate_s,
+                    "tokens_per_s": args.batch * 1e3 / timing["step_ms"],
+                    "decode_recalled_bytes_per_step": stats["decode_recalled_bytes"] / steps,
+                    "decode_recalled_blocks_per_layer_step": stats["decode_recalled_blocks"] / steps / layers,
+                    "exact_recalled_blocks_per_layer_step":
+                        (stats["decode_recalled_blocks"] - stats["prefetched_blocks"]) / steps / layers,
+                    "prefetched_bytes_per_step": stats["prefetched_bytes"] / steps,
+                    "prefetch_used_share": stats["prefetch_used_blocks"] / stats["prefetched_blocks"]
+                    if stats["prefetched_blocks"] else None,
+                    "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                    "stats": stats,
+                }  # fmt: skip
+                runs.append(run)
+                measured[(lookahead, skip)] = run
+                used = "-" if run["prefetch_used_share"] is None else f"{run['prefetch_used_share']:.2f}"
+                print(f"{path:8s} {'on' if lookahead else 'off':9s} {'none' if skip else 'moved':8s} "
+                      f"{timing['step_ms']:8.2f} {timing['select_ms']:7.2f} {timing['prefetch_ms']:8.2f} "
+                      f"{timing['recall_ms']:7.2f} {timing['attention_ms']:7.2f} {timing['rest_ms']:7.2f} "
+                      f"{run['tokens_per_s']:7.1f} {stats['hit_rate']:6.3f} "
+                      f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s}", flush=True)  # fmt: skip
+        if args.hidden_share:
+            # The bytes a step must move to be exact: the misses of the plans without lookahead.
+            base = measured.get((False, False)) or measured[(True, False)]
+            alone = recall_alone_ms(cache, base["exact_recalled_blocks_per_layer_step"], path, args.alone_repeats)
+            for lookahead in settings:
+                real, resident = measured[(lookahead, False)], measured[(lookahead, True)]
+                own = recall_alone_ms(cache, real["decode_recalled_blocks_per_layer_step"], path, args.alone_repeats)
+                exposed = real["stats"]["timing"]["step_ms"] - resident["stats"]["timing"]["step_ms"]
+                share = {
+                    "transfer": path,
+                    "lookahead": lookahead,
+                    "step_ms": real["stats"]["timing"]["step_ms"],
+                    "resident_step_ms": resident["stats"]["timing"]["step_ms"],
+                    "exposed_recall_ms": exposed,
+                    "recall_alone_ms": alone,
+                    "recall_alone_blocks_per_layer": base["exact_recalled_blocks_per_layer_step"],
+                    "hidden_share": 1 - exposed / alone if alone else None,
+                    "recall_alone_own_ms": own,
+                    "recall_alone_own_blocks_per_layer": real["decode_recalled_blocks_per_layer_step"],
+                }
+                shares.append(share)
+                hidden = "-" if share["hidden_share"] is None else f"{share['hidden_share']:.2f}"
+                print(f"{path:8s} lookahead {'on ' if lookahead else 'off'}: step {share['step_ms']:.2f} ms, all "
+                      f"resident {share['resident_step_ms']:.2f} ms, exposed recall {exposed:.2f} ms, recall alone "
+                      f"{alone:.2f} ms ({share['recall_alone_blocks_per_layer']:.1f} blocks x {layers} layers; own "
+                      f"bytes {own:.2f} ms) -> hidden share {hidden}", flush=True)  # fmt: skip
         del cache
         if cuda:
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-    write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note="decode-only: the KV is filled with random values without a prefill; random weights"), "runs": runs})
+    note = "decode-only: the KV is filled with random values without a prefill; random weights"
+    write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note=note), "runs": runs,
+                             "hidden_share": shares, "skipped": skipped})  # fmt: skip
     return 0
 
 
