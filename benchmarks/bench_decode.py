@@ -163,11 +163,18 @@ def host_free_bytes() -> int | None:
 
 
 def release(device: torch.device) -> None:
-    """Free what the last configuration left (after an exception too)."""
+    """Free what the last configuration left (after an exception too), pinned host blocks included.
+
+    torch's pinned allocator keeps freed blocks for reuse, and where its statistics do not say how many bytes it
+    holds unused, ``MemAvailable`` would count them as taken and the next host-memory prediction would skip
+    configurations that fit; returning them to the system keeps the prediction exact (at the cost of pinning anew).
+    """
     take_handoff()
     gc.collect()
     if device.type == "cuda":
+        torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
+        empty_host_cache()
 
 
 class Clock:

@@ -16,7 +16,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from .runner import item_key, read_lines
+from .runner import DENSE, item_key, read_lines
 
 _METRIC_NOTE = {
     "ruler": "RULER's string_match_all",
@@ -72,7 +72,9 @@ class _Study:
         self.suite = self.results[0]["suite"]
         self.by_bucket = self.suite == "longbench_e"
         self.points = sorted({self.axis(r) for r in self.results}, key=_bucket_rank if self.by_bucket else int)
-        order = list((self.header.get("suite_info") or {}).get("tasks", {}))
+        order: list[str] = []  # the suite's task order; headers of partial runs (a task subset) count last
+        for h in sorted(self.headers, key=lambda h: -len((h.get("suite_info") or {}).get("tasks", {}))):
+            order += [t for t in (h.get("suite_info") or {}).get("tasks", {}) if t not in order]
         found = sorted({r["task"] for r in self.results})
         self.tasks = [t for t in order if t in found] + [t for t in found if t not in order]
         self.columns = self._columns()
@@ -87,7 +89,7 @@ class _Study:
         return _bucket(record) if self.by_bucket else record["length"]
 
     def _columns(self) -> list[tuple[str, object]]:
-        order: list[str] = []
+        order: list[str] = [DENSE]  # the baseline first, then the methods in the order the runs named them
         for h in self.headers:
             order += [m for m in (h.get("budgets") or {}).get("methods", []) if m not in order]
         combos = {(r["method"], r["budget"]) for r in self.results}
