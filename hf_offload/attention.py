@@ -269,7 +269,25 @@ def offload_attention_forward(
             layer.lookahead_next(grouped[:, :, :, 0], mask, scaling)
             if timer is not None:
                 timer.add("prefetch", t_select, t_select := timer.mark())
-        for blocks, keep, keys, values in layer.resident_rounds(selection, decode=q_len == 1):
+        rounds = layer.resident_rounds(selection, decode=q_len == 1)
+        if (
+            q_len == 1
+            and softcap is None
+            and sink_logits is None
+            and selection.blocks.shape[-1] <= layer.pool.slots
+            and _plain_causal(mask)
+        ):
+            blocks, keep, keys, values = next(rounds)
+            for _ in rounds:  # a single round by the condition above; runs the generator to its end
+                raise RuntimeError("the slot pool needed a second round for one decode query")
+            if timer is not None:
+                timer.add("recall", t_select, t_recalled := timer.mark())
+            out = _decode_sdpa(handoff, query, blocks, keep, keys, values, mask, scaling)
+            layer.finish_step()
+            if timer is not None:
+                timer.add("attention", t_recalled, timer.mark())
+            return out
+        for blocks, keep, keys, values in rounds:
             if timer is not None:
                 timer.add("recall", t_select, t_recalled := timer.mark())
             tokens = torch.arange(layer.block_tokens, device=device)
@@ -303,6 +321,60 @@ def offload_attention_forward(
     if timer is not None:
         timer.add("attention", t_select, timer.mark())
     return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype).contiguous()
+
+
+def _decode_sdpa(
+    handoff: Handoff,
+    query: torch.Tensor,
+    blocks: torch.Tensor,
+    keep: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: OffloadMask | None,
+    scaling: float,
+) -> torch.Tensor:
+    """One decode query over its selected blocks and the recent tokens, as one ``scaled_dot_product_attention``.
+
+    With a plain causal mask every cached token precedes the query, so the only masking left is the selection
+    (``keep``) and left padding. The query heads of one KV head stand in the query-length dimension, so grouped
+    query attention needs no repeated keys.
+
+    Args:
+        handoff: this step's handoff (recent keys and values, their first position).
+        query: shape ``[batch, q_heads, 1, head_dim]``, compute device.
+        blocks: selected block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``.
+        keep: which selected entries are attended, same shape, ``torch.bool``.
+        keys: the selected blocks' keys, ``[batch, kv_heads, n * block_tokens, head_dim]``, compute device.
+        values: their values, same shape.
+        mask: the forward's lazy mask (plain causal), or ``None``.
+        scaling: softmax scale.
+
+    Returns:
+        Shape ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
+    """
+    batch, q_heads, _, head_dim = query.shape
+    heads = keys.shape[1]
+    layer = handoff.layer
+    tokens = layer.block_tokens
+    recent_k, recent_v = handoff.key, handoff.recent_values
+    n_recent = recent_k.shape[-2]
+    ok_sealed = keep[..., None].expand(*keep.shape, tokens).flatten(-2)  # [B, Hs, n*T]
+    padding = None if mask is None else mask.padding
+    if padding is not None:
+        padding = padding.to(query.device)
+        kv_pos = (blocks[..., None] * tokens + torch.arange(tokens, device=query.device)).flatten(-2)
+        rows = torch.arange(batch, device=query.device)[:, None, None]
+        ok_sealed = ok_sealed & padding[rows, kv_pos]
+        first = handoff.first_recent_pos
+        ok_recent = padding[:, first : first + n_recent][:, None, :]
+    else:
+        ok_recent = torch.ones((batch, 1, n_recent), dtype=torch.bool, device=query.device)
+    ok = torch.cat([ok_sealed, ok_recent.expand(batch, ok_sealed.shape[1], n_recent)], dim=-1)  # [B, Hs, L]
+    k = torch.cat([keys, recent_k], dim=-2).to(query.dtype)
+    v = torch.cat([values, recent_v], dim=-2).to(query.dtype)
+    grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, k, v, attn_mask=ok[:, :, None, :], scale=scaling)
+    return out.reshape(batch, 1, q_heads, head_dim)
 
 
 def _plain_causal(mask: OffloadMask | None) -> bool:
