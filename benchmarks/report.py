@@ -168,20 +168,22 @@ def render_decode() -> str:
             f"{t['attention_ms']:.1f} | {t['rest_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['stats']['hit_rate']:.3f} | "
             f"{r['decode_recalled_bytes_per_step'] / 2**20:.0f} |"
         )
-    path = REPO / "results/decode/decode_step_lookahead.json"
-    if path.exists():
-        lines += _render_lookahead(json.loads(path.read_text()))
+    files = sorted((REPO / "results/decode").glob("decode_step_lookahead*.json"))
+    if files:
+        lines += ["", "## Layer-ahead lookahead and the share of recall hidden behind compute"]
+        for path in sorted(files, key=lambda f: json.loads(f.read_text())["metadata"]["timestamp"]):
+            lines += _render_lookahead(path.name, json.loads(path.read_text()))
     return "\n".join(lines) + "\n"
 
 
-def _render_lookahead(data: dict) -> list[str]:
-    """The lookahead section of decode.md from results/decode/decode_step_lookahead.json."""
+def _render_lookahead(name: str, data: dict) -> list[str]:
+    """One lookahead section of decode.md from a results/decode/decode_step_lookahead*.json file."""
     m, a = data["metadata"], data["metadata"]["args"]
     lines = [
         "",
-        "## Layer-ahead lookahead and the share of recall hidden behind compute",
+        f"### `{name}` (commit `{m['git_commit'][:12]}`)",
         "",
-        "Generated from `results/decode/decode_step_lookahead.json` (`python benchmarks/bench_decode_step.py "
+        f"Generated from `results/decode/{name}` (`python benchmarks/bench_decode_step.py "
         f"--transfers kernel --lookahead both --hidden-share`): {a['shape']} shape, {a['context']:,} tokens, batch "
         f"{a['batch']}, budget {a['budget']}, {a['steps']} timed steps after {a.get('warmup', 0)} warm-up steps; "
         f"{m['machine']['gpu']}, torch {m['versions']['torch']}, commit `{m['git_commit'][:12]}`. \"bytes moved: no\" "

@@ -674,7 +674,7 @@ class OffloadCache(Cache):
         return self._transfer_streams[device]
 
     def set_lookahead(self, lookahead: bool | None) -> None:
-        """Switch layer-ahead lookahead on (``True``), off (``False``) or to its default (``None``) for the coming
+        """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
         decode steps, e.g. to compare both on one filled cache; see :class:`~hf_offload.config.OffloadConfig`."""
         self.config = self.config.replace(lookahead=lookahead)
         for layer in self.offload_layers:

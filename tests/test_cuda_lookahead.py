@@ -32,7 +32,7 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
     ids, mask = left_padded([300, 260, 190], seed=3)
     ids, mask = ids.cuda(), mask.cuda()
     outs, caches = {}, {}
-    for name, options in {"sync": dict(transfer="torch", lookahead=False), "async": dict(transfer="kernel")}.items():
+    for name, options in {"sync": dict(transfer="torch", lookahead=False), "async": dict(transfer="kernel", lookahead=None)}.items():
         cache = OffloadCache(model, budget_tokens=64, selector=selector, **options, **SMALL)
         with torch.no_grad():
             outs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
@@ -41,7 +41,7 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
     assert outs["sync"].shape[1] == ids.shape[1] + STEPS
     assert torch.equal(outs["async"], outs["sync"])
     sync, cache = caches["sync"], caches["async"]
-    # The asynchronous run really used side streams and lookahead (on by default with the kernels on CUDA).
+    # The asynchronous run really used side streams and lookahead (lookahead=None: on with the kernels on CUDA).
     assert all(layer.streams is not None and layer.lookahead for layer in cache.offload_layers)
     assert not any(layer.lookahead for layer in sync.offload_layers)
     stats = cache.stats()
@@ -65,7 +65,7 @@ def test_decode_loop_never_synchronises_with_the_host(selector):
     which raises on any host synchronisation (``.item()``, ``.cpu()``, blocking copies, ``nonzero``...)."""
     from transformers.masking_utils import causal_mask_function
 
-    cache = OffloadCache(_llama(2), budget_tokens=48, selector=selector, transfer="kernel", **SMALL)
+    cache = OffloadCache(_llama(2), budget_tokens=48, selector=selector, transfer="kernel", lookahead=True, **SMALL)
     first, second = cache.layers[0], cache.layers[1]
     B, H, HQ, D = 2, 2, 4, 16
     g = torch.Generator(device="cuda").manual_seed(0)
