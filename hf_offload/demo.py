@@ -124,7 +124,11 @@ def main(argv: list[str] | None = None) -> int:
     context = args.context or (32768 if cuda else 3072)
     budget = args.budget or (2048 if cuda else 1024)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    model, tokenizer = models.load(args.model)
+    try:
+        model, tokenizer = models.load(args.model)
+    except models.ModelNotInstalledError as err:
+        print(f"hf-offload demo: {err}", file=sys.stderr)
+        return 2
     _print(run_demo(model, tokenizer, context, budget, args.selector, args.max_new_tokens, args.seed), args.selector)
     return 0
 
