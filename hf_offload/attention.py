@@ -215,8 +215,10 @@ def offload_attention_forward(
 
     Decode (one query): the selected sealed blocks plus the recent tokens; right after the plan, the next offloaded
     layer's likely blocks are prefetched (lookahead, :meth:`~hf_offload.cache.OffloadLayer.lookahead_next`). Prefill (several queries): every earlier
-    sealed block plus the recent tokens, exactly, in tiles of ``prefill_chunk_tokens``; a prompt's first forward with
-    a plain causal mask (left padding allowed) runs as one fused ``scaled_dot_product_attention`` instead.
+    sealed block plus the recent tokens, exactly. With a plain causal mask (left padding allowed) a prompt's first
+    forward, each later prefill chunk (its earlier blocks recalled in one pass) and each decode step whose
+    selection fits the slot pool run as one ``scaled_dot_product_attention``; other masks, soft-capping and sink
+    logits use tiles of ``prefill_chunk_tokens`` with an online softmax.
 
     Args:
         handoff: what ``OffloadLayer.update`` left for this call.
@@ -237,6 +239,8 @@ def offload_attention_forward(
         scaling = head_dim**-0.5
     if softcap is None and sink_logits is None:
         out = _first_prefill(handoff, query, mask, scaling)
+        if out is None:
+            out = _chunk_prefill(handoff, query, mask, scaling)
         if out is not None:
             layer.finish_step()
             return out
@@ -323,6 +327,67 @@ def offload_attention_forward(
     return out.reshape(batch, q_heads, q_len, head_dim).transpose(1, 2).to(query.dtype).contiguous()
 
 
+def _chunk_prefill(
+    handoff: Handoff, query: torch.Tensor, mask: OffloadMask | None, scaling: float
+) -> torch.Tensor | None:
+    """Exact attention of a later prefill chunk: every earlier sealed block, recalled in one pass, plus the recent
+    tokens, through ``scaled_dot_product_attention`` with a bottom-right-aligned causal mask.
+
+    The chunk's queries are the last ``q_len`` positions of the keys, so the causal mask is the lower-right one;
+    left padding is handled per sequence on its unpadded span. The layer's earlier KV is on the device only for
+    this call (one layer at a time).
+
+    Args:
+        handoff: this call's handoff (sealed blocks before it, recent keys and values).
+        query: shape ``[batch, q_heads, q_len, head_dim]``, compute device.
+        mask: the forward's lazy mask, or ``None``.
+        scaling: softmax scale.
+
+    Returns:
+        Shape ``[batch, q_len, q_heads, head_dim]``, ``query.dtype``; ``None`` for a decode step, a first prefill,
+        a mask other than plain causal, or padding other than left padding (the tiled path handles those).
+    """
+    from torch.nn.attention.bias import causal_lower_right
+
+    batch, q_heads, q_len, _ = query.shape
+    if q_len == 1 or not handoff.n_blocks_before or not _plain_causal(mask):
+        return None
+    layer = handoff.layer
+    total = handoff.first_recent_pos + handoff.key.shape[-2]
+    padding = None if mask is None else mask.padding
+    starts = None
+    if padding is not None:
+        padding = padding[:, :total].to(query.device)
+        if not bool(padding.all()):
+            starts = padding.int().argmax(dim=-1)
+            positions = torch.arange(total, device=query.device)
+            if not bool((padding == (positions >= starts[:, None])).all()):
+                return None  # not left padding (or a sequence with no real token)
+    sealed_k, sealed_v = layer.sealed_kv(handoff.n_blocks_before)
+    group = q_heads // layer.kv_heads
+    k = torch.cat([sealed_k, handoff.key], dim=-2).to(query.dtype)
+    v = torch.cat([sealed_v, handoff.recent_values], dim=-2).to(query.dtype)
+    del sealed_k, sealed_v
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    if starts is None:
+        out = sdpa(query, k, v, attn_mask=causal_lower_right(q_len, total), scale=scaling)
+        return out.transpose(1, 2).contiguous()
+    out = torch.zeros_like(query)
+    first_query = total - q_len
+    for b, start in enumerate(starts.tolist()):
+        q_from = max(0, start - first_query)  # queries before the sequence's first real token are padding
+        if q_from >= q_len:
+            continue
+        n_q, n_k = q_len - q_from, total - start
+        out[b : b + 1, :, q_from:] = sdpa(
+            query[b : b + 1, :, q_from:], k[b : b + 1, :, start:], v[b : b + 1, :, start:],
+            attn_mask=causal_lower_right(n_q, n_k), scale=scaling,
+        )  # fmt: skip
+    return out.transpose(1, 2).contiguous()
+
+
 def _decode_sdpa(
     handoff: Handoff,
     query: torch.Tensor,
@@ -378,17 +443,19 @@ def _decode_sdpa(
 
 
 def _plain_causal(mask: OffloadMask | None) -> bool:
-    """Whether ``mask`` is transformers' plain causal mask (with or without a padding mask), from position 0."""
+    """Whether ``mask`` is transformers' plain causal mask (with or without a padding mask) over keys from position
+    0 whose last ``q_length`` positions are the queries (a prompt, a later prefill chunk or a decode step)."""
     if mask is None:
         return True
     from transformers.masking_utils import causal_mask_function
 
     kwargs = mask.kwargs
-    return (
-        kwargs.get("mask_function") is causal_mask_function
-        and not kwargs.get("q_offset", 0)
-        and not kwargs.get("kv_offset", 0)
-    )
+    if kwargs.get("mask_function") is not causal_mask_function or kwargs.get("kv_offset", 0):
+        return False
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    if q_length is None or kv_length is None:
+        return False
+    return int(kwargs.get("q_offset", 0)) + int(q_length) == int(kv_length)
 
 
 def _first_prefill(

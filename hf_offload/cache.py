@@ -535,6 +535,34 @@ class OffloadLayer(CacheLayerMixin):
         """Host bytes of the sealed blocks (blocks admitted to the device excluded)."""
         return self.host.used_bytes_on(False) if self.is_initialized else 0
 
+    def sealed_kv(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first ``n_blocks`` sealed blocks of every sequence, recalled onto the device in
+        one pass (a prefill chunk attends to all of them; counted as recalled, not as decode traffic).
+
+        Args:
+            n_blocks: sealed blocks to read per sequence, at most :attr:`n_blocks`.
+
+        Returns:
+            ``(keys, values)``, each ``[batch, kv_heads, n_blocks * block_tokens, head_dim]``, compute device.
+        """
+        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        if self.use_kernels:
+            scratch = DeviceSlotPool(batch, n_blocks, heads, T, D, self.dtype, self.device)
+            transfer.wait_event(self._selectable_written, self.device)
+            self._selectable_written = None
+            slots = torch.arange(n_blocks, device=self.device).repeat(batch)
+            rows = torch.arange(batch, device=self.device).repeat_interleave(n_blocks)
+            transfer.recall_blocks_kernel(self.host, scratch, self.block_table_dev[:, :n_blocks].flatten(), rows, slots)
+            keys, values = scratch.gather(slots.view(batch, 1, n_blocks).expand(batch, heads, n_blocks))
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host writes may still be in flight
+            blocks = self.host.read(self.block_table[:, :n_blocks].flatten()).to(self.device)
+            blocks = blocks.view(batch, n_blocks, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
+            keys, values = blocks.reshape(2, batch, heads, n_blocks * T, D).unbind(0)
+        self._count(batch * n_blocks, batch * n_blocks * self.host.block_bytes, decode=False)
+        return keys, values
+
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of this layer re-assembled from the host pool and the open block (for checks and export).
 

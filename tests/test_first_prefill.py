@@ -27,7 +27,7 @@ def _reference(q, k, v, padding, scaling):
 
 
 def _mask(padding, mask_function=causal_mask_function):
-    kwargs = dict(batch_size=padding.shape[0], kv_length=padding.shape[1], kv_offset=0, q_offset=0,
+    kwargs = dict(batch_size=padding.shape[0], q_length=padding.shape[1], kv_length=padding.shape[1], kv_offset=0, q_offset=0,
                   mask_function=mask_function, attention_mask=padding.long())  # fmt: skip
     return OffloadMask("sdpa", kwargs)
 
@@ -63,3 +63,49 @@ def test_other_cases_go_to_the_tiles():
     assert _first_prefill(Handoff(None, k, v, 0, 0), q, sliding, 0.3) is None
     assert _first_prefill(Handoff(None, k, v, 16, 1), q, _mask(full), 0.3) is None  # earlier blocks exist
     assert _first_prefill(Handoff(None, k, v, 0, 0), q[:, :, -1:], _mask(full), 0.3) is None  # decode
+
+
+@pytest.mark.parametrize("transfer", ["torch", "kernel"])
+def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, transfer):
+    """generate(prefill_chunk_size=...) with left padding: chunks after the first attend to every earlier sealed
+    block (recalled in one pass) and their own tokens through one SDPA call, and so does each decode step over its
+    selected blocks; logits match DynamicCache."""
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+    from hf_offload import attention
+
+    from .conftest import build_model, left_padded
+
+    from hf_offload.kernels.gather import kernels_available
+
+    if transfer == "kernel" and not kernels_available(torch.device("cpu")):
+        pytest.skip("the kernel path needs Triton on CUDA (or TRITON_INTERPRET=1)")
+    calls = []
+    original = attention._chunk_prefill
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(attention, "_chunk_prefill", counted)
+    decode_calls = []
+    fused_decode = attention._decode_sdpa
+    monkeypatch.setattr(attention, "_decode_sdpa", lambda *a, **k: decode_calls.append(1) or fused_decode(*a, **k))
+    model = build_model("llama")
+    ids, mask = left_padded([45, 20, 38], seed=2)  # sequence 1 is padded into the second chunk
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64,
+                             transfer=transfer)
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    layers = len(cache.offload_layers)
+    assert sum(calls) == 2 * layers  # chunks 2 and 3 of 45 tokens, in every layer
+    assert cache.stats()["recalled_bytes"] > 0
+    assert len(decode_calls) == 5 * layers  # every decode step after the first token, in every layer
