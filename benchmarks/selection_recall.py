@@ -31,7 +31,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import SELECTORS, get_selector  # noqa: E402
-from hf_offload.selectors.quality import block_keys, evaluate_selector, plan_blocks  # noqa: E402
+from hf_offload.selectors.quality import block_keys, evaluate_selector  # noqa: E402
+from hf_offload.selectors.roundrobin import RoundRobinSelector  # noqa: E402
+from hf_offload.selectors.tempered import TemperedVoteSelector  # noqa: E402
+
+# Unregistered candidates the benchmark can still measure by name.
+CANDIDATES = {**SELECTORS, RoundRobinSelector.name: RoundRobinSelector, TemperedVoteSelector.name: TemperedVoteSelector}
 
 CAPTURE_NAME = "hfo_selection_capture"
 TASKS = ["niah_multikey_2", "niah_multivalue", "vt"]
@@ -237,13 +242,15 @@ def main(argv=None) -> dict:
     parser.add_argument("--samples", type=int, default=2, help="samples per task and seed")
     parser.add_argument("--seeds-a", type=int, nargs="+", default=[1], help="RULER seeds to tune on")
     parser.add_argument("--seeds-b", type=int, nargs="+", default=[2], help="RULER seeds to report on (disjoint)")
+    parser.add_argument("--sets", nargs="+", choices=["A", "B"], default=["A", "B"],
+                        help="seed sets to score (tune on A alone, then report A and B)")
     parser.add_argument("--decode-steps", type=int, default=8, help="decode queries after the last prompt token")
     parser.add_argument("--budget", default="1/16", help="a share of --length (at least --budget-min) or tokens")
     parser.add_argument("--budget-min", type=int, default=512)
     parser.add_argument("--block-tokens", type=int, default=16)
     parser.add_argument("--selectors", nargs="+", default=["oracle", "headwise", "solohead"])
-    parser.add_argument("--set", nargs="*", default=[], metavar="SEL.FIELD=VALUE",
-                        help="selector settings, e.g. tempered.power=3 (a variant named SEL[FIELD=VALUE])")
+    parser.add_argument("--set", nargs="*", default=[], metavar="SEL.FIELD=VALUE[,FIELD=VALUE]",
+                        help="selector variants, e.g. tempered.power=3,head_weight=1 (named SEL[FIELD=VALUE,...])")
     parser.add_argument("--capture-dir", default="/tmp/hfo_selection_captures")
     parser.add_argument("--out", default=None, help="JSON results file (e.g. results/selection/qwen05_4k.json)")
     args = parser.parse_args(argv)
@@ -258,16 +265,19 @@ def main(argv=None) -> dict:
     config = OffloadConfig(budget_tokens=budget, block_tokens=args.block_tokens)
     config.validate()
 
-    selectors = {name: get_selector(name) for name in args.selectors}
+    selectors = {name: CANDIDATES[name]() if name in CANDIDATES else get_selector(name) for name in args.selectors}
     for item in args.set:
-        target, value = item.split("=", 1)
-        name, field = target.split(".", 1)
-        variant = SELECTORS[name](**{field: type(getattr(SELECTORS[name](), field))(value)})
-        selectors[f"{name}[{field}={value}]"] = variant
+        name, settings = item.split(".", 1)
+        default = CANDIDATES[name]()
+        fields = dict(pair.split("=", 1) for pair in settings.split(","))
+        variant = CANDIDATES[name](**{f: type(getattr(default, f))(v) for f, v in fields.items()})
+        selectors[f"{name}[{settings}]"] = variant
     names = list(selectors)
 
     results = {}
     for label, seeds in (("A", args.seeds_a), ("B", args.seeds_b)):
+        if label not in args.sets:
+            continue
         captures = load_captures(args, seeds)
         per_sample = []
         for cap in captures:

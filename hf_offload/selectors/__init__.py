@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from .base import Selection, Selector
 from .headwise import HeadwiseSelector
+from .meanbound import MeanBoundSelector
 from .oracle import OracleSelector
 from .solohead import SoloHeadSelector
 from .streaming import StreamingSelector
@@ -16,6 +17,7 @@ from .streaming import StreamingSelector
 SELECTORS: dict[str, type[Selector]] = {
     cls.name: cls for cls in (SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector)
 }
+SELECTORS[MeanBoundSelector.name] = MeanBoundSelector
 
 
 def register_selector(cls: type[Selector]) -> type[Selector]:
@@ -44,6 +46,7 @@ def get_selector(selector: str | Selector) -> Selector:
 __all__ = [
     "SELECTORS",
     "HeadwiseSelector",
+    "MeanBoundSelector",
     "OracleSelector",
     "Selection",
     "Selector",
