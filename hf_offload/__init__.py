@@ -10,6 +10,7 @@ from .cache import OffloadCache, OffloadLayer
 from .config import OffloadConfig
 from .selectors import (
     HeadwiseSelector,
+    MeanBoundSelector,
     OracleSelector,
     Selection,
     Selector,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "HeadwiseSelector",
+    "MeanBoundSelector",
     "OffloadCache",
     "OffloadConfig",
     "OffloadLayer",

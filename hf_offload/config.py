@@ -24,7 +24,7 @@ class OffloadConfig:
         window_tokens: most recent sealed tokens that every decode query attends to, besides the open block of fewer
             than ``block_tokens`` tokens that is always attended. ``None``: ``budget_tokens // 8`` clamped to
             ``[block_tokens, 256]``. A multiple of ``block_tokens``.
-        selector: name of a registered selector (``"solohead"``, ``"headwise"``, ``"streaming"``, ``"oracle"``) or a
+        selector: name of a registered selector (``"solohead"``, ``"meanbound"``, ``"headwise"``, ``"streaming"``, ``"oracle"``) or a
             :class:`~hf_offload.selectors.Selector` instance.
         pool_tokens: capacity of the device slot pool (hot blocks kept across decode steps). ``None``: 1.25 x
             ``budget_tokens``, rounded up to whole blocks. A smaller pool still gives exact results; selected blocks

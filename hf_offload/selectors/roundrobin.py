@@ -47,7 +47,7 @@ class RoundRobinSelector(Selector):
         if self.unit not in ("query", "kv"):
             raise ValueError(f"RoundRobinSelector.unit must be 'query' or 'kv', got {self.unit!r}")
         bounds = key_bound_logits(query, summaries["kmin"], summaries["kmax"]) * scaling  # [B, H, G, N]
-        batch, n = bounds.shape[0], bounds.shape[-1]
+        n = bounds.shape[-1]
         votes = torch.softmax(bounds, dim=-1).sum(dim=(1, 2))  # SoloHead's score, in [0, heads]
         ranked = bounds.amax(dim=2) if self.unit == "kv" else bounds.flatten(1, 2)  # [B, heads, N]
         order = ranked.argsort(dim=-1, descending=True)
