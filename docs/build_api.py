@@ -56,7 +56,11 @@ def build(out: Path, modules: list[str] | None = None) -> list[Path]:
     import pdoc.doc
     import pdoc.render
 
+    import hf_offload
     from hf_offload import __version__
+
+    for name in hf_offload.__all__:  # the package loads its public names on first use; pdoc reads its namespace
+        getattr(hf_offload, name)
 
     modules = public_modules() if modules is None else modules
     pdoc.render.configure(docformat="google", footer_text=f"hf-offload {__version__}", search=True)

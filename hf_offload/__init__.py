@@ -3,39 +3,63 @@
 >>> from hf_offload import OffloadCache, OffloadConfig
 >>> OffloadConfig(budget_tokens=2048).window_tokens
 256
+
+The public names load on first use (torch and transformers are imported then), so ``hf-offload --help`` and
+``import hf_offload`` stay fast.
 """
 
-from .attention import disable_offload_attention, enable_offload_attention
-from .cache import OffloadCache, OffloadLayer
-from .config import OffloadConfig
-from .selectors import (
-    HeadwiseSelector,
-    MeanBoundSelector,
-    OracleSelector,
-    Selection,
-    Selector,
-    SoloHeadSelector,
-    StreamingSelector,
-    get_selector,
-    register_selector,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "HeadwiseSelector",
-    "MeanBoundSelector",
-    "OffloadCache",
-    "OffloadConfig",
-    "OffloadLayer",
-    "OracleSelector",
-    "Selection",
-    "Selector",
-    "SoloHeadSelector",
-    "StreamingSelector",
-    "__version__",
-    "disable_offload_attention",
-    "enable_offload_attention",
-    "get_selector",
-    "register_selector",
-]
+# public name -> submodule that defines it
+_EXPORTS = {
+    "OffloadCache": ".cache",
+    "OffloadLayer": ".cache",
+    "OffloadConfig": ".config",
+    "disable_offload_attention": ".attention",
+    "enable_offload_attention": ".attention",
+    "HeadwiseSelector": ".selectors",
+    "MeanBoundSelector": ".selectors",
+    "OracleSelector": ".selectors",
+    "Selection": ".selectors",
+    "Selector": ".selectors",
+    "SoloHeadSelector": ".selectors",
+    "StreamingSelector": ".selectors",
+    "get_selector": ".selectors",
+    "register_selector": ".selectors",
+}
+
+__all__ = sorted([*_EXPORTS, "__version__"])
+
+if TYPE_CHECKING:
+    from .attention import disable_offload_attention, enable_offload_attention
+    from .cache import OffloadCache, OffloadLayer
+    from .config import OffloadConfig
+    from .selectors import (
+        HeadwiseSelector,
+        MeanBoundSelector,
+        OracleSelector,
+        Selection,
+        Selector,
+        SoloHeadSelector,
+        StreamingSelector,
+        get_selector,
+        register_selector,
+    )
+
+
+def __getattr__(name: str):
+    """Import a public name's submodule on first use (PEP 562)."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'hf_offload' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
