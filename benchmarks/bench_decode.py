@@ -30,6 +30,7 @@ import contextlib
 import gc
 import inspect
 import io
+import json
 import math
 import sys
 import time
@@ -577,7 +578,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", default=["auto"],
                         help="batch sizes, or 'auto': 1, 2, 4, ... while predicted to fit (and no OOM)")  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=256, help="largest batch of an auto sweep")
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    parser.add_argument("--methods", nargs="*", choices=METHODS, default=METHODS,
+                        help="methods to sweep (none: only --e2e)")  # fmt: skip
     parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
@@ -599,6 +601,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--e2e-steps", type=int, default=16)
     parser.add_argument("--device", default="auto", help="auto (CUDA where available), cpu, cuda, ...")
     parser.add_argument("--out", default="results/decode/bench_decode.json")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run each (context, method) sweep, and --e2e, in a fresh process and merge their JSON: "
+                        "no pinned or device memory carries over between sweeps")  # fmt: skip
     args = parser.parse_args(argv)
     if args.batches != ["auto"]:
         args.batches = [int(b) for b in args.batches]
@@ -608,10 +613,84 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _child_argv(args: argparse.Namespace) -> list[str]:
+    """The command-line options every isolated sweep shares with the parent run."""
+    out = ["--shape", args.shape, "--batches", *map(str, args.batches), "--max-batch", str(args.max_batch),
+           "--budget", str(args.budget), "--warmup", str(args.warmup), "--steps", str(args.steps),
+           "--min-steps", str(args.min_steps), "--config-seconds", str(args.config_seconds),
+           "--hf-offloaded-max-batch", str(args.hf_offloaded_max_batch),
+           "--hf-offloaded-max-kv-gib", str(args.hf_offloaded_max_kv_gib),
+           "--device-margin-gib", str(args.device_margin_gib), "--host-margin-gib", str(args.host_margin_gib),
+           "--device", args.device]  # fmt: skip
+    if args.bandwidth_mib is not None:
+        out += ["--bandwidth-mib", str(args.bandwidth_mib)]
+    return out
+
+
+def run_isolated(args: argparse.Namespace, t_start: float) -> int:
+    """``--isolate``: one process per (context, method) sweep (and one for ``--e2e``), JSON merged into ``--out``.
+
+    Each child writes its own JSON next to ``--out``; the merged file takes the first child's metadata, model and
+    bandwidths, every child's runs and skipped configurations (with the child's file name), and the e2e run.
+    """
+    import subprocess
+    import tempfile
+
+    out = Path(args.out)
+    merged: dict | None = None
+    jobs = [(c, m) for c in args.contexts for m in args.methods if m != "hf-offloaded"]
+    jobs += [(c, "hf-offloaded") for c in args.contexts if "hf-offloaded" in args.methods]
+    if args.e2e:
+        jobs.append((None, "e2e"))
+    with tempfile.TemporaryDirectory() as tmp:
+        for n, (context, method) in enumerate(jobs):
+            left = args.max_seconds - (time.perf_counter() - t_start)
+            child = Path(tmp) / f"part{n:03d}.json"
+            if method == "e2e":
+                extra = ["--e2e", "--e2e-context", str(args.e2e_context), "--e2e-prefill-chunk",
+                         str(args.e2e_prefill_chunk), "--e2e-steps", str(args.e2e_steps), "--contexts",
+                         str(max(args.contexts)), "--methods", "--max-seconds", f"{max(left, 0):.1f}"]  # fmt: skip
+            else:
+                extra = ["--contexts", str(context), "--methods", method, "--max-seconds", f"{max(left, 0):.1f}"]
+            if left <= 0:
+                reason = "time budget (--max-seconds)"
+                if merged is not None:
+                    merged["skipped"].append({"method": method, "context": context, "batch": "auto", "reason": reason})
+                continue
+            cmd = [sys.executable, str(Path(__file__).resolve()), *_child_argv(args), *extra, "--out", str(child)]
+            done = subprocess.run(cmd)
+            if not child.exists():
+                if merged is not None:
+                    merged["skipped"].append({"method": method, "context": context, "batch": "auto",
+                                              "reason": f"isolated process exited with status {done.returncode}"})
+                continue
+            data = json.loads(child.read_text())
+            if merged is None:
+                merged = {**data, "runs": [], "skipped": [], "e2e": None}
+                merged["metadata"] = {**data["metadata"], "args": vars(args), "isolated": True}
+                merged["methods"] = {m: METHOD_NOTES[m] for m in args.methods}
+            merged["runs"] += data["runs"]
+            if method == "e2e":
+                merged["e2e"] = data.get("e2e")
+            else:
+                merged["skipped"] += data["skipped"]
+            merged["elapsed_s"] = time.perf_counter() - t_start
+            merged["complete"] = False
+            write_results(str(out), merged)
+    if merged is None:
+        print("no isolated sweep produced results", file=sys.stderr)
+        return 1
+    merged["complete"] = True
+    write_results(str(out), merged)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the sweep; returns 0."""
     t_start = time.perf_counter()
     args = parse_args(argv)
+    if args.isolate:
+        return run_isolated(args, t_start)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
     max_positions = max(args.contexts + ([args.e2e_context + args.e2e_steps + 1] if args.e2e else [])) + 16

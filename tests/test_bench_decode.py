@@ -103,3 +103,19 @@ def test_time_budget_skips_and_lists_the_rest(tmp_path):
     listed = sorted((s["method"], s["context"], s["batch"]) for s in data["skipped"])
     assert listed == sorted((m, c, b) for m in ("dynamic", "solohead") for c in (64, 128) for b in (1, 2))
     assert all("time budget" in s["reason"] for s in data["skipped"])
+
+
+def test_isolate_merges_one_process_per_sweep(tmp_path):
+    """--isolate: each (context, method) sweep and the e2e run in a fresh process, merged into one JSON."""
+    import json
+
+    out = tmp_path / "isolated.json"
+    code = bench_decode.main(["--shape", "tiny", "--contexts", "256", "--batches", "1", "--methods", "dynamic",
+                              "solohead", "--warmup", "1", "--steps", "2", "--config-seconds", "0", "--device", "cpu",
+                              "--e2e", "--e2e-context", "128", "--e2e-steps", "2", "--isolate", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["complete"] and data["metadata"]["isolated"]
+    assert sorted(r["method"] for r in data["runs"]) == ["dynamic", "solohead"]
+    assert all(r["tokens_per_s"] > 0 for r in data["runs"])
+    assert {r["method"] for r in data["e2e"]["runs"]} == {"dynamic", "solohead"}
