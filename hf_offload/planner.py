@@ -115,14 +115,18 @@ class Plan:
 
 
 def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
+    """Device bytes of one block's summaries: the selector's own ``summarize`` run on one block of ``meta`` keys
+    (no memory, any registered selector); Quest bounds where that cannot run."""
+    import torch
+
     selector = get_selector(config.selector)
-    name = selector.name
-    if name == "streaming":
-        return 0
-    if name == "oracle":
-        return shape.kv_heads * config.block_tokens * shape.head_dim * shape.dtype_bytes
-    # Quest bounds (kmin, kmax) per KV head; selectors with other summaries are not modelled.
-    return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes
+    dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}.get(shape.dtype_bytes, torch.bfloat16)
+    keys = torch.empty((1, 1, shape.kv_heads, config.block_tokens, shape.head_dim), dtype=dtype, device="meta")
+    try:
+        summaries = selector.summarize(keys)
+        return sum(t.numel() * shape.dtype_bytes for t in summaries.values())
+    except Exception:
+        return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # kmin and kmax per KV head
 
 
 def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offload",
