@@ -22,18 +22,10 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
+from hf_offload.bench import SHAPES as BENCH_SHAPES  # noqa: E402
 
-SHAPES = {
-    # a tiny shape for smoke tests on a CPU
-    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256),
-    # Llama-3.2-1B
-    "llama-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=64, vocab_size=128256, rope_theta=500000.0),
-    # Llama-3.1-8B
-    "llama-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                     num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0),
-}  # fmt: skip
+# The shapes of ``hf-offload bench`` under their short names here (``--shape llama-8b`` in the results READMEs).
+SHAPES = {"tiny": BENCH_SHAPES["tiny"], "llama-1b": BENCH_SHAPES["llama-3.2-1b"], "llama-8b": BENCH_SHAPES["llama-3.1-8b"]}
 
 
 def main() -> int:

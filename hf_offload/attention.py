@@ -354,15 +354,9 @@ def _chunk_prefill(
         return None
     layer = handoff.layer
     total = handoff.first_recent_pos + handoff.key.shape[-2]
-    padding = None if mask is None else mask.padding
-    starts = None
-    if padding is not None:
-        padding = padding[:, :total].to(query.device)
-        if not bool(padding.all()):
-            starts = padding.int().argmax(dim=-1)
-            positions = torch.arange(total, device=query.device)
-            if not bool((padding == (positions >= starts[:, None])).all()):
-                return None  # not left padding (or a sequence with no real token)
+    left_padded, starts = _left_padding(mask, total)
+    if not left_padded:
+        return None  # not left padding: the tiled path evaluates the mask exactly
     sealed_k, sealed_v = layer.sealed_kv(handoff.n_blocks_before)
     group = q_heads // layer.kv_heads
     k = torch.cat([sealed_k, handoff.key], dim=-2).to(query.dtype)
@@ -370,22 +364,14 @@ def _chunk_prefill(
     del sealed_k, sealed_v
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def attend(q, k, v):
+        bias = causal_lower_right(q.shape[-2], k.shape[-2])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
+
     if starts is None:
-        out = sdpa(query, k, v, attn_mask=causal_lower_right(q_len, total), scale=scaling)
-        return out.transpose(1, 2).contiguous()
-    out = torch.zeros_like(query)
-    first_query = total - q_len
-    for b, start in enumerate(starts.tolist()):
-        q_from = max(0, start - first_query)  # queries before the sequence's first real token are padding
-        if q_from >= q_len:
-            continue
-        n_q, n_k = q_len - q_from, total - start
-        out[b : b + 1, :, q_from:] = sdpa(
-            query[b : b + 1, :, q_from:], k[b : b + 1, :, start:], v[b : b + 1, :, start:],
-            attn_mask=causal_lower_right(n_q, n_k), scale=scaling,
-        )  # fmt: skip
-    return out.transpose(1, 2).contiguous()
+        return attend(query, k, v).transpose(1, 2).contiguous()
+    return _per_sequence(query, k, v, starts, attend)
 
 
 def _decode_sdpa(
@@ -483,26 +469,61 @@ def _first_prefill(
         return None
     if not _plain_causal(mask):
         return None
-    padding = None if mask is None else mask.padding
-    gqa = key.shape[1] != q_heads
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    if padding is None or bool(padding[:, :q_len].all()):
-        out = sdpa(query, key, value, is_causal=True, scale=scaling, enable_gqa=gqa)
-        return out.transpose(1, 2).contiguous()
-    padding = padding[:, :q_len].to(query.device)
-    starts = padding.int().argmax(dim=-1)
-    positions = torch.arange(q_len, device=query.device)
-    contiguous = padding == ((positions >= starts[:, None]) & padding.any(dim=-1, keepdim=True))
-    if not bool(contiguous.all()):
+    left_padded, starts = _left_padding(mask, q_len)
+    if not left_padded:
         return None  # not left padding: the tiled path evaluates the mask exactly
+    gqa = key.shape[1] != q_heads
+
+    def attend(q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scaling, enable_gqa=gqa)
+
+    if starts is None:
+        return attend(query, key, value).transpose(1, 2).contiguous()
+    return _per_sequence(query, key, value, starts, attend)
+
+
+def _left_padding(mask: OffloadMask | None, total: int) -> tuple[bool, list[int] | None]:
+    """Whether the padding of the first ``total`` positions is left padding, and where each sequence starts.
+
+    Returns:
+        ``(left_padded, starts)``: ``starts`` is ``None`` without padding, else the first real position per
+        sequence (``total`` for a sequence without one); ``left_padded`` is ``False`` for any other padding.
+    """
+    padding = None if mask is None else mask.padding
+    if padding is None:
+        return True, None
+    padding = padding[:, :total]
+    if bool(padding.all()):
+        return True, None
+    real = padding.any(dim=-1)
+    starts = torch.where(real, padding.int().argmax(dim=-1), total)
+    positions = torch.arange(total, device=padding.device)
+    if not bool((padding == (positions >= starts[:, None])).all()):
+        return False, None
+    return True, starts.tolist()
+
+
+def _per_sequence(query, key, value, starts: list[int], attend) -> torch.Tensor:
+    """``attend`` per sequence on its unpadded span; zeros at padded queries (no real token reads them).
+
+    Args:
+        query: ``[batch, q_heads, q_len, head_dim]``, the last ``q_len`` positions of the keys.
+        key: ``[batch, heads, total, head_dim]``, same device.
+        value: same shape as ``key``.
+        starts: first real position per sequence (``total``: none).
+        attend: ``attend(q, k, v)`` for one sequence's real queries and keys, in SDPA's layout.
+
+    Returns:
+        Shape ``[batch, q_len, q_heads, head_dim]``.
+    """
+    q_len, first_query = query.shape[-2], key.shape[-2] - query.shape[-2]
     out = torch.zeros_like(query)
-    for b, start in enumerate(starts.tolist()):
-        if not bool(padding[b].any()):
-            continue
-        out[b : b + 1, :, start:] = sdpa(
-            query[b : b + 1, :, start:], key[b : b + 1, :, start:], value[b : b + 1, :, start:],
-            is_causal=True, scale=scaling, enable_gqa=gqa,
-        )  # fmt: skip
+    for b, start in enumerate(starts):
+        q_from = max(0, start - first_query)  # queries before the sequence's first real token are padding
+        if q_from < q_len:
+            out[b : b + 1, :, q_from:] = attend(
+                query[b : b + 1, :, q_from:], key[b : b + 1, :, start:], value[b : b + 1, :, start:]
+            )
     return out.transpose(1, 2).contiguous()
 
 

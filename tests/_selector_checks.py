@@ -12,26 +12,9 @@ from hf_offload.attention import offload_attention_forward, take_handoff
 
 from .conftest import build_model, left_padded
 
-B, HQ, H, D, T = 2, 4, 2, 16, 8
-PLANTED = {0: [5, 11, 17], 1: [3, 14, 20]}
-
-
-def planted_inputs(seed: int = 0):
-    """Keys, values ``[B, H, 24 * T + 5, D]`` and a query ``[B, HQ, 1, D]``; the planted blocks hold >= 99% of the
-    query's attention mass in every head."""
-    g = torch.Generator().manual_seed(seed)
-    n_tokens = 24 * T + 5
-    keys = torch.randn(B, H, n_tokens, D, generator=g) * 0.3
-    values = torch.randn(B, H, n_tokens, D, generator=g)
-    group = HQ // H
-    base = torch.randn(B, H, 1, 1, D, generator=g)
-    query = (base + 0.3 * torch.randn(B, H, group, 1, D, generator=g)).view(B, HQ, 1, D)
-    for b, blocks in PLANTED.items():
-        for block in blocks:
-            for h in range(H):
-                direction = query[b, h * group : (h + 1) * group, 0].mean(0)
-                keys[b, h, block * T : (block + 1) * T] = direction / direction.norm() * 12.0
-    return keys, values, query
+# The planted-mass inputs of tests/test_sparse.py: a few blocks hold >= 99% of the decode query's attention mass.
+from .test_sparse import B, D, H, HQ, PLANTED, T  # noqa: F401
+from .test_sparse import _planted_inputs as planted_inputs
 
 
 def check_planted(selector) -> None:
