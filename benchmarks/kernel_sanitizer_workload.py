@@ -4,8 +4,9 @@
     compute-sanitizer --tool racecheck python benchmarks/kernel_sanitizer_workload.py
 
 It gathers and scatters blocks of several sizes between pinned host chunks (and an admitted device chunk) and device
-tensors, then decodes a few steps of a tiny model with ``transfer="kernel"`` and both selectors, and checks the
-bytes against the host-side reference.
+tensors, then decodes a few steps of a tiny model with ``transfer="kernel"`` and both selectors (the offload stream
+for sealed blocks, and once with the layer-ahead lookahead on the prefetch stream), with a prompt long enough for
+the chunked-prefill path, and checks bytes and tokens against the host-side reference and the torch path.
 """
 
 from __future__ import annotations
@@ -52,15 +53,18 @@ def main() -> int:
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     model = LlamaForCausalLM(config).to(device).eval()
     ids = torch.randint(0, 128, (2, 90), device=device)
+    variants = [("kernel", False), ("torch", False), ("kernel", True)]  # (transfer, lookahead)
     for selector in ("solohead", "headwise"):
         outs = []
-        for transfer in ("kernel", "torch"):
+        for transfer, lookahead in variants:
             cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=16,
-                                 pool_tokens=32, selector=selector, transfer=transfer)  # fmt: skip
+                                 pool_tokens=32, selector=selector, transfer=transfer, lookahead=lookahead)  # fmt: skip
             with torch.no_grad():
-                outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False))
-        assert torch.equal(outs[0], outs[1]), selector
-    print("kernel transfer path: ok")
+                outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False,
+                                           prefill_chunk_size=32))
+        for (transfer, lookahead), out in zip(variants[1:], outs[1:]):
+            assert torch.equal(outs[0], out), (selector, transfer, lookahead)
+    print("kernel transfer path (offload stream, lookahead, chunked prefill): ok")
     return 0
 
 
