@@ -10,6 +10,7 @@ from __future__ import annotations
 from .base import Selection, Selector
 from .headwise import HeadwiseSelector
 from .meanbound import MeanBoundSelector
+from .meanvar import MeanVarSelector
 from .oracle import OracleSelector
 from .solohead import SoloHeadSelector
 from .streaming import StreamingSelector
@@ -18,6 +19,7 @@ SELECTORS: dict[str, type[Selector]] = {
     cls.name: cls for cls in (SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector)
 }
 SELECTORS[MeanBoundSelector.name] = MeanBoundSelector
+SELECTORS[MeanVarSelector.name] = MeanVarSelector
 
 
 def register_selector(cls: type[Selector]) -> type[Selector]:
@@ -47,6 +49,7 @@ __all__ = [
     "SELECTORS",
     "HeadwiseSelector",
     "MeanBoundSelector",
+    "MeanVarSelector",
     "OracleSelector",
     "Selection",
     "Selector",
