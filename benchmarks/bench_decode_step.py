@@ -174,6 +174,12 @@ def main(argv: list[str] | None = None) -> int:
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     build_s = time.perf_counter() - t0
     runs, shares, skipped = [], [], []
+    note = "decode-only: the KV is filled with random values without a prefill; random weights"
+
+    def save(complete: bool) -> None:
+        write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note=note), "runs": runs,
+                                 "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
+
     print(f"{'transfer':8s} {'lookahead':9s} {'bytes':8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "
           f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s}")  # fmt: skip
     for path in args.transfers:
@@ -261,9 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         del cache
         if cuda:
             torch.cuda.empty_cache()
-    note = "decode-only: the KV is filled with random values without a prefill; random weights"
-    write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note=note), "runs": runs,
-                             "hidden_share": shares, "skipped": skipped})  # fmt: skip
+        save(complete=False)  # what is measured so far survives a stopped run
+    save(complete=True)
     return 0
 
 
