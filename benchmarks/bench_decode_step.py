@@ -90,6 +90,9 @@ def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, see
     """Median ms to recall ``pieces_per_layer`` random blocks (or head pieces) of every offloaded layer's host pool,
     one recall per layer as in a decode step, into a scratch slot pool on an otherwise idle device.
 
+    Every repetition draws new blocks, as decode steps do: repeating the same blocks would time reads of host pages
+    whose address translations the previous repetition left cached on the device.
+
     Args:
         cache: a filled :class:`~hf_offload.OffloadCache`.
         pieces_per_layer: blocks (whole blocks for shared selectors, single-head pieces for per-head selectors)
@@ -106,16 +109,19 @@ def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, see
     per_head = first.selector.per_head
     scratch = DeviceSlotPool(1, n, first.kv_heads, first.block_tokens, first.head_dim, first.dtype, device)
     g = torch.Generator().manual_seed(seed)
-    plans = []
-    for layer in layers:  # every index on its side before the clock starts
-        table = layer.block_table.flatten()
-        ids = table[torch.randint(0, len(table), (n,), generator=g)]
-        heads = torch.randint(0, layer.kv_heads, (n,), generator=g).to(device) if per_head else None
-        plans.append((layer, ids if path == "torch" else ids.to(device), heads))
+    steps = []
+    for _ in range(repeats + 1):  # every index on its side before the clock starts; new blocks each repetition
+        plans = []
+        for layer in layers:
+            table = layer.block_table.flatten()
+            ids = table[torch.randint(0, len(table), (n,), generator=g)]
+            heads = torch.randint(0, layer.kv_heads, (n,), generator=g).to(device) if per_head else None
+            plans.append((layer, ids if path == "torch" else ids.to(device), heads))
+        steps.append(plans)
     zeros, slots = torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device)
     recall = transfer.recall_blocks_kernel if path == "kernel" else transfer.recall_blocks
 
-    def one_step():
+    def one_step(plans):
         for layer, ids, heads in plans:
             recall(layer.host, scratch, ids, zeros, slots, heads)
 
@@ -126,13 +132,13 @@ def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, see
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            one_step()
+            one_step(steps[rep])
             end.record()
             end.synchronize()
             ms = start.elapsed_time(end)
         else:
             t0 = time.perf_counter()
-            one_step()
+            one_step(steps[rep])
             ms = (time.perf_counter() - t0) * 1e3
         if rep:  # the first run warms up
             times.append(ms)

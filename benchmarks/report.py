@@ -184,7 +184,8 @@ def _render_lookahead(name: str, data: dict) -> list[str]:
         f"### `{name}` (commit `{m['git_commit'][:12]}`)",
         "",
         f"Generated from `results/decode/{name}` (`python benchmarks/bench_decode_step.py "
-        f"--transfers kernel --lookahead both --hidden-share`): {a['shape']} shape, {a['context']:,} tokens, batch "
+        f"--transfers {' '.join(a.get('transfers', ['kernel']))} --lookahead {a.get('lookahead', 'both')}"
+        f"{' --hidden-share' if a.get('hidden_share', True) else ''}`): {a['shape']} shape, {a['context']:,} tokens, batch "
         f"{a['batch']}, budget {a['budget']}, {a['steps']} timed steps after {a.get('warmup', 0)} warm-up steps; "
         f"{m['machine']['gpu']}, torch {m['versions']['torch']}, commit `{m['git_commit'][:12]}`. \"bytes moved: no\" "
         "repeats the same steps with every recall copy emptied (every selected block as if resident).",
