@@ -604,6 +604,38 @@ class OffloadLayer(CacheLayerMixin):
             self._unsupported("selecting sequences of a filled cache")
 
 
+class _SharedResources:
+    """Per-device objects the offloaded layers of one cache share, created on first use: the device admission
+    budget, the side streams and the phase timer. Holds no reference to the cache or its layers."""
+
+    def __init__(self, config: OffloadConfig):
+        self.config = config
+        self.admissions: dict[torch.device, DeviceAdmission] = {}
+        self.transfer_streams: dict[torch.device, transfer.TransferStreams] = {}
+        self.phase_timer: PhaseTimer | None = None
+
+    def admission(self, device: torch.device) -> DeviceAdmission | None:
+        """The device admission budget of ``device`` (one per device), or ``None`` unless admission is "auto"."""
+        if self.config.admission != "auto":
+            return None
+        if device not in self.admissions:
+            gib = self.config.device_memory_gib
+            self.admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
+        return self.admissions[device]
+
+    def streams(self, device: torch.device) -> transfer.TransferStreams:
+        """The side streams of a CUDA device (one set per device)."""
+        if device not in self.transfer_streams:
+            self.transfer_streams[device] = transfer.TransferStreams(device)
+        return self.transfer_streams[device]
+
+    def timer(self, device: torch.device) -> PhaseTimer:
+        """The cache's phase timer."""
+        if self.phase_timer is None:
+            self.phase_timer = PhaseTimer(device)
+        return self.phase_timer
+
+
 def _layer_types(config) -> list[str]:
     types = getattr(config, "layer_types", None)
     if types is None:
@@ -649,9 +681,9 @@ class OffloadCache(Cache):
         self.selector = get_selector(config.selector)
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)
-        self._admissions: dict[torch.device, DeviceAdmission] = {}
-        self._transfer_streams: dict[torch.device, transfer.TransferStreams] = {}
-        self._phase_timer: PhaseTimer | None = None
+        # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
+        # holds is freed at once (its pinned host pools with it), not at the next cyclic garbage collection.
+        self._shared = _SharedResources(config)
         layer_types = _layer_types(text_config)
         unsupported = sorted(set(layer_types) - {"full_attention", *_SLIDING_TYPES})
         if unsupported:
@@ -672,8 +704,8 @@ class OffloadCache(Cache):
                 first = not any(isinstance(layer, OffloadLayer) for layer in layers)
                 layers.append(
                     OffloadLayer(
-                        config, self.selector, idx, self.host_budget, id(self), text_config, self._admission,
-                        self._timer, first, self._streams,
+                        config, self.selector, idx, self.host_budget, id(self), text_config, self._shared.admission,
+                        self._shared.timer, first, self._shared.streams,
                     )
                 )  # fmt: skip
             else:
@@ -686,21 +718,6 @@ class OffloadCache(Cache):
         self.original_attn_implementation = enable_offload_attention(model)
         self._model_ref = weakref.ref(model)
 
-    def _admission(self, device: torch.device) -> DeviceAdmission | None:
-        """The device admission budget of ``device`` (one per device, shared by the layers on it)."""
-        if self.config.admission != "auto":
-            return None
-        if device not in self._admissions:
-            gib = self.config.device_memory_gib
-            self._admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
-        return self._admissions[device]
-
-    def _streams(self, device: torch.device) -> transfer.TransferStreams:
-        """The side streams of a CUDA device (created on first use, shared by the layers on it)."""
-        if device not in self._transfer_streams:
-            self._transfer_streams[device] = transfer.TransferStreams(device)
-        return self._transfer_streams[device]
-
     def set_lookahead(self, lookahead: bool | None) -> None:
         """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
         decode steps, e.g. to compare both on one filled cache; see :class:`~hf_offload.config.OffloadConfig`."""
@@ -708,12 +725,6 @@ class OffloadCache(Cache):
         for layer in self.offload_layers:
             layer.config = self.config
             layer.resolve_lookahead()
-
-    def _timer(self, device: torch.device) -> PhaseTimer:
-        """The cache's phase timer (created on first use)."""
-        if self._phase_timer is None:
-            self._phase_timer = PhaseTimer(device)
-        return self._phase_timer
 
     @property
     def offload_layers(self) -> list[OffloadLayer]:
@@ -780,15 +791,15 @@ class OffloadCache(Cache):
             "hit_rate": total("hits") / lookups if lookups else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
-            "timing": self._phase_timer.summary() if self._phase_timer is not None else None,
+            "timing": self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None,
         }
 
     def reset_stats(self) -> None:
         """Zero the counters and the phase timing of :meth:`stats` (the cached tokens stay)."""
         for layer in self.offload_layers:
             layer.stats.reset()
-        if self._phase_timer is not None:
-            self._phase_timer.reset()
+        if self._shared.phase_timer is not None:
+            self._shared.phase_timer.reset()
 
     def dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of one offloaded layer re-assembled from all tiers; see :meth:`OffloadLayer.dense_kv`."""
