@@ -219,6 +219,68 @@ def _render_lookahead(name: str, data: dict) -> list[str]:
     return lines
 
 
+ABLATION_STUDY = "ruler_qwen05"  # the RULER study whose selectors the ablation table lines up with
+ABLATION_ORDER = ["headwise", "solohead", "meanbound", "meanvar", "oracle"]  # each row adds one idea to the last
+
+
+def _selection_ablation(groups: dict) -> list[str]:
+    """The ablation table of the selection page: per selector, its summary bytes, selection recall on seed set B,
+    device select time (``results/selection/selector_cost*.json``) and RULER average (``ABLATION_STUDY``)."""
+    from eval_harness.report import study_averages
+
+    try:
+        ruler = study_averages(ABLATION_STUDY, REPO / "results")
+    except FileNotFoundError:
+        ruler = {}
+    costs = [(p.name, json.loads(p.read_text())) for p in sorted((REPO / "results/selection").glob("selector_cost*.json"))]
+    ruler_points = sorted({p for by_point in ruler.values() for p in by_point})
+    lengths = sorted({g["length"] for g in groups.values()})
+    names = [n for n in ABLATION_ORDER if any(g["sel"] == n for g in groups.values())]
+
+    def recall_b(sel: str, length: int) -> str:
+        values = {f"{g['res']['B'][1]['recall']['mean']:.3f}" for g in groups.values()
+                  if g["sel"] == sel and g["length"] == length and "B" in g["res"]}  # fmt: skip
+        return "-" if not values else " / ".join(sorted(values))
+
+    def ruler_avg(sel: str, point) -> str:
+        label = "dense" if sel == "dense" else next((k for k in ruler if k.split(" ")[0] == sel), None)
+        avg = ruler.get(label, {}).get(point, (None, 0))[0]
+        return "-" if avg is None else f"{avg:.1f}"
+
+    cost_cols = [(n, {r["selector"]: r for r in d["runs"]}, d["metadata"]) for n, d in costs]
+    lines = [
+        "",
+        "## Ablation: what each idea adds",
+        "",
+        "Each row adds one idea to the row above: `headwise` (Quest: per-KV-head key bounds, each head its own "
+        "blocks), `solohead` (one shared selection per layer: per-head softmax votes of the bounds, summed), "
+        "`meanbound` (the bound shrunk toward the block's mean-key logit), `meanvar` (two sub-block mean keys and the "
+        "pooled key spread instead of the bounds), `oracle` (the true attention mass: the ceiling of a shared "
+        "selection). Selection recall: seed set B (the report). RULER: the task average of "
+        f"`docs/results/{ABLATION_STUDY}.md` (budget 1/16, at least 512 tokens; dense first). Select ms: "
+        "`Selector.select` for all layers of one decode step on the device"
+        + "".join(f" (`{n}`: {m['args']['shape']}, {m['args']['context']:,} tokens, batch {m['args']['batch']}, "
+                  f"budget {m['args']['budget']}, {m['machine']['gpu'] or 'CPU'})" for n, _, m in cost_cols)  # fmt: skip
+        + ".",
+        "",
+        "| selector | summary bytes per block (captured model, bf16) | "
+        + " | ".join(f"recall B {length:,}" for length in lengths)
+        + "".join(f" | RULER {p:,}" for p in ruler_points)
+        + "".join(f" | select ms/step (`{n}`)" for n, _, _ in cost_cols)
+        + " |",
+        "|---|---:|" + "---:|" * (len(lengths) + len(ruler_points) + len(cost_cols)),
+    ]
+    rows = (["dense"] if "dense" in ruler else []) + names
+    for sel in rows:
+        nbytes = sorted({c["summary_bytes_per_block_bf16"] for g in groups.values() if g["sel"] == sel
+                         for _, c in g["cost"]})  # fmt: skip
+        cells = [" / ".join(f"{b:,}" for b in nbytes) or "-"] + [recall_b(sel, length) for length in lengths]
+        cells += [ruler_avg(sel, p) for p in ruler_points]
+        cells += [("-" if sel not in runs else f"{runs[sel]['ms_per_step']:.1f}") for _, runs, _ in cost_cols]
+        lines.append(f"| `{sel}` | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_selection() -> str:
     """docs/results/selection.md from the results/selection/*.json files of ``benchmarks/selection_recall.py``.
 
@@ -279,6 +341,7 @@ def render_selection() -> str:
     lines += ["", "Selectors:", "", "| length | selector | settings | files |", "|---:|---|---|---|"]
     for g in groups.values():
         lines.append(f"| {g['length']:,} | {g['col']} | `{g['text']}` | {fnames(g['files'])} |")
+    lines += _selection_ablation(groups)
     lines += [
         "",
         "## Mean over layers",

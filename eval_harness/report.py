@@ -102,6 +102,20 @@ class _Study:
         return _mean(means), len(means)
 
 
+def study_averages(study: str, results_dir="results") -> dict[str, dict]:
+    """The task-averaged score of every method and point of a study, as its report's first table shows it.
+
+    Returns:
+        ``{label: {point: (average, tasks)}}``: ``label`` as in the report (``"dense"``, ``"meanbound 1/16"``),
+        ``point`` a context length (or LongBench-E bucket), ``tasks`` how many tasks the average covers.
+    """
+    data = _Study(results_dir, study)
+    return {
+        _label(method, budget): {p: data.average(p, method, budget) for p in data.points}
+        for method, budget in data._columns()
+    }
+
+
 def render(study: str, results_dir="results", plot_file: str | None = None) -> str:
     """The markdown report of a study (``plot_file``: name of a plot image beside it to link, if any)."""
     s = _Study(results_dir, study)
