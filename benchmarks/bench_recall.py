@@ -4,6 +4,8 @@ For each block size it times, on the same pinned host pool and the same random b
 
 * ``bulk``: one contiguous pinned -> device copy of the same number of bytes (the PCIe ceiling of this run);
 * ``kernel``: one launch of the gather kernel (hf_offload.kernels.gather), reading pinned memory directly;
+* ``kernel_fresh``: the same, but every call gathers a new random set of blocks, as a decode step does (the
+  repeated set of ``kernel`` reads host pages whose address translations the previous call left cached);
 * ``memcpy_per_block``: one ``copy_`` (cudaMemcpyAsync) per block;
 * ``cpu_gather_copy``: ``index_select`` into a pinned staging buffer on the host, then one copy.
 
@@ -17,7 +19,10 @@ piece. Prints a table and writes raw JSON (machine, versions, git commit) to ``-
 from __future__ import annotations
 
 import argparse
+import math
+import mmap
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -31,6 +36,46 @@ from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import HostBlockPool, HostMemoryBudget  # noqa: E402
 
 KIB = 1024
+_HUGE = 2 << 20
+
+
+def huge_page_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor on memory advised for transparent huge pages (2 MiB aligned), registered with CUDA.
+
+    Args:
+        shape: tensor shape.
+        dtype: element type.
+
+    Returns:
+        The tensor (CPU); it is unregistered when freed.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % _HUGE
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    flat = raw[start : start + nbytes]
+    flat.zero_()  # fault the pages in now, huge pages where the kernel grants them
+    ptr = flat.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with error {int(err)} for {nbytes} bytes")
+    out = flat.view(dtype).view(shape)
+    weakref.finalize(out, torch.cuda.cudart().cudaHostUnregister, ptr)
+    return out
+
+
+def huge_pages_in_use() -> int | None:
+    """``AnonHugePages`` of /proc/meminfo in bytes (transparent huge pages in use), or ``None``."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def main() -> int:
@@ -40,15 +85,24 @@ def main() -> int:
     parser.add_argument("--block-kib", type=int, nargs="+", default=[2, 4, 16, 64, 256])
     parser.add_argument("--memcpy-blocks", type=int, default=2048, help="blocks copied one by one (kept small)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--host-alloc", choices=["torch", "huge"], default="torch",
+                        help="host pool chunks from torch's pinned allocator, or huge pages + cudaHostRegister")
     parser.add_argument("--out", default="results/recall/bench_recall.json")
     args = parser.parse_args()
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     rows = []
+    allocator = huge_page_pinned if args.host_alloc == "huge" else None
+    try:
+        thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        thp = None
+    print(f"host pool: {args.host_alloc} ({args.pool_gib:g} GiB per block size); transparent huge pages: {thp}")
 
     def bench(block_bytes: int, label: str = "") -> dict:
         n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
-        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None))
+        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None),
+                             allocator=allocator)  # fmt: skip
         ids_all = host.allocate(n_pool)
         n = (args.move_mib << 20) // block_bytes
         ids = ids_all[torch.randperm(n_pool, generator=g)[:n]]
@@ -60,12 +114,21 @@ def main() -> int:
         nbytes = n * block_bytes
         bulk_src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
         bulk_dst = torch.empty_like(bulk_src, device=device)
-        res = {"block_bytes": block_bytes, "blocks": n, "bytes": nbytes}
+        res = {"block_bytes": block_bytes, "blocks": n, "bytes": nbytes, "huge_pages_in_use": huge_pages_in_use()}
         res["bulk_gbps"] = nbytes / timed(lambda: bulk_dst.copy_(bulk_src, non_blocking=True), args.repeat) / 1e9
         res["kernel_gbps"] = nbytes / timed(
             lambda: copy_pieces(addrs, host.chunk_blocks, words, ids_dev, zeros, dst, offs, words, False), args.repeat
         ) / 1e9
+        fresh = [ids_all[torch.randperm(n_pool, generator=g)[:n]].to(device) for _ in range(args.repeat + 2)]
+        calls = iter(range(1 << 62))
+
+        def fresh_gather():
+            ids_now = fresh[next(calls) % len(fresh)]
+            copy_pieces(addrs, host.chunk_blocks, words, ids_now, zeros, dst, offs, words, False)
+
+        res["kernel_fresh_gbps"] = nbytes / timed(fresh_gather, args.repeat) / 1e9
         # Bit-exact check of the timed gather against a host-side gather of the same ids.
+        copy_pieces(addrs, host.chunk_blocks, words, ids_dev, zeros, dst, offs, words, False)
         res["kernel_bit_exact"] = bool(torch.equal(dst.cpu().view(torch.int16), host.read(ids).view(n, -1).view(torch.int16)))
         m = min(n, args.memcpy_blocks)
         srcs = [host.chunks[int(i) // host.chunk_blocks][int(i) % host.chunk_blocks] for i in ids[:m]]
@@ -93,14 +156,15 @@ def main() -> int:
         rows.append(bench(kib * KIB))
         r = rows[-1]
         print(f"{kib:>4} KiB  bulk {r['bulk_gbps']:6.1f}  kernel {r['kernel_gbps']:6.1f} ({r['kernel_over_bulk']:.3f} x bulk, "
-              f"exact={r['kernel_bit_exact']})  memcpy/block {r['memcpy_per_block_gbps']:6.2f}  "
+              f"exact={r['kernel_bit_exact']})  kernel, new blocks per call {r['kernel_fresh_gbps']:6.1f}  memcpy/block {r['memcpy_per_block_gbps']:6.2f}  "
               f"cpu gather+copy {r['cpu_gather_copy_gbps']:6.1f} GB/s", flush=True)
 
     # SoloHead vs headwise layout for an 8B block: 2 (K, V) x 8 heads x 16 tokens x 128 dims x 2 bytes = 64 KiB.
     heads, block_bytes = 8, 64 * KIB
     piece_bytes = block_bytes // (2 * heads)
     n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
-    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None))
+    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None),
+                         allocator=allocator)  # fmt: skip
     ids_all = host.allocate(n_pool)
     n = (args.move_mib << 20) // block_bytes
     ids = ids_all[torch.randperm(n_pool, generator=g)[:n]].to(device)
@@ -134,7 +198,8 @@ def main() -> int:
     print(f"8B block 64 KiB: solohead kernel {layout['solohead_kernel_gbps']:.1f}  headwise kernel (4 KiB pieces) "
           f"{layout['headwise_kernel_gbps']:.1f}  headwise one copy per piece {layout['headwise_memcpy_per_piece_gbps']:.2f} GB/s")
 
-    write_results(args.out, {"metadata": run_metadata(args), "block_sizes": rows, "layout_8b": layout})
+    write_results(args.out, {"metadata": run_metadata(args, transparent_huge_pages=thp), "block_sizes": rows,
+                             "layout_8b": layout})  # fmt: skip
     return 0
 
 

@@ -12,6 +12,8 @@ twice its size, while fixed chunks of a power-of-two size are taken exactly.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 _GIB = 1 << 30
@@ -87,6 +89,8 @@ class HostBlockPool:
         chunk_bytes: bytes of one allocation; rounded down to whole blocks (at least one block).
         budget: the cache-wide host memory budget to reserve from.
         admission: if given, new chunks go to the device while it admits them (IO-adaptive admission).
+        allocator: ``allocator(shape, dtype)`` returns a new host chunk (e.g. pinned memory on huge pages); ``None``:
+            ``torch.empty(shape, dtype=dtype, pin_memory=pin_memory)``.
     """
 
     def __init__(
@@ -97,6 +101,7 @@ class HostBlockPool:
         chunk_bytes: int,
         budget: HostMemoryBudget,
         admission: DeviceAdmission | None = None,
+        allocator: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
     ):
         self.block_shape = tuple(block_shape)
         self.dtype = dtype
@@ -105,6 +110,7 @@ class HostBlockPool:
         self.chunk_blocks = max(1, chunk_bytes // self.block_bytes)
         self.budget = budget
         self.admission = admission
+        self.allocator = allocator
         self.chunks: list[torch.Tensor] = []
         self.chunk_admitted: list[bool] = []  # per chunk: admitted to the device (else host memory)
         self._free: list[int] = []
@@ -150,7 +156,10 @@ class HostBlockPool:
             return
         self.budget.reserve(nbytes)
         try:
-            chunk = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+            if self.allocator is not None:
+                chunk = self.allocator(shape, self.dtype)
+            else:
+                chunk = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
         except RuntimeError as err:
             self.budget.reserved_bytes -= nbytes
             raise MemoryError(
