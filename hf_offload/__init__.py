@@ -24,6 +24,7 @@ _EXPORTS = {
     "enable_offload_attention": ".attention",
     "HeadwiseSelector": ".selectors",
     "MeanBoundSelector": ".selectors",
+    "MeanVarSelector": ".selectors",
     "OracleSelector": ".selectors",
     "Selection": ".selectors",
     "Selector": ".selectors",
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from .selectors import (
         HeadwiseSelector,
         MeanBoundSelector,
+        MeanVarSelector,
         OracleSelector,
         Selection,
         Selector,

@@ -56,7 +56,7 @@ def test_prediction_matches_the_measured_real_model_runs():
             continue
         for stats in run["stats_per_batch"]:
             context = run["length"] + stats["decode_steps"]  # prompt + tokens fed back during decode
-            p = plan(shape, context, run["batch"], "offload", OffloadConfig(budget_tokens=2048))
+            p = plan(shape, context, run["batch"], "offload", OffloadConfig(budget_tokens=2048, selector=run["method"]))
             assert (p.device_kv_bytes, p.device_summary_bytes, p.host_kv_bytes) == (
                 stats["device_kv_bytes"], stats["device_summary_bytes"], stats["host_kv_bytes"]
             )

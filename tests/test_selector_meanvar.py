@@ -14,10 +14,12 @@ from ._selector_checks import check_full_budget_token_identical, check_planted
 
 
 def test_registered_not_default():
+    import hf_offload
     from hf_offload.config import OffloadConfig
 
     assert SELECTORS["meanvar"] is MeanVarSelector
-    assert OffloadConfig(budget_tokens=512).selector == "solohead"
+    assert hf_offload.MeanVarSelector is MeanVarSelector and "MeanVarSelector" in hf_offload.__all__
+    assert OffloadConfig(budget_tokens=512).selector == "meanbound"
 
 
 def test_summaries():

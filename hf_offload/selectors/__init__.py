@@ -1,7 +1,10 @@
 """Block selection policies. Each is a small dataclass on the :class:`Selector` contract.
 
+The default of :class:`~hf_offload.config.OffloadConfig` is ``meanbound``, a SoloHead-style selector (one selection
+per layer and sequence, shared by all heads, so a selected block moves whole).
+
 >>> from hf_offload.selectors import get_selector
->>> get_selector("solohead").per_head
+>>> get_selector("meanbound").per_head
 False
 """
 
@@ -15,11 +18,8 @@ from .oracle import OracleSelector
 from .solohead import SoloHeadSelector
 from .streaming import StreamingSelector
 
-SELECTORS: dict[str, type[Selector]] = {
-    cls.name: cls for cls in (SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector)
-}
-SELECTORS[MeanBoundSelector.name] = MeanBoundSelector
-SELECTORS[MeanVarSelector.name] = MeanVarSelector
+_BUILT_IN = (MeanBoundSelector, MeanVarSelector, SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector)
+SELECTORS: dict[str, type[Selector]] = {cls.name: cls for cls in _BUILT_IN}
 
 
 def register_selector(cls: type[Selector]) -> type[Selector]:
