@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # eval_harness (the RULER averages of the selection page), installed or not
 RESULTS = REPO / "results" / "core_needle"
 DOCS = REPO / "docs" / "results"
 MIB = 1 << 20

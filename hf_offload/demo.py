@@ -19,6 +19,8 @@ import warnings
 
 import torch
 
+from .config import OffloadConfig
+
 MIB = 1 << 20
 
 
@@ -31,7 +33,7 @@ def _dense_kv_bytes(cache) -> int:
     )
 
 
-def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector: str = "solohead",
+def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector: str | None = None,
              max_new_tokens: int = 16, seed: int = 0, chat: bool = True) -> dict:  # fmt: skip
     """Answer one needle prompt with ``DynamicCache`` and with ``OffloadCache``; returns both results.
 
@@ -40,7 +42,7 @@ def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector
         tokenizer: its tokenizer.
         context_tokens: prompt length in tokens.
         budget_tokens: the offloaded cache's budget.
-        selector: the offloaded cache's selector.
+        selector: the offloaded cache's selector; ``None``: :class:`~hf_offload.config.OffloadConfig`'s default.
         max_new_tokens: answer length.
         seed: chooses the needle.
         chat: use the tokenizer's chat template.
@@ -66,7 +68,7 @@ def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector
             disable_offload_attention(model)
             cache = DynamicCache(config=model.config)
         else:
-            cache = OffloadCache(model, budget_tokens=budget_tokens, selector=selector)
+            cache = OffloadCache(model, budget_tokens=budget_tokens, selector=selector or OffloadConfig.selector)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -114,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="qwen05", help="registry name (hf-offload models list), hub name or path")
     parser.add_argument("--context", type=int, default=None, help="prompt tokens (default: 3072 on CPU, 32768 on GPU)")
     parser.add_argument("--budget", type=int, default=None, help="budget_tokens (default: 1024 on CPU, 2048 on GPU)")
-    parser.add_argument("--selector", default="solohead")
+    parser.add_argument("--selector", default=None, help="block selector (default: OffloadConfig's)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
@@ -129,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     except models.ModelNotInstalledError as err:
         print(f"hf-offload demo: {err}", file=sys.stderr)
         return 2
-    _print(run_demo(model, tokenizer, context, budget, args.selector, args.max_new_tokens, args.seed), args.selector)
+    selector = args.selector or OffloadConfig.selector
+    _print(run_demo(model, tokenizer, context, budget, selector, args.max_new_tokens, args.seed), selector)
     return 0
 
 

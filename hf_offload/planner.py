@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
-    parser.add_argument("--selector", default="solohead")
+    parser.add_argument("--selector", default=OffloadConfig.selector, help="block selector (default: %(default)s)")
     parser.add_argument("--device-gib", type=float, default=None, help="device memory for weights + cache")
     parser.add_argument("--host-gib", type=float, default=None, help="host memory for the offloaded cache")
     args = parser.parse_args(argv)
