@@ -56,11 +56,12 @@ class OffloadConfig:
         lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): right after a layer's
             plan, the same query is scored against the next offloaded layer's block summaries and that layer's
             likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
-            early: what is attended is decided by each layer's exact plan, so outputs do not change. Off by default:
-            the speculative plan runs on the compute stream and costs about one selection per layer, which in the
-            latest measured decode step (``docs/results/decode.md``) outweighed the recall it hid. ``None``: on where blocks
-            move through the copy kernels on CUDA (``transfer="kernel"``), off elsewhere; ``True`` elsewhere runs
-            the same speculative plan and recall synchronously (for tests; no overlap).
+            early: what is attended is decided by each layer's exact plan, so outputs do not change. ``None``
+            (default): on where blocks move through the copy kernels on CUDA (``transfer="kernel"``), off elsewhere:
+            the speculative plan costs about one selection per layer on the compute stream, and in three of the four
+            measured decode steps (``docs/results/decode.md``) the recall it overlapped was worth more; ``False``:
+            off; ``True``: on everywhere (elsewhere the same speculative plan and recall run synchronously, for
+            tests; no overlap).
         lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one speculative plan
             selects besides the sink and window blocks, which bounds the bytes a wrong guess costs. ``None``: as
             many as the budget selects.
@@ -82,7 +83,7 @@ class OffloadConfig:
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
     timing: bool = False
-    lookahead: bool | None = False
+    lookahead: bool | None = None
     lookahead_blocks: int | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
