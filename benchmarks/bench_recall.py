@@ -34,6 +34,7 @@ from benchmarks.common import cuda_timed as timed  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import HostBlockPool, HostMemoryBudget  # noqa: E402
+from hf_offload.store.host import meminfo_bytes  # noqa: E402
 
 KIB = 1024
 _HUGE = 2 << 20
@@ -66,16 +67,6 @@ def huge_page_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     return out
 
 
-def huge_pages_in_use() -> int | None:
-    """``AnonHugePages`` of /proc/meminfo in bytes (transparent huge pages in use), or ``None``."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
 
 
 def main() -> int:
@@ -114,7 +105,7 @@ def main() -> int:
         nbytes = n * block_bytes
         bulk_src = torch.empty(nbytes // 2, dtype=torch.bfloat16, pin_memory=True)
         bulk_dst = torch.empty_like(bulk_src, device=device)
-        res = {"block_bytes": block_bytes, "blocks": n, "bytes": nbytes, "huge_pages_in_use": huge_pages_in_use()}
+        res = {"block_bytes": block_bytes, "blocks": n, "bytes": nbytes, "huge_pages_in_use": meminfo_bytes("AnonHugePages")}
         res["bulk_gbps"] = nbytes / timed(lambda: bulk_dst.copy_(bulk_src, non_blocking=True), args.repeat) / 1e9
         res["kernel_gbps"] = nbytes / timed(
             lambda: copy_pieces(addrs, host.chunk_blocks, words, ids_dev, zeros, dst, offs, words, False), args.repeat

@@ -19,16 +19,21 @@ import torch
 _GIB = 1 << 30
 
 
-def available_host_bytes() -> int | None:
-    """``MemAvailable`` of this machine in bytes, or ``None`` where ``/proc/meminfo`` does not exist."""
+def meminfo_bytes(field: str) -> int | None:
+    """A ``/proc/meminfo`` field (e.g. ``"MemAvailable"``) in bytes, or ``None`` where it does not exist."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def available_host_bytes() -> int | None:
+    """``MemAvailable`` of this machine in bytes, or ``None`` where ``/proc/meminfo`` does not exist."""
+    return meminfo_bytes("MemAvailable")
 
 
 class HostMemoryBudget:
