@@ -81,7 +81,8 @@ METHOD_NOTES = {
     "hf-offloaded": "transformers DynamicCache(offloading=True): each layer's whole KV in (pinned) host memory, copied "
     "to the device one layer ahead on a side stream and back to the host after the layer's update, every step",
     "solohead": "OffloadCache(selector='solohead', transfer='auto'): one block selection per layer and sequence, "
-    "whole-block recall (gather kernel where Triton runs on CUDA)",
+    "whole-block recall (gather kernel where Triton runs on CUDA); every other setting is the OffloadConfig default "
+    "of the run's commit (lookahead: off before the default changed, on with the kernels since; CHANGELOG)",
     "headwise-copy": "OffloadCache(selector='headwise', transfer='torch'): one selection per KV head (2 x kv_heads "
     "pieces per block); per layer and step the block table is read on the host (one synchronisation), the CPU "
     "gathers the missed pieces into a pinned staging tensor, one host-to-device copy moves them (the random fill "
