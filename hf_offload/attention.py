@@ -19,7 +19,7 @@ from __future__ import annotations
 import sys
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from transformers import AttentionInterface
@@ -95,6 +95,7 @@ class OffloadMask:
         self._dense: Any = None
         self._built = False
         self._block_valid: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._memo: dict[tuple, Any] = {}
         padding = kwargs.get("attention_mask")
         if padding is not None:
             needed = kwargs["kv_length"] + kwargs.get("kv_offset", 0)
@@ -146,6 +147,14 @@ class OffloadMask:
             batch = self.kwargs.get("batch_size", ok.shape[0])
             self._block_valid[key] = ok.expand(batch, -1).reshape(batch, n_blocks, block_tokens).any(-1)
         return self._block_valid[key]
+
+
+    def memo(self, key: tuple, build: Callable[[], Any]) -> Any:
+        """``build()``, computed once per key for this mask (one forward): what every layer of the forward would
+        compute alike, e.g. a decode step's forced blocks."""
+        if key not in self._memo:
+            self._memo[key] = build()
+        return self._memo[key]
 
 
 def _make_mask_function(original: str):

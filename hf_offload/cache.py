@@ -313,13 +313,22 @@ class OffloadLayer(CacheLayerMixin):
             selection = self.select_all(n)
             selection.keep = valid[:, None, :]
             return selection
-        idx = torch.arange(n, device=self.device)
-        # Sink: the first blocks holding a real token of each sequence (left padding shifts them).
-        start = valid.int().argmax(dim=-1, keepdim=True)
-        forced = (idx >= start) & (idx < start + self.config.sink_blocks)
-        forced |= idx >= n - self.config.window_blocks
+        sink, window = self.config.sink_blocks, self.config.window_blocks
+
+        def forced_blocks() -> torch.Tensor:
+            # Sink: the first blocks holding a real token of each sequence (left padding shifts them); window: the
+            # newest blocks. Only valid blocks are forced.
+            idx = torch.arange(n, device=self.device)
+            start = valid.int().argmax(dim=-1, keepdim=True)
+            forced = (idx >= start) & (idx < start + sink)
+            forced |= idx >= n - window
+            return forced & valid
+
+        # Every layer of one forward with the same geometry forces the same blocks: built once per forward.
+        key = ("forced", q_pos, n, self.block_tokens, sink, window, self.device)
+        forced = forced_blocks() if mask is None else mask.memo(key, forced_blocks)
         summaries = {name: s[:, :n] for name, s in self.summaries.items()}
-        selection = self.selector.select(query, summaries, scaling, k, forced & valid, valid)
+        selection = self.selector.select(query, summaries, scaling, k, forced, valid)
         cap = self.config.transfer_cap_blocks
         if cap is not None and selection.scores is not None:
             resident = resident_blocks(self.pool.block, selection.blocks.shape[1], n)
