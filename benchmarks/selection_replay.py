@@ -22,8 +22,9 @@ offload prefill attention; ``tests/test_selection_replay.py`` checks that the to
 and that replay at a budget covering the context gives the dense tokens. ``--check-full-budget`` repeats the
 second check on the real captures.
 
-Besides the registered selectors, ``union`` (:class:`UnionSelector`, an experiment that lives only here) gives each
-KV head a quota of its own best blocks and fills the rest of the budget by meanvar's shared vote.
+Selectors are given by registered name; ``union[field=value,...]`` builds a
+:class:`~hf_offload.selectors.union.UnionSelector` with other settings (each KV head a quota of its own best blocks,
+meanvar's shared vote for the rest).
 
 Example (2-core CPU, Qwen2.5-Coder-0.5B-Instruct: a 4K capture takes 25-50 s, a replay about 2.5 s per sample and
 selector in batches of 12)::
@@ -38,7 +39,6 @@ import argparse
 import hashlib
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,71 +46,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload.selectors import Selection, Selector  # noqa: E402
-from hf_offload.selectors.base import key_bound_logits  # noqa: E402
-from hf_offload.selectors.meanvar import MeanVarSelector  # noqa: E402
+from hf_offload.selectors.union import UnionSelector  # noqa: E402
 
 TASKS = ["niah_multikey_2", "niah_multikey_3", "niah_multivalue"]
 SELECTORS = ["dense", "oracle", "headwise", "solohead", "meanbound", "meanvar"]
-
-
-# ------------------------------------------------------------------------------------------------ experiment selector
-@dataclass
-class UnionSelector(MeanVarSelector):
-    """Union of heads: each KV head first takes a quota of its own best blocks, the shared vote fills the rest.
-
-    One shared set of whole blocks per layer (``per_head=False``, recall moves whole blocks), as SoloHead. Of the
-    ``k`` blocks, the forced ones (sink, window) come first; then each KV head adds its own ``quota`` best blocks by
-    its own score (a block two heads pick counts once); the rest of the budget goes to meanvar's shared vote.
-
-    Attributes:
-        share: share of the free blocks (``k`` minus the forced ones) split between the KV heads' quotas.
-        head_score: ``"quest"``: a head's score is headwise's (the largest Quest bound over its query heads;
-            keeps ``kmin``/``kmax`` besides meanvar's summaries); ``"meanvar"``: the head's own meanvar votes
-            (summed over its query heads; no extra bytes).
-    """
-
-    name = "union"
-    share: float = 0.5
-    head_score: str = "quest"
-
-    def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
-        out = super().summarize(keys)
-        if self.head_score == "quest":
-            out.update(kmin=keys.amin(dim=3), kmax=keys.amax(dim=3))
-        return out
-
-    def head_scores(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
-        """Per KV head scores, ``[batch, kv_heads, n_blocks]``."""
-        if self.head_score == "quest":
-            return key_bound_logits(query, summaries["kmin"], summaries["kmax"]).amax(dim=2)
-        q = query.float()
-        batch, n_blocks, parts, heads, dim = summaries["kmeans"].shape
-        means = summaries["kmeans"].float().reshape(batch, n_blocks * parts, heads, dim).permute(0, 2, 3, 1)
-        logits = (q @ means) * scaling
-        if self.variance:
-            spread = q.square() @ summaries["kstd"].float().square().permute(0, 2, 3, 1)
-            logits = logits.view(*spread.shape, parts) + ((0.5 * self.variance * scaling**2) * spread)[..., None]
-            logits = logits.flatten(-2)
-        votes = torch.softmax(logits, dim=-1).sum(dim=2)  # [B, H, N * P]
-        return votes.view(batch, heads, n_blocks, parts).sum(-1)
-
-    def select(self, query, summaries, scaling, k, forced, valid) -> Selection:
-        shared = self.score(query, summaries, scaling).float()  # [B, 1, N]
-        per_head = self.head_scores(query, summaries, scaling).float()  # [B, H, N]
-        heads = per_head.shape[1]
-        chosen = forced & valid  # [B, N]
-        free = k - int(chosen.sum(-1).max())
-        quota = int(self.share * max(free, 0)) // heads
-        if quota > 0:
-            own = per_head.masked_fill(~valid[:, None, :] | chosen[:, None, :], float("-inf"))
-            top = own.topk(quota, dim=-1)  # [B, H, quota]
-            picked = torch.zeros_like(own, dtype=torch.bool).scatter_(-1, top.indices, top.values > float("-inf"))
-            chosen = chosen | picked.any(dim=1)
-        scores = shared.masked_fill(chosen[:, None, :], float("inf"))
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
-        top = scores.topk(k, dim=-1)
-        return Selection(blocks=top.indices, keep=top.values > float("-inf"), scores=scores)
 
 
 def make_selector(name: str):

@@ -30,6 +30,7 @@ _EXPORTS = {
     "Selector": ".selectors",
     "SoloHeadSelector": ".selectors",
     "StreamingSelector": ".selectors",
+    "UnionSelector": ".selectors",
     "get_selector": ".selectors",
     "register_selector": ".selectors",
 }
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
         Selector,
         SoloHeadSelector,
         StreamingSelector,
+        UnionSelector,
         get_selector,
         register_selector,
     )

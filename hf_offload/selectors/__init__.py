@@ -17,8 +17,12 @@ from .meanvar import MeanVarSelector
 from .oracle import OracleSelector
 from .solohead import SoloHeadSelector
 from .streaming import StreamingSelector
+from .union import UnionSelector
 
-_BUILT_IN = (MeanBoundSelector, MeanVarSelector, SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector)
+_BUILT_IN = (
+    MeanBoundSelector, MeanVarSelector, SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector,
+    UnionSelector,
+)  # fmt: skip
 SELECTORS: dict[str, type[Selector]] = {cls.name: cls for cls in _BUILT_IN}
 
 
@@ -55,6 +59,7 @@ __all__ = [
     "Selector",
     "SoloHeadSelector",
     "StreamingSelector",
+    "UnionSelector",
     "get_selector",
     "register_selector",
 ]

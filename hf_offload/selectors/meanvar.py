@@ -72,6 +72,18 @@ class MeanVarSelector(Selector):
         # Parts before heads: the scoring then sees [B, n * parts, H, D], one matrix product over all sub-blocks.
         return {"kmeans": means.transpose(2, 3).contiguous().to(keys.dtype), "kstd": spread.sqrt().to(keys.dtype)}
 
+    def _logits(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+        """Per query head, the sub-block logits plus the spread term, ``[batch, kv_heads, group, n_blocks * parts]``."""
+        q = query.float()
+        batch, n_blocks, parts, heads, dim = summaries["kmeans"].shape
+        means = summaries["kmeans"].float().reshape(batch, n_blocks * parts, heads, dim).permute(0, 2, 3, 1)
+        logits = (q @ means) * scaling  # [B, H, G, N * P]
+        if self.variance:
+            spread = q.square() @ summaries["kstd"].float().square().permute(0, 2, 3, 1)  # [B, H, G, N]
+            logits = logits.view(*spread.shape, parts) + ((0.5 * self.variance * scaling**2) * spread)[..., None]
+            logits = logits.flatten(-2)
+        return logits
+
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Summed per-head softmax of the estimated block log-masses, shape ``[batch, 1, n_blocks]``, float32.
 
@@ -81,15 +93,15 @@ class MeanVarSelector(Selector):
                 kv_heads, head_dim]``.
             scaling: softmax scale.
         """
-        q = query.float()
-        batch, n_blocks, parts, heads, dim = summaries["kmeans"].shape
-        means = summaries["kmeans"].float().reshape(batch, n_blocks * parts, heads, dim).permute(0, 2, 3, 1)
-        logits = (q @ means) * scaling  # [B, H, G, N * P]
-        if self.variance:
-            spread = q.square() @ summaries["kstd"].float().square().permute(0, 2, 3, 1)  # [B, H, G, N]
-            logits = logits.view(*spread.shape, parts) + ((0.5 * self.variance * scaling**2) * spread)[..., None]
-            logits = logits.flatten(-2)
+        batch, n_blocks, parts = summaries["kmeans"].shape[:3]
         # A softmax over blocks of log-sum-exp(sub-block logits) equals a softmax over all sub-blocks, summed within
         # each block; the latter skips the log and exp.
-        votes = torch.softmax(logits, dim=-1).sum(dim=(1, 2))  # [B, N * P]
+        votes = torch.softmax(self._logits(query, summaries, scaling), dim=-1).sum(dim=(1, 2))  # [B, N * P]
         return votes.view(batch, n_blocks, parts).sum(-1)[:, None, :]
+
+    def head_votes(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+        """Each query head's vote per block (its softmax over the blocks), ``[batch, kv_heads, group, n_blocks]``,
+        float32; :meth:`score` is their sum over heads. Arguments as for :meth:`score`."""
+        batch, n_blocks, parts = summaries["kmeans"].shape[:3]
+        votes = torch.softmax(self._logits(query, summaries, scaling), dim=-1)  # [B, H, G, N * P]
+        return votes.view(*votes.shape[:3], n_blocks, parts).sum(-1)
