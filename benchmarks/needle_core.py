@@ -45,7 +45,7 @@ if str(REPO) not in sys.path:
 from benchmarks.common import run_metadata  # noqa: E402
 from eval_harness.needle import haystack_info, make_needle_prompts, score  # noqa: E402
 
-OFFLOAD_METHODS = ("solohead", "headwise", "streaming", "oracle")
+OFFLOAD_METHODS = ("meanbound", "solohead", "headwise", "streaming", "oracle", "meanvar", "union")
 MIB = 1 << 20
 
 
@@ -59,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--needles", type=int, default=10, help="prompts per length (needle depths 0.05 .. 0.95)")
     p.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
     p.add_argument(
-        "--methods", nargs="+", default=["dense", "solohead", "headwise", "streaming"],
+        "--methods", nargs="+", default=["dense", "meanbound", "solohead", "headwise", "streaming"],
         choices=["dense", *OFFLOAD_METHODS],
     )  # fmt: skip
     p.add_argument("--batch", type=int, default=None, help="prompts per generate call (default: --needles)")
