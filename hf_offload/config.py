@@ -24,8 +24,9 @@ class OffloadConfig:
         window_tokens: most recent sealed tokens that every decode query attends to, besides the open block of fewer
             than ``block_tokens`` tokens that is always attended. ``None``: ``budget_tokens // 8`` clamped to
             ``[block_tokens, 256]``. A multiple of ``block_tokens``.
-        selector: name of a registered selector (``"meanbound"``, the default; ``"meanvar"``, ``"solohead"``,
-            ``"headwise"``, ``"streaming"``, ``"oracle"``) or a :class:`~hf_offload.selectors.Selector` instance.
+        selector: name of a registered selector (``"meanbound"``, the default; ``"meanvar"``, ``"union"``,
+            ``"solohead"``, ``"headwise"``, ``"streaming"``, ``"oracle"``) or a
+            :class:`~hf_offload.selectors.Selector` instance.
             ``"meanbound"`` is a SoloHead-style selector (one selection per layer and sequence, whole blocks) whose
             summaries are 1.5x SoloHead's; ``docs/tuning.md`` compares them, with links to the measurements.
         pool_tokens: capacity of the device slot pool (hot blocks kept across decode steps). ``None``: 1.25 x
