@@ -7,7 +7,6 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from benchmarks.selection_replay import (
-    UnionSelector,
     capture_dense,
     fill_from_kv,
     make_selector,
@@ -103,20 +102,3 @@ def test_batched_replay_equals_one_at_a_time(tiny, selector):
     other_cap = capture_dense(model, _Tokenizer(), other)
     batched, _ = replay_batch(model, _Tokenizer(), [sample, other], [cap, other_cap], selector, 192)
     assert batched == [replay(model, _Tokenizer(), s, c, selector, 192)[0] for s, c in ((sample, cap), (other, other_cap))]
-
-
-def test_union_selector_keeps_each_heads_best_blocks():
-    sel = UnionSelector(share=1.0, head_score="quest")
-    torch.manual_seed(1)
-    keys = torch.randn(1, 12, 2, 16, 8)  # [batch, blocks, kv_heads, block_tokens, head_dim]
-    summaries = sel.summarize(keys)
-    query = torch.randn(1, 2, 2, 8)
-    forced = torch.zeros(1, 12, dtype=torch.bool)
-    forced[0, 0] = forced[0, -1] = True
-    valid = torch.ones(1, 12, dtype=torch.bool)
-    selection = sel.select(query, summaries, 0.35, 6, forced, valid)
-    chosen = set(selection.blocks[0, 0].tolist())
-    assert selection.blocks.shape == (1, 1, 6) and bool(selection.keep.all()) and {0, 11} <= chosen
-    own = sel.head_scores(query, summaries, 0.35)[0].masked_fill(forced[0], float("-inf"))
-    for head in range(2):  # quota (6 - 2) // 2 = 2 own blocks per head
-        assert set(own[head].topk(2).indices.tolist()) <= chosen

@@ -102,6 +102,18 @@ class Selector:
                 f"{type(self).__name__}.score() returned shape {tuple(scores.shape)}; with per_head={self.per_head} "
                 f"it must be [batch, {expected}, n_blocks={forced.shape[1]}]."
             )
+        return self.choose(scores, k, forced, valid)
+
+    @staticmethod
+    def choose(scores: torch.Tensor, k: int, forced: torch.Tensor, valid: torch.Tensor) -> Selection:
+        """The ``k`` best blocks by ``scores`` after forcing ``forced`` blocks in and ``valid``-less blocks out.
+
+        Args:
+            scores: ``[batch, 1 or kv_heads, n_blocks]``, float32.
+            k: blocks to select.
+            forced: blocks always selected, ``[batch, n_blocks]``, ``torch.bool``.
+            valid: blocks that may be selected, same shape and dtype.
+        """
         scores = scores.masked_fill(forced[:, None, :], float("inf"))
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         top = scores.topk(k, dim=-1)
