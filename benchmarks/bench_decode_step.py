@@ -159,7 +159,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookahead-blocks", type=int, default=None, help="OffloadConfig.lookahead_blocks")
     parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
                         "and the recall alone, and report the share of recall hidden behind compute")  # fmt: skip
-    parser.add_argument("--host-pages", choices=["default", "huge"], default="default", help="OffloadConfig.host_pages")
     parser.add_argument("--alone-repeats", type=int, default=5)
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--out", default="results/decode/decode_step.json")
@@ -195,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path:8s} skipped: the copy kernels cannot run on {device.type} here")
             continue
         cache = OffloadCache(model, budget_tokens=args.budget, selector=args.selector, transfer=path, timing=True,
-                             admission="always", lookahead=settings[0], lookahead_blocks=args.lookahead_blocks, host_pages=args.host_pages)  # fmt: skip
+                             admission="always", lookahead=settings[0], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
         t0 = time.perf_counter()
         fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
         if cuda:

@@ -19,7 +19,10 @@ piece. Prints a table and writes raw JSON (machine, versions, git commit) to ``-
 from __future__ import annotations
 
 import argparse
+import math
+import mmap
 import sys
+import weakref
 from pathlib import Path
 
 import torch
@@ -31,9 +34,39 @@ from benchmarks.common import cuda_timed as timed  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import HostBlockPool, HostMemoryBudget  # noqa: E402
-from hf_offload.store.host import meminfo_bytes, pinned_huge_pages  # noqa: E402
+from hf_offload.store.host import meminfo_bytes  # noqa: E402
 
 KIB = 1024
+_HUGE = 2 << 20
+
+
+def huge_page_pinned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A page-locked host tensor on memory advised for transparent huge pages (2 MiB aligned), registered with CUDA.
+
+    Args:
+        shape: tensor shape.
+        dtype: element type.
+
+    Returns:
+        The tensor (CPU); it is unregistered when freed.
+    """
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, nbytes + _HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    start = (-raw.data_ptr()) % _HUGE
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    flat = raw[start : start + nbytes]
+    flat.zero_()  # fault the pages in now, huge pages where the kernel grants them
+    ptr = flat.data_ptr()
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    if int(err) != 0:
+        raise RuntimeError(f"cudaHostRegister failed with error {int(err)} for {nbytes} bytes")
+    out = flat.view(dtype).view(shape)
+    weakref.finalize(out, torch.cuda.cudart().cudaHostUnregister, ptr)
+    return out
+
+
 
 
 def main() -> int:
@@ -45,14 +78,12 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--host-alloc", choices=["torch", "huge"], default="torch",
                         help="host pool chunks from torch's pinned allocator, or huge pages + cudaHostRegister")
-    parser.add_argument("--chunk-mib", type=int, default=64, help="bytes of one host pool allocation, in MiB "
-                        "(OffloadCache: host_chunk_mib, 16 by default)")
     parser.add_argument("--out", default="results/recall/bench_recall.json")
     args = parser.parse_args()
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
     rows = []
-    allocator = pinned_huge_pages if args.host_alloc == "huge" else None
+    allocator = huge_page_pinned if args.host_alloc == "huge" else None
     try:
         thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
     except OSError:
@@ -61,7 +92,7 @@ def main() -> int:
 
     def bench(block_bytes: int, label: str = "") -> dict:
         n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
-        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, args.chunk_mib << 20, HostMemoryBudget(None),
+        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None),
                              allocator=allocator)  # fmt: skip
         ids_all = host.allocate(n_pool)
         n = (args.move_mib << 20) // block_bytes
@@ -123,7 +154,7 @@ def main() -> int:
     heads, block_bytes = 8, 64 * KIB
     piece_bytes = block_bytes // (2 * heads)
     n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
-    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, args.chunk_mib << 20, HostMemoryBudget(None),
+    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None),
                          allocator=allocator)  # fmt: skip
     ids_all = host.allocate(n_pool)
     n = (args.move_mib << 20) // block_bytes

@@ -28,7 +28,6 @@ from .config import OffloadConfig
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
-from .store.host import pinned_huge_pages
 from .timing import PhaseTimer
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
@@ -132,11 +131,6 @@ class OffloadLayer(CacheLayerMixin):
         pin = self.config.pin_memory
         if pin is None:
             pin = self.device.type == "cuda"
-        if self.config.host_pages == "huge" and not (pin and self.device.type == "cuda"):
-            raise ValueError(
-                f"host_pages='huge' pins the host pool for CUDA, but this cache runs on {self.device.type} with "
-                f"pin_memory={pin}: use host_pages='default' here."
-            )
         self.host = HostBlockPool(
             (2, heads, self.block_tokens, head_dim),
             self.dtype,
@@ -144,7 +138,6 @@ class OffloadLayer(CacheLayerMixin):
             chunk_bytes=int(self.config.host_chunk_mib * (1 << 20)),
             budget=self.budget,
             admission=self.cache_admission(self.device),
-            allocator=pinned_huge_pages if self.config.host_pages == "huge" else None,
         )
         self.pool = DeviceSlotPool(
             batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device

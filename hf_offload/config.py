@@ -35,10 +35,6 @@ class OffloadConfig:
         prefill_chunk_tokens: queries (and keys) processed per attention tile during prefill; bounds the size of the
             score matrix, ``batch x heads x prefill_chunk_tokens**2`` floats.
         host_chunk_mib: size of one host pool allocation, in MiB; the pool grows by whole chunks.
-        host_pages: the pages of the pinned host pool. ``"default"``: torch's pinned allocator (4 KiB pages);
-            ``"huge"``: 2 MiB transparent huge pages registered with CUDA (:func:`~hf_offload.store.host.pinned_huge_pages`),
-            one address translation per 2 MiB for the copy kernels that read the pool directly. Needs CUDA and a
-            pinned pool.
         host_memory_gib: upper bound on the host pool of the whole cache, in GiB; ``None``: no bound beyond the
             machine's available memory.
         pin_memory: pin the host pool (page-locked, needed for fast asynchronous copies). ``None``: pin when the
@@ -80,7 +76,6 @@ class OffloadConfig:
     pool_tokens: int | None = None
     prefill_chunk_tokens: int = 1024
     host_chunk_mib: float = 16
-    host_pages: str = "default"
     host_memory_gib: float | None = None
     pin_memory: bool | None = None
     transfer: str = "auto"
@@ -102,8 +97,6 @@ class OffloadConfig:
         """Fill the ``None`` defaults and raise ``ValueError`` with what to change if a setting is invalid."""
         if isinstance(self.host_chunk_mib, bool) or not isinstance(self.host_chunk_mib, (int, float)) or not self.host_chunk_mib > 0:
             raise ValueError(f"host_chunk_mib must be a positive number, got {self.host_chunk_mib!r}.")
-        if self.host_pages not in ("default", "huge"):
-            raise ValueError(f"host_pages must be 'default' or 'huge', got {self.host_pages!r}.")
         for name in ("budget_tokens", "block_tokens", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:

@@ -40,20 +40,6 @@ def test_cuda_full_budget_token_identical_and_pinned(arch, selector):
         assert layer.pool.data.is_cuda
 
 
-def test_cuda_huge_host_pages_token_identical():
-    model = build_model("llama").cuda()
-    ids, mask = left_padded([37, 29], seed=3)
-    ids, mask = ids.cuda(), mask.cuda()
-    with torch.no_grad():
-        caches = [OffloadCache(model, budget_tokens=24, host_pages=pages, **SMALL) for pages in ("default", "huge")]
-        out = [model.generate(input_ids=ids, attention_mask=mask, past_key_values=c, max_new_tokens=12, do_sample=False)
-               for c in caches]  # fmt: skip
-    assert torch.equal(out[0], out[1])
-    for layer in caches[1].offload_layers:
-        assert layer.host.chunks and all(chunk.data_ptr() % (2 << 20) == 0 for chunk in layer.host.chunks)
-    assert caches[1].stats()["recalled_blocks"] > 0
-
-
 def test_cuda_bf16_full_budget_logits_close():
     model = build_model("llama").to("cuda", torch.bfloat16)
     ids, mask = left_padded([45, 30], seed=2)

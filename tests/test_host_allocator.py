@@ -1,15 +1,10 @@
-"""HostBlockPool with its own chunk allocator, the huge-page pinned allocator, and ``host_pages``."""
+"""HostBlockPool with its own chunk allocator, and the huge-page pinned allocator of benchmarks/bench_recall.py."""
 
 import gc
 
-import pytest
 import torch
 
-from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.store import HostBlockPool, HostMemoryBudget
-from hf_offload.store.host import pinned_huge_pages
-
-from .conftest import build_model, left_padded
 
 
 def test_pool_uses_the_given_allocator():
@@ -27,7 +22,9 @@ def test_pool_uses_the_given_allocator():
     assert torch.equal(pool.read(ids), blocks)
 
 
-def test_pinned_huge_pages_is_aligned_registered_and_unregistered(monkeypatch):
+def test_huge_page_pinned_is_aligned_registered_and_unregistered(monkeypatch):
+    import benchmarks.bench_recall as bench
+
     log = []
 
     class FakeCudart:
@@ -41,7 +38,7 @@ def test_pinned_huge_pages_is_aligned_registered_and_unregistered(monkeypatch):
 
     fake = FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
-    t = pinned_huge_pages((3, 1000), torch.bfloat16)
+    t = bench.huge_page_pinned((3, 1000), torch.bfloat16)
     assert t.shape == (3, 1000) and t.dtype == torch.bfloat16 and not t.any()
     assert t.data_ptr() % (2 << 20) == 0
     t[1, 5] = 7.0
@@ -51,16 +48,3 @@ def test_pinned_huge_pages_is_aligned_registered_and_unregistered(monkeypatch):
     del t
     gc.collect()
     assert log[-1] == ("unregister", ptr)
-
-
-def test_host_pages_must_be_default_or_huge():
-    with pytest.raises(ValueError, match="host_pages must be 'default' or 'huge'"):
-        OffloadConfig(host_pages="2M")
-
-
-def test_huge_host_pages_on_cpu_say_what_to_change():
-    model = build_model("llama")
-    ids, mask = left_padded([20], seed=0)
-    cache = OffloadCache(model, budget_tokens=32, block_tokens=8, sink_tokens=8, window_tokens=8, host_pages="huge")
-    with pytest.raises(ValueError, match="use host_pages='default'"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=cache)

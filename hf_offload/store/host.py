@@ -12,49 +12,11 @@ twice its size, while fixed chunks of a power-of-two size are taken exactly.
 
 from __future__ import annotations
 
-import math
-import mmap
-import weakref
 from typing import Callable
 
 import torch
 
 _GIB = 1 << 30
-_HUGE_PAGE = 2 << 20
-
-
-def pinned_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A page-locked host tensor on memory advised for 2 MiB transparent huge pages, registered with CUDA.
-
-    The copy kernels read the host pool through unified addressing; on 4 KiB pages a random gather over a large pool
-    needs one address translation per 4 KiB, on huge pages one per 2 MiB. Where the operating system grants no huge
-    pages the memory is still pinned and correct, only on small pages.
-
-    Args:
-        shape: tensor shape.
-        dtype: element type.
-
-    Returns:
-        The tensor (CPU, page-locked, 2 MiB aligned); unregistered and unmapped when the last reference goes.
-
-    Raises:
-        RuntimeError: CUDA is not available or refused to register the memory.
-    """
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
-    start = (-raw.data_ptr()) % _HUGE_PAGE
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    flat = raw[start : start + nbytes]
-    flat.zero_()  # fault the pages in now, on huge pages where the kernel grants them
-    ptr = flat.data_ptr()
-    err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0))
-    if err != 0:
-        raise RuntimeError(f"cudaHostRegister failed with error {err} for {nbytes} bytes")
-    out = flat.view(dtype).view(shape)
-    weakref.finalize(out, torch.cuda.cudart().cudaHostUnregister, ptr)
-    return out
 
 
 def meminfo_bytes(field: str) -> int | None:
