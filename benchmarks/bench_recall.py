@@ -78,6 +78,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--host-alloc", choices=["torch", "huge"], default="torch",
                         help="host pool chunks from torch's pinned allocator, or huge pages + cudaHostRegister")
+    parser.add_argument("--chunk-mib", type=int, default=64, help="bytes of one host pool allocation, in MiB "
+                        "(OffloadCache: host_chunk_mib, 16 by default)")
     parser.add_argument("--out", default="results/recall/bench_recall.json")
     args = parser.parse_args()
     device = torch.device("cuda")
@@ -92,7 +94,7 @@ def main() -> int:
 
     def bench(block_bytes: int, label: str = "") -> dict:
         n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
-        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None),
+        host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, args.chunk_mib << 20, HostMemoryBudget(None),
                              allocator=allocator)  # fmt: skip
         ids_all = host.allocate(n_pool)
         n = (args.move_mib << 20) // block_bytes
@@ -154,7 +156,7 @@ def main() -> int:
     heads, block_bytes = 8, 64 * KIB
     piece_bytes = block_bytes // (2 * heads)
     n_pool = int(args.pool_gib * (1 << 30)) // block_bytes
-    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, 64 << 20, HostMemoryBudget(None),
+    host = HostBlockPool((block_bytes // 2,), torch.bfloat16, True, args.chunk_mib << 20, HostMemoryBudget(None),
                          allocator=allocator)  # fmt: skip
     ids_all = host.allocate(n_pool)
     n = (args.move_mib << 20) // block_bytes
