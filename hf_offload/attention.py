@@ -429,7 +429,15 @@ def _decode_sdpa(
         ok_recent = padding[:, first : first + n_recent][:, None, :]
     else:
         ok_recent = torch.ones((batch, 1, n_recent), dtype=torch.bool, device=query.device)
-    ok = torch.cat([ok_sealed, ok_recent.expand(batch, ok_sealed.shape[1], n_recent)], dim=-1)  # [B, Hs, L]
+    # The recent tokens are padded (masked out) to a whole block, so the key length is the same for the
+    # block_tokens steps between two seals: attention backends that plan per shape (cuDNN) plan once, not per step.
+    pad = -n_recent % tokens
+    ok_recent = ok_recent.expand(batch, ok_sealed.shape[1], n_recent)
+    if pad:
+        ok_recent = torch.nn.functional.pad(ok_recent, (0, pad), value=False)
+        recent_k = torch.nn.functional.pad(recent_k, (0, 0, 0, pad))
+        recent_v = torch.nn.functional.pad(recent_v, (0, 0, 0, pad))
+    ok = torch.cat([ok_sealed, ok_recent], dim=-1)  # [B, Hs, L]
     k = torch.cat([keys, recent_k], dim=-2).to(query.dtype)
     v = torch.cat([values, recent_v], dim=-2).to(query.dtype)
     grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension
