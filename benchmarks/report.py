@@ -171,7 +171,17 @@ def render_decode() -> str:
         )
     files = sorted((REPO / "results/decode").glob("decode_step_lookahead*.json"))
     if files:
-        lines += ["", "## Layer-ahead lookahead and the share of recall hidden behind compute"]
+        lines += [
+            "", "## Layer-ahead lookahead and the share of recall hidden behind compute", "",
+            "Sections in the order they ran. Every file before `decode_step_lookahead_padded_w3.json` ran while decode "
+            "attention's key length changed every step: the attention backend planned again for each new length, "
+            "and the first timed setting of each file (lookahead off, bytes moved) paid most of that planning in its "
+            "`attention` column, so its step time and hidden share there are not the recall's. From "
+            "`decode_step_lookahead_padded_w3.json` on, the recent tokens are padded to a whole block (fixed "
+            "length between seals). The steps are bound by host-side launch work (`rest` and the bookkeeping in "
+            "`recall`), so the step with bytes moved can be faster than the one without: run-to-run variation of a "
+            "few ms, and a hidden share above 1 means the whole recall ran in the device's idle gaps.",
+        ]
         for path in sorted(files, key=lambda f: json.loads(f.read_text())["metadata"]["timestamp"]):
             lines += _render_lookahead(path.name, json.loads(path.read_text()))
     return "\n".join(lines) + "\n"

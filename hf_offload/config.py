@@ -57,12 +57,12 @@ class OffloadConfig:
         lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): right after a layer's
             plan, the same query is scored against the next offloaded layer's block summaries and that layer's
             likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
-            early: what is attended is decided by each layer's exact plan, so outputs do not change. ``None``
-            (default): on where blocks move through the copy kernels on CUDA (``transfer="kernel"``), off elsewhere:
-            the speculative plan costs about one selection per layer on the compute stream, and in three of the four
-            measured decode steps (``docs/results/decode.md``) the recall it overlapped was worth more; ``False``:
-            off; ``True``: on everywhere (elsewhere the same speculative plan and recall run synchronously, for
-            tests; no overlap).
+            early: what is attended is decided by each layer's exact plan, so outputs do not change. ``False``
+            (default): off: with the decode step bound by host-side launch work, the recall already runs in the
+            device's idle gaps, and the speculative plan adds about 50 ms per step of such work (8B shape, 32K,
+            batch 8 on an H200: 95 vs 148 ms per step, ``docs/results/decode.md``); ``None``: on where blocks move
+            through the copy kernels on CUDA, off elsewhere; ``True``: on everywhere (elsewhere the same
+            speculative plan and recall run synchronously, for tests; no overlap).
         lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one speculative plan
             selects besides the sink and window blocks, which bounds the bytes a wrong guess costs. ``None``: as
             many as the budget selects.
@@ -84,7 +84,7 @@ class OffloadConfig:
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
     timing: bool = False
-    lookahead: bool | None = None
+    lookahead: bool | None = False
     lookahead_blocks: int | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)

@@ -55,7 +55,7 @@ def _exact_misses(stats: dict) -> int:
 
 # --------------------------------------------------------------------------------------------------------- config
 def test_config_validates_lookahead():
-    assert OffloadConfig().lookahead is None and OffloadConfig().lookahead_blocks is None
+    assert OffloadConfig().lookahead is False and OffloadConfig().lookahead_blocks is None
     for bad in (1, "yes", 0.5):
         with pytest.raises(ValueError, match="lookahead must be True, False or None"):
             OffloadConfig(lookahead=bad)
