@@ -46,22 +46,25 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload.selectors.union import UnionSelector  # noqa: E402
 
 TASKS = ["niah_multikey_2", "niah_multikey_3", "niah_multivalue"]
 SELECTORS = ["dense", "oracle", "headwise", "solohead", "meanbound", "meanvar"]
 
 
 def make_selector(name: str):
-    """A registered selector name unchanged, or an experiment selector instance (``union``, ``union[field=v,...]``)."""
-    if not name.startswith("union"):
+    """A registered selector name unchanged, or an instance built with other settings: ``name[field=value,...]``
+    (e.g. ``union[share=0.5]``, ``quantkey[bits=4]``); field types follow the class defaults."""
+    from hf_offload.selectors import SELECTORS
+
+    if "[" not in name:
         return name
+    base = name[: name.index("[")]
+    cls = SELECTORS[base]
     fields = {}
-    if "[" in name:
-        for pair in name[name.index("[") + 1 : -1].split(","):
-            key, value = pair.split("=", 1)
-            fields[key] = value if key == "head_score" else type(getattr(UnionSelector, key))(value)
-    return UnionSelector(**fields)
+    for pair in name[name.index("[") + 1 : -1].split(","):
+        key, value = pair.split("=", 1)
+        fields[key] = value if key == "head_score" else type(getattr(cls, key))(value)
+    return cls(**fields)
 
 
 # ----------------------------------------------------------------------------------------------------------- capture

@@ -15,13 +15,14 @@ from .headwise import HeadwiseSelector
 from .meanbound import MeanBoundSelector
 from .meanvar import MeanVarSelector
 from .oracle import OracleSelector
+from .quantkey import QuantKeySelector
 from .solohead import SoloHeadSelector
 from .streaming import StreamingSelector
 from .union import UnionSelector
 
 _BUILT_IN = (
     MeanBoundSelector, MeanVarSelector, SoloHeadSelector, HeadwiseSelector, StreamingSelector, OracleSelector,
-    UnionSelector,
+    UnionSelector, QuantKeySelector,
 )  # fmt: skip
 SELECTORS: dict[str, type[Selector]] = {cls.name: cls for cls in _BUILT_IN}
 
@@ -55,6 +56,7 @@ __all__ = [
     "MeanBoundSelector",
     "MeanVarSelector",
     "OracleSelector",
+    "QuantKeySelector",
     "Selection",
     "Selector",
     "SoloHeadSelector",

@@ -1,0 +1,92 @@
+"""QuantKeySelector: packing round trip, quantization error, oracle agreement at 8 bits, planted mass, full budget,
+errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload.selectors import SELECTORS
+from hf_offload.selectors.oracle import OracleSelector
+from hf_offload.selectors.quantkey import QuantKeySelector, dequantize_keys, quantize_keys
+
+from ._selector_checks import check_full_budget_token_identical, check_planted
+
+
+def test_registered_and_exported_not_default():
+    import hf_offload
+    from hf_offload.config import OffloadConfig
+
+    assert SELECTORS["quantkey"] is QuantKeySelector
+    assert hf_offload.QuantKeySelector is QuantKeySelector and "QuantKeySelector" in hf_offload.__all__
+    assert OffloadConfig(budget_tokens=512).selector == "meanbound"
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_round_trip_within_half_a_step(bits):
+    g = torch.Generator().manual_seed(bits)
+    keys = torch.randn(2, 5, 3, 8, 16, generator=g) * torch.linspace(0.1, 4, 16)  # channels of different scales
+    q = quantize_keys(keys, bits)
+    assert q["codes"].dtype == torch.uint8 and q["codes"].shape == (2, 5, 3, 8, 16 * bits // 8)
+    assert q["kmin"].shape == q["kstep"].shape == (2, 5, 3, 16)
+    back = dequantize_keys(q["codes"], q["kmin"], q["kstep"], bits)
+    assert back.shape == keys.shape
+    err = (back - keys).abs()
+    assert (err <= q["kstep"][:, :, :, None] / 2 + 1e-5).all()
+    # The extremes of every (block, head, channel) are exact: codes 0 and 2**bits - 1.
+    assert torch.allclose(back.amin(3), keys.amin(3), atol=1e-5)
+    assert torch.allclose(back.amax(3), keys.amax(3), atol=1e-4)
+
+
+def test_packing_layout_is_little_end_first():
+    keys = torch.zeros(1, 1, 1, 2, 4)
+    keys[0, 0, 0, 1] = torch.tensor([1.0, 0.0, 1.0, 1.0])  # channel-wise: min 0, max 1 (channel 1: constant 0)
+    codes = quantize_keys(keys, 2)["codes"]
+    # token 1, 2 bits: channels 0, 2, 3 at level 3, channel 1 at 0 (its step is 0) -> 0b11_11_00_11
+    assert codes[0, 0, 0, 1].tolist() == [0b11110011]
+    assert codes[0, 0, 0, 0].tolist() == [0]
+
+
+def test_eight_bits_rank_like_the_oracle():
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 40, 2, 8, 16, generator=g)
+    keys[0, 7, 1, 3] = 4 * torch.randn(16, generator=g)  # a few sharp blocks
+    query = torch.randn(2, 2, 3, 16, generator=g)
+    scaling = 16**-0.5
+    oracle = OracleSelector().score(query, OracleSelector().summarize(keys), scaling)
+    selector = QuantKeySelector(bits=8, chunk_blocks=7)  # several chunks
+    approx = selector.score(query, selector.summarize(keys), scaling)
+    assert approx.shape == oracle.shape == (2, 1, 40)
+    assert torch.allclose(approx, oracle, atol=2e-3)
+    assert torch.allclose(approx.sum(-1), torch.full((2, 1), 6.0), atol=1e-4)  # mass of 2 heads x 3 queries
+
+
+def test_two_bits_keep_most_of_the_oracle_mass():
+    g = torch.Generator().manual_seed(1)
+    keys = torch.randn(4, 64, 2, 16, 32, generator=g)
+    query = keys[:, 10, :, 5, :][:, :, None, :] * 2 + 0.3 * torch.randn(4, 2, 2, 32, generator=g)  # near a key
+    scaling = 32**-0.5
+    oracle = OracleSelector().score(query, OracleSelector().summarize(keys), scaling)[:, 0]
+    selector = QuantKeySelector(bits=2)
+    top = selector.score(query, selector.summarize(keys), scaling)[:, 0].topk(8, dim=-1).indices
+    captured = oracle.gather(-1, top).sum(-1) / oracle.topk(8, dim=-1).values.sum(-1)
+    assert (captured > 0.9).all(), captured
+    assert (top == 10).any(-1).all()
+
+
+def test_planted_mass_found():
+    check_planted(QuantKeySelector(bits=2))
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_full_budget_token_identical(bits):
+    check_full_budget_token_identical(QuantKeySelector(bits=bits))
+
+
+def test_bad_settings_say_what_to_change():
+    with pytest.raises(ValueError, match="bits must be 1, 2, 4 or 8"):
+        QuantKeySelector(bits=3)
+    with pytest.raises(ValueError, match="chunk_blocks must be a positive integer"):
+        QuantKeySelector(chunk_blocks=0)
+    with pytest.raises(ValueError, match="head_dim is 6"):
+        QuantKeySelector(bits=2).summarize(torch.randn(1, 1, 1, 4, 6))
