@@ -52,19 +52,11 @@ SELECTORS = ["dense", "oracle", "headwise", "solohead", "meanbound", "meanvar"]
 
 
 def make_selector(name: str):
-    """A registered selector name unchanged, or an instance built with other settings: ``name[field=value,...]``
-    (e.g. ``union[share=0.5]``, ``quantkey[bits=4]``); field types follow the class defaults."""
-    from hf_offload.selectors import SELECTORS
+    """The selector of a name as given on the command line: a registered name, or one with settings in brackets
+    (``union[share=0.5]``, ``quantkey[bits=4]``; see :func:`hf_offload.selectors.get_selector`)."""
+    from hf_offload.selectors import get_selector
 
-    if "[" not in name:
-        return name
-    base = name[: name.index("[")]
-    cls = SELECTORS[base]
-    fields = {}
-    for pair in name[name.index("[") + 1 : -1].split(","):
-        key, value = pair.split("=", 1)
-        fields[key] = value if key == "head_score" else type(getattr(cls, key))(value)
-    return cls(**fields)
+    return get_selector(name)
 
 
 # ----------------------------------------------------------------------------------------------------------- capture

@@ -90,3 +90,28 @@ def test_bad_settings_say_what_to_change():
         QuantKeySelector(chunk_blocks=0)
     with pytest.raises(ValueError, match="head_dim is 6"):
         QuantKeySelector(bits=2).summarize(torch.randn(1, 1, 1, 4, 6))
+
+
+def test_selector_names_carry_settings():
+    from hf_offload import OffloadCache
+    from hf_offload.selectors import get_selector
+    from hf_offload.selectors.union import UnionSelector
+
+    from .conftest import build_model
+
+    assert get_selector("quantkey[bits=4]") == QuantKeySelector(bits=4)
+    assert get_selector("quantkey[ bits = 1 , chunk_blocks=8 ]") == QuantKeySelector(bits=1, chunk_blocks=8)
+    union = get_selector("union[share=0.25,head_score=quest]")
+    assert isinstance(union, UnionSelector) and union.share == 0.25 and union.head_score == "quest"
+    cache = OffloadCache(build_model("llama"), budget_tokens=64, selector="quantkey[bits=4]")
+    assert cache.offload_layers[0].selector == QuantKeySelector(bits=4)
+    for bad, message in [
+        ("quantkey[bits=4", "settings go in brackets at the end"),
+        ("quantkey[bits]", "write each setting as field=value"),
+        ("quantkey[depth=2]", "has no setting 'depth'"),
+        ("quantkey[bits=two]", "bits takes int values"),
+        ("quantkey[bits=3]", "bits must be 1, 2, 4 or 8"),
+        ("nokey[bits=2]", "Unknown selector 'nokey'"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            get_selector(bad)
