@@ -25,12 +25,18 @@ class DeviceSlotPool:
 
     def __init__(self, batch: int, slots: int, kv_heads: int, block_tokens: int, head_dim: int, dtype, device):
         self.data = torch.zeros((batch, slots, 2, kv_heads, block_tokens, head_dim), dtype=dtype, device=device)
-        # Which block each (sequence, head, slot) holds (-1: empty) and when it was last used.
-        self.block = torch.full((batch, kv_heads, slots), -1, dtype=torch.int64, device=device)
-        self.last_used = torch.full((batch, kv_heads, slots), -1, dtype=torch.int64, device=device)
+        # Which block each (sequence, head, slot) holds (-1: empty) and when it was last used. One extra column
+        # (index ``slots``) takes the writes of entries that change no slot, so that ``assign`` updates both in
+        # place with one scatter each, with no mask of the entries that do change a slot.
+        self._block = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.int64, device=device)
+        self._last_used = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.int64, device=device)
+        self.block = self._block[..., :slots]
+        self.last_used = self._last_used[..., :slots]
         self.clock = 0
         self._b = torch.arange(batch, device=device)[:, None, None]
         self._h = torch.arange(kv_heads, device=device)[None, :, None]
+        self._keys = self.data[:, :, 0]  # [B, S, H, T, D] views: gather indexes them without copying K and V apart
+        self._values = self.data[:, :, 1]
 
     @property
     def slots(self) -> int:
@@ -44,8 +50,8 @@ class DeviceSlotPool:
 
     def clear(self) -> None:
         """Mark every slot empty."""
-        self.block.fill_(-1)
-        self.last_used.fill_(-1)
+        self._block.fill_(-1)
+        self._last_used.fill_(-1)
 
     def assign(
         self, blocks: torch.Tensor, keep: torch.Tensor, touch: bool = True
@@ -64,32 +70,30 @@ class DeviceSlotPool:
             ``(slots, miss)``: slot per entry, shape ``[batch, kv_heads, n]`` (0 where not kept), and which kept
             entries were not resident and must be filled by the caller, same shape, ``torch.bool``.
         """
-        batch, heads, _ = self.block.shape
+        batch, heads, slots = self.block.shape
         n = blocks.shape[-1]
-        if n > self.slots:
-            raise ValueError(f"assign() got {n} blocks for a pool of {self.slots} slots per sequence")
-        blocks = blocks.expand(batch, heads, n)
-        keep = keep.expand(batch, heads, n)
-        match = (self.block[:, :, None, :] == blocks[..., None]) & keep[..., None]  # [B, H, n, S]
-        hit = match.any(-1)
-        miss = keep & ~hit
+        if n > slots:
+            raise ValueError(f"assign() got {n} blocks for a pool of {slots} slots per sequence")
+        # Entries not kept look for block -2, which no slot holds (empty slots hold -1).
+        wanted = torch.where(keep, blocks, -2)
+        match = self.block[:, :, None, :] == wanted[..., None]  # [B, H, n, S]
+        # A block is in at most one slot per row: max gives whether it is resident and where (slot 0 if not).
+        hit, hit_slot = match.max(-1)
+        miss = keep != hit  # hit implies keep
         # Slots holding a wanted block are protected; the rest are candidates, least recently used first.
-        protected = match.any(-2)
-        order = self.last_used.masked_fill(protected, _NEVER).argsort(dim=-1, stable=True)
-        rank = (miss.cumsum(-1) - 1).clamp(min=0)
-        victim = order.gather(-1, rank)
-        slots = torch.where(hit, match.int().argmax(-1), torch.where(miss, victim, 0))
+        order = self.last_used.masked_fill(match.any(-2), _NEVER).argsort(dim=-1, stable=True)
+        rank = (miss.cumsum(-1) - 1).clamp(min=0)  # the i-th miss takes the i-th candidate
+        slots_of = torch.where(miss, order.gather(-1, rank), hit_slot)
         # Kept entries own distinct slots (a block is in at most one slot per row; victims are unprotected and of
-        # distinct rank), so a one-hot update needs no scatter with colliding indices.
-        owned = torch.nn.functional.one_hot(slots, self.slots).bool() & keep[..., None]  # [B, H, n, S]
-        filled = owned & miss[..., None]
-        self.block = torch.where(filled.any(-2), (filled.long() * blocks[..., None]).sum(-2), self.block)
+        # distinct rank); every other entry writes into the extra column, so the scatters change only owned slots.
+        filled = torch.where(miss, slots_of, slots)
+        self._block.scatter_(-1, filled, blocks.expand(batch, heads, n))
         if touch:
             self.clock += 1
-            self.last_used = self.last_used.masked_fill(owned.any(-2), self.clock)
+            self._last_used.scatter_(-1, torch.where(keep, slots_of, slots), self.clock)
         else:
-            self.last_used = self.last_used.masked_fill(filled.any(-2), -1)
-        return slots, miss
+            self._last_used.scatter_(-1, filled, -1)
+        return slots_of, miss
 
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the given slots.
@@ -100,10 +104,10 @@ class DeviceSlotPool:
         Returns:
             ``(keys, values)``, each ``[batch, kv_heads, n * block_tokens, head_dim]``.
         """
-        batch, heads, n = slots.shape
-        kv = self.data[self._b, slots, :, self._h]  # [B, H, n, 2, T, D]
-        keys = kv[:, :, :, 0].reshape(batch, heads, -1, kv.shape[-1])
-        values = kv[:, :, :, 1].reshape(batch, heads, -1, kv.shape[-1])
+        batch, heads, _ = slots.shape
+        head_dim = self.data.shape[-1]
+        keys = self._keys[self._b, slots, self._h].view(batch, heads, -1, head_dim)  # [B, H, n, T, D] -> tokens
+        values = self._values[self._b, slots, self._h].view(batch, heads, -1, head_dim)
         return keys, values
 
     def write(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
