@@ -34,24 +34,79 @@ _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 
 
 class LayerStats:
-    """Counters of one layer."""
+    """Counters of one layer.
+
+    Counters are Python ints or 0-d device tensors. Device counts of decode steps may be queued with
+    :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
+    """
+
+    FIELDS = (
+        "lookups",  # kept (sequence, head, block) entries looked up in decode
+        "hits",
+        "recalled_blocks",  # host-to-device transfers (whole blocks or single-head pieces)
+        "recalled_bytes",
+        "decode_recalled_blocks",  # the part of the two above recalled by decode steps
+        "decode_recalled_bytes",
+        "offloaded_bytes",
+        "decode_steps",
+        "prefetched_blocks",  # speculative recalls (lookahead); included in the recall counters above
+        "prefetched_bytes",
+        "prefetch_used_blocks",  # prefetched blocks that the exact plan that followed attended
+    )
+    _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
 
     def __init__(self) -> None:
         self.reset()
 
     def reset(self) -> None:
         """Zero every counter."""
-        self.lookups = 0  # kept (sequence, head, block) entries looked up in decode
-        self.hits = 0
-        self.recalled_blocks = 0  # host-to-device transfers (whole blocks or single-head pieces)
-        self.recalled_bytes = 0
-        self.decode_recalled_blocks = 0  # the part of the two above recalled by decode steps
-        self.decode_recalled_bytes = 0
-        self.offloaded_bytes = 0
-        self.decode_steps = 0
-        self.prefetched_blocks = 0  # speculative recalls (lookahead); included in the recall counters above
-        self.prefetched_bytes = 0
-        self.prefetch_used_blocks = 0  # prefetched blocks that the exact plan that followed attended
+        self._totals = dict.fromkeys(self.FIELDS, 0)
+        self._queued: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = {}
+        self._n_queued = 0
+
+    def add(self, fields: tuple[str, ...], value) -> None:
+        """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
+        for name in fields:
+            self._totals[name] = self._totals[name] + value
+
+    def add_later(self, fields: tuple[str, ...], value: torch.Tensor, factor: int = 1) -> None:
+        """Add ``factor * value`` to each of ``fields`` when the counters are next read (an int: now).
+
+        Args:
+            fields: counter names.
+            value: a 0-d integer tensor on the compute device, or an int.
+            factor: a constant multiplier (e.g. bytes per block, or ``-1``).
+        """
+        if not isinstance(value, torch.Tensor):
+            self.add(fields, value * factor)
+            return
+        self._queued.setdefault((fields, factor), []).append(value)
+        self._n_queued += 1
+        if self._n_queued >= self._QUEUE:
+            self.settle()
+
+    def settle(self) -> None:
+        """Sum the queued device counts into the counters (device operations only, no host synchronisation)."""
+        queued, self._queued, self._n_queued = self._queued, {}, 0
+        for (fields, factor), values in queued.items():
+            total = torch.stack(values).sum() * factor
+            self.add(fields, total)
+
+
+def _counter(name: str) -> property:
+    def get(self: LayerStats):
+        if self._n_queued:
+            self.settle()
+        return self._totals[name]
+
+    def set(self: LayerStats, value) -> None:
+        self._totals[name] = value
+
+    return property(get, set)
+
+
+for _name in LayerStats.FIELDS:
+    setattr(LayerStats, _name, _counter(_name))
 
 
 class OffloadLayer(CacheLayerMixin):
@@ -258,9 +313,9 @@ class OffloadLayer(CacheLayerMixin):
                 uses=(ids_dev, flat, addrs),
             )
             self.block_table_dev = torch.cat([self.block_table_dev, ids_dev.view(batch, n_new)], dim=1)
-            self.stats.offloaded_bytes += len(ids) * self.host.block_bytes
+            self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
-            self.stats.offloaded_bytes += transfer.offload_blocks(self.host, ids, flat)
+            self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
         self.block_table = torch.cat([self.block_table, ids.view(batch, n_new)], dim=1)
         for name, summary in self.selector.summarize(keys).items():
             old = self.summaries.get(name)
@@ -351,26 +406,33 @@ class OffloadLayer(CacheLayerMixin):
         per_round = self.pool.slots
         prefetched, self._prefetched_slots = self._prefetched_slots, None
         if decode:
-            self.stats.decode_steps += 1
+            self.stats.add(("decode_steps",), 1)
+        shared, heads = not self.selector.per_head, self.kv_heads
         for start in range(0, total, per_round):
-            blocks = selection.blocks[..., start : start + per_round]
-            keep = selection.keep[..., start : start + per_round]
+            if total <= per_round:
+                blocks, keep = selection.blocks, selection.keep
+            else:
+                blocks = selection.blocks[..., start : start + per_round]
+                keep = selection.keep[..., start : start + per_round]
             slots, miss = self.pool.assign(blocks, keep)
             if decode:
-                # Device-side counts (read on the host only by stats()).
-                looked = keep.expand_as(miss).sum()
-                self.stats.lookups += looked
-                self.stats.hits += looked - miss.sum()
+                # Device-side counts, summed when stats() reads them.
+                self.stats.add_later(("lookups", "hits"), keep.sum(), heads // keep.shape[1])
                 if prefetched is not None:
                     used = keep.expand_as(miss) & ~miss & prefetched.gather(-1, slots)
-                    self.stats.prefetch_used_blocks += (used if self.selector.per_head else used[:, :1]).sum()
+                    self.stats.add_later(("prefetch_used_blocks",), (used if self.selector.per_head else used[:, :1]).sum())
             if start == 0:
                 # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
                 # them; both must come after the prefetch. Recalled blocks must have reached the host.
                 self._wait_prefetch()
                 transfer.wait_event(self._selectable_written, self.device)
                 self._selectable_written = None
-            self._count(*self._recall(blocks, slots, miss), decode=decode)
+            count, unit = self._recall(blocks, slots, miss)
+            self._count(count, unit, decode=decode)
+            if decode:
+                # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss of
+                # every head.
+                self.stats.add_later(("hits",), count, -heads if shared else -1)
             keys, values = self.pool.gather(slots)
             yield blocks, keep, keys, values
 
@@ -380,16 +442,18 @@ class OffloadLayer(CacheLayerMixin):
             transfer.wait_event(self._prefetch_event, self.device)
             self._prefetch_event = None
 
-    def _count(self, count, nbytes, decode: bool, prefetch: bool = False) -> None:
-        """Add ``count`` recalled blocks (or pieces) of ``nbytes`` bytes in all to the counters."""
-        self.stats.recalled_blocks += count
-        self.stats.recalled_bytes += nbytes
-        if decode:
-            self.stats.decode_recalled_blocks += count
-            self.stats.decode_recalled_bytes += nbytes
-        if prefetch:
-            self.stats.prefetched_blocks += count
-            self.stats.prefetched_bytes += nbytes
+    def _count(self, count, unit: int, decode: bool, prefetch: bool = False) -> None:
+        """Add ``count`` recalled blocks (or pieces) of ``unit`` bytes each to the counters.
+
+        Args:
+            count: an int, or a 0-d integer tensor on the compute device (queued, no host synchronisation).
+            unit: bytes per block or piece.
+        """
+        blocks = ("recalled_blocks",) + (("decode_recalled_blocks",) if decode else ()) + (
+            ("prefetched_blocks",) if prefetch else ()
+        )
+        self.stats.add_later(blocks, count)
+        self.stats.add_later(tuple(name.replace("_blocks", "_bytes") for name in blocks), count, unit)
 
     def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
         """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise).
@@ -402,7 +466,8 @@ class OffloadLayer(CacheLayerMixin):
                 ``self._prefetch_event``); ``None``: the current stream.
 
         Returns:
-            ``(count, nbytes)``: pieces moved and their bytes (device tensors on the kernel path, ints otherwise).
+            ``(count, unit)``: pieces moved (a 0-d device tensor on the kernel path, an int otherwise) and the bytes of
+            one piece.
         """
         if self.use_kernels:
             return self._recall_kernel(blocks, slots, miss, stream)
@@ -410,14 +475,15 @@ class OffloadLayer(CacheLayerMixin):
             b, h, j = miss.nonzero(as_tuple=True)
             block = blocks.expand_as(miss)[b, h, j]
             ids = self.block_table[b.cpu(), block.cpu()]
-            nbytes = transfer.recall_blocks(self.host, self.pool, ids, b, slots[b, h, j], head_idx=h)
+            transfer.recall_blocks(self.host, self.pool, ids, b, slots[b, h, j], head_idx=h)
+            return len(ids), self.host.block_bytes // self.kv_heads
         else:
             # A shared selection keeps all heads of a slot on the same block: the misses of head 0 are all misses.
             b, j = miss[:, 0].nonzero(as_tuple=True)
             block = blocks[:, 0][b, j]
             ids = self.block_table[b.cpu(), block.cpu()]
-            nbytes = transfer.recall_blocks(self.host, self.pool, ids, b, slots[:, 0][b, j])
-        return len(ids), nbytes
+            transfer.recall_blocks(self.host, self.pool, ids, b, slots[:, 0][b, j])
+        return len(ids), self.host.block_bytes
 
     def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
         """Kernel path of :meth:`_recall`: one launch over every candidate entry; no host synchronisation.
@@ -449,7 +515,7 @@ class OffloadLayer(CacheLayerMixin):
         )
         if stream is not None:
             self._prefetch_event = event
-        return count, count * unit
+        return count, unit
 
     # -------------------------------------------------------------------------------------------------- lookahead
     def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:
@@ -496,8 +562,7 @@ class OffloadLayer(CacheLayerMixin):
         keep = self._bounded(selection)
         slots, miss = self.pool.assign(selection.blocks, keep, touch=False)
         stream = self.streams.prefetch if self.streams is not None else None
-        count, nbytes = self._recall(selection.blocks, slots, miss, stream)
-        self._count(count, nbytes, decode=True, prefetch=True)
+        self._count(*self._recall(selection.blocks, slots, miss, stream), decode=True, prefetch=True)
         filled = torch.zeros(self.pool.block.shape, dtype=torch.int32, device=self.device)
         self._prefetched_slots = filled.scatter_add_(-1, slots, miss.int()) > 0
 
@@ -569,7 +634,7 @@ class OffloadLayer(CacheLayerMixin):
             blocks = self.host.read(self.block_table[:, :n_blocks].flatten()).to(self.device)
             blocks = blocks.view(batch, n_blocks, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
             keys, values = blocks.reshape(2, batch, heads, n_blocks * T, D).unbind(0)
-        self._count(batch * n_blocks, batch * n_blocks * self.host.block_bytes, decode=False)
+        self._count(batch * n_blocks, self.host.block_bytes, decode=False)
         return keys, values
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
