@@ -14,9 +14,11 @@ no calibration.
 Summaries: ``codes`` (``[batch, n_blocks, kv_heads, block_tokens, head_dim * bits / 8]``, ``torch.uint8``),
 ``kmin`` and ``kstep`` (``[batch, n_blocks, kv_heads, head_dim]``, cache dtype). Per block and KV head:
 ``block_tokens * head_dim * bits / 8 + 2 * head_dim * itemsize`` bytes; at 16-token blocks and bf16 that is
-``(8 * bits + 4) * head_dim`` bytes, 12 / 20 / 36 x ``head_dim`` at 1 / 2 / 4 bits, against SoloHead's
-``4 x head_dim`` and ``meanbound``'s ``6 x head_dim``. Scoring reads every code once (one matrix product over
-all keys, in chunks of ``chunk_blocks`` blocks to bound the dequantized temporary).
+``(2 * bits + 4) * head_dim`` bytes, 6 / 8 / 12 x ``head_dim`` at 1 / 2 / 4 bits, against SoloHead's
+``4 x head_dim``, ``meanbound``'s ``6 x head_dim`` and the block's own K and V, ``64 x head_dim``. Scoring reads every code once (one matrix product over
+all keys: one Triton launch per layer and step where Triton runs (``hf_offload.kernels.quantkey``), which
+dequantizes in registers; elsewhere pure torch, ``chunk_blocks`` blocks at a time to bound the dequantized
+temporary).
 """
 
 from __future__ import annotations
@@ -112,15 +114,8 @@ class QuantKeySelector(Selector):
                 ``kstep`` ``[batch, n_blocks, kv_heads, head_dim]``.
             scaling: softmax scale.
         """
+        from ..kernels.quantkey import block_lse
+
         q = query.float() * scaling
-        codes, kmin, kstep = summaries["codes"], summaries["kmin"], summaries["kstep"]
-        n = codes.shape[1]
-        parts = []
-        for start in range(0, n, self.chunk_blocks):
-            part = slice(start, min(n, start + self.chunk_blocks))
-            keys = dequantize_keys(codes[:, part], kmin[:, part], kstep[:, part], self.bits)  # [B, n, H, T, D]
-            parts.append(torch.einsum("bhgd,bnhtd->bhgnt", q, keys))
-        logits = torch.cat(parts, dim=3)  # [B, H, G, N, T]
-        batch, heads, group, n_blocks, tokens = logits.shape
-        mass = torch.softmax(logits.reshape(batch, heads, group, -1), dim=-1).view_as(logits)
-        return mass.sum(dim=(1, 2, 4))[:, None, :]
+        lse = block_lse(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits)  # [B, H, G, N]
+        return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
