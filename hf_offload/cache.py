@@ -205,6 +205,7 @@ class OffloadLayer(CacheLayerMixin):
         self.streams = self.cache_streams(self.device) if self.use_kernels and self.device.type == "cuda" else None
         self.resolve_lookahead()
         self.summaries: dict[str, torch.Tensor] = {}
+        self._entry_index_memo: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         self.keys = key_states.new_empty((batch, heads, 0, head_dim))
         self.values = value_states.new_empty((batch, heads, 0, head_dim))
         self.is_initialized = True
@@ -491,20 +492,18 @@ class OffloadLayer(CacheLayerMixin):
         The launch arguments are computed on the compute stream; only the copy runs on ``stream``.
         """
         batch, heads, n = miss.shape
-        b = torch.arange(batch, device=self.device)
         if self.selector.per_head:
             table = self.block_table_dev[:, None, :].expand(batch, heads, -1)
-            ids = torch.where(miss, table.gather(-1, blocks.expand(batch, heads, n)), -1).flatten()
-            batch_idx = b[:, None, None].expand(batch, heads, n).flatten()
-            slot_idx = slots.flatten()
-            head_idx = torch.arange(heads, device=self.device)[None, :, None].expand(batch, heads, n).flatten()
+            ids = torch.where(miss, table.gather(-1, blocks.expand(batch, heads, n)), -1).view(-1)
+            batch_idx, head_idx = self._entry_indices(n, per_head=True)
+            slot_idx = slots.view(-1)
             count, unit = miss.sum(), self.host.block_bytes // heads
         else:
-            ids = torch.where(miss[:, 0], self.block_table_dev.gather(-1, blocks[:, 0]), -1).flatten()
-            batch_idx = b[:, None].expand(batch, n).flatten()
-            slot_idx = slots[:, 0].flatten()
-            head_idx = None
-            count, unit = miss[:, 0].sum(), self.host.block_bytes
+            missed = miss[:, :1]  # a shared selection: every head of a slot holds the same block
+            ids = torch.where(missed, self.block_table_dev[:, None, :].gather(-1, blocks), -1).view(-1)
+            batch_idx, head_idx = self._entry_indices(n, per_head=False)
+            slot_idx = slots[:, :1].reshape(-1)
+            count, unit = missed.sum(), self.host.block_bytes
         addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream, before any side stream
         uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,))
         event = transfer.launch_on(
@@ -516,6 +515,18 @@ class OffloadLayer(CacheLayerMixin):
         if stream is not None:
             self._prefetch_event = event
         return count, unit
+
+    def _entry_indices(self, n: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequence (and, per head, KV head) of each of ``n`` entries per row, flattened like ``[batch, kv_heads or
+        1, n]``: ``int64`` tensors on the compute device, built once per ``n``."""
+        key = (n, per_head)
+        if key not in self._entry_index_memo:
+            heads = self.kv_heads if per_head else 1
+            shape = (self.batch, heads, n)
+            b = torch.arange(self.batch, device=self.device)[:, None, None].expand(shape).reshape(-1)
+            h = torch.arange(heads, device=self.device)[None, :, None].expand(shape).reshape(-1) if per_head else None
+            self._entry_index_memo[key] = (b, h)
+        return self._entry_index_memo[key]
 
     # -------------------------------------------------------------------------------------------------- lookahead
     def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:

@@ -107,7 +107,7 @@ def recall_blocks_kernel(
     from .kernels.gather import copy_pieces
 
     words = host.block_words
-    slot_base = (batch_idx * pool.slots + slot_idx) * words
+    slot_base = torch.add(slot_idx, batch_idx, alpha=pool.slots).mul_(words)
     addrs = host.chunk_addrs(pool.data.device)
     if head_idx is None:
         copy_pieces(addrs, host.chunk_blocks, words, ids, torch.zeros_like(ids), pool.data, slot_base, words, False)
