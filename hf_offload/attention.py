@@ -254,12 +254,18 @@ def offload_attention_forward(
             layer.finish_step()
             return out
     grouped = query.view(batch, heads, q_heads // heads, q_len, head_dim)
-    acc = OnlineSoftmax(grouped, scaling, softcap)
     device = query.device
     end = handoff.first_recent_pos + handoff.key.shape[-2]
-    q_pos = torch.arange(end - q_len, end, device=device)
     tile = layer.config.prefill_chunk_tokens
     q_tiles = [slice(s, min(s + tile, q_len)) for s in range(0, q_len, tile)]
+    acc = q_pos = None  # the tiled path's state, made when it runs (a fused decode step needs neither)
+
+    def tiled():
+        nonlocal acc, q_pos
+        if acc is None:
+            acc = OnlineSoftmax(grouped, scaling, softcap)
+            q_pos = torch.arange(end - q_len, end, device=device)
+        return acc
 
     def allowed(q_slice: slice, kv_pos: torch.Tensor) -> torch.Tensor:
         if mask is None:
@@ -301,6 +307,7 @@ def offload_attention_forward(
                 timer.add("attention", t_recalled, timer.mark())
             return out
         for blocks, keep, keys, values in rounds:
+            tiled()
             if timer is not None:
                 timer.add("recall", t_select, t_recalled := timer.mark())
             tokens = torch.arange(layer.block_tokens, device=device)
@@ -317,6 +324,7 @@ def offload_attention_forward(
         t_select = t_start
 
     # Recent tokens (open block and, in prefill, the new chunk): resident, causal tiles.
+    tiled()
     recent_k, recent_v = handoff.key, handoff.recent_values
     for q_slice in q_tiles:
         q_last = int(q_pos[q_slice.stop - 1]) if q_len > 1 else end - 1
@@ -413,35 +421,49 @@ def _decode_sdpa(
         Shape ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
     """
     batch, q_heads, _, head_dim = query.shape
-    heads = keys.shape[1]
-    layer = handoff.layer
-    tokens = layer.block_tokens
+    heads, sel_heads = keys.shape[1], blocks.shape[1]
+    tokens = handoff.layer.block_tokens
     recent_k, recent_v = handoff.key, handoff.recent_values
-    n_recent = recent_k.shape[-2]
-    ok_sealed = keep[..., None].expand(*keep.shape, tokens).flatten(-2)  # [B, Hs, n*T]
-    padding = None if mask is None else mask.padding
-    if padding is not None:
-        padding = padding.to(query.device)
-        kv_pos = (blocks[..., None] * tokens + torch.arange(tokens, device=query.device)).flatten(-2)
-        rows = torch.arange(batch, device=query.device)[:, None, None]
-        ok_sealed = ok_sealed & padding[rows, kv_pos]
-        first = handoff.first_recent_pos
-        ok_recent = padding[:, first : first + n_recent][:, None, :]
-    else:
-        ok_recent = torch.ones((batch, 1, n_recent), dtype=torch.bool, device=query.device)
-    # The recent tokens are padded (masked out) to a whole block, so the key length is the same for the
-    # block_tokens steps between two seals: attention backends that plan per shape (cuDNN) plan once, not per step.
-    pad = -n_recent % tokens
-    ok_recent = ok_recent.expand(batch, ok_sealed.shape[1], n_recent)
-    if pad:
-        ok_recent = torch.nn.functional.pad(ok_recent, (0, pad), value=False)
-        recent_k = torch.nn.functional.pad(recent_k, (0, 0, 0, pad))
-        recent_v = torch.nn.functional.pad(recent_v, (0, 0, 0, pad))
-    ok = torch.cat([ok_sealed, ok_recent], dim=-1)  # [B, Hs, L]
-    k = torch.cat([keys, recent_k], dim=-2).to(query.dtype)
-    v = torch.cat([values, recent_v], dim=-2).to(query.dtype)
+    n_recent, n = recent_k.shape[-2], handoff.n_blocks_before
+    first = handoff.first_recent_pos
+    device = query.device
+    # The recent tokens (1 to block_tokens of them in a decode step) are padded (masked out) to a whole block, so
+    # the key length is the same for the block_tokens steps between two seals: attention backends that plan per
+    # shape (cuDNN) plan once, not per step.
+    pad = tokens - n_recent
+
+    def token_rows() -> torch.Tensor:
+        # Row j < n: which tokens of sealed block j may be attended (padding); row n: the recent tokens, padded to
+        # a whole block; row n + 1: nothing (entries not kept). [batch, n + 2, block_tokens].
+        rows = torch.zeros((batch, n + 2, tokens), dtype=torch.bool, device=device)
+        padding = None if mask is None else mask.padding
+        if padding is None:
+            rows[:, :n] = True
+            rows[:, n, :n_recent] = True
+        else:
+            padding = padding.to(device)
+            rows[:, :n] = padding[:, : n * tokens].view(batch, n, tokens)
+            rows[:, n, :n_recent] = padding[:, first : first + n_recent]
+        return rows
+
+    def constants():
+        rows = token_rows()
+        recent_row = torch.full((batch, sel_heads, 1), n, dtype=torch.int64, device=device)
+        sequence = torch.arange(batch, device=device)[:, None, None]
+        zeros = recent_k.new_zeros((batch, heads, pad, head_dim)) if pad else None
+        return rows, recent_row, sequence, zeros
+
+    # Every layer of one forward with the same geometry shares these: built once per forward.
+    key = ("decode_sdpa", batch, heads, sel_heads, n, tokens, first, n_recent, recent_k.dtype, device)
+    rows, recent_row, sequence, zeros = constants() if mask is None else mask.memo(key, constants)
+    entries = torch.cat([torch.where(keep, blocks, n + 1), recent_row], dim=-1)  # [B, Hs, k + 1]
+    ok = rows[sequence, entries].view(batch, sel_heads, 1, -1)  # [B, Hs, 1, L]: selection, padding, recent
+    k_all = torch.cat([keys, recent_k] if zeros is None else [keys, recent_k, zeros], dim=-2)
+    v_all = torch.cat([values, recent_v] if zeros is None else [values, recent_v, zeros], dim=-2)
+    if k_all.dtype != query.dtype:
+        k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
     grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension
-    out = torch.nn.functional.scaled_dot_product_attention(grouped, k, v, attn_mask=ok[:, :, None, :], scale=scaling)
+    out = torch.nn.functional.scaled_dot_product_attention(grouped, k_all, v_all, attn_mask=ok, scale=scaling)
     return out.reshape(batch, 1, q_heads, head_dim)
 
 
