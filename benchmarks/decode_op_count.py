@@ -20,8 +20,10 @@ includes one seal per layer, as in steady decoding), the count is split into:
 The copy kernel itself (``hf_offload.kernels.gather.copy_pieces``) counts as one operation (one launch): the
 operations inside it are not counted. Where Triton's CPU interpreter is available (``TRITON_INTERPRET=1`` and
 Triton installed) the kernel runs; elsewhere the kernel path runs with a pure-torch copy in its place (the same
-launch arguments are computed; the count is the same). ``view`` operations (no kernel on a GPU, but a dispatcher
-trip) are counted in the totals and reported separately as ``views``. A dense layer with ``DynamicCache`` (the
+launch arguments are computed; the count is the same). Composite operations (``einsum``, ``pad``, ``flatten``,
+``to``, ...) count as the operations they decompose into (a ``to`` that changes nothing counts zero), so the
+numbers are of operations that reach a kernel or a view; ``view`` operations (no kernel on a GPU, but a
+dispatcher trip) are counted in the totals and reported separately as ``views``. A dense layer with ``DynamicCache`` (the
 model's own SDPA attention) is counted for reference.
 
 Example::
@@ -95,8 +97,15 @@ class OpCounter(TorchDispatchMode):
             self.on = previous
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        # Composite operations (einsum, pad, flatten, to, ...) are counted as the operations they run.
+        if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            with self:
+                out = func.decompose(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
         self.count(str(func.overloadpacket.__name__), view=func.is_view)
-        return func(*args, **(kwargs or {}))
+        return func(*args, **kwargs)
 
 
 class OpTimer:

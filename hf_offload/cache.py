@@ -281,14 +281,18 @@ class OffloadLayer(CacheLayerMixin):
         self._selectable_written = self._last_write
         first_recent = self.n_blocks * self.block_tokens
         n_before = self.n_blocks
-        recent_k = torch.cat([self.keys, key_states.to(self.dtype)], dim=-2)
-        recent_v = torch.cat([self.values, value_states.to(self.dtype)], dim=-2)
+        if key_states.dtype != self.dtype:
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        recent_k = torch.cat([self.keys, key_states], dim=-2)
+        recent_v = torch.cat([self.values, value_states], dim=-2)
         n_new = recent_k.shape[-2] // self.block_tokens
         if n_new:
             self._seal(recent_k, recent_v, n_new)
-        sealed = n_new * self.block_tokens
-        self.keys = recent_k[:, :, sealed:].clone()
-        self.values = recent_v[:, :, sealed:].clone()
+            sealed = n_new * self.block_tokens
+            self.keys = recent_k[:, :, sealed:].clone()  # not a view: the sealed part is freed
+            self.values = recent_v[:, :, sealed:].clone()
+        else:
+            self.keys, self.values = recent_k, recent_v  # new tensors that nothing writes to
         self.n_tokens += key_states.shape[-2]
         leave_handoff(Handoff(self, recent_k, recent_v, first_recent, n_before))
         return recent_k, recent_v
@@ -383,7 +387,7 @@ class OffloadLayer(CacheLayerMixin):
         # Every layer of one forward with the same geometry forces the same blocks: built once per forward.
         key = ("forced", q_pos, n, self.block_tokens, sink, window, self.device)
         forced = forced_blocks() if mask is None else mask.memo(key, forced_blocks)
-        summaries = {name: s[:, :n] for name, s in self.summaries.items()}
+        summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
         selection = self.selector.select(query, summaries, scaling, k, forced, valid)
         cap = self.config.transfer_cap_blocks
         if cap is not None and selection.scores is not None:

@@ -95,7 +95,9 @@ class Selector:
         Returns:
             The :class:`Selection`.
         """
-        scores = self.score(query, summaries, scaling).float()
+        scores = self.score(query, summaries, scaling)
+        if scores.dtype != torch.float32:
+            scores = scores.float()
         expected = query.shape[1] if self.per_head else 1
         if scores.dim() != 3 or scores.shape[1] != expected or scores.shape[2] != forced.shape[1]:
             raise ValueError(
