@@ -231,7 +231,7 @@ def _render_lookahead(name: str, data: dict) -> list[str]:
 
 
 ABLATION_STUDY = "ruler_qwen05"  # the RULER study whose selectors the ablation table lines up with
-ABLATION_ORDER = ["headwise", "solohead", "meanbound", "meanvar", "oracle"]  # each row adds one idea to the last
+ABLATION_ORDER = ["headwise", "solohead", "meanbound", "meanvar", "quantkey", "oracle"]  # each row adds one idea to the last
 
 
 def _selection_ablation(groups: dict) -> list[str]:
@@ -266,8 +266,9 @@ def _selection_ablation(groups: dict) -> list[str]:
         "Each row adds one idea to the row above: `headwise` (Quest: per-KV-head key bounds, each head its own "
         "blocks), `solohead` (one shared selection per layer: per-head softmax votes of the bounds, summed), "
         "`meanbound` (the bound shrunk toward the block's mean-key logit), `meanvar` (two sub-block mean keys and the "
-        "pooled key spread instead of the bounds), `oracle` (the true attention mass: the ceiling of a shared "
-        "selection). Selection recall: seed set B (the report). RULER: the task average of "
+        "pooled key spread instead of the bounds), `quantkey` (no block summary at all: every key at 2 bits, blocks "
+        "ranked by the attention mass of their dequantized keys), `oracle` (the true attention mass: the ceiling of "
+        "a shared selection). Selection recall: seed set B (the report). RULER: the task average of "
         f"`docs/results/{ABLATION_STUDY}.md` (budget 1/16, at least 512 tokens; dense first). Select ms: "
         "`Selector.select` for all layers of one decode step on the device"
         + "".join(f" (`{n}`: {m['args']['shape']}, {m['args']['context']:,} tokens, batch {m['args']['batch']}, "

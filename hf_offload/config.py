@@ -24,11 +24,13 @@ class OffloadConfig:
         window_tokens: most recent sealed tokens that every decode query attends to, besides the open block of fewer
             than ``block_tokens`` tokens that is always attended. ``None``: ``budget_tokens // 8`` clamped to
             ``[block_tokens, 256]``. A multiple of ``block_tokens``.
-        selector: name of a registered selector (``"meanbound"``, the default; ``"meanvar"``, ``"union"``,
-            ``"solohead"``, ``"headwise"``, ``"streaming"``, ``"oracle"``) or a
-            :class:`~hf_offload.selectors.Selector` instance.
-            ``"meanbound"`` is a SoloHead-style selector (one selection per layer and sequence, whole blocks) whose
-            summaries are 1.5x SoloHead's; ``docs/tuning.md`` compares them, with links to the measurements.
+        selector: name of a registered selector (``"quantkey"``, the default; ``"meanbound"``, ``"meanvar"``,
+            ``"union"``, ``"solohead"``, ``"headwise"``, ``"streaming"``, ``"oracle"``), optionally with settings
+            (``"quantkey[bits=4]"``), or a :class:`~hf_offload.selectors.Selector` instance.
+            ``"quantkey"`` is a SoloHead-style selector (one selection per layer and sequence, whole blocks) that
+            keeps every key on the device at 2 bits (1/8 of the KV's bytes with 16-token blocks) and ranks blocks by
+            their estimated attention mass; ``docs/tuning.md`` compares the selectors, with links to the
+            measurements.
         pool_tokens: capacity of the device slot pool (hot blocks kept across decode steps). ``None``: 1.25 x
             ``budget_tokens``, rounded up to whole blocks. A smaller pool still gives exact results; selected blocks
             are then attended in several rounds.
@@ -72,7 +74,7 @@ class OffloadConfig:
     block_tokens: int = 16
     sink_tokens: int | None = None
     window_tokens: int | None = None
-    selector: object = "meanbound"
+    selector: object = "quantkey"
     pool_tokens: int | None = None
     prefill_chunk_tokens: int = 1024
     host_chunk_mib: float = 16

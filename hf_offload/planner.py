@@ -124,7 +124,7 @@ def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
     keys = torch.empty((1, 1, shape.kv_heads, config.block_tokens, shape.head_dim), dtype=dtype, device="meta")
     try:
         summaries = selector.summarize(keys)
-        return sum(t.numel() * shape.dtype_bytes for t in summaries.values())
+        return sum(t.numel() * t.element_size() for t in summaries.values())
     except Exception:
         return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # kmin and kmax per KV head
 

@@ -20,7 +20,7 @@ SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=16, pre
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "phi3"])
-@pytest.mark.parametrize("selector", ["solohead", "meanbound", "headwise"])
+@pytest.mark.parametrize("selector", ["solohead", "meanbound", "quantkey", "headwise"])
 def test_cuda_full_budget_token_identical_and_pinned(arch, selector):
     model = build_model(arch).cuda()
     ids, mask = left_padded([37, 29, 18], seed=1)

@@ -19,7 +19,7 @@ def test_registered_not_default():
 
     assert SELECTORS["meanvar"] is MeanVarSelector
     assert hf_offload.MeanVarSelector is MeanVarSelector and "MeanVarSelector" in hf_offload.__all__
-    assert OffloadConfig(budget_tokens=512).selector == "meanbound"
+    assert OffloadConfig(budget_tokens=512).selector == "quantkey"
 
 
 def test_summaries():

@@ -1,11 +1,13 @@
 """Block selection policies. Each is a small dataclass on the :class:`Selector` contract.
 
-The default of :class:`~hf_offload.config.OffloadConfig` is ``meanbound``, a SoloHead-style selector (one selection
+The default of :class:`~hf_offload.config.OffloadConfig` is ``quantkey``, a SoloHead-style selector (one selection
 per layer and sequence, shared by all heads, so a selected block moves whole).
 
 >>> from hf_offload.selectors import get_selector
->>> get_selector("meanbound").per_head
+>>> get_selector("quantkey").per_head
 False
+>>> get_selector("quantkey[bits=4]").bits
+4
 """
 
 from __future__ import annotations

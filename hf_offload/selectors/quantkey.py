@@ -34,22 +34,24 @@ def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """Per-(block, head, channel) asymmetric quantization of keys, packed ``8 // bits`` codes per byte.
 
     Args:
-        keys: ``[batch, n, kv_heads, block_tokens, head_dim]``, any float dtype, any device; ``head_dim`` a multiple
-            of ``8 // bits``.
+        keys: ``[batch, n, kv_heads, block_tokens, head_dim]``, any float dtype, any device.
         bits: 1, 2, 4 or 8.
 
     Returns:
-        ``codes`` (``[batch, n, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``), ``kmin`` and
-        ``kstep`` (``[batch, n, kv_heads, head_dim]``, ``keys.dtype``): key ≈ ``kmin + code * kstep``.
+        ``codes`` (``[batch, n, kv_heads, block_tokens, channels * bits // 8]``, ``torch.uint8``), ``kmin`` and
+        ``kstep`` (``[batch, n, kv_heads, channels]``, ``keys.dtype``): key ≈ ``kmin + code * kstep``. ``channels``
+        is ``head_dim`` rounded up to a multiple of ``8 // bits`` (padding channels are zero).
     """
     levels = (1 << bits) - 1
+    per = 8 // bits
     k = keys.float()
+    if k.shape[-1] % per:  # pad the channels to whole bytes; a zero channel meets a zero query channel
+        k = torch.nn.functional.pad(k, (0, -k.shape[-1] % per))
     kmin, kmax = k.amin(dim=3), k.amax(dim=3)
     step = (kmax - kmin) / levels
     kmin, step = kmin.to(keys.dtype), step.to(keys.dtype)  # quantize against the stored (rounded) parameters
     safe = torch.where(step.float() > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
     codes = ((k - kmin.float()[:, :, :, None]) / safe[:, :, :, None]).round_().clamp_(0, levels).to(torch.uint8)
-    per = 8 // bits
     if per > 1:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=keys.device)
         codes = (codes.unflatten(-1, (-1, per)) << shifts).sum(dim=-1, dtype=torch.uint8)
@@ -98,11 +100,6 @@ class QuantKeySelector(Selector):
         Args:
             keys: ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
         """
-        if keys.shape[-1] % (8 // self.bits):
-            raise ValueError(
-                f"QuantKeySelector(bits={self.bits}) packs {8 // self.bits} codes per byte, but head_dim is "
-                f"{keys.shape[-1]}: use bits=8 or a bits value whose codes per byte divide head_dim."
-            )
         return quantize_keys(keys, self.bits)
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
@@ -117,5 +114,8 @@ class QuantKeySelector(Selector):
         from ..kernels.quantkey import block_lse
 
         q = query.float() * scaling
+        channels = summaries["kmin"].shape[-1]
+        if channels != q.shape[-1]:  # head_dim padded to whole bytes of codes
+            q = torch.nn.functional.pad(q, (0, channels - q.shape[-1]))
         lse = block_lse(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits)  # [B, H, G, N]
         return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
