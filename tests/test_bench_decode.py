@@ -58,7 +58,7 @@ def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, cap
         assert r["cache_device_bytes"] == BATCH * CONTEXT * per_token == r["prediction"]["device_bytes"]
         assert r["host_bytes"] == 0 and r["hit_rate"] is None and r["recalled_bytes_per_step"] == 0
         assert r["roofline"]["kv_read_bytes"] > BATCH * (CONTEXT - STEPS) * per_token
-    for method in ("solohead", "headwise-copy"):
+    for method in ("quantkey", "solohead", "headwise-copy"):
         r = runs[method]
         pred = r["prediction"]
         # The planner predicts the OffloadCache's host (pinned pool) and device bytes exactly.
