@@ -99,12 +99,13 @@ if triton is not None:
 
 
 def block_lse(
-    query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int
+    query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
 ) -> torch.Tensor:
     """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the kernel where
-    :func:`block_lse_supported`, else :func:`block_lse_reference`. Arguments and result as the reference's."""
+    :func:`block_lse_supported`, else :func:`block_lse_reference`. Arguments and result as the reference's
+    (``chunk_blocks`` is used by the reference only)."""
     if not block_lse_supported(query, codes):
-        return block_lse_reference(query, codes, kmin, kstep, bits)
+        return block_lse_reference(query, codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, head_dim = query.shape
     n_blocks, tokens = codes.shape[1], codes.shape[3]
     out = torch.empty((batch, heads, group, n_blocks), dtype=torch.float32, device=query.device)

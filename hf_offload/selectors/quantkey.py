@@ -59,11 +59,11 @@ def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
 
 
 def dequantize_keys(codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int) -> torch.Tensor:
-    """Keys back from :func:`quantize_keys`' output, ``[batch, n, kv_heads, block_tokens, head_dim]``, float32.
+    """Keys back from :func:`quantize_keys`' output, ``[batch, n, kv_heads, block_tokens, channels]``, float32.
 
     Args:
-        codes: ``[batch, n, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``.
-        kmin: ``[batch, n, kv_heads, head_dim]``.
+        codes: ``[batch, n, kv_heads, block_tokens, channels * bits // 8]``, ``torch.uint8``, any device.
+        kmin: ``[batch, n, kv_heads, channels]``, float dtype, same device.
         kstep: same shape as ``kmin``.
         bits: the bits the codes were packed with.
     """
@@ -107,8 +107,8 @@ class QuantKeySelector(Selector):
 
         Args:
             query: ``[batch, kv_heads, group, head_dim]``.
-            summaries: ``codes`` ``[batch, n_blocks, kv_heads, block_tokens, head_dim * bits // 8]`` and ``kmin`` /
-                ``kstep`` ``[batch, n_blocks, kv_heads, head_dim]``.
+            summaries: ``codes`` ``[batch, n_blocks, kv_heads, block_tokens, channels * bits // 8]`` and ``kmin`` /
+                ``kstep`` ``[batch, n_blocks, kv_heads, channels]`` (see :func:`quantize_keys`).
             scaling: softmax scale.
         """
         from ..kernels.quantkey import block_lse
@@ -117,5 +117,5 @@ class QuantKeySelector(Selector):
         channels = summaries["kmin"].shape[-1]
         if channels != q.shape[-1]:  # head_dim padded to whole bytes of codes
             q = torch.nn.functional.pad(q, (0, channels - q.shape[-1]))
-        lse = block_lse(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits)  # [B, H, G, N]
+        lse = block_lse(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits, self.chunk_blocks)
         return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
