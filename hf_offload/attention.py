@@ -27,6 +27,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kernels import OnlineSoftmax
+from .graphs import DecodeInputs
 
 if TYPE_CHECKING:
     from .cache import OffloadLayer
@@ -272,15 +273,20 @@ def offload_attention_forward(
             return (kv_pos[:, :, None, :] <= q_pos[q_slice].view(1, 1, -1, 1))[:, :, None]
         return mask.allowed(q_pos[q_slice], kv_pos)[:, :, None]
 
+    n = handoff.n_blocks_before
+    if q_len == 1 and n and softcap is None and sink_logits is None and _plain_causal(mask):
+        k = layer.decode_blocks(n, handoff.key.shape[-2])
+        if min(k, n) <= layer.pool.slots:  # the selection fits the slot pool: one fused step
+            return _decode_step(handoff, query, mask, scaling, n, k)
     timer = layer.timer if q_len == 1 else None
     if timer is not None:
         t_start = timer.mark()
     # Sealed blocks: recalled into the slot pool in rounds of at most the pool size.
-    if handoff.n_blocks_before:
+    if n:
         if q_len == 1:
             selection = layer.select(grouped[:, :, :, 0], mask, scaling, handoff)
         else:
-            selection = layer.select_all(handoff.n_blocks_before)
+            selection = layer.select_all(n)
         if timer is not None:
             timer.add("select", t_start, t_select := timer.mark())
         if q_len == 1 and layer.lookahead:
@@ -289,23 +295,6 @@ def offload_attention_forward(
             if timer is not None:
                 timer.add("prefetch", t_select, t_select := timer.mark())
         rounds = layer.resident_rounds(selection, decode=q_len == 1)
-        if (
-            q_len == 1
-            and softcap is None
-            and sink_logits is None
-            and selection.blocks.shape[-1] <= layer.pool.slots
-            and _plain_causal(mask)
-        ):
-            blocks, keep, keys, values = next(rounds)
-            for _ in rounds:  # a single round by the condition above; runs the generator to its end
-                raise RuntimeError("the slot pool needed a second round for one decode query")
-            if timer is not None:
-                timer.add("recall", t_select, t_recalled := timer.mark())
-            out = _decode_sdpa(handoff, query, blocks, keep, keys, values, mask, scaling)
-            layer.finish_step()
-            if timer is not None:
-                timer.add("attention", t_recalled, timer.mark())
-            return out
         for blocks, keep, keys, values in rounds:
             tiled()
             if timer is not None:
@@ -391,30 +380,113 @@ def _chunk_prefill(
     return _per_sequence(query, k, v, starts, attend)
 
 
+def _decode_step(
+    handoff: Handoff, query: torch.Tensor, mask: OffloadMask | None, scaling: float, n: int, k: int
+) -> torch.Tensor:
+    """One decode query of a plain causal forward whose selection fits the slot pool: plan, recall, one SDPA.
+
+    Where the layer replays CUDA graphs, the first step of each geometry (sealed blocks ``n``, ``k`` selected) runs
+    op by op and is then captured; the following steps replay the capture.
+
+    Args:
+        handoff: this step's handoff.
+        query: ``[batch, q_heads, 1, head_dim]``, compute device (after RoPE).
+        mask: the forward's lazy mask (plain causal), or ``None``.
+        scaling: softmax scale.
+        n: sealed blocks before this step.
+        k: blocks the budget selects (``n`` or more: all of them).
+
+    Returns:
+        ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
+    """
+    layer = handoff.layer
+    inputs = layer.decode_inputs(handoff, mask)
+    key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr())
+    graph = layer.captured(key) if layer.graphs else None
+    if graph is not None:
+        out = layer.replay(graph, query)
+        layer.finish_step()
+        return out
+    out = _decode_body(layer, query, inputs, n, k, scaling, mask, layer.timer)
+    if layer.graphs:
+        layer.capture_decode(key, lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False), query, inputs)
+    layer.finish_step()
+    return out
+
+
+def _decode_body(
+    layer: "OffloadLayer",
+    query: torch.Tensor,
+    inputs: DecodeInputs,
+    n: int,
+    k: int,
+    scaling: float,
+    mask: OffloadMask | None,
+    timer,
+    count_step: bool = True,
+) -> torch.Tensor:
+    """The work of one decode step of one layer (what a CUDA graph captures): plan, make the selection resident,
+    attend. No host synchronisation; reads only the layer's state, ``inputs`` and ``query``.
+
+    Args:
+        layer: the offloaded layer.
+        query: ``[batch, q_heads, 1, head_dim]``, compute device.
+        inputs: the step's shared inputs.
+        n, k: sealed blocks before this step; blocks the budget selects.
+        scaling: softmax scale.
+        mask: the forward's lazy mask, for lookahead only (``None`` while capturing).
+        timer: the layer's phase timer, or ``None``.
+        count_step: count a decode step in the layer's stats (not while capturing: each replay counts).
+    """
+    batch, q_heads, _, head_dim = query.shape
+    q = query.view(batch, layer.kv_heads, q_heads // layer.kv_heads, head_dim)  # [B, H, G, D]
+    if timer is not None:
+        t_start = timer.mark()
+    selection = layer.plan_decode(q, scaling, n, k, inputs)
+    if timer is not None:
+        timer.add("select", t_start, t_select := timer.mark())
+    if layer.lookahead and count_step:
+        # Lookahead: the next offloaded layer's likely blocks start moving now, behind this layer's work.
+        layer.lookahead_next(q, mask, scaling)
+        if timer is not None:
+            timer.add("prefetch", t_select, t_select := timer.mark())
+    blocks, keep, keys, values = next(layer.resident_rounds(selection, decode=True, count_step=count_step))
+    if timer is not None:
+        timer.add("recall", t_select, t_recalled := timer.mark())
+    out = _decode_sdpa(layer, query, blocks, keep, keys, values, inputs, n, scaling)
+    if timer is not None:
+        timer.add("attention", t_recalled, timer.mark())
+    return out
+
+
 def _decode_sdpa(
-    handoff: Handoff,
+    layer: "OffloadLayer",
     query: torch.Tensor,
     blocks: torch.Tensor,
     keep: torch.Tensor,
     keys: torch.Tensor,
     values: torch.Tensor,
-    mask: OffloadMask | None,
+    inputs: DecodeInputs,
+    n: int,
     scaling: float,
 ) -> torch.Tensor:
-    """One decode query over its selected blocks and the recent tokens, as one ``scaled_dot_product_attention``.
+    """One decode query over its selected blocks and the open block, as one ``scaled_dot_product_attention``.
 
     With a plain causal mask every cached token precedes the query, so the only masking left is the selection
-    (``keep``) and left padding. The query heads of one KV head stand in the query-length dimension, so grouped
-    query attention needs no repeated keys.
+    (``keep``), left padding and the open block's unfilled positions (``inputs.rows``). The open block is attended as
+    a whole block, so the key length is the same for every step between two seals: attention backends that plan per
+    shape (cuDNN) plan once, and a captured graph serves every step. The query heads of one KV head stand in the
+    query-length dimension, so grouped query attention needs no repeated keys.
 
     Args:
-        handoff: this step's handoff (recent keys and values, their first position).
+        layer: the offloaded layer (its open-block buffers).
         query: shape ``[batch, q_heads, 1, head_dim]``, compute device.
-        blocks: selected block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``.
+        blocks: selected block indices, ``[batch, 1 or kv_heads, k]``, ``torch.int64``.
         keep: which selected entries are attended, same shape, ``torch.bool``.
-        keys: the selected blocks' keys, ``[batch, kv_heads, n * block_tokens, head_dim]``, compute device.
+        keys: the selected blocks' keys, ``[batch, kv_heads, k * block_tokens, head_dim]``, compute device.
         values: their values, same shape.
-        mask: the forward's lazy mask (plain causal), or ``None``.
+        inputs: the step's shared inputs (``rows``).
+        n: sealed blocks before this step (row ``n`` of ``inputs.rows`` is the open block).
         scaling: softmax scale.
 
     Returns:
@@ -422,44 +494,12 @@ def _decode_sdpa(
     """
     batch, q_heads, _, head_dim = query.shape
     heads, sel_heads = keys.shape[1], blocks.shape[1]
-    tokens = handoff.layer.block_tokens
-    recent_k, recent_v = handoff.key, handoff.recent_values
-    n_recent, n = recent_k.shape[-2], handoff.n_blocks_before
-    first = handoff.first_recent_pos
-    device = query.device
-    # The recent tokens (1 to block_tokens of them in a decode step) are padded (masked out) to a whole block, so
-    # the key length is the same for the block_tokens steps between two seals: attention backends that plan per
-    # shape (cuDNN) plan once, not per step.
-    pad = tokens - n_recent
-
-    def token_rows() -> torch.Tensor:
-        # Row j < n: which tokens of sealed block j may be attended (padding); row n: the recent tokens, padded to
-        # a whole block; row n + 1: nothing (entries not kept). [batch, n + 2, block_tokens].
-        rows = torch.zeros((batch, n + 2, tokens), dtype=torch.bool, device=device)
-        padding = None if mask is None else mask.padding
-        if padding is None:
-            rows[:, :n] = True
-            rows[:, n, :n_recent] = True
-        else:
-            padding = padding.to(device)
-            rows[:, :n] = padding[:, : n * tokens].view(batch, n, tokens)
-            rows[:, n, :n_recent] = padding[:, first : first + n_recent]
-        return rows
-
-    def constants():
-        rows = token_rows()
-        recent_row = torch.full((batch, sel_heads, 1), n, dtype=torch.int64, device=device)
-        sequence = torch.arange(batch, device=device)[:, None, None]
-        zeros = recent_k.new_zeros((batch, heads, pad, head_dim)) if pad else None
-        return rows, recent_row, sequence, zeros
-
-    # Every layer of one forward with the same geometry shares these: built once per forward.
-    key = ("decode_sdpa", batch, heads, sel_heads, n, tokens, first, n_recent, recent_k.dtype, device)
-    rows, recent_row, sequence, zeros = constants() if mask is None else mask.memo(key, constants)
-    entries = torch.cat([torch.where(keep, blocks, n + 1), recent_row], dim=-1)  # [B, Hs, k + 1]
-    ok = rows[sequence, entries].view(batch, sel_heads, 1, -1)  # [B, Hs, 1, L]: selection, padding, recent
-    k_all = torch.cat([keys, recent_k] if zeros is None else [keys, recent_k, zeros], dim=-2)
-    v_all = torch.cat([values, recent_v] if zeros is None else [values, recent_v, zeros], dim=-2)
+    entries = torch.where(keep, blocks, n + 1)  # row n + 1 allows nothing
+    ok = inputs.rows[inputs.sequence, entries].flatten(-2)  # [B, Hs, k * T]
+    recent = inputs.rows[:, None, n].expand(batch, sel_heads, -1)
+    ok = torch.cat([ok, recent], dim=-1).view(batch, sel_heads, 1, -1)
+    k_all = torch.cat([keys, layer._open_k], dim=-2)
+    v_all = torch.cat([values, layer._open_v], dim=-2)
     if k_all.dtype != query.dtype:
         k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
     grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension

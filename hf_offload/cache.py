@@ -16,8 +16,9 @@ device: their KV is bounded by the window.
 
 from __future__ import annotations
 
+import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -25,6 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import transfer
 from .attention import Handoff, enable_offload_attention, leave_handoff
 from .config import OffloadConfig
+from .graphs import CapturedDecode, DecodeInputs, capture
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
@@ -38,6 +40,8 @@ class LayerStats:
 
     Counters are Python ints or 0-d device tensors. Device counts of decode steps may be queued with
     :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
+    Counts added while a CUDA graph is being captured go into a persistent device tensor instead (one in-place add
+    per field, recorded in the graph), so that every replay of the graph counts.
     """
 
     FIELDS = (
@@ -63,6 +67,14 @@ class LayerStats:
         self._totals = dict.fromkeys(self.FIELDS, 0)
         self._queued: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = {}
         self._n_queued = 0
+        if getattr(self, "_captured", None) is not None:
+            self._captured.zero_()  # in place: captured graphs add into this tensor
+
+    def prepare_capture(self, device: torch.device) -> None:
+        """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
+        if getattr(self, "_captured", None) is None:
+            self._captured = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=device)
+            self._captured_fields: set[str] = set()
 
     def add(self, fields: tuple[str, ...], value) -> None:
         """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
@@ -79,6 +91,11 @@ class LayerStats:
         """
         if not isinstance(value, torch.Tensor):
             self.add(fields, value * factor)
+            return
+        if value.is_cuda and torch.cuda.is_current_stream_capturing():
+            for name in fields:
+                self._captured.select(0, self.FIELDS.index(name)).add_(value * factor)
+                self._captured_fields.add(name)
             return
         self._queued.setdefault((fields, factor), []).append(value)
         self._n_queued += 1
@@ -97,6 +114,8 @@ def _counter(name: str) -> property:
     def get(self: LayerStats):
         if self._n_queued:
             self.settle()
+        if name in getattr(self, "_captured_fields", ()):
+            return self._totals[name] + self._captured[LayerStats.FIELDS.index(name)]
         return self._totals[name]
 
     def set(self: LayerStats, value) -> None:
@@ -112,7 +131,8 @@ for _name in LayerStats.FIELDS:
 class OffloadLayer(CacheLayerMixin):
     """The KV state of one full-attention layer: open block on device, sealed blocks on host, hot blocks in slots.
 
-    ``self.keys`` / ``self.values`` hold the open block, shape ``[batch, kv_heads, < block_tokens, head_dim]``.
+    ``self.keys`` / ``self.values`` hold the open block, shape ``[batch, kv_heads, < block_tokens, head_dim]``: views
+    of fixed buffers of one block, whose addresses never change (captured decode graphs read them in place).
 
     Args:
         config: the cache's validated settings.
@@ -126,10 +146,13 @@ class OffloadLayer(CacheLayerMixin):
         timer: returns the cache's :class:`~hf_offload.timing.PhaseTimer` for a device (called when timing is on).
         is_first_offload_layer: whether this layer marks the start of each decode step for the timer.
         streams: returns the cache's :class:`~hf_offload.transfer.TransferStreams` for a CUDA device.
+        decode_inputs: returns the cache's :class:`~hf_offload.graphs.DecodeInputs` for a device.
+        graph_pool: returns the memory pool handle the cache's CUDA graphs share on a CUDA device.
 
     Attributes:
         next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
         lookahead: whether decode steps of this layer prefetch for ``next_layer`` (resolved from the config).
+        graphs: whether decode steps of this layer replay captured CUDA graphs (resolved from the config).
     """
 
     is_sliding = False
@@ -148,6 +171,8 @@ class OffloadLayer(CacheLayerMixin):
         timer=lambda device: None,
         is_first_offload_layer: bool = True,
         streams=lambda device: None,
+        decode_inputs: Callable[[torch.device], DecodeInputs] | None = None,
+        graph_pool=lambda device: None,
     ):
         super().__init__()
         self.config = config
@@ -159,6 +184,11 @@ class OffloadLayer(CacheLayerMixin):
         self.cache_timer = timer
         self.is_first_offload_layer = is_first_offload_layer
         self.cache_streams = streams
+        self._own_inputs: dict[torch.device, DecodeInputs] = {}
+        self.cache_decode_inputs = decode_inputs or (lambda device: self._own_inputs.setdefault(device, DecodeInputs()))
+        self.cache_graph_pool = graph_pool
+        self.graphs = False
+        self._graphs: dict[tuple, CapturedDecode] = {}
         self.next_layer: OffloadLayer | None = None
         self.lookahead = False
         self.streams = None
@@ -206,8 +236,10 @@ class OffloadLayer(CacheLayerMixin):
         self.resolve_lookahead()
         self.summaries: dict[str, torch.Tensor] = {}
         self._entry_index_memo: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self.keys = key_states.new_empty((batch, heads, 0, head_dim))
-        self.values = value_states.new_empty((batch, heads, 0, head_dim))
+        # The open block lives in fixed buffers of one block; positions past the filled ones are never attended.
+        self._open_k = key_states.new_zeros((batch, heads, self.block_tokens, head_dim))
+        self._open_v = value_states.new_zeros((batch, heads, self.block_tokens, head_dim))
+        self.keys, self.values = self._open_k[:, :, :0], self._open_v[:, :, :0]
         self.is_initialized = True
 
     def _want_kernels(self, pinned: bool) -> bool:
@@ -222,12 +254,20 @@ class OffloadLayer(CacheLayerMixin):
         return possible and self.config.transfer != "torch"
 
     def resolve_lookahead(self) -> None:
-        """Set :attr:`lookahead` from the config: ``None`` means on with the kernel path on CUDA."""
+        """Set :attr:`lookahead` and :attr:`graphs` from the config: ``None`` means on with the kernel path on CUDA
+        (for graphs: unless lookahead or timing is on)."""
+        device = getattr(self, "device", None)  # known once the first update has fixed the device and transfer path
+        kernels_on_cuda = getattr(self, "use_kernels", False) and device is not None and device.type == "cuda"
         wanted = self.config.lookahead
-        if wanted is None:  # known once the first update has fixed the device and the transfer path
-            device = getattr(self, "device", None)
-            wanted = getattr(self, "use_kernels", False) and device is not None and device.type == "cuda"
-        self.lookahead = bool(wanted)
+        self.lookahead = bool(kernels_on_cuda if wanted is None else wanted)
+        graphs = self.config.cuda_graphs
+        if graphs and device is not None and not kernels_on_cuda:
+            raise RuntimeError(
+                "cuda_graphs=True needs a CUDA device and the kernel transfer path (pinned host pool and Triton); "
+                "use cuda_graphs=None (on where it can run) or False."
+            )
+        self.graphs = bool(kernels_on_cuda and graphs is not False and not self.lookahead and not self.config.timing)
+        self._graphs.clear()
 
     def _clear_transfer_state(self) -> None:
         # Events of the side streams (None: nothing pending, or no side streams).
@@ -246,8 +286,10 @@ class OffloadLayer(CacheLayerMixin):
             self.host.release()
             del self.pool, self.block_table, self.summaries
             self.block_table_dev = None
-            self.keys = self.values = None
+            self.keys = self.values = self._open_k = self._open_v = None
+            self.cache_decode_inputs(self.device).invalidate()
             self.is_initialized = False
+        self._graphs.clear()
         self._clear_transfer_state()
         self.n_tokens = 0
         self.n_blocks = 0
@@ -283,16 +325,23 @@ class OffloadLayer(CacheLayerMixin):
         n_before = self.n_blocks
         if key_states.dtype != self.dtype:
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
-        recent_k = torch.cat([self.keys, key_states], dim=-2)
-        recent_v = torch.cat([self.values, value_states], dim=-2)
-        n_new = recent_k.shape[-2] // self.block_tokens
+        T = self.block_tokens
+        open_n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        if end <= T:  # decode, short chunks: the new tokens join the open block in its buffers
+            self._open_k[:, :, open_n:end] = key_states
+            self._open_v[:, :, open_n:end] = value_states
+            recent_k, recent_v = self._open_k[:, :, :end], self._open_v[:, :, :end]
+        else:
+            recent_k = torch.cat([self.keys, key_states], dim=-2)
+            recent_v = torch.cat([self.values, value_states], dim=-2)
+        n_new = recent_k.shape[-2] // T
+        left = recent_k.shape[-2] - n_new * T
         if n_new:
             self._seal(recent_k, recent_v, n_new)
-            sealed = n_new * self.block_tokens
-            self.keys = recent_k[:, :, sealed:].clone()  # not a view: the sealed part is freed
-            self.values = recent_v[:, :, sealed:].clone()
-        else:
-            self.keys, self.values = recent_k, recent_v  # new tensors that nothing writes to
+            if left:  # only after a concatenation: recent_k is not the buffer
+                self._open_k[:, :, :left] = recent_k[:, :, n_new * T :]
+                self._open_v[:, :, :left] = recent_v[:, :, n_new * T :]
+        self.keys, self.values = self._open_k[:, :, :left], self._open_v[:, :, :left]
         self.n_tokens += key_states.shape[-2]
         leave_handoff(Handoff(self, recent_k, recent_v, first_recent, n_before))
         return recent_k, recent_v
@@ -362,10 +411,113 @@ class OffloadLayer(CacheLayerMixin):
         recent = handoff.key.shape[-2]
         return self._plan(query, mask, scaling, handoff.n_blocks_before, recent, handoff.first_recent_pos + recent - 1)
 
-    def _plan(self, query: torch.Tensor, mask, scaling: float, n: int, recent: int, q_pos: int) -> Selection:
-        """:meth:`select` for ``n`` selectable blocks, ``recent`` device-resident tokens and query position ``q_pos``."""
-        k = min(n, (self.config.budget_tokens - recent) // self.block_tokens)
-        if mask is None:
+    def decode_blocks(self, n: int, recent: int) -> int:
+        """Sealed blocks one decode query selects among ``n`` with ``recent`` tokens in the open block (all ``n`` if
+        the budget holds them)."""
+        return min(n, (self.config.budget_tokens - recent) // self.block_tokens)
+
+    # ------------------------------------------------------------------------------------------- decode graphs
+    def decode_inputs(self, handoff: Handoff, mask) -> DecodeInputs:
+        """The shared inputs of this decode step (built by the step's first offloaded layer on this device).
+
+        Args:
+            handoff: this step's handoff.
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask` (plain causal), or ``None``.
+        """
+        return self.cache_decode_inputs(self.device).update(
+            self.batch, handoff.n_blocks_before, self.block_tokens, handoff.first_recent_pos, handoff.key.shape[-2],
+            None if mask is None else mask.padding, self.config.sink_blocks, self.config.window_blocks, self.device,
+            step=mask,
+        )  # fmt: skip
+
+    def captured(self, key: tuple) -> CapturedDecode | None:
+        """This layer's graph for ``key`` (geometry of a decode step), or ``None``."""
+        return self._graphs.get(key)
+
+    def replay(self, graph: CapturedDecode, query: torch.Tensor) -> torch.Tensor:
+        """One decode step of this layer's attention from its captured graph.
+
+        Args:
+            graph: from :meth:`captured`.
+            query: ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA.
+
+        Returns:
+            ``[batch, 1, q_heads, head_dim]``: the graph's output buffer (overwritten by its next replay).
+        """
+        # Stream order, as in resident_rounds: the recall in the graph reads host blocks the offload stream wrote.
+        self._wait_prefetch()
+        transfer.wait_event(self._selectable_written, self.device)
+        self._selectable_written = None
+        graph.query.copy_(query)
+        graph.graph.replay()
+        self.stats.add(("decode_steps",), 1)
+        return graph.out
+
+    def capture_decode(self, key: tuple, body: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
+                       inputs: DecodeInputs) -> None:
+        """Capture ``body`` (this layer's decode attention, just run op by op for the same geometry) for ``key``.
+
+        Graphs of an earlier geometry are dropped. If the capture fails, this layer runs op by op from then on
+        (with ``cuda_graphs=True``: the error is raised).
+
+        Args:
+            key: the geometry (sealed blocks, selected blocks, query shape and dtype, scale, input buffers).
+            body: enqueues the step's work on the current stream given the query buffer; returns the output.
+            query: an example query, ``[batch, q_heads, 1, head_dim]``, CUDA.
+            inputs: the step's shared inputs (held by the graph).
+        """
+        self._graphs = {k: g for k, g in self._graphs.items() if k[0] == key[0]}
+        self.stats.prepare_capture(self.device)
+        held = (
+            *self.summaries.values(), self.block_table_dev, self.host.chunk_addrs(self.device),
+            inputs.rows, inputs.valid, inputs.forced, inputs.sequence,
+        )  # fmt: skip
+        try:
+            self._graphs[key] = capture(body, query, self.cache_graph_pool(self.device), held)
+        except Exception as error:
+            if self.config.cuda_graphs:
+                raise RuntimeError(f"Layer {self.layer_idx}: capturing the decode step failed: {error}") from error
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing the decode step into a CUDA graph failed ({error}); this layer "
+                "runs op by op from now on.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            self.graphs = False
+            self._graphs.clear()
+
+    def plan_decode(self, query: torch.Tensor, scaling: float, n: int, k: int, inputs: DecodeInputs) -> Selection:
+        """The selection of a decode step of a plain causal forward: ``k`` of ``n`` sealed blocks (all if ``k >= n``),
+        valid and forced blocks from the step's shared ``inputs``. No host synchronisation.
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, compute device.
+            scaling: softmax scale.
+            n: sealed blocks before this step.
+            k: blocks the budget selects (:meth:`decode_blocks`).
+            inputs: this step's :class:`~hf_offload.graphs.DecodeInputs`.
+        """
+        return self._plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
+
+    def _plan(
+        self,
+        query: torch.Tensor,
+        mask,
+        scaling: float,
+        n: int,
+        recent: int,
+        q_pos: int,
+        inputs: DecodeInputs | None = None,
+        k: int | None = None,
+    ) -> Selection:
+        """:meth:`select` for ``n`` selectable blocks, ``recent`` device-resident tokens and query position ``q_pos``;
+        with ``inputs`` (a decode step's, plain causal mask), valid and forced blocks come from there; ``k``: blocks
+        to select (default: what the budget leaves beside ``recent``)."""
+        if k is None:
+            k = self.decode_blocks(n, recent)
+        if inputs is not None:
+            valid = inputs.valid
+        elif mask is None:
             valid = torch.ones((self.batch, n), dtype=torch.bool, device=self.device)
         else:
             valid = mask.block_valid(q_pos, n, self.block_tokens, self.device)
@@ -386,7 +538,10 @@ class OffloadLayer(CacheLayerMixin):
 
         # Every layer of one forward with the same geometry forces the same blocks: built once per forward.
         key = ("forced", q_pos, n, self.block_tokens, sink, window, self.device)
-        forced = forced_blocks() if mask is None else mask.memo(key, forced_blocks)
+        if inputs is not None:
+            forced = inputs.forced
+        else:
+            forced = forced_blocks() if mask is None else mask.memo(key, forced_blocks)
         summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
         selection = self.selector.select(query, summaries, scaling, k, forced, valid)
         cap = self.config.transfer_cap_blocks
@@ -396,7 +551,7 @@ class OffloadLayer(CacheLayerMixin):
         return selection
 
     def resident_rounds(
-        self, selection: Selection, decode: bool
+        self, selection: Selection, decode: bool, count_step: bool = True
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
 
@@ -410,7 +565,7 @@ class OffloadLayer(CacheLayerMixin):
         total = selection.blocks.shape[-1]
         per_round = self.pool.slots
         prefetched, self._prefetched_slots = self._prefetched_slots, None
-        if decode:
+        if decode and count_step:
             self.stats.add(("decode_steps",), 1)
         shared, heads = not self.selector.per_head, self.kv_heads
         for start in range(0, total, per_round):
@@ -614,7 +769,7 @@ class OffloadLayer(CacheLayerMixin):
         """Device bytes of KV held by this layer: the slot pool, the open block and admitted blocks."""
         if not self.is_initialized:
             return 0
-        return self.pool.nbytes + 2 * self.keys.numel() * self.keys.element_size() + self.host.used_bytes_on(True)
+        return self.pool.nbytes + 2 * self._open_k.numel() * self._open_k.element_size() + self.host.used_bytes_on(True)
 
     def device_summary_bytes(self) -> int:
         """Device bytes of the block summaries."""
@@ -702,6 +857,8 @@ class _SharedResources:
         self.admissions: dict[torch.device, DeviceAdmission] = {}
         self.transfer_streams: dict[torch.device, transfer.TransferStreams] = {}
         self.phase_timer: PhaseTimer | None = None
+        self.inputs: dict[torch.device, DecodeInputs] = {}
+        self.graph_pools: dict[torch.device, tuple] = {}
 
     def admission(self, device: torch.device) -> DeviceAdmission | None:
         """The device admission budget of ``device`` (one per device), or ``None`` unless admission is "auto"."""
@@ -717,6 +874,16 @@ class _SharedResources:
         if device not in self.transfer_streams:
             self.transfer_streams[device] = transfer.TransferStreams(device)
         return self.transfer_streams[device]
+
+    def decode_inputs(self, device: torch.device) -> DecodeInputs:
+        """The shared inputs of the decode step on ``device`` (one per device)."""
+        return self.inputs.setdefault(device, DecodeInputs())
+
+    def graph_pool(self, device: torch.device):
+        """The memory pool the CUDA graphs of the cache's layers on ``device`` share (replayed in capture order)."""
+        if device not in self.graph_pools:
+            self.graph_pools[device] = torch.cuda.graph_pool_handle()
+        return self.graph_pools[device]
 
     def timer(self, device: torch.device) -> PhaseTimer:
         """The cache's phase timer."""
@@ -794,7 +961,8 @@ class OffloadCache(Cache):
                 layers.append(
                     OffloadLayer(
                         config, self.selector, idx, self.host_budget, id(self), text_config, self._shared.admission,
-                        self._shared.timer, first, self._shared.streams,
+                        self._shared.timer, first, self._shared.streams, self._shared.decode_inputs,
+                        self._shared.graph_pool,
                     )
                 )  # fmt: skip
             else:

@@ -68,6 +68,13 @@ class OffloadConfig:
         lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one speculative plan
             selects besides the sink and window blocks, which bounds the bytes a wrong guess costs. ``None``: as
             many as the budget selects.
+        cuda_graphs: replay each offloaded layer's decode attention (selection, slot assignment, recall, attention)
+            from a CUDA graph instead of launching its ~120 small operations one by one from Python. A layer's
+            graph is captured at the first decode step after each seal of a block (the number of sealed blocks
+            fixes the shapes) and replayed for the other steps; the outputs are those of the step run op by op.
+            Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
+            prefill, masks other than causal with padding) run op by op. ``None``: on where it can run;
+            ``False``: off; ``True``: on, and an error where it cannot run.
     """
 
     budget_tokens: int = 2048
@@ -88,6 +95,7 @@ class OffloadConfig:
     timing: bool = False
     lookahead: bool | None = False
     lookahead_blocks: int | None = None
+    cuda_graphs: bool | None = False
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -161,6 +169,10 @@ class OffloadConfig:
             raise ValueError(
                 f"lookahead_blocks must be a non-negative integer (blocks per sequence beyond sink and window) or "
                 f"None (as many as the budget selects), got {ahead!r}."
+            )
+        if self.cuda_graphs is not None and not isinstance(self.cuda_graphs, bool):
+            raise ValueError(
+                f"cuda_graphs must be True, False or None (None: on where it can run), got {self.cuda_graphs!r}."
             )
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(

@@ -152,10 +152,11 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     config = config or OffloadConfig()
     block_tokens = config.block_tokens
     blocks = context_tokens // block_tokens
-    open_tokens = context_tokens % block_tokens
     block_bytes = block_tokens * per_token
     pool_bytes = batch * config.pool_blocks * block_bytes
-    device = shape.full_layers * (pool_bytes + batch * open_tokens * per_token) + sliding_bytes
+    # The open block lives in a buffer of one whole block (per sequence and layer), filled or not.
+    open_bytes = batch * block_bytes if context_tokens else 0
+    device = shape.full_layers * (pool_bytes + open_bytes) + sliding_bytes
     summaries = shape.full_layers * batch * blocks * _summary_bytes_per_block(shape, config)
     host = shape.full_layers * batch * blocks * block_bytes
     chunk_blocks = max(1, int(config.host_chunk_mib * (1 << 20)) // block_bytes)

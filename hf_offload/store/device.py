@@ -32,7 +32,8 @@ class DeviceSlotPool:
         self._last_used = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.int64, device=device)
         self.block = self._block[..., :slots]
         self.last_used = self._last_used[..., :slots]
-        self.clock = 0
+        # The recency clock lives on the device, so that a captured decode step (CUDA graph) advances it too.
+        self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self._b = torch.arange(batch, device=device)[:, None, None]
         self._h = torch.arange(kv_heads, device=device)[None, :, None]
         self._keys = self.data[:, :, 0]  # [B, S, H, T, D] views: gather indexes them without copying K and V apart
@@ -90,7 +91,8 @@ class DeviceSlotPool:
         self._block.scatter_(-1, filled, blocks.expand(batch, heads, n))
         if touch:
             self.clock += 1
-            self._last_used.scatter_(-1, torch.where(keep, slots_of, slots), self.clock)
+            used = torch.where(keep, slots_of, slots)
+            self._last_used.scatter_(-1, used, self.clock.expand(used.shape))
         else:
             self._last_used.scatter_(-1, filled, -1)
         return slots_of, miss

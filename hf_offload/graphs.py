@@ -1,0 +1,154 @@
+"""What a decode step of the offloaded layers shares, and the CUDA graphs that replay a layer's decode attention.
+
+A decode step of one offloaded layer is about a hundred small device operations (scoring, top-k, slot assignment,
+recall, gather, attention). Launched one by one from Python they cost several times the device time they need (an
+8B-shaped model at 32K and batch 8 spends ~95 ms per step, almost all of it host-side launch work;
+``docs/results/decode.md``). Between two seals of a block every shape of that work is fixed, so each layer captures
+it once into a CUDA graph and replays it: one launch per layer and step.
+
+Everything a captured graph reads must keep its address while the graph lives. :class:`DecodeInputs` holds what
+every offloaded layer of one decode step shares (which tokens may be attended, which blocks may and must be
+selected) in buffers that keep their address while the number of sealed blocks does; the layer's open block lives in
+a fixed buffer (:class:`~hf_offload.cache.OffloadLayer`); tensors that are replaced when a block is sealed (block
+summaries, the block table, the host pool's chunk addresses) are held by the graph (:class:`CapturedDecode`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+class DecodeInputs:
+    """The inputs every offloaded layer of one decode step shares, built once per step.
+
+    Attributes:
+        rows: which tokens may be attended, ``[batch, n_blocks + 2, block_tokens]``, ``torch.bool``, compute device.
+            Row ``j < n_blocks``: sealed block ``j`` (left padding masks tokens); row ``n_blocks``: the open block
+            (its filled positions that are not padding); row ``n_blocks + 1``: nothing (entries not selected).
+        valid: sealed blocks with at least one token that may be attended, ``[batch, n_blocks]``, ``torch.bool``.
+        forced: sealed blocks every selection keeps (sink and window), ``[batch, n_blocks]``, ``torch.bool``.
+        sequence: ``arange(batch)`` shaped ``[batch, 1, 1]``, ``torch.int64`` (row index of ``rows``).
+
+    The buffers keep their address while ``batch``, ``n_blocks`` and ``block_tokens`` stay the same; a step with new
+    values fills them in place.
+    """
+
+    def __init__(self) -> None:
+        self._step: tuple | None = None
+        self._shape: tuple | None = None
+        self._plain = False  # the sealed rows hold "every token" (no padding)
+        self.rows = self.valid = self.forced = self.sequence = None
+
+    def invalidate(self) -> None:
+        """Forget the step the buffers were filled for (the cache was reset); the next step fills them again."""
+        self._step = None
+        self._plain = False
+
+    def update(
+        self,
+        batch: int,
+        n_blocks: int,
+        block_tokens: int,
+        first_recent: int,
+        n_recent: int,
+        padding: torch.Tensor | None,
+        sink_blocks: int,
+        window_blocks: int,
+        device: torch.device,
+        step: object,
+    ) -> "DecodeInputs":
+        """Fill the buffers for one decode step (a no-op for the later layers of the same step).
+
+        Args:
+            batch, n_blocks, block_tokens: the geometry (sequences, sealed blocks before this step, tokens per block).
+            first_recent: position of the open block's first token.
+            n_recent: tokens in the open block, this step's new token included (1 to ``block_tokens``).
+            padding: the forward's 2D padding mask, ``[batch, >= first_recent + n_recent]``, ``torch.bool``, any
+                device; ``None``: no padding.
+            sink_blocks, window_blocks: blocks forced at the start (after left padding) and at the end.
+            device: compute device.
+            step: identifies the forward (the layers of one forward pass the same object).
+        """
+        key = (batch, n_blocks, block_tokens, first_recent, n_recent, id(step))
+        if key == self._step:
+            return self
+        shape = (batch, n_blocks, block_tokens, device)
+        if shape != self._shape:
+            self.rows = torch.zeros((batch, n_blocks + 2, block_tokens), dtype=torch.bool, device=device)
+            self.valid = torch.zeros((batch, n_blocks), dtype=torch.bool, device=device)
+            self.forced = torch.zeros((batch, n_blocks), dtype=torch.bool, device=device)
+            self.sequence = torch.arange(batch, device=device)[:, None, None]
+            self._shape = shape
+            self._plain = False
+        rows, n, T = self.rows, n_blocks, block_tokens
+        if padding is None:
+            if not self._plain:  # sealed rows: every token (once per buffer while no padding comes)
+                rows[:, :n] = True
+                self._plain = True
+            rows[:, n] = torch.arange(T, device=device) < n_recent
+        else:
+            padding = padding.to(device)
+            rows[:, :n].copy_(padding[:, : n * T].view(batch, n, T))
+            rows[:, n, :n_recent] = padding[:, first_recent : first_recent + n_recent]
+            rows[:, n, n_recent:] = False
+            self._plain = False
+        torch.any(rows[:, :n], dim=-1, out=self.valid)
+        idx = torch.arange(n, device=device)
+        start = self.valid.int().argmax(dim=-1, keepdim=True)  # the first block holding a real token
+        forced = (idx >= start) & (idx < start + sink_blocks)
+        forced |= idx >= n - window_blocks
+        torch.logical_and(forced, self.valid, out=self.forced)
+        self._step = key
+        return self
+
+
+@dataclass
+class CapturedDecode:
+    """One layer's captured decode attention.
+
+    Attributes:
+        graph: the CUDA graph.
+        query: its input, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA (copied into before each replay).
+        out: its output, ``[batch, 1, q_heads, head_dim]`` (overwritten by each replay).
+        held: tensors the graph reads that the layer may replace while the graph lives.
+    """
+
+    graph: torch.cuda.CUDAGraph
+    query: torch.Tensor
+    out: torch.Tensor
+    held: tuple
+
+
+def capture(body, query: torch.Tensor, pool, held: tuple) -> CapturedDecode:
+    """Capture ``body(query_buffer)`` into a CUDA graph on a side stream; nothing runs on the device.
+
+    Args:
+        body: enqueues the work; takes the static query buffer and returns the output tensor. It must not
+            synchronise with the host, allocate pinned memory or create tensors that outlive it outside the graph.
+        query: an example input (shape, dtype, device), ``[batch, q_heads, 1, head_dim]``.
+        pool: the memory pool handle shared by the graphs of one cache (``torch.cuda.graph_pool_handle()``).
+        held: tensors to keep alive with the graph.
+
+    Raises:
+        Whatever the capture raised; the stream is out of capture mode either way.
+    """
+    static = query.detach().clone()
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(query.device)
+    stream = torch.cuda.Stream(query.device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = body(static)
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture was invalidated by the failure being raised
+            raise
+        graph.capture_end()
+    current.wait_stream(stream)
+    return CapturedDecode(graph=graph, query=static, out=out, held=held)
