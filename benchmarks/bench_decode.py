@@ -8,6 +8,8 @@ Methods, each decoding one new token per sequence and step through the model's f
 * ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)``: every layer's whole KV lives in host memory
   and is copied to the device before the layer runs (prefetched one layer ahead on a side stream) and back after.
 * ``quantkey``: ``OffloadCache(selector="quantkey")``, the default selector, the default transfer path.
+* ``quantkey-graphs``, ``solohead-graphs``: the same with ``cuda_graphs=True`` (each layer's decode attention
+  replayed from a CUDA graph).
 * ``solohead``: ``OffloadCache(selector="solohead")``, the default transfer path (the gather kernel where Triton
   runs on CUDA).
 * ``headwise-copy``: ``OffloadCache(selector="headwise", transfer="torch")``: one selection per KV head, so a
@@ -52,8 +54,9 @@ from hf_offload.store.host import available_host_bytes  # noqa: E402
 
 GIB = 1 << 30
 DECODE_ONLY = "decode-only: KV filled with random values, no prefill"
-METHODS = ["dynamic", "static", "hf-offloaded", "quantkey", "solohead", "headwise-copy"]
-OFFLOAD_METHODS = ("quantkey", "solohead", "headwise-copy")
+METHODS = ["dynamic", "static", "hf-offloaded", "quantkey", "quantkey-graphs", "solohead", "solohead-graphs",
+           "headwise-copy"]
+OFFLOAD_METHODS = ("quantkey", "quantkey-graphs", "solohead", "solohead-graphs", "headwise-copy")
 
 # Model sizes (random bf16 weights: speed does not depend on the values). ``family``: the transformers model class;
 # ``preset``: the matching hf_offload.planner preset (same KV geometry).
@@ -88,6 +91,10 @@ METHOD_NOTES = {
     "quantkey": "OffloadCache(selector='quantkey', transfer='auto'): the default selector (every key on the device at "
     "2 bits, blocks ranked by their estimated attention mass, one shared selection per layer and sequence), "
     "whole-block recall; every other setting is the OffloadConfig default of the run's commit",
+    "quantkey-graphs": "OffloadCache(selector='quantkey', transfer='auto', cuda_graphs=True): quantkey with each "
+    "layer's decode attention replayed from a CUDA graph (captured at the first step after each seal)",
+    "solohead-graphs": "OffloadCache(selector='solohead', transfer='auto', cuda_graphs=True): solohead with each "
+    "layer's decode attention replayed from a CUDA graph (captured at the first step after each seal)",
     "headwise-copy": "OffloadCache(selector='headwise', transfer='torch'): one selection per KV head (2 x kv_heads "
     "pieces per block); per layer and step the block table is read on the host (one synchronisation), the CPU "
     "gathers the missed pieces into a pinned staging tensor, one host-to-device copy moves them (the random fill "
@@ -340,6 +347,9 @@ def make_cache(method: str, model, context: int, args, device: torch.device):
         return DynamicCache(config=model.config, offloading=True), None
     if method in ("solohead", "quantkey"):
         return OffloadCache(model, budget_tokens=args.budget, selector=method, transfer="auto"), "auto"
+    if method in ("solohead-graphs", "quantkey-graphs"):
+        selector = method.removesuffix("-graphs")
+        return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True), "auto"
     from hf_offload.kernels.gather import kernels_available
 
     # headwise-copy decodes through transfer='torch'. Where the kernels run, the fill writes through them (the
@@ -797,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     continue
             off_cfg = OffloadConfig(budget_tokens=args.budget, selector="headwise" if method == "headwise-copy" else
-                                    "quantkey" if method == "quantkey" else "solohead")  # fmt: skip
+                                    "quantkey" if method.startswith("quantkey") else "solohead")  # fmt: skip
             pred = predict(method, shape, context, batch, off_cfg, layer_kv, env["n_rep"])
             # torch's pinned allocator rounds each hf-offloaded layer tensor up to a power of two.
             pinned_round = 0

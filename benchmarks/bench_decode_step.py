@@ -51,6 +51,7 @@ from hf_offload.kernels.gather import kernels_available  # noqa: E402
 from hf_offload.store import DeviceSlotPool  # noqa: E402
 
 LOOKAHEAD = {"off": [False], "on": [True], "both": [False, True]}
+GRAPHS = {"off": [False], "on": [True], "both": [False, True]}
 
 
 @contextlib.contextmanager
@@ -156,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transfers", nargs="+", default=["kernel", "torch"])
     parser.add_argument("--selector", default="solohead")
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="off")
+    parser.add_argument("--graphs", choices=sorted(GRAPHS), default="off",
+                        help="cuda_graphs setting(s); with graphs on, lookahead is off and there is no phase timing "
+                        "(the step time is the wall time of generate() per step)")  # fmt: skip
     parser.add_argument("--lookahead-blocks", type=int, default=None, help="OffloadConfig.lookahead_blocks")
     parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
                         "and the recall alone, and report the share of recall hidden behind compute")  # fmt: skip
@@ -168,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = SHAPES[args.shape]
-    settings = LOOKAHEAD[args.lookahead]
+    # (cuda_graphs, lookahead) pairs; graphs run without lookahead (and without the phase timer).
+    settings = [(False, la) for la in LOOKAHEAD[args.lookahead]] * (False in GRAPHS[args.graphs])
+    settings += [(True, False)] * (True in GRAPHS[args.graphs])
     modes = [False, True] if args.hidden_share else [False]  # copies skipped?
     total_steps = args.warmup + args.steps * len(settings) * len(modes)
     config = LlamaConfig(**shape, max_position_embeddings=args.context + total_steps + 16)
@@ -186,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note=note), "runs": runs,
                                  "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
 
-    print(f"{'transfer':8s} {'lookahead':9s} {'bytes':8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "
+    print(f"{'transfer':8s} {'graphs':6s} {'lookahead':9s} {'bytes':8s} {'wall ms':>8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "
           f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s}")  # fmt: skip
     for path in args.transfers:
         if path == "kernel" and not kernels_available(device):
@@ -194,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path:8s} skipped: the copy kernels cannot run on {device.type} here")
             continue
         cache = OffloadCache(model, budget_tokens=args.budget, selector=args.selector, transfer=path, timing=True,
-                             admission="always", lookahead=settings[0], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
+                             admission="always", lookahead=settings[0][1], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
         t0 = time.perf_counter()
         fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
         if cuda:
@@ -207,24 +213,30 @@ def main(argv: list[str] | None = None) -> int:
         measured = {}
         # Settings run one after the other on this cache. After a run without copies the slots hold stale bytes,
         # which changes the tokens that follow but no timing (decode cost does not depend on the values).
-        for lookahead in settings:
-            cache.set_lookahead(lookahead)
+        for graphs, lookahead in settings:
+            cache.set_options(cuda_graphs=graphs, timing=not graphs, lookahead=lookahead)
             for skip in modes:
                 cache.reset_stats()
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
+                cache.drop_graphs()  # graphs captured with or without copies must not serve the other mode
                 with copies_skipped() if skip else contextlib.nullcontext():
                     ids, generate_s = decode(model, cache, ids, args.steps, cuda)
+                cache.drop_graphs()
                 stats = cache.stats()
                 stats.pop("layers")
-                timing = stats["timing"]
                 steps = max(stats["decode_steps"], 1)
+                wall_ms = generate_s * 1e3 / args.steps
+                timing = stats["timing"] or {"step_ms": wall_ms}  # graphs: no phase timer, the wall time per step
                 run = {
                     "transfer": path,
+                    "cuda_graphs": graphs,
                     "lookahead": lookahead,
                     "bytes_moved": not skip,
                     "fill_s": fill_s,
                     "generate_s": generate_s,
+                    "wall_ms_per_step": wall_ms,
+                    "step_ms": timing["step_ms"],
                     "tokens_per_s": args.batch * 1e3 / timing["step_ms"],
                     "decode_recalled_bytes_per_step": stats["decode_recalled_bytes"] / steps,
                     "decode_recalled_blocks_per_layer_step": stats["decode_recalled_blocks"] / steps / layers,
@@ -237,26 +249,29 @@ def main(argv: list[str] | None = None) -> int:
                     "stats": stats,
                 }  # fmt: skip
                 runs.append(run)
-                measured[(lookahead, skip)] = run
+                measured[(graphs, lookahead, skip)] = run
                 used = "-" if run["prefetch_used_share"] is None else f"{run['prefetch_used_share']:.2f}"
-                print(f"{path:8s} {'on' if lookahead else 'off':9s} {'none' if skip else 'moved':8s} "
-                      f"{timing['step_ms']:8.2f} {timing['select_ms']:7.2f} {timing['prefetch_ms']:8.2f} "
-                      f"{timing['recall_ms']:7.2f} {timing['attention_ms']:7.2f} {timing['rest_ms']:7.2f} "
+                phases = " ".join(f"{timing.get(k + '_ms', float('nan')):{w}.2f}" for k, w in
+                                  (("select", 7), ("prefetch", 8), ("recall", 7), ("attention", 7), ("rest", 7)))
+                print(f"{path:8s} {'on' if graphs else 'off':6s} {'on' if lookahead else 'off':9s} "
+                      f"{'none' if skip else 'moved':8s} {wall_ms:8.2f} {timing['step_ms']:8.2f} {phases} "
                       f"{run['tokens_per_s']:7.1f} {stats['hit_rate']:6.3f} "
                       f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s}", flush=True)  # fmt: skip
         if args.hidden_share:
             # The bytes a step must move to be exact: the misses of the plans without lookahead.
-            base = measured.get((False, False)) or measured[(True, False)]
+            base = next(measured[key] for key in ((False, False, False), (True, False, False), (False, True, False))
+                        if key in measured)  # fmt: skip
             alone = recall_alone_ms(cache, base["exact_recalled_blocks_per_layer_step"], path, args.alone_repeats)
-            for lookahead in settings:
-                real, resident = measured[(lookahead, False)], measured[(lookahead, True)]
+            for graphs, lookahead in settings:
+                real, resident = measured[(graphs, lookahead, False)], measured[(graphs, lookahead, True)]
                 own = recall_alone_ms(cache, real["decode_recalled_blocks_per_layer_step"], path, args.alone_repeats)
-                exposed = real["stats"]["timing"]["step_ms"] - resident["stats"]["timing"]["step_ms"]
+                exposed = real["step_ms"] - resident["step_ms"]
                 share = {
                     "transfer": path,
+                    "cuda_graphs": graphs,
                     "lookahead": lookahead,
-                    "step_ms": real["stats"]["timing"]["step_ms"],
-                    "resident_step_ms": resident["stats"]["timing"]["step_ms"],
+                    "step_ms": real["step_ms"],
+                    "resident_step_ms": resident["step_ms"],
                     "exposed_recall_ms": exposed,
                     "recall_alone_ms": alone,
                     "recall_alone_blocks_per_layer": base["exact_recalled_blocks_per_layer_step"],
@@ -266,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 }
                 shares.append(share)
                 hidden = "-" if share["hidden_share"] is None else f"{share['hidden_share']:.2f}"
-                print(f"{path:8s} lookahead {'on ' if lookahead else 'off'}: step {share['step_ms']:.2f} ms, all "
+                print(f"{path:8s} graphs {'on ' if graphs else 'off'} lookahead {'on ' if lookahead else 'off'}: step {share['step_ms']:.2f} ms, all "
                       f"resident {share['resident_step_ms']:.2f} ms, exposed recall {exposed:.2f} ms, recall alone "
                       f"{alone:.2f} ms ({share['recall_alone_blocks_per_layer']:.1f} blocks x {layers} layers; own "
                       f"bytes {own:.2f} ms) -> hidden share {hidden}", flush=True)  # fmt: skip

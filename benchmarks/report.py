@@ -496,7 +496,7 @@ def decode_throughput(check: bool) -> list[str]:
     for c in contexts:
         cells = [("-" if (b := best(x, c)) is None else f"{b['tokens_per_s']:,.1f} ({b['batch']})") for x in methods]
         lines.append(f"| {c:,} | " + " | ".join(cells) + " |")
-    ours = [x for x in ("quantkey", "solohead") if x in methods]
+    ours = [x for x in ("quantkey", "quantkey-graphs", "solohead", "solohead-graphs") if x in methods]
     if ours:
         lines += ["", "## Ratios", "", "| context | ratio | value |", "|---:|---|---:|"]
         for c in contexts:

@@ -978,10 +978,34 @@ class OffloadCache(Cache):
     def set_lookahead(self, lookahead: bool | None) -> None:
         """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
         decode steps, e.g. to compare both on one filled cache; see :class:`~hf_offload.config.OffloadConfig`."""
-        self.config = self.config.replace(lookahead=lookahead)
+        self.set_options(lookahead=lookahead)
+
+    def set_options(self, **changes) -> None:
+        """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``timing``) on a
+        filled cache, e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
+
+        Raises:
+            ValueError: for any other field, or an invalid value (nothing is changed then).
+        """
+        other = set(changes) - {"lookahead", "cuda_graphs", "timing"}
+        if other:
+            raise ValueError(
+                f"set_options() changes lookahead, cuda_graphs and timing only; {sorted(other)} fix the cache's "
+                "layout: build a new OffloadCache for them."
+            )
+        config = self.config.replace(**changes)
+        self.config = config
         for layer in self.offload_layers:
-            layer.config = self.config
+            layer.config = config
+            if layer.is_initialized:
+                layer.timer = self._shared.timer(layer.device) if config.timing else None
             layer.resolve_lookahead()
+
+    def drop_graphs(self) -> None:
+        """Drop every captured decode graph; each layer captures again at its next decode step (e.g. after a
+        function its decode step calls was replaced)."""
+        for layer in self.offload_layers:
+            layer._graphs.clear()
 
     @property
     def offload_layers(self) -> list[OffloadLayer]:

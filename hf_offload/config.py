@@ -174,6 +174,11 @@ class OffloadConfig:
             raise ValueError(
                 f"cuda_graphs must be True, False or None (None: on where it can run), got {self.cuda_graphs!r}."
             )
+        if self.cuda_graphs and (self.timing or self.lookahead):
+            raise ValueError(
+                "cuda_graphs=True cannot be combined with timing=True or lookahead=True (both run per-phase host work "
+                "inside the decode step); set cuda_graphs=None to use graphs only where neither is on."
+            )
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(
                 f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."

@@ -1,0 +1,115 @@
+"""Decode steps replayed from CUDA graphs give the tokens and counters of the steps run op by op. Skipped without
+CUDA (and Triton: graphs need the kernel transfer path)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import hf_offload.cache as cache_module
+from hf_offload import OffloadCache
+from hf_offload.cache import OffloadLayer
+from hf_offload.kernels.gather import kernels_available
+from hf_offload.selectors import SoloHeadSelector
+
+from .conftest import build_model, left_padded
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and kernels_available(torch.device("cuda"))), reason="needs CUDA and Triton"
+    ),
+]
+
+SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
+COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "offloaded_bytes", "decode_steps",
+            "hit_rate", "host_kv_bytes", "device_kv_bytes")  # fmt: skip
+
+
+def _generate(model, ids, mask, steps, **options):
+    cache = OffloadCache(model, **SMALL, **options)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False)  # fmt: skip
+    torch.cuda.synchronize()
+    return out, cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("selector", ["quantkey", "solohead", "headwise"])
+def test_graphs_same_tokens_and_counters(arch, selector, monkeypatch):
+    model = build_model(arch).cuda()
+    ids, mask = left_padded([70, 53, 31], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    steps = 60  # several seals of 8-token blocks: several captures per layer
+    expected, eager = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=False)
+    captures, replays = [], []
+    capture, replay = cache_module.capture, OffloadLayer.replay
+    monkeypatch.setattr(cache_module, "capture", lambda *a, **k: captures.append(1) or capture(*a, **k))
+    monkeypatch.setattr(OffloadLayer, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
+    got, graphed = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=True)
+    assert torch.equal(got, expected)
+    layers = len(graphed.offload_layers)
+    decode_calls = (steps - 1) * layers
+    assert replays and captures
+    assert len(replays) + len(captures) <= decode_calls  # every step either replays or runs op by op
+    assert len(replays) >= decode_calls * 3 // 4  # one capture per layer and seal (every 8 steps)
+    a, b = eager.stats(), graphed.stats()
+    for name in COUNTERS:
+        assert a[name] == b[name], name
+    for idx in a["layers"]:
+        assert a["layers"][idx]["lookups"] == b["layers"][idx]["lookups"]
+
+
+def test_graphs_bf16_long_decode_matches_op_by_op():
+    """500 decode steps of a bf16 model: graphs replayed across ~60 seals give the same tokens."""
+    model = build_model("llama").to("cuda", torch.bfloat16)
+    ids, mask = left_padded([200, 150], seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
+    expected, _ = _generate(model, ids, mask, 500, cuda_graphs=False)
+    got, cache = _generate(model, ids, mask, 500, cuda_graphs=True)
+    assert torch.equal(got, expected)
+    assert all(layer.graphs for layer in cache.offload_layers)
+
+
+def test_graphs_survive_reset_and_a_new_batch():
+    model = build_model("llama").cuda()
+    cache = OffloadCache(model, **SMALL, cuda_graphs=True)
+    for lengths, seed in (([40, 33], 5), ([61, 20, 44], 6)):
+        ids, mask = left_padded(lengths, seed=seed)
+        ids, mask = ids.cuda(), mask.cuda()
+        expected, _ = _generate(model, ids, mask, 30, cuda_graphs=False)
+        cache.reset()
+        with torch.no_grad():
+            got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30,
+                                 min_new_tokens=30, do_sample=False)  # fmt: skip
+        assert torch.equal(got, expected)
+
+
+class _SyncingSelector(SoloHeadSelector):
+    """Reads a score on the host: cannot be captured."""
+
+    name = "syncing"
+
+    def score(self, query, summaries, scaling):
+        scores = super().score(query, summaries, scaling)
+        if float(scores.max()) > 1e9:  # a host synchronisation
+            raise AssertionError("unreachable")
+        return scores
+
+
+def test_capture_failure_falls_back_or_raises():
+    model = build_model("llama").cuda()
+    ids, mask = left_padded([40, 33], seed=7)
+    ids, mask = ids.cuda(), mask.cuda()
+    expected, _ = _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cache = _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=None)
+    assert torch.equal(got, expected)
+    assert any("runs op by op" in str(w.message) for w in caught)
+    assert not any(layer.graphs for layer in cache.offload_layers)
+    with pytest.raises(RuntimeError, match="capturing the decode step failed"):
+        _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=True)
