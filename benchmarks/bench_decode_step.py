@@ -87,6 +87,19 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool) -> tuple[tor
     return out, time.perf_counter() - t0
 
 
+def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: Path) -> None:
+    """Profile ``steps`` decode steps on ``cache`` (after the timed ones; their counts are not reported) and write
+    the operators and kernels by total device time to ``out``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        decode(model, cache, ids, steps, cuda)
+    sort = "cuda_time_total" if cuda else "cpu_time_total"
+    out.write_text(f"{steps} decode steps\n" + prof.key_averages().table(sort_by=sort, row_limit=40))
+    print(f"wrote {out}")
+
+
 def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, seed: int = 0) -> float | None:
     """Median ms to recall ``pieces_per_layer`` random blocks (or head pieces) of every offloaded layer's host pool,
     one recall per layer as in a decode step, into a scratch slot pool on an otherwise idle device.
@@ -164,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
                         "and the recall alone, and report the share of recall hidden behind compute")  # fmt: skip
     parser.add_argument("--alone-repeats", type=int, default=5)
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after each setting's timed run, profile this many more decode steps (torch.profiler) "
+                        "and write the kernels by device time next to --out")  # fmt: skip
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--out", default="results/decode/decode_step.json")
     args = parser.parse_args(argv)
@@ -193,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
 
     print(f"{'transfer':8s} {'graphs':6s} {'lookahead':9s} {'bytes':8s} {'wall ms':>8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "
-          f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s}")  # fmt: skip
+          f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s} {'replays/captures':>16s}")  # fmt: skip
     for path in args.transfers:
         if path == "kernel" and not kernels_available(device):
             skipped.append({"transfer": path, "reason": f"the copy kernels cannot run on {device.type} here"})
@@ -222,8 +238,11 @@ def main(argv: list[str] | None = None) -> int:
                 cache.drop_graphs()  # graphs captured with or without copies must not serve the other mode
                 with copies_skipped() if skip else contextlib.nullcontext():
                     ids, generate_s = decode(model, cache, ids, args.steps, cuda)
-                cache.drop_graphs()
                 stats = cache.stats()
+                if args.profile and not skip:
+                    profile_steps(model, cache, ids, args.profile, cuda,
+                                  Path(args.out).with_suffix(f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"))
+                cache.drop_graphs()
                 stats.pop("layers")
                 steps = max(stats["decode_steps"], 1)
                 wall_ms = generate_s * 1e3 / args.steps
@@ -256,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path:8s} {'on' if graphs else 'off':6s} {'on' if lookahead else 'off':9s} "
                       f"{'none' if skip else 'moved':8s} {wall_ms:8.2f} {timing['step_ms']:8.2f} {phases} "
                       f"{run['tokens_per_s']:7.1f} {stats['hit_rate']:6.3f} "
-                      f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s}", flush=True)  # fmt: skip
+                      f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s} "
+                      f"{stats['graph_replays']:>8d}/{stats['graph_captures']:<7d}", flush=True)  # fmt: skip
         if args.hidden_share:
             # The bytes a step must move to be exact: the misses of the plans without lookahead.
             base = next(measured[key] for key in ((False, False, False), (True, False, False), (False, True, False))

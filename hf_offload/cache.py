@@ -56,6 +56,8 @@ class LayerStats:
         "prefetched_blocks",  # speculative recalls (lookahead); included in the recall counters above
         "prefetched_bytes",
         "prefetch_used_blocks",  # prefetched blocks that the exact plan that followed attended
+        "graph_captures",  # decode steps captured into a CUDA graph (each also ran op by op)
+        "graph_replays",  # decode steps replayed from a captured graph
     )
     _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
 
@@ -68,7 +70,8 @@ class LayerStats:
         self._queued: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = {}
         self._n_queued = 0
         if getattr(self, "_captured", None) is not None:
-            self._captured.zero_()  # in place: captured graphs add into this tensor
+            with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into it
+                self._captured.zero_()
 
     def prepare_capture(self, device: torch.device) -> None:
         """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
@@ -147,7 +150,8 @@ class OffloadLayer(CacheLayerMixin):
         is_first_offload_layer: whether this layer marks the start of each decode step for the timer.
         streams: returns the cache's :class:`~hf_offload.transfer.TransferStreams` for a CUDA device.
         decode_inputs: returns the cache's :class:`~hf_offload.graphs.DecodeInputs` for a device.
-        graph_pool: returns the memory pool handle the cache's CUDA graphs share on a CUDA device.
+        capture_graph: ``(device, body, query, held) -> CapturedDecode``: captures a decode step into a CUDA graph
+            in the memory pool the cache's graphs on ``device`` share (see :func:`~hf_offload.graphs.capture`).
 
     Attributes:
         next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
@@ -172,7 +176,7 @@ class OffloadLayer(CacheLayerMixin):
         is_first_offload_layer: bool = True,
         streams=lambda device: None,
         decode_inputs: Callable[[torch.device], DecodeInputs] | None = None,
-        graph_pool=lambda device: None,
+        capture_graph=None,
     ):
         super().__init__()
         self.config = config
@@ -186,7 +190,7 @@ class OffloadLayer(CacheLayerMixin):
         self.cache_streams = streams
         self._own_inputs: dict[torch.device, DecodeInputs] = {}
         self.cache_decode_inputs = decode_inputs or (lambda device: self._own_inputs.setdefault(device, DecodeInputs()))
-        self.cache_graph_pool = graph_pool
+        self.cache_capture_graph = capture_graph or (lambda device, body, query, held: capture(body, query, None, held))
         self.graphs = False
         self._graphs: dict[tuple, CapturedDecode] = {}
         self.next_layer: OffloadLayer | None = None
@@ -450,7 +454,7 @@ class OffloadLayer(CacheLayerMixin):
         self._selectable_written = None
         graph.query.copy_(query)
         graph.graph.replay()
-        self.stats.add(("decode_steps",), 1)
+        self.stats.add(("decode_steps", "graph_replays"), 1)
         return graph.out
 
     def capture_decode(self, key: tuple, body: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
@@ -473,7 +477,8 @@ class OffloadLayer(CacheLayerMixin):
             inputs.rows, inputs.valid, inputs.forced, inputs.sequence,
         )  # fmt: skip
         try:
-            self._graphs[key] = capture(body, query, self.cache_graph_pool(self.device), held)
+            self._graphs[key] = self.cache_capture_graph(self.device, body, query, held)
+            self.stats.add(("graph_captures",), 1)
         except Exception as error:
             if self.config.cuda_graphs:
                 raise RuntimeError(f"Layer {self.layer_idx}: capturing the decode step failed: {error}") from error
@@ -859,6 +864,7 @@ class _SharedResources:
         self.phase_timer: PhaseTimer | None = None
         self.inputs: dict[torch.device, DecodeInputs] = {}
         self.graph_pools: dict[torch.device, tuple] = {}
+        self.live_graphs: dict[torch.device, int] = {}
 
     def admission(self, device: torch.device) -> DeviceAdmission | None:
         """The device admission budget of ``device`` (one per device), or ``None`` unless admission is "auto"."""
@@ -879,11 +885,20 @@ class _SharedResources:
         """The shared inputs of the decode step on ``device`` (one per device)."""
         return self.inputs.setdefault(device, DecodeInputs())
 
-    def graph_pool(self, device: torch.device):
-        """The memory pool the CUDA graphs of the cache's layers on ``device`` share (replayed in capture order)."""
-        if device not in self.graph_pools:
+    def capture_graph(self, device: torch.device, body, query: torch.Tensor, held: tuple) -> CapturedDecode:
+        """Capture a layer's decode step (:func:`~hf_offload.graphs.capture`) into the memory pool that the graphs of
+        the cache's layers on ``device`` share: they replay one after the other, in the order they were captured,
+        so their temporaries may share memory. A pool lives as long as one of its graphs does; after the last one is
+        dropped (a reset), the next capture starts a new pool."""
+        if not self.live_graphs.get(device):
             self.graph_pools[device] = torch.cuda.graph_pool_handle()
-        return self.graph_pools[device]
+        captured = capture(body, query, self.graph_pools[device], held)
+        self.live_graphs[device] = self.live_graphs.get(device, 0) + 1
+        weakref.finalize(captured, self._graph_dropped, device)
+        return captured
+
+    def _graph_dropped(self, device: torch.device) -> None:
+        self.live_graphs[device] -= 1
 
     def timer(self, device: torch.device) -> PhaseTimer:
         """The cache's phase timer."""
@@ -962,7 +977,7 @@ class OffloadCache(Cache):
                     OffloadLayer(
                         config, self.selector, idx, self.host_budget, id(self), text_config, self._shared.admission,
                         self._shared.timer, first, self._shared.streams, self._shared.decode_inputs,
-                        self._shared.graph_pool,
+                        self._shared.capture_graph,
                     )
                 )  # fmt: skip
             else:
@@ -1021,7 +1036,8 @@ class OffloadCache(Cache):
             ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
             ``decode_recalled_bytes`` (decode steps only, prefetches included), ``prefetched_blocks``,
             ``prefetched_bytes`` (speculative recalls of lookahead), ``prefetch_used_blocks`` (prefetched blocks
-            that the exact plan right after attended), ``offloaded_bytes``, ``timing`` (with ``timing=True``: mean
+            that the exact plan right after attended), ``offloaded_bytes``, ``graph_captures`` and
+            ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
             ``None`` before the first decode step), ``decode_steps`` and ``layers`` (the same counters per
@@ -1069,6 +1085,8 @@ class OffloadCache(Cache):
             "prefetched_bytes": total("prefetched_bytes"),
             "prefetch_used_blocks": total("prefetch_used_blocks"),
             "offloaded_bytes": total("offloaded_bytes"),
+            "graph_captures": total("graph_captures"),
+            "graph_replays": total("graph_replays"),
             "hit_rate": total("hits") / lookups if lookups else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
