@@ -49,6 +49,7 @@ from benchmarks.bench_decode_step import fill_random  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
+from hf_offload.kernels.gather import kernels_available  # noqa: E402
 from hf_offload.planner import plan, shape_from_config  # noqa: E402
 from hf_offload.store.host import available_host_bytes  # noqa: E402
 
@@ -350,7 +351,6 @@ def make_cache(method: str, model, context: int, args, device: torch.device):
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = method.removesuffix("-graphs")
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True), "auto"
-    from hf_offload.kernels.gather import kernels_available
 
     # headwise-copy decodes through transfer='torch'. Where the kernels run, the fill writes through them (the
     # torch path writes host blocks with the CPU, far slower) and the layers switch to the torch path before the
@@ -781,6 +781,11 @@ def main(argv: list[str] | None = None) -> int:
         if method == "hf-offloaded" and not cuda:
             for batch in args.batches:
                 reason = "needs CUDA (transformers' offloading uses CUDA streams)"
+                result["skipped"].append({"method": method, "context": context, "batch": batch, "reason": reason})
+            continue
+        if method.endswith("-graphs") and not (cuda and kernels_available(device)):
+            for batch in args.batches:
+                reason = "needs CUDA and Triton (CUDA graphs replay the kernel transfer path)"
                 result["skipped"].append({"method": method, "context": context, "batch": batch, "reason": reason})
             continue
         if method == "hf-offloaded" and not emptied:
