@@ -64,7 +64,7 @@ def copies_skipped():
         kernel(host, pool, torch.full_like(ids, -1), batch_idx, slot_idx, head_idx)
 
     def portable_skipping(host, pool, ids, batch_idx, slot_idx, head_idx=None):
-        unit = host.block_bytes if head_idx is None else host.block_bytes // pool.data.shape[3]
+        unit = host.block_bytes if head_idx is None else host.block_bytes // pool.kv_heads
         return len(ids) * unit
 
     transfer.recall_blocks_kernel, transfer.recall_blocks = kernel_skipping, portable_skipping

@@ -295,7 +295,7 @@ def offload_attention_forward(
             if timer is not None:
                 timer.add("prefetch", t_select, t_select := timer.mark())
         rounds = layer.resident_rounds(selection, decode=q_len == 1)
-        for blocks, keep, keys, values in rounds:
+        for blocks, keep, _, keys, values in rounds:
             tiled()
             if timer is not None:
                 timer.add("recall", t_select, t_recalled := timer.mark())
@@ -450,10 +450,10 @@ def _decode_body(
         layer.lookahead_next(q, mask, scaling)
         if timer is not None:
             timer.add("prefetch", t_select, t_select := timer.mark())
-    blocks, keep, keys, values = next(layer.resident_rounds(selection, decode=True, count_step=count_step))
+    blocks, keep, slots, _, _ = next(layer.resident_rounds(selection, decode=True, count_step=count_step, gather=False))
     if timer is not None:
         timer.add("recall", t_select, t_recalled := timer.mark())
-    out = _decode_sdpa(layer, query, blocks, keep, keys, values, inputs, n, scaling)
+    out = _decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling)
     if timer is not None:
         timer.add("attention", t_recalled, timer.mark())
     return out
@@ -464,27 +464,27 @@ def _decode_sdpa(
     query: torch.Tensor,
     blocks: torch.Tensor,
     keep: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    slots: torch.Tensor,
     inputs: DecodeInputs,
     n: int,
     scaling: float,
 ) -> torch.Tensor:
-    """One decode query over its selected blocks and the open block, as one ``scaled_dot_product_attention``.
+    """One decode query over its selected blocks and the open block: one ``scaled_dot_product_attention`` over the
+    whole slot pool in place.
 
-    With a plain causal mask every cached token precedes the query, so the only masking left is the selection
-    (``keep``), left padding and the open block's unfilled positions (``inputs.rows``). The open block is attended as
-    a whole block, so the key length is the same for every step between two seals: attention backends that plan per
-    shape (cuDNN) plan once, and a captured graph serves every step. The query heads of one KV head stand in the
-    query-length dimension, so grouped query attention needs no repeated keys.
+    The pool's keys of one sequence and head are one contiguous run of every slot's tokens, the open block's slot
+    last, so attention reads them where they are (no gather of the selected blocks, no concatenation); the mask lets
+    through the selected slots' tokens (minus padding) and the open block's filled positions. The key length is the
+    pool's, the same at every step: attention backends that plan per shape (cuDNN) plan once, and a captured graph
+    serves every step. The query heads of one KV head stand in the query-length dimension, so grouped query attention
+    needs no repeated keys.
 
     Args:
-        layer: the offloaded layer (its open-block buffers).
+        layer: the offloaded layer (its slot pool).
         query: shape ``[batch, q_heads, 1, head_dim]``, compute device.
         blocks: selected block indices, ``[batch, 1 or kv_heads, k]``, ``torch.int64``.
         keep: which selected entries are attended, same shape, ``torch.bool``.
-        keys: the selected blocks' keys, ``[batch, kv_heads, k * block_tokens, head_dim]``, compute device.
-        values: their values, same shape.
+        slots: the pool slot of each entry, ``[batch, kv_heads, k]``, ``torch.int64``.
         inputs: the step's shared inputs (``rows``).
         n: sealed blocks before this step (row ``n`` of ``inputs.rows`` is the open block).
         scaling: softmax scale.
@@ -492,14 +492,18 @@ def _decode_sdpa(
     Returns:
         Shape ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
     """
+    pool = layer.pool
     batch, q_heads, _, head_dim = query.shape
-    heads, sel_heads = keys.shape[1], blocks.shape[1]
-    entries = torch.where(keep, blocks, n + 1)  # row n + 1 allows nothing
-    ok = inputs.rows[inputs.sequence, entries].flatten(-2)  # [B, Hs, k * T]
-    recent = inputs.rows[:, None, n].expand(batch, sel_heads, -1)
-    ok = torch.cat([ok, recent], dim=-1).view(batch, sel_heads, 1, -1)
-    k_all = torch.cat([keys, layer._open_k], dim=-2)
-    v_all = torch.cat([values, layer._open_v], dim=-2)
+    heads, sel_heads, k = pool.kv_heads, blocks.shape[1], blocks.shape[-1]
+    total, tokens = pool.slots + 1, layer.block_tokens
+    entry_rows = inputs.rows[inputs.sequence, torch.where(keep, blocks, n + 1)]  # [B, Hs, k, T]; row n + 1: none
+    # Each kept entry's row goes to its slot; other entries to a spare column past the pool (dropped below).
+    target = torch.where(keep, slots[:, :sel_heads], total)
+    ok = torch.zeros((batch, sel_heads, total + 1, tokens), dtype=torch.bool, device=query.device)
+    ok.scatter_(2, target[..., None].expand(batch, sel_heads, k, tokens), entry_rows)
+    ok[:, :, total - 1] = inputs.rows[:, None, n]  # the open block's slot
+    ok = ok[:, :, :total].flatten(-2)[:, :, None]  # [B, Hs, 1, total * T]
+    k_all, v_all = pool.keys, pool.values
     if k_all.dtype != query.dtype:
         k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
     grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension

@@ -229,7 +229,7 @@ class OffloadLayer(CacheLayerMixin):
             admission=self.cache_admission(self.device),
         )
         self.pool = DeviceSlotPool(
-            batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device
+            batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device, open_slot=True
         )
         self.block_table = torch.empty((batch, 0), dtype=torch.int64)  # CPU: host block id per (sequence, block)
         self.use_kernels = self._want_kernels(bool(pin))
@@ -240,9 +240,9 @@ class OffloadLayer(CacheLayerMixin):
         self.resolve_lookahead()
         self.summaries: dict[str, torch.Tensor] = {}
         self._entry_index_memo: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
-        # The open block lives in fixed buffers of one block; positions past the filled ones are never attended.
-        self._open_k = key_states.new_zeros((batch, heads, self.block_tokens, head_dim))
-        self._open_v = value_states.new_zeros((batch, heads, self.block_tokens, head_dim))
+        # The open block lives in the slot pool's open slot (one block; positions past the filled ones are never
+        # attended), so that decode attention reads it with the selected slots in one call.
+        self._open_k, self._open_v = self.pool.open_keys, self.pool.open_values
         self.keys, self.values = self._open_k[:, :, :0], self._open_v[:, :, :0]
         self.is_initialized = True
 
@@ -556,16 +556,18 @@ class OffloadLayer(CacheLayerMixin):
         return selection
 
     def resident_rounds(
-        self, selection: Selection, decode: bool, count_step: bool = True
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+        self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
 
         Before its first recall the compute stream waits for the host writes of the blocks this forward may read
         and for this layer's pending prefetch, if any (events, no host synchronisation).
 
         Yields:
-            ``(blocks, keep, keys, values)`` per round: block indices ``[batch, 1 or kv_heads, n]``, which are
-            attended (same shape, bool), and their keys and values ``[batch, kv_heads, n * block_tokens, head_dim]``.
+            ``(blocks, keep, slots, keys, values)`` per round: block indices ``[batch, 1 or kv_heads, n]``, which are
+            attended (same shape, bool), the slot of each entry (``[batch, kv_heads, n]``, int64), and the entries'
+            keys and values gathered from the pool, ``[batch, kv_heads, n * block_tokens, head_dim]`` (``None``
+            without ``gather``: the caller reads the pool in place).
         """
         total = selection.blocks.shape[-1]
         per_round = self.pool.slots
@@ -598,8 +600,8 @@ class OffloadLayer(CacheLayerMixin):
                 # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss of
                 # every head.
                 self.stats.add_later(("hits",), count, -heads if shared else -1)
-            keys, values = self.pool.gather(slots)
-            yield blocks, keep, keys, values
+            keys, values = self.pool.gather(slots) if gather else (None, None)
+            yield blocks, keep, slots, keys, values
 
     def _wait_prefetch(self) -> None:
         """Make the compute stream wait for this layer's pending speculative recall, if any."""
@@ -771,10 +773,10 @@ class OffloadLayer(CacheLayerMixin):
         return -1
 
     def device_kv_bytes(self) -> int:
-        """Device bytes of KV held by this layer: the slot pool, the open block and admitted blocks."""
+        """Device bytes of KV held by this layer: the slot pool (with the open block's slot) and admitted blocks."""
         if not self.is_initialized:
             return 0
-        return self.pool.nbytes + 2 * self._open_k.numel() * self._open_k.element_size() + self.host.used_bytes_on(True)
+        return self.pool.nbytes + self.host.used_bytes_on(True)  # the pool holds the open block too
 
     def device_summary_bytes(self) -> int:
         """Device bytes of the block summaries."""
@@ -802,7 +804,7 @@ class OffloadLayer(CacheLayerMixin):
             slots = torch.arange(n_blocks, device=self.device).repeat(batch)
             rows = torch.arange(batch, device=self.device).repeat_interleave(n_blocks)
             transfer.recall_blocks_kernel(self.host, scratch, self.block_table_dev[:, :n_blocks].flatten(), rows, slots)
-            keys, values = scratch.gather(slots.view(batch, 1, n_blocks).expand(batch, heads, n_blocks))
+            keys, values = scratch.keys, scratch.values  # slot j holds block j: the pool is the sequence in order
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host writes may still be in flight

@@ -58,11 +58,12 @@ def recall_blocks(
     if len(ids) == 0:
         return 0
     if head_idx is None:
-        staged = host.read(ids)
-        pool.data[batch_idx, slot_idx] = staged.to(pool.data.device, non_blocking=True)
+        staged = host.read(ids)  # [n, 2, H, T, D]
+        # Indices around a slice: the indexed dimension comes first, [n, 2, H, T, D] like the staged blocks.
+        pool.data[:, batch_idx, :, slot_idx] = staged.to(pool.data.device, non_blocking=True)
         return staged.numel() * staged.element_size()
-    staged = host.read(ids, heads=head_idx.cpu())
-    pool.data[batch_idx, slot_idx, :, head_idx] = staged.to(pool.data.device, non_blocking=True)
+    staged = host.read(ids, heads=head_idx.cpu())  # [n, 2, T, D]
+    pool.data[:, batch_idx, head_idx, slot_idx] = staged.to(pool.data.device, non_blocking=True).transpose(0, 1)
     return staged.numel() * staged.element_size()
 
 
@@ -95,6 +96,10 @@ def recall_blocks_kernel(
 ) -> None:
     """Gather host blocks (or single heads) into device slots in one launch; entries with id ``-1`` are skipped.
 
+    A host block is one contiguous span ``[2, kv_heads, block_tokens, head_dim]``; in the slot pool the K and V of each
+    head of a slot are ``block_tokens * head_dim`` contiguous elements (``[2, batch, kv_heads, slots, ...]``), so an
+    entry moves as ``2 * kv_heads`` pieces (2 for a single head), read from consecutive host addresses.
+
     Args:
         host: the layer's host pool (pinned).
         pool: the layer's device slot pool.
@@ -107,18 +112,25 @@ def recall_blocks_kernel(
     from .kernels.gather import copy_pieces
 
     words = host.block_words
-    slot_base = torch.add(slot_idx, batch_idx, alpha=pool.slots).mul_(words)
+    _, batch, heads, total, _, _ = pool.data.shape
+    piece = words // (2 * heads)  # 32-bit words of one head's K (or V) of one block
     addrs = host.chunk_addrs(pool.data.device)
+    # Piece (kv, h) of an entry: host word offset (kv * H + h) * piece inside its block; device word offset
+    # (((kv * B + b) * H + h) * total + slot) * piece.
     if head_idx is None:
-        copy_pieces(addrs, host.chunk_blocks, words, ids, torch.zeros_like(ids), pool.data, slot_base, words, False)
-        return
-    heads = pool.data.shape[3]
-    head_words = words // (2 * heads)
-    kv = torch.arange(2, device=ids.device)
-    host_off = ((kv[None, :] * heads + head_idx[:, None]) * head_words).flatten()
-    dev_off = (slot_base[:, None] + (kv[None, :] * heads + head_idx[:, None]) * head_words).flatten()
-    ids = ids[:, None].expand(-1, 2).flatten()  # K and V piece of each entry (expand: no host synchronisation)
-    copy_pieces(addrs, host.chunk_blocks, words, ids, host_off, pool.data, dev_off, head_words, False)
+        kv_h = pool.piece_index(ids.device)  # [2 * H]: kv * H + h
+        h = kv_h % heads
+        kv = kv_h // heads
+        host_off = (kv_h * piece).expand(len(ids), -1)
+        dev_off = (((kv[None, :] * batch + batch_idx[:, None]) * heads + h[None, :]) * total + slot_idx[:, None]) * piece
+        ids = ids[:, None].expand(-1, 2 * heads)
+    else:
+        kv = torch.arange(2, device=ids.device)[None, :]
+        host_off = (kv * heads + head_idx[:, None]) * piece
+        dev_off = (((kv * batch + batch_idx[:, None]) * heads + head_idx[:, None]) * total + slot_idx[:, None]) * piece
+        ids = ids[:, None].expand(-1, 2)  # K and V piece of each entry (expand: no host synchronisation)
+    copy_pieces(addrs, host.chunk_blocks, words, ids.flatten(), host_off.flatten(), pool.data, dev_off.flatten(),
+                piece, False)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- streams and events

@@ -55,8 +55,8 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
         pool, T = layer.pool, layer.block_tokens
         for b, h, s in (pool.block >= 0).nonzero().tolist():  # and no slot serves stale data
             j = pool.block[b, h, s].item()
-            assert torch.equal(pool.data[b, s, 0, h], dense_k[b, h, j * T : (j + 1) * T])
-            assert torch.equal(pool.data[b, s, 1, h], dense_v[b, h, j * T : (j + 1) * T])
+            assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * T : (j + 1) * T])
+            assert torch.equal(pool.data[1, b, h, s], dense_v[b, h, j * T : (j + 1) * T])
 
 
 @pytest.mark.parametrize("selector", ["solohead", "headwise"])

@@ -106,5 +106,5 @@ def test_kernel_path_slots_never_stale():
         pool = layer.pool
         for b, h, s in (pool.block >= 0).nonzero().tolist():
             j = pool.block[b, h, s].item()
-            assert torch.equal(pool.data[b, s, 0, h], dense_k[b, h, j * 8 : (j + 1) * 8])
-            assert torch.equal(pool.data[b, s, 1, h], dense_v[b, h, j * 8 : (j + 1) * 8])
+            assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * 8 : (j + 1) * 8])
+            assert torch.equal(pool.data[1, b, h, s], dense_v[b, h, j * 8 : (j + 1) * 8])

@@ -201,8 +201,8 @@ def _assert_slots_fresh(layer, dense_k, dense_v):
     pool = layer.pool
     for b, h, s in (pool.block >= 0).nonzero().tolist():
         j = pool.block[b, h, s].item()
-        assert torch.equal(pool.data[b, s, 0, h], dense_k[b, h, j * T : (j + 1) * T]), (layer.layer_idx, b, h, j)
-        assert torch.equal(pool.data[b, s, 1, h], dense_v[b, h, j * T : (j + 1) * T]), (layer.layer_idx, b, h, j)
+        assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * T : (j + 1) * T]), (layer.layer_idx, b, h, j)
+        assert torch.equal(pool.data[1, b, h, s], dense_v[b, h, j * T : (j + 1) * T]), (layer.layer_idx, b, h, j)
 
 
 @pytest.mark.parametrize("transfer", TRANSFERS)

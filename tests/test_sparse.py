@@ -124,8 +124,8 @@ def test_tiers_reassemble_dense_kv_bit_for_bit(model, selector, budget_tokens, p
         pool = layer.pool
         for b, h, s in (pool.block >= 0).nonzero().tolist():
             j = pool.block[b, h, s].item()
-            assert torch.equal(pool.data[b, s, 0, h], dense_k[b, h, j * T : (j + 1) * T])
-            assert torch.equal(pool.data[b, s, 1, h], dense_v[b, h, j * T : (j + 1) * T])
+            assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * T : (j + 1) * T])
+            assert torch.equal(pool.data[1, b, h, s], dense_v[b, h, j * T : (j + 1) * T])
     assert layer.stats.recalled_blocks > 0
 
 
@@ -141,8 +141,8 @@ def test_sparse_generate_stays_within_budget_and_reports(model):
     assert 0.0 <= stats["hit_rate"] <= 1.0
     assert set(stats["layers"]) == {0, 1}
     for layer in cache.offload_layers:
-        # Device KV is the slot pool plus the open block's buffer (one whole block), independent of the context.
-        assert layer.device_kv_bytes() == layer.pool.nbytes + 2 * B * H * T * D * 4
+        # Device KV is the slot pool, whose last slot is the open block's buffer, independent of the context.
+        assert layer.device_kv_bytes() == layer.pool.nbytes == (layer.pool.slots + 1) * 2 * B * H * T * D * 4
         assert layer.host_kv_bytes() == layer.n_blocks * B * 2 * H * T * D * 4
 
 

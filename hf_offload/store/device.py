@@ -1,8 +1,12 @@
 """The device tier: a slot pool of hot blocks, one per layer, kept across decode steps (a hot-block cache).
 
-A slot holds one block of one sequence: ``[2, kv_heads, block_tokens, head_dim]``. Each KV head's slice of a slot is
-tracked separately, so per-head selection (headwise) can place different blocks in the same slot for different
-heads; with a shared selection (SoloHead) all heads of a slot hold the same block. Replacement is least recently used.
+A slot holds one block of one sequence: ``block_tokens`` keys and values of every KV head. The data is laid out
+``[2 (K, V), batch, kv_heads, slots, block_tokens, head_dim]``, so the keys of all slots of one sequence and head
+are one contiguous run of tokens: decode attention reads the whole pool in place (one attention call over every slot,
+the unselected ones masked) instead of first gathering the selected blocks. Each KV head's slice of a slot is tracked
+separately, so per-head selection (headwise) can place different blocks in the same slot for different heads; with
+a shared selection (SoloHead) all heads of a slot hold the same block. Replacement is least recently used. An
+optional last slot, never assigned, holds the layer's open block, so that one attention call covers it too.
 """
 
 from __future__ import annotations
@@ -17,14 +21,27 @@ class DeviceSlotPool:
 
     Args:
         batch: sequences.
-        slots: slots per sequence.
+        slots: slots per sequence (assigned to blocks).
         kv_heads, block_tokens, head_dim: block geometry.
         dtype: KV dtype.
         device: the layer's compute device.
+        open_slot: add one more slot per sequence that is never assigned (the open block's buffer, :attr:`open_keys`).
+
+    Attributes:
+        data: ``[2, batch, kv_heads, slots (+ 1), block_tokens, head_dim]``: keys and values.
+        keys: ``data[0]`` as ``[batch, kv_heads, (slots (+ 1)) * block_tokens, head_dim]`` (a view).
+        values: ``data[1]``, the same way.
     """
 
-    def __init__(self, batch: int, slots: int, kv_heads: int, block_tokens: int, head_dim: int, dtype, device):
-        self.data = torch.zeros((batch, slots, 2, kv_heads, block_tokens, head_dim), dtype=dtype, device=device)
+    def __init__(
+        self, batch: int, slots: int, kv_heads: int, block_tokens: int, head_dim: int, dtype, device,
+        open_slot: bool = False,
+    ):  # fmt: skip
+        total = slots + int(open_slot)
+        self.data = torch.zeros((2, batch, kv_heads, total, block_tokens, head_dim), dtype=dtype, device=device)
+        self.keys = self.data[0].view(batch, kv_heads, total * block_tokens, head_dim)
+        self.values = self.data[1].view(batch, kv_heads, total * block_tokens, head_dim)
+        self.has_open_slot = open_slot
         # Which block each (sequence, head, slot) holds (-1: empty) and when it was last used. One extra column
         # (index ``slots``) takes the writes of entries that change no slot, so that ``assign`` updates both in
         # place with one scatter each, with no mask of the entries that do change a slot.
@@ -32,17 +49,38 @@ class DeviceSlotPool:
         self._last_used = torch.full((batch, kv_heads, slots + 1), -1, dtype=torch.int64, device=device)
         self.block = self._block[..., :slots]
         self.last_used = self._last_used[..., :slots]
+        self.n_slots = slots
+        self._pieces: torch.Tensor | None = None
         # The recency clock lives on the device, so that a captured decode step (CUDA graph) advances it too.
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self._b = torch.arange(batch, device=device)[:, None, None]
         self._h = torch.arange(kv_heads, device=device)[None, :, None]
-        self._keys = self.data[:, :, 0]  # [B, S, H, T, D] views: gather indexes them without copying K and V apart
-        self._values = self.data[:, :, 1]
+
+    def piece_index(self, device) -> torch.Tensor:
+        """``arange(2 * kv_heads)`` on ``device`` (``kv * kv_heads + head`` of each piece of a block), made once."""
+        if self._pieces is None or self._pieces.device != torch.device(device):
+            self._pieces = torch.arange(2 * self.kv_heads, device=device)
+        return self._pieces
 
     @property
     def slots(self) -> int:
-        """Slots per sequence."""
-        return self.data.shape[1]
+        """Slots per sequence that blocks are assigned to (the open slot excluded)."""
+        return self.n_slots
+
+    @property
+    def kv_heads(self) -> int:
+        """KV heads per slot."""
+        return self.data.shape[2]
+
+    @property
+    def open_keys(self) -> torch.Tensor:
+        """The open slot's keys, ``[batch, kv_heads, block_tokens, head_dim]`` (a view; needs ``open_slot=True``)."""
+        return self.data[0, :, :, self.n_slots]
+
+    @property
+    def open_values(self) -> torch.Tensor:
+        """The open slot's values, like :attr:`open_keys`."""
+        return self.data[1, :, :, self.n_slots]
 
     @property
     def nbytes(self) -> int:
@@ -108,8 +146,8 @@ class DeviceSlotPool:
         """
         batch, heads, _ = slots.shape
         head_dim = self.data.shape[-1]
-        keys = self._keys[self._b, slots, self._h].view(batch, heads, -1, head_dim)  # [B, H, n, T, D] -> tokens
-        values = self._values[self._b, slots, self._h].view(batch, heads, -1, head_dim)
+        keys = self.data[0][self._b, self._h, slots].view(batch, heads, -1, head_dim)  # [B, H, n, T, D] -> tokens
+        values = self.data[1][self._b, self._h, slots].view(batch, heads, -1, head_dim)
         return keys, values
 
     def write(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
@@ -119,4 +157,4 @@ class DeviceSlotPool:
             slots: shape ``[batch, kv_heads, n]``, ``torch.int64``.
             blocks: shape ``[batch, n, 2, kv_heads, block_tokens, head_dim]``, pool dtype and device.
         """
-        self.data[self._b, slots, :, self._h] = blocks.permute(0, 3, 1, 2, 4, 5)
+        self.data[:, self._b, self._h, slots] = blocks.permute(2, 0, 3, 1, 4, 5)
