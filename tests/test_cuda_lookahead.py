@@ -51,7 +51,10 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
     for layer, reference in zip(cache.offload_layers, sync.offload_layers):
         dense_k, dense_v = layer.dense_kv()
         ref_k, ref_v = reference.dense_kv()
-        assert torch.equal(dense_k, ref_k) and torch.equal(dense_v, ref_v)  # the host pool got every write
+        # The host pool got every write. Lookahead places blocks in other slots, and attention sums over the slot
+        # pool in slot order, so the KV of later layers may differ at rounding level (the tokens do not).
+        torch.testing.assert_close(dense_k, ref_k, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dense_v, ref_v, rtol=1e-5, atol=1e-5)
         pool, T = layer.pool, layer.block_tokens
         for b, h, s in (pool.block >= 0).nonzero().tolist():  # and no slot serves stale data
             j = pool.block[b, h, s].item()
