@@ -142,7 +142,38 @@ def render_recall() -> str:
             f"| {r['selector']} | {r['transfer']} | {r['total_s']:.1f} | {s['hit_rate']:.3f} | "
             f"{s['decode_recalled_bytes'] / 2**30:.2f} | {'yes' if ident else 'NO'} |"
         )
+    batch_file = REPO / "results/recall/bench_recall_batch_h200.json"
+    if batch_file.exists():
+        lines += _render_recall_batch(json.loads(batch_file.read_text()))
     return "\n".join(lines) + "\n"
+
+
+def _render_recall_batch(data: dict) -> list[str]:
+    """The copy-engine section of recall.md from results/recall/bench_recall_batch_h200.json."""
+    m, a = data["metadata"], data["metadata"]["args"]
+    names = list(data["block_sizes"][0]["variants"])
+    lines = [
+        "",
+        "## Copy engines through one batched call (`cuMemcpyBatchAsync`)",
+        "",
+        f"Generated from `results/recall/bench_recall_batch_h200.json` (`python benchmarks/bench_recall_batch.py`): "
+        f"{m['machine']['gpu']}, torch {m['versions']['torch']}, commit `{m['git_commit'][:12]}`, driver call "
+        f"`{m['batch_api']['symbol']}`. Random distinct blocks of a {a['pool_mib']} MiB pinned pool, "
+        f"{a['total_mib']} MiB per repetition, median of {a['reps']}. `batch_build` times building the pointer "
+        "arrays on the host too, `batch_launch` only the call; `split_F`: the share F of the blocks through the "
+        "copy engines, the rest through the gather kernel on another stream at the same time. Cells: GB/s "
+        "(ratio to the bulk copy of the same run); every variant was checked bit-exact.",
+        "",
+        "| block KiB | " + " | ".join(names) + " |",
+        "|---:|" + "---:|" * len(names),
+    ]
+    for row in data["block_sizes"]:
+        cells = []
+        for name in names:
+            v = row["variants"][name]
+            cells.append("-" if v.get("gbps") is None else f"{v['gbps']:.1f} ({v['over_bulk']:.3f})")
+        lines.append(f"| {row['block_bytes'] // 1024} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def render_decode() -> str:
@@ -184,7 +215,50 @@ def render_decode() -> str:
         ]
         for path in sorted(files, key=lambda f: json.loads(f.read_text())["metadata"]["timestamp"]):
             lines += _render_lookahead(path.name, json.loads(path.read_text()))
+    profile = REPO / "results/decode/profile_decode_step_quantkey_eager_h200.txt"
+    graphs = sorted((REPO / "results/decode").glob("decode_step_graphs*.json"))
+    if graphs or profile.exists():
+        lines += [
+            "", "## Where the device time goes, and CUDA graphs", "",
+            "The sections above read the steps as bound by host-side launch work. A profile of the quantkey step "
+            "(`bench_decode_step.py --profile 3`, op by op, commit `ca928e1` and earlier code: "
+            "`results/decode/profile_decode_step_quantkey_eager_h200.txt`) shows otherwise: of about 79 ms per "
+            "step the device is busy about 72 ms: the recall kernel 33 ms (random keys and queries: hit rate 0.22, "
+            "1.6 GB per step), quantkey scoring 17 ms, gathering the selected blocks 7 ms (removed since: attention "
+            "reads the slot pool in place), the model's matrix products 4.6 ms, attention 1.5 ms. So replaying each "
+            "layer's decode attention from a CUDA graph (`cuda_graphs=True`) saves only the host time that the "
+            "device was not already covering. \"wall ms\" is generate()'s wall time per step; runs with graphs have "
+            "no phase timer.",
+        ]
+        for path in graphs:
+            lines += _render_graphs(path.name, json.loads(path.read_text()))
     return "\n".join(lines) + "\n"
+
+
+def _render_graphs(name: str, data: dict) -> list[str]:
+    """One CUDA-graphs section of decode.md from a results/decode/decode_step_graphs*.json file."""
+    m, a = data["metadata"], data["metadata"]["args"]
+    lines = [
+        "",
+        f"### `{name}` (commit `{m['git_commit'][:12]}`)",
+        "",
+        f"`python benchmarks/bench_decode_step.py --transfers {' '.join(a['transfers'])} --graphs {a['graphs']} "
+        f"--selector {a['selector']} --warmup {a['warmup']} --steps {a['steps']}`: {a['shape']} shape, "
+        f"{a['context']:,} tokens, batch {a['batch']}, budget {a['budget']}; {m['machine']['gpu']}, torch "
+        f"{m['versions']['torch']}.",
+        "",
+        "| graphs | bytes moved | wall ms | tok/s | hit rate | recalled MiB/step | graph replays / captures |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["runs"]:
+        s = r["stats"]
+        lines.append(
+            f"| {'on' if r.get('cuda_graphs') else 'off'} | {'yes' if r['bytes_moved'] else 'no'} | "
+            f"{r['wall_ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {s['hit_rate']:.3f} | "
+            f"{r['decode_recalled_bytes_per_step'] / 2**20:.0f} | {s.get('graph_replays', 0)} / "
+            f"{s.get('graph_captures', 0)} |"
+        )
+    return lines
 
 
 def _render_lookahead(name: str, data: dict) -> list[str]:
