@@ -4,17 +4,19 @@ For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query head
 head_dim 128) and each ``--bits``, on CUDA, it times:
 
 * ``v1``: the first kernel (``hf_offload.kernels.quantkey``, variant ``v1``), at its own launch settings;
-* each current variant (``--variants``) at every launch setting of the grid ``--block-n`` x ``--warps`` x
-  ``--chunk`` (blocks per program, warps per program, channels per chunk); the setting ``block_lse`` uses by
-  default (``default_config``) is marked ``*`` (and timed even where the grid leaves it out);
+* ``v2``: the current kernel, at every launch setting of the grid ``--warps`` x ``--rows-per-thread`` (warps per
+  program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
+  spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
+  marked ``*`` (and timed even where the grid leaves it out);
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
 finds little of its data in L2, as in a decode step where each layer scores its own codes): CUDA events around one
 replay, median of ``--reps`` replays after ``--warmup``, divided by ``--calls``. Each kernel's output is checked
 against the reference (largest absolute difference). Prints a table (microseconds per call, GB/s of code bytes,
-GB/s of all bytes read, speed-up over ``v1``) and writes JSON (machine, versions, git commit, settings, every
-timing) to ``--out``.
+GB/s of all bytes read, speed-up over ``v1``, largest error, registers per thread and spilled bytes of the compiled
+kernel, seconds of the first call, compilation included) and writes JSON (machine, versions, git commit, settings,
+every timing) to ``--out``.
 
     python benchmarks/bench_quantkey_kernel.py --out results/selection/bench_quantkey_kernel.json
 """
@@ -22,9 +24,9 @@ timing) to ``--out``.
 from __future__ import annotations
 
 import argparse
-import itertools
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -34,12 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.kernels import quantkey  # noqa: E402
-from hf_offload.kernels.quantkey import (  # noqa: E402
-    VARIANTS,
-    block_lse_reference,
-    default_config,
-    launch_block_lse,
-)
+from hf_offload.kernels.quantkey import _default_config, _launch_block_lse, block_lse_reference  # noqa: E402
 
 NO_CUDA = "bench_quantkey_kernel: no CUDA device (torch.cuda.is_available() is False); nothing was measured"
 
@@ -56,11 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bits", type=int, nargs="+", default=[2, 4], choices=[1, 2, 4, 8])
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16",
                    help="dtype of kmin / kstep (the cache dtype)")  # fmt: skip
-    p.add_argument("--variants", nargs="+", default=[v for v in VARIANTS if v != "v1"],
-                   choices=[v for v in VARIANTS if v != "v1"], help="current kernel variants to sweep")  # fmt: skip
-    p.add_argument("--block-n", type=int, nargs="+", default=[8, 16, 32], help="blocks per program (powers of two)")
-    p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8], help="warps per program")
-    p.add_argument("--chunk", type=int, nargs="+", default=[16, 32], help="channels per chunk (powers of two)")
+    p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program (powers of two)")
+    p.add_argument("--rows-per-thread", type=int, nargs="+", default=[16, 8, 4],
+                   help="token rows of a block per thread (powers of two, at most --tokens)")  # fmt: skip
     p.add_argument("--calls", type=int, default=10, help="kernel launches per timed CUDA graph replay")
     p.add_argument("--reps", type=int, default=50, help="timed replays per setting (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed replays before the timed ones")
@@ -71,11 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value <= 0 or value & (value - 1):
             p.error(f"--{name.replace('_', '-')} must be a power of two")
-    for value in (*args.block_n, *args.chunk):
+    for value in (*args.warps, *args.rows_per_thread):
         if value <= 0 or value & (value - 1):
-            p.error("--block-n and --chunk values must be powers of two")
-    if min(args.batch, args.kv_heads, args.group, args.blocks, args.calls, args.reps, *args.warps) <= 0:
-        p.error("sizes, --warps, --calls and --reps must be positive")
+            p.error("--warps and --rows-per-thread values must be powers of two")
+    if min(args.batch, args.kv_heads, args.group, args.blocks, args.calls, args.reps) <= 0:
+        p.error("sizes, --calls and --reps must be positive")
     return args
 
 
@@ -116,7 +111,7 @@ def graph_time(launch, sets: list[dict], outs: list[torch.Tensor], args) -> floa
 
 def compiled_stats(variant: str) -> dict:
     """Registers per thread, spilled bytes and shared memory of the kernel compiled last for ``variant``."""
-    fn = {"v1": "_block_lse_kernel_v1", "split": "_block_lse_split_kernel", "chunk": "_block_lse_chunk_kernel"}
+    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel"}
     try:
         cache = getattr(quantkey, fn[variant]).device_caches[torch.cuda.current_device()][0]
         kernel = list(cache.values())[-1]
@@ -127,17 +122,15 @@ def compiled_stats(variant: str) -> dict:
 
 
 def settings(args, bits: int) -> list[dict]:
-    """The launch settings to time for one bit width: ``v1``, then each variant's grid (default included)."""
-    per = 8 // bits
-    chosen = [{"variant": "v1", "block_n": None, "num_warps": None, "chunk": None}]
-    default = default_config(args.tokens, args.head_dim, bits)
-    for variant in args.variants:
-        grid = [{"variant": variant, "block_n": bn, "num_warps": w, "chunk": c}
-                for bn, w, c in itertools.product(args.block_n, args.warps, args.chunk)
-                if per <= c <= args.head_dim]  # fmt: skip
-        if default["variant"] == variant and default not in grid:
-            grid.append(dict(default))
-        chosen += grid
+    """The launch settings to time for one bit width: ``v1``, then ``v2`` over the grid (its default included)."""
+    chosen = [{"variant": "v1", "block_n": None, "num_warps": None, "rows_per_thread": None}]
+    for warps in args.warps:
+        for rows in sorted({min(r, args.tokens) for r in args.rows_per_thread}, reverse=True):
+            config = _default_config(args.tokens, args.head_dim, bits, args.group, warps, rows)
+            chosen.append({"variant": "v2", **config})
+    mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
+    if mine not in chosen:
+        chosen.append(mine)
     return chosen
 
 
@@ -156,16 +149,19 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     end.synchronize()
     ref_s = start.elapsed_time(end) / 1e3
     outs = [torch.empty_like(reference) for _ in sets]
-    default = default_config(args.tokens, args.head_dim, bits)
+    default = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     rows = []
     for setting in settings(args, bits):
 
         def launch(s, o, setting=setting):
-            launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **setting)
+            _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **setting)
 
         row = {**setting, "default": setting == default}
         try:
+            started = time.perf_counter()
             launch(first, outs[0])
+            torch.cuda.synchronize()
+            row["first_call_seconds"] = time.perf_counter() - started
             row.update(compiled_stats(setting["variant"]))
             row["seconds"] = graph_time(launch, sets, outs, args)
             launch(first, outs[0])
@@ -178,20 +174,21 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             "rows": rows}  # fmt: skip
 
 
-HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'chunk':>5} {'us/call':>9} {'code GB/s':>9} {'read GB/s':>9} " \
-         f"{'x v1':>6} {'max err':>9} {'regs':>4} {'spill':>5}"  # fmt: skip
+HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'code GB/s':>9} {'read GB/s':>9} " \
+         f"{'x v1':>6} {'max err':>9} {'regs':>4} {'spill':>5} {'first s':>7}"  # fmt: skip
 
 
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
     name = row["variant"] + ("*" if row.get("default") else "")
-    head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['chunk'] or '-':>5}"
+    head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
     s = row["seconds"]
     ratio = f"{v1_seconds / s:.2f}" if v1_seconds else "-"
     return f"{head} {s * 1e6:>9.1f} {code_bytes / s / 1e9:>9.0f} {read_bytes / s / 1e9:>9.0f} {ratio:>6} " \
-           f"{row['max_abs_err']:>9.2e} {row.get('n_regs', '-'):>4} {row.get('n_spills', '-'):>5}"  # fmt: skip
+           f"{row['max_abs_err']:>9.2e} {row.get('n_regs', '-'):>4} {row.get('n_spills', '-'):>5} " \
+           f"{row['first_call_seconds']:>7.1f}"  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,18 +199,19 @@ def main(argv: list[str] | None = None) -> int:
     g = torch.Generator().manual_seed(args.seed)
     results = []
     for bits in args.bits:
-        print(f"\nbits {bits}: batch {args.batch}, {args.kv_heads} KV heads x {args.group}, {args.blocks} blocks x "
-              f"{args.tokens} tokens, head_dim {args.head_dim}; * = block_lse's default\n{HEADER}", flush=True)  # fmt: skip
+        shape = f"batch {args.batch}, {args.kv_heads} KV heads x {args.group}, {args.blocks} blocks x {args.tokens}"
+        print(f"\nbits {bits}: {shape} tokens, head_dim {args.head_dim}; * = block_lse's default\n{HEADER}",
+              flush=True)  # fmt: skip
         result = bench_bits(args, bits, g)
         results.append(result)
         s = result["reference_seconds"]
-        print(f"{'reference':<27} {s * 1e6:>9.1f} {result['code_bytes'] / s / 1e9:>9.0f} "
+        print(f"{'reference':<25} {s * 1e6:>9.1f} {result['code_bytes'] / s / 1e9:>9.0f} "
               f"{result['read_bytes'] / s / 1e9:>9.0f}", flush=True)  # fmt: skip
         timed = [r for r in result["rows"] if r["variant"] != "v1" and "seconds" in r]
         if timed:
             best = min(timed, key=lambda r: r["seconds"])
-            print(f"fastest: {best['variant']} block_n {best['block_n']} warps {best['num_warps']} chunk "
-                  f"{best['chunk']}, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
+            print(f"fastest v2: block_n {best['block_n']}, {best['num_warps']} warps, {best['rows_per_thread']} rows "
+                  f"per thread, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     import triton
 

@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.kernels.quantkey import block_lse, block_lse_reference, block_lse_supported
+from hf_offload.kernels.quantkey import (
+    _VARIANTS,
+    _default_config,
+    _launch_block_lse,
+    block_lse,
+    block_lse_reference,
+    block_lse_supported,
+)
 from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,6 +39,77 @@ def test_block_lse_matches_reference(bits, shape, dtype):
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
 
 
+def _inputs(shape, bits, dtype=torch.bfloat16, seed=0):
+    batch, n, heads, group, tokens, head_dim = shape
+    g = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(batch, n, heads, tokens, head_dim, generator=g) * 2).to(dtype).to(DEVICE)
+    query = torch.randn(batch, heads, group, head_dim, generator=g).to(DEVICE) * head_dim**-0.5
+    return query, quantize_keys(keys, bits)
+
+
+@pytest.mark.parametrize(
+    "variant, num_warps, rows",
+    [("v1", None, None), ("v2", None, None), ("v2", 1, None), ("v2", 8, None), ("v2", 2, 4), ("v2", 4, 2)],
+)
+def test_launch_settings_match_the_reference(variant, num_warps, rows):
+    # 70 blocks: not a multiple of any block_n; 32 tokens: more than one thread's rows per block.
+    query, s = _inputs((1, 70, 2, 4, 32, 64), 2)
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2)
+    out = torch.full_like(expected, float("nan"))
+    got = _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], 2, out, variant=variant, num_warps=num_warps,
+                            rows_per_thread=rows)  # fmt: skip
+    assert got is out
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    with pytest.raises(ValueError, match="variant"):
+        _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], 2, out, variant="v0")
+    assert set(_VARIANTS) == {"v1", "v2"}
+
+
+@pytest.mark.parametrize(
+    "bits, shape", [(4, (2, 9, 1, 8, 16, 128)), (2, (1, 6, 2, 4, 16, 8)), (1, (1, 6, 2, 3, 4, 16))]
+)
+def test_block_lse_matches_reference_for_other_groups_and_narrow_rows(bits, shape):
+    # 8 query heads (8 rows per thread); 2 and 2 code bytes per row (the kernel reads bytes, not 32-bit words).
+    query, s = _inputs(shape, bits, torch.float16)
+    got = block_lse(query, s["codes"], s["kmin"], s["kstep"], bits)
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], bits)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_codes_not_aligned_to_words_are_read_by_bytes():
+    query, s = _inputs((1, 11, 2, 4, 16, 64), 2)
+    buffer = torch.empty(s["codes"].numel() + 1, dtype=torch.uint8, device=DEVICE)
+    codes = buffer[1:].view(s["codes"].shape)  # one byte past an aligned allocation
+    codes.copy_(s["codes"])
+    assert codes.data_ptr() % 4 and codes.is_contiguous()
+    got = block_lse(query, codes, s["kmin"], s["kstep"], 2)
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+
+
+def test_default_config_fills_the_warps():
+    for tokens, head_dim, bits, group in [(16, 128, 2, 4), (16, 128, 4, 4), (16, 64, 1, 7), (32, 128, 8, 8)]:
+        config = _default_config(tokens, head_dim, bits, group)
+        row_threads = max(1, head_dim * bits // 8 // min(16, head_dim * bits // 8, 8 * bits))
+        threads = config["block_n"] * row_threads * tokens // config["rows_per_thread"]
+        assert threads == 32 * config["num_warps"]
+        assert config["rows_per_thread"] * (1 << (group - 1).bit_length()) <= 64
+    assert _default_config(16, 128, 2, 4) == {"block_n": 64, "num_warps": 4, "rows_per_thread": 16}
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+def test_block_lse_replays_in_a_cuda_graph():
+    query, s = _inputs((2, 100, 2, 4, 16, 128), 2)
+    block_lse(query, s["codes"], s["kmin"], s["kstep"], 2)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = block_lse(query, s["codes"], s["kmin"], s["kstep"], 2)
+    query.mul_(2)
+    graph.replay()
+    expected = block_lse(query, s["codes"], s["kmin"], s["kstep"], 2)
+    assert torch.equal(got, expected)
+
+
 def test_no_blocks_and_unsupported_head_dims_fall_back():
     query = torch.randn(1, 2, 3, 48, device=DEVICE)
     s = quantize_keys(torch.randn(1, 3, 2, 16, 48, device=DEVICE), 2)
@@ -41,6 +119,9 @@ def test_no_blocks_and_unsupported_head_dims_fall_back():
     q64 = torch.randn(1, 2, 3, 64, device=DEVICE)
     empty = quantize_keys(torch.randn(1, 0, 2, 16, 64, device=DEVICE), 2)
     assert block_lse(q64, empty["codes"], empty["kmin"], empty["kstep"], 2).shape == (1, 2, 3, 0)
+    full = quantize_keys(torch.randn(1, 3, 2, 16, 64, device=DEVICE, dtype=torch.float64), 2)  # float64 steps
+    assert torch.allclose(block_lse(q64, full["codes"], full["kmin"], full["kstep"], 2),
+                          block_lse_reference(q64, full["codes"], full["kmin"], full["kstep"], 2))  # fmt: skip
 
 
 def test_selector_scores_through_the_kernel_match_the_reference_path():

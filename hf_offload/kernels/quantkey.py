@@ -2,11 +2,20 @@
 
 The pure-torch scoring dequantizes every key into a float32 temporary (four bytes per element where the codes take
 a quarter or an eighth of one) and runs a matrix product over it: on an H200 that took 184 ms per decode step for
-the 8B shape at 32K tokens and batch 8 (``results/selection/selector_cost_quantkey_h200.json``). This kernel reads
-each code once, dequantizes in registers and reduces each block's logits to their log-sum-exp per query head, so
-only ``[batch, kv_heads, group, n_blocks]`` floats leave the kernel; the softmax over blocks that follows is exactly
-the softmax over all keys summed per block. :func:`block_lse_reference` is the pure-torch reference the tests
-compare it with (CPU, or any tensors the kernel does not take).
+the 8B shape at 32K tokens and batch 8 (``results/selection/selector_cost_quantkey_h200.json``). The kernel reads
+each code once, decodes it in registers and reduces each block's logits to their log-sum-exp per query head, so only
+``[batch, kv_heads, group, n_blocks]`` floats leave it; the softmax over blocks that follows is exactly the softmax
+over all keys summed per block. :func:`block_lse_reference` is the pure-torch reference the tests compare it with
+(CPU, or any tensors the kernel does not take).
+
+Two kernels, chosen by :func:`_launch_block_lse`'s ``variant``: ``v2``, the one :func:`block_lse` runs, and ``v1``,
+the first one, kept so that ``benchmarks/bench_quantkey_kernel.py`` can time both in one run. ``v1`` spends about
+30 instructions per code (it loads each byte once per code it holds, builds a float32 key tile and reduces it
+across threads once per query head; 0.52 ms per call for the 8B shape at batch 8 and 2048 blocks on an H200).
+``v2`` gives each thread a channel range of whole token rows, so that decoding a code takes one bitwise and one
+float operation, every query head adds one fused multiply-add per code, and the main loop uses no shared memory:
+compiled for sm_90 it spends about 8 instructions per code for 2-bit codes and 4 query heads per KV head. The
+arithmetic is float32 throughout (no tensor-core products), as in the reference.
 """
 
 from __future__ import annotations
@@ -56,12 +65,6 @@ def block_lse_supported(query: torch.Tensor, codes: torch.Tensor) -> bool:
     )
 
 
-# Codes are turned into floats without an integer-to-float conversion: a code held in place in its byte,
-# ``byte & (mask << s)``, is OR-ed into the mantissa of 2**23 and 2**23 is subtracted, which gives ``code * 2**s``
-# exactly; the plane's step is scaled by ``2**-s`` instead (exact as well), so no shift is needed either.
-_MAGIC = 0x4B000000  # bits of the float 2**23
-
-
 if triton is not None:
 
     @triton.jit
@@ -106,7 +109,7 @@ if triton is not None:
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
     @triton.jit
-    def _block_lse_split_kernel(
+    def _block_lse_kernel(
         q_ptr,  # float32 [B, H, G, D]
         codes_ptr,  # uint8 [B, N, H, T, D // PER]
         kmin_ptr,  # [B, N, H, D]
@@ -118,133 +121,150 @@ if triton is not None:
         T: tl.constexpr,
         D: tl.constexpr,
         BITS: tl.constexpr,
+        VB: tl.constexpr,
+        TT: tl.constexpr,
+        UNIT: tl.constexpr,
         BLOCK_N: tl.constexpr,
-        CHUNK: tl.constexpr,
     ):
-        # One program: one (batch, KV head) and BLOCK_N blocks. The code bytes of a token row are cut into D // CHUNK
-        # chunks of CHUNK channels (CB bytes); each thread holds whole chunks, so each byte is loaded once, the
-        # query and the block parameters it needs are those of its chunk, and the sum over a chunk's channels stays
-        # inside the thread (only the D // CHUNK partial sums are added across threads).
-        PER: tl.constexpr = 8 // BITS
-        DB: tl.constexpr = D // PER
-        CB: tl.constexpr = CHUNK // PER
-        NCH: tl.constexpr = D // CHUNK
+        # One program: one (batch, KV head) and BLOCK_N blocks. A thread owns VB consecutive code bytes (CH
+        # channels) of TT token rows of one block. Tensors are laid out [NT, TO, BLOCK_N, TT, ...]: lanes run over
+        # the NT threads that share a row, then over the TO groups of TT rows of a block, then over blocks, and the
+        # TT rows stay inside the thread (the order in which Triton's coalescing gives lanes to dimensions of equal
+        # contiguity). So every thread reads each of its code bytes once, all sums over its channels and rows stay
+        # in registers (only the NT partial sums of a row, and the TO row groups of a block in the log-sum-exp,
+        # meet, through shuffles), the loop uses no shared memory, and all G query heads are scored from each
+        # decoded code. The loop walks the thread's channels one unit (32-bit word, or byte) at a time, loading
+        # that unit of its TT rows and the block's parameters of the unit's channels, which keeps registers and
+        # compile time low. Per block and channel the weights kstep * q are formed once:
+        # logits[t, g] = sum_d kmin[d] q[g, d] + sum_d code[t, d] (kstep[d] q[g, d]).
+        PER: tl.constexpr = 8 // BITS  # codes per byte
+        DB: tl.constexpr = D // PER  # code bytes per token row
+        NT: tl.constexpr = DB // VB  # threads per token row
+        TO: tl.constexpr = T // TT  # threads per block and channel range
+        NU: tl.constexpr = VB // UNIT  # units (32-bit words, or bytes) per thread and row
+        HALVES: tl.constexpr = 2 if UNIT == 4 else 1  # 16-bit halves per unit
+        BH: tl.constexpr = 2 if UNIT == 4 else 1  # bytes per half
+        CH: tl.constexpr = VB * PER  # channels per thread
+        PBITS: tl.constexpr = kmin_ptr.dtype.element_ty.primitive_bitwidth
+        PINT: tl.constexpr = tl.int16 if PBITS == 16 else tl.int32
+        MAGIC: tl.constexpr = 0x4B000000  # bits of the float 2**23
         bh = tl.program_id(0).to(tl.int64)
         b = bh // heads
         h = bh % heads
         n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         live = n < n_blocks
         row = (b * n_blocks + n) * heads + h  # [BLOCK_N]: (b, n, h) of the summaries
-        t = tl.arange(0, T)
-        k = tl.arange(0, NCH)
-        j = tl.arange(0, CB)
-        c = tl.arange(0, CHUNK)
-        p = tl.arange(0, PER)
-        where = (row[:, None, None, None] * T + t[None, :, None, None]) * DB + (k * CB)[None, None, :, None]
-        byte = tl.load(codes_ptr + where + j[None, None, None, :], mask=live[:, None, None, None], other=0)
-        place = (((1 << BITS) - 1) << (p * BITS))[None, None, None, None, :]
-        held = (byte.to(tl.int32)[:, :, :, :, None] & place) | _MAGIC  # [BLOCK_N, T, NCH, CB, PER]
-        code = tl.reshape(held.to(tl.float32, bitcast=True) - 8388608.0, (BLOCK_N, T, NCH, CHUNK))
-        d = k[:, None] * CHUNK + c[None, :]  # [NCH, CHUNK]: channel
-        unscale = ((127 - (c % PER) * BITS) << 23).to(tl.float32, bitcast=True)  # 2**-(bit offset in the byte)
-        params = row[:, None, None] * D + d[None, :, :]
-        kmin = tl.load(kmin_ptr + params, mask=live[:, None, None], other=0.0).to(tl.float32)
-        kstep = tl.load(kstep_ptr + params, mask=live[:, None, None], other=0.0).to(tl.float32) * unscale
-        keys = kmin[:, None, :, :] + code * kstep[:, None, :, :]  # [BLOCK_N, T, NCH, CHUNK]
+        nt = tl.arange(0, NT)[:, None, None, None, None]
+        to = tl.arange(0, TO)[None, :, None, None, None]
+        blk = row[None, None, :, None, None]
+        tt = tl.arange(0, TT)[None, None, None, :, None]
+        CU: tl.constexpr = UNIT * PER  # channels per unit
+        VEC: tl.constexpr = 128 // PBITS if CU * PBITS >= 128 else CU  # parameters per 16-byte load
+        NV: tl.constexpr = CU // VEC
+        nv = tl.arange(0, NV)
+        vec = tl.arange(0, VEC)
+        pos = (nv[:, None] * VEC + vec[None, :])[None, None, None, None, :, :]  # channel within the unit
+        q_at = tl.arange(0, NT)[:, None, None, None] * CH  # [NT, 1, 1, 1]
+        codes_at = (blk * T + to * TT + tt) * (DB // UNIT) + nt * (VB // UNIT)  # [NT, TO, BLOCK_N, TT, 1]
+        params_at = (blk * D + nt * CH + to * 0)[:, :, :, :, :, None] + pos  # [NT, TO, BLOCK_N, 1, NV, VEC]
+        live5 = live[None, None, :, None, None]
+        live6 = live[None, None, :, None, None, None]
+        accs = ()  # per query head, sum over the thread's channels of code * kstep * q: [NT, TO, BLOCK_N, TT]
+        consts = ()  # per query head, sum over the thread's channels of kmin * q: [NT, TO, BLOCK_N, 1]
         for g in tl.static_range(G):
-            q = tl.load(q_ptr + (bh * G + g) * D + d)  # [NCH, CHUNK]
-            logits = tl.sum(tl.sum(keys * q[None, None, :, :], axis=3), axis=2)  # [BLOCK_N, T]
-            top = tl.max(logits, axis=1)
-            lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
+            accs = accs + (tl.zeros((NT, TO, BLOCK_N, TT), dtype=tl.float32),)
+            consts = consts + (tl.zeros((NT, TO, BLOCK_N, 1), dtype=tl.float32),)
+        for u in range(NU):
+            if UNIT == 4:
+                unit = tl.load(codes_ptr.to(tl.pointer_type(tl.int32)) + codes_at + u, mask=live5, other=0)
+            else:
+                unit = tl.load(codes_ptr + codes_at + u, mask=live5, other=0).to(tl.int32)
+            unit = tl.sum(unit, axis=4)  # [NT, TO, BLOCK_N, TT]
+            kmin_u = tl.load(kmin_ptr + params_at + u * CU, mask=live6, other=0.0).to(PINT, bitcast=True)
+            kstep_u = tl.load(kstep_ptr + params_at + u * CU, mask=live6, other=0.0).to(PINT, bitcast=True)
+            for hh in tl.static_range(HALVES):
+                if hh == 0:
+                    half = (unit & 0xFFFF) | MAGIC
+                else:
+                    half = ((unit >> 16) & 0xFFFF) | MAGIC
+                for i in tl.static_range(BH):
+                    for p in tl.static_range(PER):
+                        # Codes become floats without a conversion or a shift: the half OR 2**23's bits, masked
+                        # to the code's bits (in place at bit s), is the float 2**23 + code * 2**s; subtracting
+                        # 2**23 leaves code * 2**s exactly, and the step is scaled by 2**-s instead (exact too).
+                        held = half & ((((1 << BITS) - 1) << (8 * i + BITS * p)) | MAGIC)
+                        code = held.to(tl.float32, bitcast=True) - 8388608.0  # code * 2**s
+                        c = (hh * BH + i) * PER + p  # channel within the unit
+                        pick = pos == c  # a constant per register: the sums below pick one value, no arithmetic
+                        kmin = tl.sum(tl.sum(tl.where(pick, kmin_u, 0), axis=5), axis=4)
+                        kstep = tl.sum(tl.sum(tl.where(pick, kstep_u, 0), axis=5), axis=4)
+                        kmin = kmin.to(PINT).to(kmin_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                        kstep = kstep.to(PINT).to(kmin_ptr.dtype.element_ty, bitcast=True).to(tl.float32)
+                        kstep = kstep * (1.0 / (1 << (8 * i + BITS * p)))  # [NT, TO, BLOCK_N, 1]
+                        new_accs = ()
+                        new_consts = ()
+                        for g in tl.static_range(G):
+                            q = tl.load(q_ptr + (bh * G + g) * D + q_at + u * CU + c)  # [NT, 1, 1, 1]
+                            new_accs = new_accs + (accs[g] + code * (kstep * q),)
+                            new_consts = new_consts + (consts[g] + kmin * q,)
+                        accs = new_accs
+                        consts = new_consts
+        for g in tl.static_range(G):
+            logits = tl.sum(accs[g] + consts[g], axis=0)  # [TO, BLOCK_N, TT]
+            top = tl.max(tl.max(logits, axis=2), axis=0)  # [BLOCK_N]
+            lse = top + tl.log(tl.sum(tl.sum(tl.exp(logits - top[None, :, None]), axis=2), axis=0))
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
-    @triton.jit
-    def _block_lse_chunk_kernel(
-        q_ptr,  # float32 [B, H, G, D]
-        codes_ptr,  # uint8 [B, N, H, T, D // PER]
-        kmin_ptr,  # [B, N, H, D]
-        kstep_ptr,  # [B, N, H, D]
-        out_ptr,  # float32 [B, H, G, N]
-        n_blocks,
-        heads,
-        G: tl.constexpr,
-        GP: tl.constexpr,
-        T: tl.constexpr,
-        D: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        CHUNK: tl.constexpr,
-    ):
-        # One program: one (batch, KV head) and BLOCK_N blocks, walking the channels CHUNK at a time; each thread
-        # holds whole chunks of its token rows, so every sum over channels stays inside the thread, and all GP
-        # (G rounded up to a power of two) query heads are scored from each dequantized chunk.
-        PER: tl.constexpr = 8 // BITS
-        DB: tl.constexpr = D // PER
-        CB: tl.constexpr = CHUNK // PER
-        bh = tl.program_id(0).to(tl.int64)
-        b = bh // heads
-        h = bh % heads
-        n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = n < n_blocks
-        row = (b * n_blocks + n) * heads + h
-        t = tl.arange(0, T)
-        j = tl.arange(0, CB)
-        c = tl.arange(0, CHUNK)
-        p = tl.arange(0, PER)
-        g = tl.arange(0, GP)
-        place = (((1 << BITS) - 1) << (p * BITS))[None, None, None, :]
-        unscale = ((127 - (c % PER) * BITS) << 23).to(tl.float32, bitcast=True)
-        rows = (row[:, None] * T + t[None, :]) * DB  # [BLOCK_N, T]
-        acc = tl.zeros((BLOCK_N, T, GP), dtype=tl.float32)
-        for chunk in tl.static_range(D // CHUNK):
-            byte = tl.load(codes_ptr + rows[:, :, None] + (chunk * CB + j)[None, None, :], mask=live[:, None, None],
-                           other=0)  # fmt: skip
-            held = (byte.to(tl.int32)[:, :, :, None] & place) | _MAGIC  # [BLOCK_N, T, CB, PER]
-            code = tl.reshape(held.to(tl.float32, bitcast=True) - 8388608.0, (BLOCK_N, T, CHUNK))
-            d = chunk * CHUNK + c
-            params = row[:, None] * D + d[None, :]
-            kmin = tl.load(kmin_ptr + params, mask=live[:, None], other=0.0).to(tl.float32)
-            kstep = tl.load(kstep_ptr + params, mask=live[:, None], other=0.0).to(tl.float32) * unscale[None, :]
-            keys = kmin[:, None, :] + code * kstep[:, None, :]  # [BLOCK_N, T, CHUNK]
-            q = tl.load(q_ptr + (bh * G + g[:, None]) * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-            acc += tl.sum(keys[:, :, None, :] * q[None, None, :, :], axis=3)
-        top = tl.max(acc, axis=1)  # [BLOCK_N, GP]
-        lse = top + tl.log(tl.sum(tl.exp(acc - top[:, None, :]), axis=1))
-        tl.store(out_ptr + (bh * G + g[None, :]) * n_blocks + n[:, None], lse, mask=live[:, None] & (g < G)[None, :])
+
+_VARIANTS = ("v1", "v2")
+"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), and ``v2``, the one
+:func:`block_lse` uses."""
 
 
-VARIANTS = ("v1", "split", "chunk")
-"""Kernels :func:`launch_block_lse` can run: ``v1`` the first kernel (kept for comparison), ``split`` and ``chunk``
-the current ones (see :func:`default_config`)."""
+def _layout(tokens: int, head_dim: int, bits: int, group: int) -> dict:
+    """How the ``v2`` kernel splits a block over threads: ``VB`` code bytes of a token row per thread (at most 16
+    bytes and 64 channels) and ``TT`` token rows per thread (at most 64 accumulators, rows x query heads)."""
+    rows = max(1, 64 // (1 << (group - 1).bit_length()))
+    return {"VB": min(16, head_dim * bits // 8, 8 * bits), "TT": min(tokens, rows)}
 
 
-def default_config(tokens: int, head_dim: int, bits: int) -> dict:
-    """Launch settings :func:`block_lse` uses for a shape: ``variant``, ``block_n`` (blocks per program),
-    ``num_warps`` and ``chunk`` (channels per thread and chunk).
+def _default_config(
+    tokens: int, head_dim: int, bits: int, group: int = 4, num_warps: int = 4, rows_per_thread: int | None = None
+) -> dict:
+    """Launch settings of the ``v2`` kernel: ``block_n`` (blocks per program), ``num_warps`` and
+    ``rows_per_thread`` (token rows of a block per thread); :func:`block_lse` uses them with the defaults.
+
+    A block is spread over ``(head_dim * bits / 8 / VB) * (tokens / rows_per_thread)`` threads (``VB`` code bytes of
+    a row per thread, see :func:`_layout`), so ``block_n`` is the number of blocks that fills ``num_warps`` warps:
+    64 blocks for 2-bit codes, ``head_dim`` 128, 16 tokens and 4 query heads per KV head on 4 warps.
 
     Args:
         tokens: tokens per block (``block_tokens``), a power of two.
         head_dim: channels per key (padded to whole bytes of codes), a power of two.
         bits: bits per code (1, 2, 4 or 8).
+        group: query heads per KV head.
+        num_warps: warps per program, a power of two.
+        rows_per_thread: a power of two dividing ``tokens``; ``None``: :func:`_layout`'s.
     """
-    per = 8 // bits
-    return {"variant": "split", "block_n": max(1, 256 // tokens), "num_warps": 4,
-            "chunk": min(head_dim, max(16, per))}  # fmt: skip
+    layout = _layout(tokens, head_dim, bits, group)
+    rows = min(tokens, rows_per_thread or layout["TT"])
+    per_block = max(1, head_dim * bits // 8 // layout["VB"]) * (tokens // rows)
+    return {"block_n": max(1, 32 * num_warps // per_block), "num_warps": num_warps, "rows_per_thread": rows}
 
 
-def launch_block_lse(
+def _launch_block_lse(
     query: torch.Tensor,
     codes: torch.Tensor,
     kmin: torch.Tensor,
     kstep: torch.Tensor,
     bits: int,
     out: torch.Tensor,
-    variant: str = "split",
+    variant: str = "v2",
     block_n: int | None = None,
     num_warps: int | None = None,
-    chunk: int | None = None,
+    rows_per_thread: int | None = None,
 ) -> torch.Tensor:
-    """Run one scoring kernel into ``out`` with explicit launch settings (no checks beyond shapes; no host sync).
+    """Run one scoring kernel into ``out`` with explicit launch settings (no checks of the inputs, no host sync).
 
     Args:
         query: ``[batch, kv_heads, group, head_dim]``, float32, contiguous, CUDA (or CPU under the interpreter).
@@ -254,11 +274,11 @@ def launch_block_lse(
         kstep: same shape, dtype and device as ``kmin``.
         bits: bits per code (1, 2, 4 or 8).
         out: ``[batch, kv_heads, group, n_blocks]``, float32, contiguous, same device; written in full.
-        variant: one of :data:`VARIANTS`.
-        block_n: blocks per program (a power of two); ``None``: :func:`default_config`'s.
-        num_warps: warps per program; ``None``: :func:`default_config`'s.
-        chunk: channels per chunk (``split``, ``chunk``; a power of two, at least ``8 // bits``, at most
-            ``head_dim``); ``None``: :func:`default_config`'s.
+        variant: one of :data:`_VARIANTS`.
+        block_n: blocks per program, a power of two; ``None``: the variant's default (``v2``: the fewest that
+            fill the warps, :func:`_default_config`).
+        num_warps: warps per program; ``None``: the variant's default.
+        rows_per_thread: ``v2`` only: token rows of a block per thread; ``None``: :func:`_default_config`'s.
 
     Returns:
         ``out``.
@@ -267,39 +287,40 @@ def launch_block_lse(
     n_blocks, tokens = codes.shape[1], codes.shape[3]
     if n_blocks == 0:
         return out
-    base = default_config(tokens, head_dim, bits)
-    if variant == "v1":
-        block_n = block_n or max(1, min(16, 4096 // (tokens * head_dim)))
-        base["num_warps"] = 4
-    block_n = block_n or base["block_n"]
-    num_warps = num_warps or base["num_warps"]
-    chunk = chunk or base["chunk"]
-    grid = (batch * heads, triton.cdiv(n_blocks, block_n))
     args = (query, codes, kmin, kstep, out, n_blocks, heads)
     if variant == "v1":
+        block_n = block_n or max(1, min(16, 4096 // (tokens * head_dim)))
+        grid = (batch * heads, triton.cdiv(n_blocks, block_n))
         _block_lse_kernel_v1[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, BLOCK_N=block_n,
-                                   num_warps=num_warps)  # fmt: skip
-    elif variant == "split":
-        _block_lse_split_kernel[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, BLOCK_N=block_n, CHUNK=chunk,
-                                      num_warps=num_warps)  # fmt: skip
-    elif variant == "chunk":
-        _block_lse_chunk_kernel[grid](*args, G=group, GP=triton.next_power_of_2(group), T=tokens, D=head_dim,
-                                      BITS=bits, BLOCK_N=block_n, CHUNK=chunk, num_warps=num_warps)  # fmt: skip
-    else:
-        raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {VARIANTS}")
+                                   num_warps=num_warps or 4)  # fmt: skip
+        return out
+    if variant != "v2":
+        raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {_VARIANTS}")
+    config = _default_config(tokens, head_dim, bits, group, num_warps or 4, rows_per_thread)
+    block_n = block_n or config["block_n"]
+    layout = {"VB": _layout(tokens, head_dim, bits, group)["VB"], "TT": config["rows_per_thread"]}
+    unit = 4 if layout["VB"] % 4 == 0 and codes.data_ptr() % 4 == 0 else 1
+    grid = (batch * heads, triton.cdiv(n_blocks, block_n))
+    _block_lse_kernel[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, UNIT=unit, BLOCK_N=block_n,
+                            num_warps=config["num_warps"], **layout)  # fmt: skip
     return out
 
 
 def block_lse(
     query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
 ) -> torch.Tensor:
-    """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the kernel where
-    :func:`block_lse_supported`, else :func:`block_lse_reference`. Arguments and result as the reference's
-    (``chunk_blocks`` is used by the reference only)."""
-    if not block_lse_supported(query, codes) or query.shape[-1] % (8 // bits):
+    """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the ``v2`` kernel at
+    :func:`_default_config`'s settings where :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or
+    float32), else :func:`block_lse_reference`. Arguments and result as the reference's (``chunk_blocks`` is used
+    by the reference only). The kernel allocates only the result and never waits for the device, so it can be
+    captured in a CUDA graph once it has run (compiled) outside one."""
+    if (
+        not block_lse_supported(query, codes)
+        or query.shape[-1] % (8 // bits)
+        or kmin.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+    ):
         return block_lse_reference(query, codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
-    config = default_config(codes.shape[3], query.shape[-1], bits)
-    return launch_block_lse(query.float().contiguous(), codes.contiguous(), kmin.contiguous(), kstep.contiguous(),
-                            bits, out, **config)  # fmt: skip
+    return _launch_block_lse(query.float().contiguous(), codes.contiguous(), kmin.contiguous(), kstep.contiguous(),
+                            bits, out)  # fmt: skip
