@@ -8,8 +8,10 @@ each code once, decodes it in registers and reduces each block's logits to their
 over all keys summed per block. :func:`block_lse_reference` is the pure-torch reference the tests compare it with
 (CPU, or any tensors the kernel does not take).
 
-Two kernels, chosen by :func:`_launch_block_lse`'s ``variant``: ``v2``, the one :func:`block_lse` runs, and ``v1``,
-the first one, kept so that ``benchmarks/bench_quantkey_kernel.py`` can time both in one run. ``v1`` spends about
+Two kernels, chosen by :func:`_launch_block_lse`'s ``variant``: ``v1``, the one :func:`block_lse` runs
+(:data:`DEFAULT_VARIANT`; tested and timed on an H200), and ``v2``, written to replace it but not yet run on a GPU
+(tested under the Triton interpreter; ``benchmarks/bench_quantkey_kernel.py`` times both in one run and decides the
+default). ``v1`` spends about
 30 instructions per code (it loads each byte once per code it holds, builds a float32 key tile and reduces it
 across threads once per query head; 0.52 ms per call for the 8B shape at batch 8 and 2048 blocks on an H200).
 ``v2`` gives each thread a channel range of whole token rows, so that decoding a code takes one bitwise and one
@@ -252,6 +254,10 @@ def _default_config(
     return {"block_n": max(1, 32 * num_warps // per_block), "num_warps": num_warps, "rows_per_thread": rows}
 
 
+DEFAULT_VARIANT = "v1"
+"""The kernel :func:`block_lse` runs: ``v1`` until ``v2`` has been checked and timed on a GPU."""
+
+
 def _launch_block_lse(
     query: torch.Tensor,
     codes: torch.Tensor,
@@ -309,8 +315,8 @@ def _launch_block_lse(
 def block_lse(
     query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
 ) -> torch.Tensor:
-    """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the ``v2`` kernel at
-    :func:`_default_config`'s settings where :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or
+    """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the :data:`DEFAULT_VARIANT`
+    kernel at its default settings where :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or
     float32), else :func:`block_lse_reference`. Arguments and result as the reference's (``chunk_blocks`` is used
     by the reference only). The kernel allocates only the result and never waits for the device, so it can be
     captured in a CUDA graph once it has run (compiled) outside one."""
@@ -323,4 +329,4 @@ def block_lse(
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
     return _launch_block_lse(query.float().contiguous(), codes.contiguous(), kmin.contiguous(), kstep.contiguous(),
-                            bits, out)  # fmt: skip
+                            bits, out, variant=DEFAULT_VARIANT)  # fmt: skip
