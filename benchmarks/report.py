@@ -221,7 +221,7 @@ def render_decode() -> str:
         lines += [
             "", "## Where the device time goes, and CUDA graphs", "",
             "The sections above read the steps as bound by host-side launch work. A profile of the quantkey step "
-            "(`bench_decode_step.py --profile 3`, op by op, commit `ca928e1` and earlier code: "
+            "(`bench_decode_step.py --profile 3`, op by op, commit `044910c`: "
             "`results/decode/profile_decode_step_quantkey_eager_h200.txt`) shows otherwise: of about 79 ms per "
             "step the device is busy about 72 ms: the recall kernel 33 ms (random keys and queries: hit rate 0.22, "
             "1.6 GB per step), quantkey scoring 17 ms, gathering the selected blocks 7 ms (removed since: attention "
