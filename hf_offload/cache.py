@@ -821,7 +821,7 @@ class OffloadLayer(CacheLayerMixin):
             ``(keys, values)``, each ``[batch, kv_heads, n_tokens, head_dim]``, on the compute device.
         """
         if self.n_blocks == 0:
-            return self.keys, self.values
+            return self.keys.clone(), self.values.clone()  # the open slot is overwritten by later steps
         if self.use_kernels and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # the kernels write the host pool asynchronously
         blocks = self.host.read(self.block_table.flatten()).to(self.device)
