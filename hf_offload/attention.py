@@ -390,7 +390,7 @@ def _decode_step(
 
     Args:
         handoff: this step's handoff.
-        query: ``[batch, q_heads, 1, head_dim]``, compute device (after RoPE).
+        query: ``[batch, q_heads, 1, head_dim]``, model dtype, compute device (after RoPE).
         mask: the forward's lazy mask (plain causal), or ``None``.
         scaling: softmax scale.
         n: sealed blocks before this step.
@@ -430,7 +430,7 @@ def _decode_body(
 
     Args:
         layer: the offloaded layer.
-        query: ``[batch, q_heads, 1, head_dim]``, compute device.
+        query: ``[batch, q_heads, 1, head_dim]``, model dtype, compute device.
         inputs: the step's shared inputs.
         n, k: sealed blocks before this step; blocks the budget selects.
         scaling: softmax scale.

@@ -467,7 +467,7 @@ class OffloadLayer(CacheLayerMixin):
         Args:
             key: the geometry (sealed blocks, selected blocks, query shape and dtype, scale, input buffers).
             body: enqueues the step's work on the current stream given the query buffer; returns the output.
-            query: an example query, ``[batch, q_heads, 1, head_dim]``, CUDA.
+            query: an example query, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA.
             inputs: the step's shared inputs (held by the graph).
         """
         self._graphs = {k: g for k, g in self._graphs.items() if k[0] == key[0]}
