@@ -127,7 +127,8 @@ def capture(body, query: torch.Tensor, pool, held: tuple) -> CapturedDecode:
     Args:
         body: enqueues the work; takes the static query buffer and returns the output tensor. It must not
             synchronise with the host, allocate pinned memory or create tensors that outlive it outside the graph.
-        query: an example input, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA (its shape, dtype and device are the graph's).
+        query: an example input, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA (its shape, dtype and
+            device are the graph's).
         pool: the memory pool handle shared by the graphs of one cache (``torch.cuda.graph_pool_handle()``).
         held: tensors to keep alive with the graph.
 
