@@ -409,7 +409,8 @@ def _decode_step(
         return out
     out = _decode_body(layer, query, inputs, n, k, scaling, mask, layer.timer)
     if layer.graphs:
-        layer.capture_decode(key, lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False), query, inputs)
+        body = lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False)  # noqa: E731
+        layer.capture_decode(key, body, query, inputs)
     layer.finish_step()
     return out
 

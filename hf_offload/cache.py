@@ -587,7 +587,8 @@ class OffloadLayer(CacheLayerMixin):
                 self.stats.add_later(("lookups", "hits"), keep.sum(), heads // keep.shape[1])
                 if prefetched is not None:
                     used = keep.expand_as(miss) & ~miss & prefetched.gather(-1, slots)
-                    self.stats.add_later(("prefetch_used_blocks",), (used if self.selector.per_head else used[:, :1]).sum())
+                    used = used if self.selector.per_head else used[:, :1]
+                    self.stats.add_later(("prefetch_used_blocks",), used.sum())
             if start == 0:
                 # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
                 # them; both must come after the prefetch. Recalled blocks must have reached the host.

@@ -122,7 +122,8 @@ def recall_blocks_kernel(
         h = kv_h % heads
         kv = kv_h // heads
         host_off = (kv_h * piece).expand(len(ids), -1)
-        dev_off = (((kv[None, :] * batch + batch_idx[:, None]) * heads + h[None, :]) * total + slot_idx[:, None]) * piece
+        sequence_head = (kv[None, :] * batch + batch_idx[:, None]) * heads + h[None, :]
+        dev_off = (sequence_head * total + slot_idx[:, None]) * piece
         ids = ids[:, None].expand(-1, 2 * heads)
     else:
         kv = torch.arange(2, device=ids.device)[None, :]
