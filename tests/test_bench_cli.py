@@ -136,3 +136,13 @@ def test_set_passes_config_fields_and_rejects_unknown_ones(tmp_path, capsys):
             main(["--steps", "2", *bad])
         assert done.value.code == 2
     assert "power of two" in capsys.readouterr().err
+
+
+def test_a_setting_the_device_cannot_run_is_a_clean_error(capsys):
+    argv = ["--context", "256", "--budget", "128", "--steps", "2", "--device", "cpu", "--no-dense",
+            "--set", "cuda_graphs=True"]  # fmt: skip
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "cuda_graphs=True needs a CUDA device" in err and "Traceback" not in err
