@@ -26,7 +26,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import transfer
 from .attention import Handoff, enable_offload_attention, leave_handoff
 from .config import OffloadConfig
-from .graphs import CapturedDecode, DecodeInputs, capture
+from .graphs import CapturedDecode, DecodeInputs, capture, forced_blocks
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
@@ -532,21 +532,14 @@ class OffloadLayer(CacheLayerMixin):
             return selection
         sink, window = self.config.sink_blocks, self.config.window_blocks
 
-        def forced_blocks() -> torch.Tensor:
-            # Sink: the first blocks holding a real token of each sequence (left padding shifts them); window: the
-            # newest blocks. Only valid blocks are forced.
-            idx = torch.arange(n, device=self.device)
-            start = valid.int().argmax(dim=-1, keepdim=True)
-            forced = (idx >= start) & (idx < start + sink)
-            forced |= idx >= n - window
-            return forced & valid
-
         # Every layer of one forward with the same geometry forces the same blocks: built once per forward.
         key = ("forced", q_pos, n, self.block_tokens, sink, window, self.device)
         if inputs is not None:
             forced = inputs.forced
+        elif mask is None:
+            forced = forced_blocks(valid, sink, window)
         else:
-            forced = forced_blocks() if mask is None else mask.memo(key, forced_blocks)
+            forced = mask.memo(key, lambda: forced_blocks(valid, sink, window))
         summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
         selection = self.selector.select(query, summaries, scaling, k, forced, valid)
         cap = self.config.transfer_cap_blocks

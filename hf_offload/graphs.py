@@ -20,6 +20,24 @@ from dataclasses import dataclass
 import torch
 
 
+def forced_blocks(valid: torch.Tensor, sink_blocks: int, window_blocks: int) -> torch.Tensor:
+    """Blocks every selection keeps: the sink (the first ``sink_blocks`` blocks holding a real token of each
+    sequence, so left padding shifts it) and the window (the newest ``window_blocks``); only valid blocks.
+
+    Args:
+        valid: blocks with a token that may be attended, ``[batch, n_blocks]``, ``torch.bool``, any device.
+
+    Returns:
+        ``[batch, n_blocks]``, ``torch.bool``, ``valid``'s device.
+    """
+    n = valid.shape[-1]
+    idx = torch.arange(n, device=valid.device)
+    start = valid.int().argmax(dim=-1, keepdim=True)  # the first block holding a real token
+    forced = (idx >= start) & (idx < start + sink_blocks)
+    forced |= idx >= n - window_blocks
+    return forced & valid
+
+
 class DecodeInputs:
     """The inputs every offloaded layer of one decode step shares, built once per step.
 
@@ -95,11 +113,7 @@ class DecodeInputs:
             rows[:, n, n_recent:] = False
             self._plain = False
         torch.any(rows[:, :n], dim=-1, out=self.valid)
-        idx = torch.arange(n, device=device)
-        start = self.valid.int().argmax(dim=-1, keepdim=True)  # the first block holding a real token
-        forced = (idx >= start) & (idx < start + sink_blocks)
-        forced |= idx >= n - window_blocks
-        torch.logical_and(forced, self.valid, out=self.forced)
+        self.forced.copy_(forced_blocks(self.valid, sink_blocks, window_blocks))
         self._step = key
         return self
 
