@@ -33,7 +33,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.common import cuda_event_ms, run_metadata, write_results  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces, kernels_available  # noqa: E402
 
 KIB, MIB = 1 << 10, 1 << 20
@@ -221,22 +221,6 @@ def driver_versions() -> dict:
     return out
 
 
-def event_times(fn, warmup: int, reps: int) -> list[float]:
-    """Milliseconds of ``fn`` per repetition on the current stream (CUDA events), after ``warmup`` synced runs."""
-    for _ in range(warmup):
-        fn()
-        torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
-
-
 def two_stream_times(kernel_fn, batch_fn, s_kernel, s_batch, warmup: int, reps: int) -> list[tuple[float, float]]:
     """``(kernel_ms, batch_ms)`` per repetition: both streams start from one event recorded on the current stream,
     the kernel is launched first (its launch is short), each stream's end event is timed from that start."""
@@ -293,7 +277,7 @@ def bench_block(args, kib: int, pool: list[torch.Tensor], copier: BatchCopier | 
     def arrays(lo: int = 0, hi: int = n):
         return pointer_arrays(ids_np[lo:hi], addrs_np, chunk_blocks, block_bytes, dst.data_ptr(), np.arange(lo, hi))
 
-    def measure(name: str, fn, timer=event_times) -> None:
+    def measure(name: str, fn, timer=cuda_event_ms) -> None:
         rec = row["variants"][name] = {}
         try:
             if name.startswith(("kernel", "split")) and not kernels_available(device):

@@ -15,19 +15,26 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def cuda_timed(fn, repeat: int) -> float:
-    """Median seconds of ``fn`` over ``repeat`` runs, timed with CUDA events after one warm-up run."""
-    fn()
-    torch.cuda.synchronize()
+def cuda_event_ms(fn, warmup: int, reps: int) -> list[float]:
+    """Milliseconds of ``fn`` per repetition on the current stream (CUDA events), after ``warmup`` synced runs."""
+    for _ in range(warmup):
+        fn()
+        torch.cuda.synchronize()
     times = []
-    for _ in range(repeat):
+    for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def cuda_timed(fn, repeat: int) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs, timed with CUDA events after one warm-up run."""
+    times = cuda_event_ms(fn, 1, repeat)
+    return sorted(times)[len(times) // 2] / 1e3
 
 
 def git_commit() -> str | None:
