@@ -12,6 +12,10 @@ Methods, each decoding one new token per sequence and step through the model's f
   replayed from a CUDA graph).
 * ``solohead``: ``OffloadCache(selector="solohead")``, the default transfer path (the gather kernel where Triton
   runs on CUDA).
+* ``quantkey-auto``, ``solohead-auto``: the same with IO-adaptive admission (``admission="auto"``: the sealed blocks
+  stay in device memory as far as it allows, the rest in host memory; same selection and budget) and CUDA graphs
+  where they run (``cuda_graphs=None``). The admission limit is the device memory the planner leaves free after the
+  cache's other bytes, ``--device-margin-gib`` and the largest transient allocation (or ``--admission-gib``).
 * ``headwise-copy``: ``OffloadCache(selector="headwise", transfer="torch")``: one selection per KV head, so a
   recalled block moves as ``2 x kv_heads`` pieces, through the portable path: per layer and step the block table
   is read on the host (a device-to-host synchronisation), the CPU gathers the missing pieces from the pinned pool
@@ -55,9 +59,10 @@ from hf_offload.store.host import available_host_bytes  # noqa: E402
 
 GIB = 1 << 30
 DECODE_ONLY = "decode-only: KV filled with random values, no prefill"
-METHODS = ["dynamic", "static", "hf-offloaded", "quantkey", "quantkey-graphs", "solohead", "solohead-graphs",
-           "headwise-copy"]
-OFFLOAD_METHODS = ("quantkey", "quantkey-graphs", "solohead", "solohead-graphs", "headwise-copy")
+METHODS = ["dynamic", "static", "hf-offloaded", "quantkey", "quantkey-graphs", "quantkey-auto", "solohead",
+           "solohead-graphs", "solohead-auto", "headwise-copy"]
+OFFLOAD_METHODS = ("quantkey", "quantkey-graphs", "quantkey-auto", "solohead", "solohead-graphs", "solohead-auto",
+                   "headwise-copy")
 
 # Model sizes (random bf16 weights: speed does not depend on the values). ``family``: the transformers model class;
 # ``preset``: the matching hf_offload.planner preset (same KV geometry).
@@ -96,6 +101,12 @@ METHOD_NOTES = {
     "layer's decode attention replayed from a CUDA graph (captured at the first step after each seal)",
     "solohead-graphs": "OffloadCache(selector='solohead', transfer='auto', cuda_graphs=True): solohead with each "
     "layer's decode attention replayed from a CUDA graph (captured at the first step after each seal)",
+    "quantkey-auto": "OffloadCache(selector='quantkey', transfer='auto', admission='auto', cuda_graphs=None, "
+    "device_memory_gib=what the planner leaves free): sealed blocks in device memory as far as it allows, the rest "
+    "in host memory; CUDA graphs where they run",
+    "solohead-auto": "OffloadCache(selector='solohead', transfer='auto', admission='auto', cuda_graphs=None, "
+    "device_memory_gib=what the planner leaves free): sealed blocks in device memory as far as it allows, the rest "
+    "in host memory; CUDA graphs where they run",
     "headwise-copy": "OffloadCache(selector='headwise', transfer='torch'): one selection per KV head (2 x kv_heads "
     "pieces per block); per layer and step the block table is read on the host (one synchronisation), the CPU "
     "gathers the missed pieces into a pinned staging tensor, one host-to-device copy moves them (the random fill "
@@ -267,6 +278,26 @@ def tensor_bytes(cache, device: torch.device) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------- predictions
+def offload_config(method: str, args, shape=None, context: int = 0, batch: int = 0, device=None,
+                   transient_bytes: int = 0) -> OffloadConfig:  # fmt: skip
+    """The :class:`OffloadConfig` of an OffloadCache method (``None`` for the others).
+
+    For the ``-auto`` methods the admission limit (``device_memory_gib``) is ``--admission-gib`` or else the device
+    memory that stays free once the cache's other device bytes (the planner's, with every block in host memory),
+    ``transient_bytes`` and ``--device-margin-gib`` are set aside (0 off CUDA)."""
+    if method not in OFFLOAD_METHODS:
+        return None
+    selector = "headwise" if method == "headwise-copy" else method.split("-")[0]
+    if not method.endswith("-auto"):
+        return OffloadConfig(budget_tokens=args.budget, selector=selector)
+    gib = args.admission_gib
+    if gib is None:
+        base = plan(shape, context, batch, "offload", OffloadConfig(budget_tokens=args.budget, selector=selector))
+        free = torch.cuda.mem_get_info(device)[0] if device is not None and device.type == "cuda" else 0
+        gib = max(0.0, (free - base.device_bytes - transient_bytes) / GIB - args.device_margin_gib)
+    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib)
+
+
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
             n_rep: int) -> dict:  # fmt: skip
     """Predicted cache bytes of ``method`` holding ``context`` tokens per sequence.
@@ -278,7 +309,8 @@ def predict(method: str, shape, context: int, batch: int, config: OffloadConfig,
     if method in OFFLOAD_METHODS:
         p = plan(shape, context, batch, "offload", config)
         return {"source": "hf_offload.planner.plan(method='offload')", "device_bytes": p.device_bytes,
-                "host_bytes": p.host_reserved_bytes, "host_kv_bytes": p.host_kv_bytes,
+                "device_kv_bytes": p.device_kv_bytes + p.device_summary_bytes, "host_bytes": p.host_reserved_bytes,
+                "host_kv_bytes": p.host_kv_bytes, "admitted_kv_bytes": p.admitted_kv_bytes,
                 "transient_device_bytes": 0}  # fmt: skip
     dense = plan(shape, context, batch, "dense")
     if method == "hf-offloaded":
@@ -336,8 +368,9 @@ def decode(model, cache, kw: str, ids: torch.Tensor, start: int, n: int, mask: t
     return ids
 
 
-def make_cache(method: str, model, context: int, args, device: torch.device):
-    """A fresh cache of ``method``; returns ``(cache, transfer path used by decode steps or None)``."""
+def make_cache(method: str, model, context: int, args, device: torch.device, config: OffloadConfig | None = None):
+    """A fresh cache of ``method`` (an OffloadCache one with ``config``, from :func:`offload_config`); returns
+    ``(cache, transfer path used by decode steps or None)``."""
     from transformers import DynamicCache, StaticCache
 
     if method == "dynamic":
@@ -351,6 +384,8 @@ def make_cache(method: str, model, context: int, args, device: torch.device):
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = method.removesuffix("-graphs")
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True), "auto"
+    if method in ("solohead-auto", "quantkey-auto"):
+        return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
 
     # headwise-copy decodes through transfer='torch'. Where the kernels run, the fill writes through them (the
     # torch path writes host blocks with the CPU, far slower) and the layers switch to the torch path before the
@@ -372,9 +407,11 @@ def fill_dense(cache, batch: int, tokens: int, layers: int, kv_heads: int, head_
         del k, v
 
 
-def run_config(model, env: dict, method: str, context: int, batch: int, args) -> dict:
-    """Fill a cache of ``method`` with ``context - warmup - steps`` random tokens per sequence, decode warm-up and
-    timed steps (so the last step attends to at most ``context`` tokens) and return the measurements."""
+def run_config(model, env: dict, method: str, context: int, batch: int, args,
+               config: OffloadConfig | None = None) -> dict:  # fmt: skip
+    """Fill a cache of ``method`` (an OffloadCache one with ``config``) with ``context - warmup - steps`` random
+    tokens per sequence, decode warm-up and timed steps (so the last step attends to at most ``context`` tokens) and
+    return the measurements."""
     device, kw, shape = env["device"], env["kw"], env["shape"]
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, env["head_dim"]
@@ -385,10 +422,11 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args) ->
     base = torch.cuda.memory_allocated(device) if cuda else None
     row: dict = {"method": method, "context": context, "batch": batch, "kv_tokens_start": fill_tokens}
     with torch.inference_mode():
-        cache, transfer = make_cache(method, model, context, args, device)
+        cache, transfer = make_cache(method, model, context, args, device, config)
         sync(device)
         t0 = time.perf_counter()
         if method in OFFLOAD_METHODS:
+            torch.manual_seed(0)  # the random values: the same KV for every OffloadCache method
             fill_random(cache, batch, fill_tokens, kv_heads, head_dim, device)
             sync(device)
             row["fill_transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
@@ -441,7 +479,10 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args) ->
             row["host_kv_bytes"] = stats["host_kv_bytes"]
             row["hit_rate"] = stats["hit_rate"]
             row["stats"] = stats
-            pcie_per_step = stats["decode_recalled_bytes"] / steps
+            row["admitted_kv_bytes"] = sum(layer.host.used_bytes_on(True) for layer in cache.offload_layers
+                                           if layer.is_initialized)  # fmt: skip
+            recalled_per_step = stats["decode_recalled_bytes"] / steps
+            pcie_per_step = stats["decode_host_bytes"] / steps  # blocks admitted to the device are not PCIe traffic
         else:
             on_device, elsewhere = tensor_bytes(cache, device)
             row["cache_device_bytes"], row["host_bytes"], row["host_kv_bytes"] = on_device, elsewhere, elsewhere
@@ -449,13 +490,16 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args) ->
             # transformers' offloading copies every layer's whole KV to the device (and back) at every step.
             kv_mid = fill_tokens + args.warmup + (steps + 1) / 2
             pcie_per_step = layers * batch * kv_mid * 2 * kv_heads * head_dim * 2 if method == "hf-offloaded" else 0
+            recalled_per_step = pcie_per_step
         owned, _ = pinned_allocator_bytes()
         row["pinned_allocator_bytes"] = owned
-        row["recalled_bytes_per_step"] = pcie_per_step
-        row["recalled_gbps"] = pcie_per_step / step_s / 1e9
+        row["recalled_bytes_per_step"] = recalled_per_step
+        row["recalled_gbps"] = recalled_per_step / step_s / 1e9
+        row["host_recalled_bytes_per_step"] = pcie_per_step
+        row["pcie_gbps"] = pcie_per_step / step_s / 1e9
         kv_mid = fill_tokens + args.warmup + (steps + 1) / 2  # KV tokens per sequence, mean over the timed steps
         row["roofline"] = roofline(method, env, batch, kv_mid, pcie_per_step, step_s, layers, kv_heads, head_dim,
-                                   cache if method in OFFLOAD_METHODS else None)  # fmt: skip
+                                   stats, recalled_per_step - pcie_per_step)  # fmt: skip
         cfg_off = cache.config if method in OFFLOAD_METHODS else OffloadConfig(budget_tokens=args.budget)
         held = context if method == "static" else pos
         pred = predict(method, shape, held, batch, cfg_off, env["layer_kv_bytes"](batch, held), env["n_rep"])
@@ -465,7 +509,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args) ->
             "kv_tokens": held,
             "predicted_peak_device_bytes": predicted_peak if cuda else None,
             "peak_over_predicted": row["peak_device_bytes"] / predicted_peak if cuda else None,
-            "device_matches": row["cache_device_bytes"] == pred["device_bytes"],
+            "device_matches": row["cache_device_bytes"] == pred.get("device_kv_bytes", pred["device_bytes"]),
             "host_matches": row["host_bytes"] == pred["host_bytes"],
             "host_over_predicted": row["host_bytes"] / pred["host_bytes"] if pred["host_bytes"] else None,
         }
@@ -476,28 +520,34 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args) ->
 
 
 def roofline(method: str, env: dict, batch: int, kv_tokens: float, pcie_per_step: float, step_s: float, layers: int,
-             kv_heads: int, head_dim: int, offload_cache=None) -> dict:  # fmt: skip
+             kv_heads: int, head_dim: int, offload_stats: dict | None = None,
+             device_recall_per_step: float = 0.0) -> dict:  # fmt: skip
     """Lower bound of one step: weights and attended KV read once from device memory, missed bytes over PCIe.
 
-    OffloadCache attends to ``budget_tokens`` per sequence and layer; the dense methods to the whole KV. The block
-    summaries the selector reads each step are reported apart (``summary_bytes``, ``roofline_with_summaries_ms``).
+    OffloadCache (``offload_stats``: its ``stats()``) attends to ``budget_tokens`` per sequence and layer, and copies
+    the recalled blocks that ``admission="auto"`` keeps on the device (``device_recall_per_step`` bytes, read and
+    written in device memory); the dense methods attend to the whole KV. The block summaries the selector reads
+    each step (all of ``device_summary_bytes``) are reported apart (``summary_bytes``,
+    ``roofline_with_summaries_ms``).
     """
     bw = env["bandwidth"]
     per_token = 2 * kv_heads * head_dim * 2
     summary_bytes = 0
-    if offload_cache is not None:
-        cfg = offload_cache.config
-        kv_read = min(cfg.budget_tokens, kv_tokens) * batch * layers * per_token
-        summary_bytes = int(kv_tokens // cfg.block_tokens) * batch * layers * 2 * kv_heads * head_dim * 2
+    if offload_stats is not None:
+        budget = env["budget_tokens"]
+        kv_read = min(budget, kv_tokens) * batch * layers * per_token
+        summary_bytes = offload_stats["device_summary_bytes"]
     else:
         kv_read = kv_tokens * batch * layers * per_token
     weights = env["weights_per_step"]
-    hbm_s = (weights + kv_read) / bw["hbm_bytes_per_s"]
+    # hbm_bytes_per_s counts a device copy's bytes read plus written: a device-side recall of X bytes moves 2X.
+    hbm_s = (weights + kv_read + 2 * device_recall_per_step) / bw["hbm_bytes_per_s"]
     pcie_s = pcie_per_step / bw["h2d_pinned_bytes_per_s"]
     bound = hbm_s + pcie_s
     with_summaries = bound + summary_bytes / bw["hbm_bytes_per_s"]
     return {
         "weight_bytes": weights, "kv_read_bytes": int(kv_read), "pcie_bytes": int(pcie_per_step),
+        "device_recall_bytes": int(device_recall_per_step),
         "summary_bytes": summary_bytes, "hbm_ms": hbm_s * 1e3, "pcie_ms": pcie_s * 1e3, "roofline_ms": bound * 1e3,
         "step_over_roofline": step_s / bound, "roofline_with_summaries_ms": with_summaries * 1e3,
         "step_over_roofline_with_summaries": step_s / with_summaries,
@@ -582,7 +632,7 @@ def format_row(r: dict) -> str:
     ratio = "-" if p["peak_over_predicted"] is None else f"{p['peak_over_predicted']:.2f}"
     return (f"{r['method']:13s} {r['context']:8d} {r['batch']:5d} {r['steps']:5d} {r['tokens_per_s']:9.1f} "
             f"{r['step_ms']:9.1f} {gib(r['peak_device_bytes']):>8s} {gib(p['predicted_peak_device_bytes']):>8s} "
-            f"{gib(r['host_bytes']):>8s} {r['recalled_gbps']:9.2f} {hit:>5s} {r['roofline']['roofline_ms']:8.1f} "
+            f"{gib(r['host_bytes']):>8s} {r.get('pcie_gbps', r['recalled_gbps']):9.2f} {hit:>5s} {r['roofline']['roofline_ms']:8.1f} "
             f"{r['roofline']['step_over_roofline']:6.1f} {ratio:>7s}")  # fmt: skip
 
 
@@ -608,6 +658,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="skip hf-offloaded where its whole KV (copied both ways every step) exceeds this")
     parser.add_argument("--device-margin-gib", type=float, default=3.0, help="device memory kept free (activations)")
     parser.add_argument("--host-margin-gib", type=float, default=8.0, help="host memory kept free")
+    parser.add_argument("--admission-gib", type=float, default=None,
+                        help="device memory for admitted blocks of the -auto methods (default: what the planner "
+                        "leaves free after the cache's other bytes and --device-margin-gib)")  # fmt: skip
     parser.add_argument("--bandwidth-mib", type=int, default=None, help="bytes per bandwidth copy (CUDA 1024, CPU 64)")
     parser.add_argument("--max-seconds", type=float, default=390.0,
                         help="wall budget of the run; configurations not started by then are skipped")  # fmt: skip
@@ -638,6 +691,8 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
            "--hf-offloaded-max-kv-gib", str(args.hf_offloaded_max_kv_gib),
            "--device-margin-gib", str(args.device_margin_gib), "--host-margin-gib", str(args.host_margin_gib),
            "--device", args.device]  # fmt: skip
+    if args.admission_gib is not None:
+        out += ["--admission-gib", str(args.admission_gib)]
     if args.bandwidth_mib is not None:
         out += ["--bandwidth-mib", str(args.bandwidth_mib)]
     return out
@@ -721,7 +776,7 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = measure_bandwidths(device, (args.bandwidth_mib or (1024 if cuda else 64)) << 20)
     env = {
         "device": device, "kw": cache_kwarg(model), "shape": shape, "head_dim": head_dim, "bandwidth": bandwidth,
-        "weights_per_step": per_step_w, "n_rep": cfg.num_attention_heads // cfg.num_key_value_heads,
+        "weights_per_step": per_step_w, "budget_tokens": args.budget, "n_rep": cfg.num_attention_heads // cfg.num_key_value_heads,
         "layer_kv_bytes": lambda batch, tokens: batch * tokens * shape.kv_bytes_per_token,
     }  # fmt: skip
     print(f"{DECODE_ONLY}; {args.shape} shape, random bf16 weights ({total_w / GIB:.2f} GiB, {per_step_w / GIB:.2f} "
@@ -811,8 +866,7 @@ def main(argv: list[str] | None = None) -> int:
                     if auto:
                         break
                     continue
-            off_cfg = OffloadConfig(budget_tokens=args.budget, selector="headwise" if method == "headwise-copy" else
-                                    "quantkey" if method.startswith("quantkey") else "solohead")  # fmt: skip
+            off_cfg = offload_config(method, args, shape, context, batch, device) or OffloadConfig(budget_tokens=args.budget)
             pred = predict(method, shape, context, batch, off_cfg, layer_kv, env["n_rep"])
             # torch's pinned allocator rounds each hf-offloaded layer tensor up to a power of two.
             pinned_round = 0
@@ -827,7 +881,7 @@ def main(argv: list[str] | None = None) -> int:
                     break
                 continue
             try:
-                row = run_config(model, env, method, context, batch, args)
+                row = run_config(model, env, method, context, batch, args, off_cfg)
             except (torch.cuda.OutOfMemoryError, MemoryError) as err:
                 row = None
                 reason = f"out of memory: {str(err).splitlines()[0][:300]}"

@@ -51,6 +51,7 @@ class LayerStats:
         "recalled_bytes",
         "decode_recalled_blocks",  # the part of the two above recalled by decode steps
         "decode_recalled_bytes",
+        "decode_host_bytes",  # the part of decode_recalled_bytes read from host memory (the rest: admitted blocks)
         "offloaded_bytes",
         "decode_steps",
         "prefetched_blocks",  # speculative recalls (lookahead); included in the recall counters above
@@ -588,8 +589,8 @@ class OffloadLayer(CacheLayerMixin):
                 self._wait_prefetch()
                 transfer.wait_event(self._selectable_written, self.device)
                 self._selectable_written = None
-            count, unit = self._recall(blocks, slots, miss)
-            self._count(count, unit, decode=decode)
+            count, unit, host_count = self._recall(blocks, slots, miss)
+            self._count(count, unit, decode=decode, host_count=host_count)
             if decode:
                 # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss of
                 # every head.
@@ -603,18 +604,22 @@ class OffloadLayer(CacheLayerMixin):
             transfer.wait_event(self._prefetch_event, self.device)
             self._prefetch_event = None
 
-    def _count(self, count, unit: int, decode: bool, prefetch: bool = False) -> None:
+    def _count(self, count, unit: int, decode: bool, prefetch: bool = False, host_count=None) -> None:
         """Add ``count`` recalled blocks (or pieces) of ``unit`` bytes each to the counters.
 
         Args:
             count: an int, or a 0-d integer tensor on the compute device (queued, no host synchronisation).
             unit: bytes per block or piece.
+            host_count: how many of them were read from host memory (the rest from blocks admitted to the device);
+                ``None``: all of them.
         """
         blocks = ("recalled_blocks",) + (("decode_recalled_blocks",) if decode else ()) + (
             ("prefetched_blocks",) if prefetch else ()
         )
         self.stats.add_later(blocks, count)
         self.stats.add_later(tuple(name.replace("_blocks", "_bytes") for name in blocks), count, unit)
+        if decode:
+            self.stats.add_later(("decode_host_bytes",), count if host_count is None else host_count, unit)
 
     def _recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
         """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise).
@@ -627,8 +632,9 @@ class OffloadLayer(CacheLayerMixin):
                 ``self._prefetch_event``); ``None``: the current stream.
 
         Returns:
-            ``(count, unit)``: pieces moved (a 0-d device tensor on the kernel path, an int otherwise) and the bytes of
-            one piece.
+            ``(count, unit, host_count)``: pieces moved (a 0-d device tensor on the kernel path, an int otherwise),
+            the bytes of one piece, and how many of the pieces were read from host memory (``None``: all; the rest
+            came from blocks admitted to the device).
         """
         if self.use_kernels:
             return self._recall_kernel(blocks, slots, miss, stream)
@@ -637,14 +643,14 @@ class OffloadLayer(CacheLayerMixin):
             block = blocks.expand_as(miss)[b, h, j]
             ids = self.block_table[b.cpu(), block.cpu()]
             transfer.recall_blocks(self.host, self.pool, ids, b, slots[b, h, j], head_idx=h)
-            return len(ids), self.host.block_bytes // self.kv_heads
+            return len(ids), self.host.block_bytes // self.kv_heads, self.host.count_on_host(ids)
         else:
             # A shared selection keeps all heads of a slot on the same block: the misses of head 0 are all misses.
             b, j = miss[:, 0].nonzero(as_tuple=True)
             block = blocks[:, 0][b, j]
             ids = self.block_table[b.cpu(), block.cpu()]
             transfer.recall_blocks(self.host, self.pool, ids, b, slots[:, 0][b, j])
-        return len(ids), self.host.block_bytes
+        return len(ids), self.host.block_bytes, self.host.count_on_host(ids)
 
     def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
         """Kernel path of :meth:`_recall`: one launch over every candidate entry; no host synchronisation.
@@ -674,7 +680,7 @@ class OffloadLayer(CacheLayerMixin):
         )
         if stream is not None:
             self._prefetch_event = event
-        return count, unit
+        return count, unit, self.host.count_on_host(ids)
 
     def _entry_indices(self, n: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sequence (and, per head, KV head) of each of ``n`` entries per row, flattened like ``[batch, kv_heads or
@@ -733,7 +739,8 @@ class OffloadLayer(CacheLayerMixin):
         keep = self._bounded(selection)
         slots, miss = self.pool.assign(selection.blocks, keep, touch=False)
         stream = self.streams.prefetch if self.streams is not None else None
-        self._count(*self._recall(selection.blocks, slots, miss, stream), decode=True, prefetch=True)
+        count, unit, host_count = self._recall(selection.blocks, slots, miss, stream)
+        self._count(count, unit, decode=True, prefetch=True, host_count=host_count)
         filled = torch.zeros(self.pool.block.shape, dtype=torch.int32, device=self.device)
         self._prefetched_slots = filled.scatter_add_(-1, slots, miss.int()) > 0
 
@@ -1030,7 +1037,9 @@ class OffloadCache(Cache):
             A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
             ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
             ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
-            ``decode_recalled_bytes`` (decode steps only, prefetches included), ``prefetched_blocks``,
+            ``decode_recalled_bytes`` (decode steps only, prefetches included), ``decode_host_bytes`` (the part of
+            ``decode_recalled_bytes`` read from host memory; the rest were blocks that ``admission="auto"`` keeps
+            on the device), ``prefetched_blocks``,
             ``prefetched_bytes`` (speculative recalls of lookahead), ``prefetch_used_blocks`` (prefetched blocks
             that the exact plan right after attended), ``offloaded_bytes``, ``graph_captures`` and
             ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``timing`` (with ``timing=True``: mean
@@ -1051,6 +1060,7 @@ class OffloadCache(Cache):
                     "recalled_blocks": int(s.recalled_blocks),
                     "recalled_bytes": int(s.recalled_bytes),
                     "decode_recalled_bytes": int(s.decode_recalled_bytes),
+                    "decode_host_bytes": int(s.decode_host_bytes),
                     "prefetched_blocks": int(s.prefetched_blocks),
                     "prefetch_used_blocks": int(s.prefetch_used_blocks),
                     "hit_rate": hits / lookups if lookups else None,
@@ -1077,6 +1087,7 @@ class OffloadCache(Cache):
             "recalled_bytes": total("recalled_bytes"),
             "decode_recalled_blocks": total("decode_recalled_blocks"),
             "decode_recalled_bytes": total("decode_recalled_bytes"),
+            "decode_host_bytes": total("decode_host_bytes"),
             "prefetched_blocks": total("prefetched_blocks"),
             "prefetched_bytes": total("prefetched_bytes"),
             "prefetch_used_blocks": total("prefetch_used_blocks"),

@@ -98,6 +98,9 @@ class Plan:
         device_summary_bytes: block summaries on the device.
         host_kv_bytes: sealed blocks in host memory.
         host_reserved_bytes: host memory the block pools allocate (whole chunks).
+        admitted_kv_bytes: sealed blocks that ``admission="auto"`` keeps in device memory (part of
+            ``device_kv_bytes``).
+        admitted_reserved_bytes: device memory of the block-pool chunks admitted to the device (whole chunks).
     """
 
     method: str
@@ -107,11 +110,13 @@ class Plan:
     device_summary_bytes: int
     host_kv_bytes: int
     host_reserved_bytes: int
+    admitted_kv_bytes: int = 0
+    admitted_reserved_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
-        """All device bytes of the cache."""
-        return self.device_kv_bytes + self.device_summary_bytes
+        """All device bytes of the cache (admitted chunks counted whole)."""
+        return self.device_kv_bytes - self.admitted_kv_bytes + self.admitted_reserved_bytes + self.device_summary_bytes
 
 
 def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
@@ -130,8 +135,13 @@ def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
 
 
 def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offload",
-         config: OffloadConfig | None = None) -> Plan:  # fmt: skip
+         config: OffloadConfig | None = None, device_free_bytes: int | None = None) -> Plan:  # fmt: skip
     """Predict the bytes of a cache holding ``context_tokens`` tokens for ``batch`` sequences.
+
+    With ``admission="auto"`` the first block-pool chunks, up to the admission limit, are device memory; the split
+    follows a prefill in one forward (layer by layer: the first layers' chunks are admitted). A chunked prefill or a
+    long decode grows the layers' pools in turn instead: the same chunks are admitted in number, and the sealed
+    bytes on each side differ by at most one partly filled chunk per layer.
 
     Args:
         shape: the model's :class:`ModelShape`.
@@ -139,6 +149,12 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         batch: sequences.
         method: ``"dense"`` or ``"offload"``.
         config: the offloaded cache's settings (default ``OffloadConfig()``).
+        device_free_bytes: free device memory when the first block is sealed, in bytes; sets the admission limit
+            (80% of it) of ``admission="auto"`` without ``device_memory_gib``.
+
+    Raises:
+        ValueError: an unknown method, or ``admission="auto"`` with neither ``device_memory_gib`` nor
+            ``device_free_bytes``.
     """
     per_token = shape.kv_bytes_per_token
     # A sliding layer keeps its last ``sliding_window - 1`` tokens.
@@ -158,21 +174,37 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     open_bytes = batch * block_bytes if context_tokens else 0
     device = shape.full_layers * (pool_bytes + open_bytes) + sliding_bytes
     summaries = shape.full_layers * batch * blocks * _summary_bytes_per_block(shape, config)
-    host = shape.full_layers * batch * blocks * block_bytes
+    layer_kv = batch * blocks * block_bytes
     chunk_blocks = max(1, int(config.host_chunk_mib * (1 << 20)) // block_bytes)
-    chunks = math.ceil(batch * blocks / chunk_blocks)
-    reserved = shape.full_layers * chunks * chunk_blocks * block_bytes
-    return Plan("offload", batch, context_tokens, device, summaries, host, reserved)
+    chunk_bytes = chunk_blocks * block_bytes
+    chunks = math.ceil(batch * blocks / chunk_blocks)  # per layer
+    admitted = 0  # chunks in device memory, all layers
+    if config.admission == "auto":
+        if config.device_memory_gib is not None:
+            limit = int(config.device_memory_gib * GIB)
+        elif device_free_bytes is not None:
+            limit = int(0.8 * device_free_bytes)
+        else:
+            raise ValueError("admission='auto' admits blocks up to device_memory_gib, or else 80% of the free device "
+                             "memory: set device_memory_gib in the config or pass device_free_bytes to plan().")
+        admitted = min(shape.full_layers * chunks, limit // chunk_bytes)
+    whole, part = divmod(admitted, chunks) if chunks else (0, 0)
+    admitted_kv = whole * layer_kv + (min(layer_kv, part * chunk_bytes) if part else 0)
+    host = shape.full_layers * layer_kv - admitted_kv
+    reserved = (shape.full_layers * chunks - admitted) * chunk_bytes
+    return Plan("offload", batch, context_tokens, device + admitted_kv, summaries, host, reserved, admitted_kv,
+                admitted * chunk_bytes)  # fmt: skip
 
 
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
                   host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
-    """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``."""
+    """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``; with
+    ``admission="auto"``, ``device_free_bytes`` also sets the admission limit (see :func:`plan`)."""
     best = 0
     lo, hi = 1, limit
     while lo <= hi:
         mid = (lo + hi) // 2
-        p = plan(shape, context_tokens, mid, method, config)
+        p = plan(shape, context_tokens, mid, method, config, device_free_bytes=device_free_bytes)
         if p.device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes:
             best, lo = mid, mid + 1
         else:
@@ -205,20 +237,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selector", default=OffloadConfig.selector, help="block selector (default: %(default)s)")
     parser.add_argument("--device-gib", type=float, default=None, help="device memory for weights + cache")
     parser.add_argument("--host-gib", type=float, default=None, help="host memory for the offloaded cache")
+    parser.add_argument("--admission", choices=("always", "auto"), default=OffloadConfig.admission,
+                        help="OffloadCache admission (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--device-memory-gib", type=float, default=None,
+                        help="admission='auto': device memory for admitted blocks (default: 80%% of the device "
+                        "memory left after the weights, from --device-gib)")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.admission == "auto" and args.device_memory_gib is None and args.device_gib is None:
+        parser.error("--admission auto needs --device-gib (the admission limit is 80% of the device memory left after "
+                     "the weights) or --device-memory-gib")
     shape = _load_shape(args.model)
-    config = OffloadConfig(budget_tokens=args.budget, selector=args.selector)
+    config = OffloadConfig(budget_tokens=args.budget, selector=args.selector, admission=args.admission,
+                           device_memory_gib=args.device_memory_gib)  # fmt: skip
+    weights = shape.weights_bytes or 0
+    device_free = None if args.device_gib is None else int(args.device_gib * GIB) - weights
     print(f"{args.model}: {shape.full_layers} full + {shape.sliding_layers} sliding layers, {shape.kv_heads} KV heads, "
           f"head_dim {shape.head_dim}: {shape.kv_bytes_per_token * (shape.full_layers + shape.sliding_layers) / 1024:.0f}"
           f" KiB of KV per token (bf16)\n")  # fmt: skip
-    print(f"{'method':8s} {'device KV GiB':>14s} {'summaries GiB':>14s} {'host KV GiB':>12s} {'host reserved GiB':>18s}")
+    print(f"{'method':8s} {'device KV GiB':>14s} {'(admitted)':>11s} {'summaries GiB':>14s} {'host KV GiB':>12s} "
+          f"{'host reserved GiB':>18s}")  # fmt: skip
     for method in ("dense", "offload"):
-        p = plan(shape, args.context, args.batch, method, config)
-        print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.device_summary_bytes / GIB:14.2f} "
-              f"{p.host_kv_bytes / GIB:12.2f} {p.host_reserved_bytes / GIB:18.2f}")  # fmt: skip
-    if args.device_gib is not None:
-        weights = shape.weights_bytes or 0
-        device_free = int(args.device_gib * GIB) - weights
+        p = plan(shape, args.context, args.batch, method, config, device_free_bytes=device_free)
+        print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.admitted_kv_bytes / GIB:11.2f} "
+              f"{p.device_summary_bytes / GIB:14.2f} {p.host_kv_bytes / GIB:12.2f} {p.host_reserved_bytes / GIB:18.2f}")
+    if device_free is not None:
         host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
         print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"
               f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}; weights {weights / GIB:.1f} GiB):")

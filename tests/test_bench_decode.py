@@ -63,8 +63,8 @@ def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, cap
         assert r["cache_device_bytes"] == BATCH * CONTEXT * per_token == r["prediction"]["device_bytes"]
         assert r["host_bytes"] == 0 and r["hit_rate"] is None and r["recalled_bytes_per_step"] == 0
         assert r["roofline"]["kv_read_bytes"] > BATCH * (CONTEXT - STEPS) * per_token
-    for method in ("quantkey", "solohead", "headwise-copy"):
-        r = runs[method]
+    for method in ("quantkey", "solohead", "headwise-copy", "quantkey-auto", "solohead-auto"):
+        r = runs[method]  # -auto: nothing admitted (no device memory on the CPU unless --admission-gib)
         pred = r["prediction"]
         # The planner predicts the OffloadCache's host (pinned pool) and device bytes exactly.
         assert r["host_bytes"] == pred["host_bytes"] == r["stats"]["host_reserved_bytes"] > 0
@@ -74,6 +74,7 @@ def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, cap
         assert r["roofline"]["kv_read_bytes"] == BUDGET * BATCH * per_token  # the budget, not the whole KV
         assert r["roofline"]["summary_bytes"] > 0
         assert r["recalled_bytes_per_step"] == r["stats"]["decode_recalled_bytes"] / STEPS
+        assert r["host_recalled_bytes_per_step"] == r["recalled_bytes_per_step"] and r["admitted_kv_bytes"] == 0
     assert runs["headwise-copy"]["transfer"] == "torch"
 
     e2e = data["e2e"]
@@ -86,10 +87,10 @@ def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, cap
 def test_auto_sweep_doubles_and_stops_at_out_of_memory(tmp_path, monkeypatch):
     real = bench_decode.run_config
 
-    def run_config(model, env, method, context, batch, args):
+    def run_config(model, env, method, context, batch, args, config=None):
         if batch >= 4:
             raise torch.cuda.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(model, env, method, context, batch, args)
+        return real(model, env, method, context, batch, args, config)
 
     monkeypatch.setattr(bench_decode, "run_config", run_config)
     data = _run(tmp_path, "--contexts", "64", "--batches", "auto", "--max-batch", "16", "--methods", "dynamic",
@@ -99,6 +100,26 @@ def test_auto_sweep_doubles_and_stops_at_out_of_memory(tmp_path, monkeypatch):
     oom = [s for s in data["skipped"] if s["reason"].startswith("out of memory")]
     assert sorted((s["method"], s["batch"]) for s in oom) == [("dynamic", 4), ("solohead", 4)]
     assert len(data["skipped"]) == 2  # the sweep stopped: batches 8 and 16 were never tried
+
+
+def test_auto_admission_keeps_blocks_on_the_device_and_the_planner_predicts_the_split(tmp_path):
+    """--admission-gib admits one 16 MiB chunk: the first layer's blocks stay in (here: CPU) "device" memory, the
+    second layer's go to the host pool; the planner predicts both sides; only host reads count as PCIe bytes."""
+    data = _run(tmp_path, "--contexts", str(CONTEXT), "--batches", str(BATCH), "--methods", "solohead",
+                "solohead-auto", "--admission-gib", "0.02", "--config-seconds", "0")  # fmt: skip
+    runs = {r["method"]: r for r in data["runs"]}
+    plain, auto = runs["solohead"], runs["solohead-auto"]
+    total = plain["host_kv_bytes"]
+    assert auto["admitted_kv_bytes"] == auto["prediction"]["admitted_kv_bytes"] == total // 2 > 0
+    assert auto["host_kv_bytes"] == auto["prediction"]["host_kv_bytes"] == total // 2
+    assert auto["host_bytes"] == auto["prediction"]["host_bytes"] == plain["host_bytes"] // 2
+    assert auto["stats"]["device_kv_bytes"] == plain["stats"]["device_kv_bytes"] + total // 2
+    assert auto["prediction"]["device_matches"] and auto["prediction"]["host_matches"]
+    # Same selections and recalls; only the second layer's recalls cross from the host.
+    assert auto["recalled_bytes_per_step"] == plain["recalled_bytes_per_step"] > 0
+    assert auto["host_recalled_bytes_per_step"] < auto["recalled_bytes_per_step"]
+    assert auto["roofline"]["pcie_bytes"] == auto["host_recalled_bytes_per_step"]
+    assert auto["roofline"]["device_recall_bytes"] == auto["recalled_bytes_per_step"] - auto["host_recalled_bytes_per_step"]
 
 
 def test_time_budget_skips_and_lists_the_rest(tmp_path):

@@ -114,6 +114,13 @@ def test_admission_auto_and_always_give_identical_tokens(device_memory_gib):
         assert auto["host_kv_bytes"] == 0
     else:
         assert 0 < auto["host_kv_bytes"] < total_kv
+    # Same recalls either way; with "auto" only those of blocks left in host memory cross from the host.
+    assert auto["decode_recalled_bytes"] == always["decode_recalled_bytes"] > 0
+    assert always["decode_host_bytes"] == always["decode_recalled_bytes"]
+    if device_memory_gib >= 1:
+        assert auto["decode_host_bytes"] == 0
+    else:
+        assert 0 <= auto["decode_host_bytes"] < auto["decode_recalled_bytes"]
     for layer in caches["auto"].offload_layers:
         assert torch.equal(layer.dense_kv()[0], caches["always"].layers[layer.layer_idx].dense_kv()[0])
 

@@ -77,3 +77,36 @@ def test_largest_batch_is_monotone_and_offload_fits_more():
     assert plan(shape, 65536, offload, "offload").host_reserved_bytes <= host
     assert plan(shape, 65536, offload + 1, "offload").host_reserved_bytes > host or plan(
         shape, 65536, offload + 1, "offload").device_bytes > device
+
+
+@pytest.mark.parametrize("device_memory_gib", [12e-6, 30e-6, 1.0])  # some chunks, more chunks, every chunk
+def test_admission_auto_prediction_equals_stats(device_memory_gib):
+    """admission="auto": the first chunks (layer by layer, as a one-pass prefill seals them) are device memory."""
+    model = build_model("llama")
+    config = OffloadConfig(budget_tokens=48, admission="auto", device_memory_gib=device_memory_gib, **SMALL)
+    cache = OffloadCache(model, config=config)
+    ids, mask = left_padded([61, 40, 52], seed=11)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    stats = cache.stats()
+    shape = shape_from_config(model.config, dtype_bytes=4)
+    predicted = plan(shape, cache.get_seq_length(), 3, "offload", config)
+    assert predicted.device_kv_bytes == stats["device_kv_bytes"]
+    assert predicted.host_kv_bytes == stats["host_kv_bytes"]
+    assert predicted.host_reserved_bytes == stats["host_reserved_bytes"]
+    admitted_chunks = sum(sum(layer.host.chunk_admitted) for layer in cache.offload_layers)
+    chunk_bytes = cache.offload_layers[0].host.chunk_blocks * cache.offload_layers[0].host.block_bytes
+    assert predicted.admitted_reserved_bytes == admitted_chunks * chunk_bytes > 0
+    always = plan(shape, cache.get_seq_length(), 3, "offload", config.replace(admission="always"))
+    assert predicted.host_kv_bytes + predicted.admitted_kv_bytes == always.host_kv_bytes
+    if device_memory_gib >= 1:
+        assert predicted.host_reserved_bytes == 0
+
+
+def test_admission_auto_needs_a_limit():
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128)
+    with pytest.raises(ValueError, match="device_free_bytes"):
+        plan(shape, 65536, 4, "offload", OffloadConfig(admission="auto"))
+    p = plan(shape, 65536, 16, "offload", OffloadConfig(admission="auto"), device_free_bytes=100 << 30)
+    assert p.admitted_reserved_bytes <= 80 << 30 < p.admitted_reserved_bytes + (16 << 20)  # whole 16 MiB chunks
+    assert p.host_kv_bytes + p.admitted_kv_bytes == plan(shape, 65536, 16, "offload").host_kv_bytes

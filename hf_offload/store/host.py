@@ -121,6 +121,7 @@ class HostBlockPool:
         self._free: list[int] = []
         self._next_id = 0
         self._chunk_addrs: torch.Tensor | None = None
+        self._chunk_on_host: torch.Tensor | None = None
 
     @property
     def block_words(self) -> int:
@@ -132,10 +133,35 @@ class HostBlockPool:
         kernels, which read and write pinned memory through unified addressing)."""
         if self._chunk_addrs is None or len(self._chunk_addrs) != len(self.chunks):
             addrs = torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)
+            # Per chunk: in host memory (not admitted); one more entry, False, for the id -1 (count_on_host).
+            on_host = torch.tensor([not a for a in self.chunk_admitted] + [False])
             if torch.device(device).type == "cuda":
-                addrs = addrs.pin_memory()  # an asynchronous copy: no host synchronisation when the pool grows
+                # Asynchronous copies: no host synchronisation when the pool grows.
+                addrs, on_host = addrs.pin_memory(), on_host.pin_memory()
             self._chunk_addrs = addrs.to(device, non_blocking=True)
+            self._chunk_on_host = on_host.to(device, non_blocking=True)
         return self._chunk_addrs
+
+    def count_on_host(self, ids: torch.Tensor):
+        """How many of ``ids`` are blocks in host memory, or ``None`` when no chunk is admitted (then all are).
+
+        Args:
+            ids: block ids, ``-1`` for none, any shape, ``torch.int64``, CPU or the device of :meth:`chunk_addrs`.
+
+        Returns:
+            ``None``, an int (``ids`` on the CPU) or a 0-d ``torch.int64`` tensor on ``ids``' device (no host
+            synchronisation).
+        """
+        if not any(self.chunk_admitted):
+            return None
+        if ids.device.type == "cpu":
+            on_host = torch.tensor([not a for a in self.chunk_admitted] + [False])
+        else:
+            self.chunk_addrs(ids.device)
+            on_host = self._chunk_on_host
+        chunk = torch.where(ids >= 0, ids // self.chunk_blocks, len(self.chunks))  # -1 reads the last entry
+        found = on_host[chunk].sum()
+        return int(found) if ids.device.type == "cpu" else found
 
     @property
     def used_blocks(self) -> int:
@@ -213,6 +239,7 @@ class HostBlockPool:
         self.chunks.clear()
         self.chunk_admitted.clear()
         self._chunk_addrs = None
+        self._chunk_on_host = None
 
     def _by_chunk(self, ids: torch.Tensor):
         chunk_of = ids // self.chunk_blocks
