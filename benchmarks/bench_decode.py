@@ -438,6 +438,9 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             fill_dense(cache, batch, fill_tokens, layers, kv_heads, head_dim, device)
             sync(device)
         row["fill_s"] = time.perf_counter() - t0
+        if cuda:  # where the peak comes from: the fill, or the decode steps (graph pools included)
+            row["fill_peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         g = torch.Generator(device=device).manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=device, generator=g)
         mask = torch.ones(batch, context, dtype=torch.long, device=device)
@@ -467,7 +470,10 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             warmup_steps=args.warmup, warmup_step_s=warm_s, steps=steps, kv_tokens_end=pos, timed_s=timed_s,
             step_ms=step_s * 1e3, step_ms_median=sorted(spans)[len(spans) // 2] * 1e3,
             tokens_per_s=batch / step_s, ms_per_output_token=step_s * 1e3 / batch,
-            peak_device_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+            peak_device_bytes=max(row["fill_peak_device_bytes"], torch.cuda.max_memory_allocated(device)) if cuda
+            else None,
+            decode_peak_device_bytes=torch.cuda.max_memory_allocated(device) if cuda else None,
+            reserved_device_bytes=torch.cuda.memory_reserved(device) if cuda else None,
             device_bytes_before=base,
         )  # fmt: skip
         stats = None
@@ -890,6 +896,10 @@ def main(argv: list[str] | None = None) -> int:
             except (torch.cuda.OutOfMemoryError, MemoryError) as err:
                 row = None
                 reason = f"out of memory: {str(err).splitlines()[0][:300]}"
+                if cuda:  # how full the device was when it failed (allocated, held by the allocator, peak)
+                    reason += (f" [allocated {torch.cuda.memory_allocated(device) / GIB:.2f} GiB, reserved "
+                               f"{torch.cuda.memory_reserved(device) / GIB:.2f} GiB, peak "
+                               f"{torch.cuda.max_memory_allocated(device) / GIB:.2f} GiB]")  # fmt: skip
             except Exception:
                 row = None
                 reason = "error: " + traceback.format_exc()[-2000:]

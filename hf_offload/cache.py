@@ -33,6 +33,10 @@ from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBud
 from .timing import PhaseTimer
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+# Block summaries are allocated this many blocks at a time per layer: a seal writes in place, and the buffers grow
+# (one copy) only every SUMMARY_CHUNK_BLOCKS blocks, instead of a new allocation of every summary at every seal,
+# whose freed predecessors fragment device memory when it is nearly full.
+SUMMARY_CHUNK_BLOCKS = 256
 
 
 class LayerStats:
@@ -239,7 +243,10 @@ class OffloadLayer(CacheLayerMixin):
         # Side streams only where the kernel path runs asynchronously (CUDA); elsewhere every copy is synchronous.
         self.streams = self.cache_streams(self.device) if self.use_kernels and self.device.type == "cuda" else None
         self.resolve_lookahead()
+        # Block summaries: ``summaries[name]`` is a view of the first ``n_blocks`` blocks of a buffer that grows by
+        # SUMMARY_CHUNK_BLOCKS at a time, so that a seal writes in place instead of re-allocating every summary.
         self.summaries: dict[str, torch.Tensor] = {}
+        self._summary_store: dict[str, torch.Tensor] = {}
         self._entry_index_memo: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
         # The open block lives in the slot pool's open slot (one block; positions past the filled ones are never
         # attended), so that decode attention reads it with the selected slots in one call.
@@ -289,7 +296,7 @@ class OffloadLayer(CacheLayerMixin):
                 # caching host allocator): finish them before the memory is freed.
                 torch.cuda.synchronize(self.device)
             self.host.release()
-            del self.pool, self.block_table, self.summaries
+            del self.pool, self.block_table, self.summaries, self._summary_store
             self.block_table_dev = None
             self.keys = self.values = self._open_k = self._open_v = None
             self.cache_decode_inputs(self.device).invalidate()
@@ -377,13 +384,30 @@ class OffloadLayer(CacheLayerMixin):
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
         self.block_table = torch.cat([self.block_table, ids.view(batch, n_new)], dim=1)
         for name, summary in self.selector.summarize(keys).items():
-            old = self.summaries.get(name)
-            self.summaries[name] = summary if old is None else torch.cat([old, summary], dim=1)
+            self.summaries[name] = self._append_summary(name, summary)
         # The newest blocks are the next steps' window: they enter the slot pool once this step's attention is done
         # (a prefill step first streams older blocks through the pool, which would evict them again).
         keep_n = min(n_new, max(self.config.window_blocks, 1), self.pool.slots)
         self._window_insert = (self.n_blocks + n_new - keep_n, blocks[:, n_new - keep_n :])
         self.n_blocks += n_new
+
+    def _append_summary(self, name: str, summary: torch.Tensor) -> torch.Tensor:
+        """Write the summaries of ``n_new`` new blocks after the :attr:`n_blocks` held ones; returns the view of all.
+
+        Args:
+            name: the summary's name (a key of the selector's ``summarize`` output).
+            summary: the new blocks' summary, ``[batch, n_new, ...]``, on the compute device.
+        """
+        store, n = self._summary_store.get(name), self.n_blocks
+        need = n + summary.shape[1]
+        if store is None or store.shape[1] < need:
+            capacity = -(-need // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
+            grown = summary.new_empty((summary.shape[0], capacity, *summary.shape[2:]))
+            if n:
+                grown[:, :n] = store[:, :n]
+            store = self._summary_store[name] = grown
+        store[:, n:need] = summary
+        return store[:, :need]
 
     def finish_step(self) -> None:
         """After this step's attention: put the blocks sealed by this step into the slot pool (a block just written
@@ -780,8 +804,8 @@ class OffloadLayer(CacheLayerMixin):
         return self.pool.nbytes + self.host.used_bytes_on(True)  # the pool holds the open block too
 
     def device_summary_bytes(self) -> int:
-        """Device bytes of the block summaries."""
-        return sum(s.numel() * s.element_size() for s in getattr(self, "summaries", {}).values())
+        """Device bytes of the block summaries (their buffers, allocated by SUMMARY_CHUNK_BLOCKS blocks)."""
+        return sum(s.numel() * s.element_size() for s in getattr(self, "_summary_store", {}).values())
 
     def host_kv_bytes(self) -> int:
         """Host bytes of the sealed blocks (blocks admitted to the device excluded)."""

@@ -16,7 +16,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from .cache import _layer_types
+from .cache import SUMMARY_CHUNK_BLOCKS, _layer_types
 from .config import OffloadConfig
 from .selectors import get_selector
 
@@ -173,7 +173,8 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     # The open block lives in a buffer of one whole block (per sequence and layer), filled or not.
     open_bytes = batch * block_bytes if context_tokens else 0
     device = shape.full_layers * (pool_bytes + open_bytes) + sliding_bytes
-    summaries = shape.full_layers * batch * blocks * _summary_bytes_per_block(shape, config)
+    summary_blocks = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS  # allocated by SUMMARY_CHUNK_BLOCKS
+    summaries = shape.full_layers * batch * summary_blocks * _summary_bytes_per_block(shape, config)
     layer_kv = batch * blocks * block_bytes
     chunk_blocks = max(1, int(config.host_chunk_mib * (1 << 20)) // block_bytes)
     chunk_bytes = chunk_blocks * block_bytes

@@ -134,3 +134,25 @@ def test_selector_scores_through_the_kernel_match_the_reference_path():
     lse = block_lse_reference(query.float() * 0.125, summaries["codes"], summaries["kmin"], summaries["kstep"], 2)
     expected = torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
     assert torch.allclose(scores, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", _VARIANTS)
+def test_reads_the_first_blocks_of_a_buffer_with_capacity(variant):
+    """Summaries are views of the first blocks of buffers allocated with spare capacity (OffloadLayer): the kernel
+    reads them in place (v2; v1 copies them) and scores only those blocks."""
+    from hf_offload.kernels.quantkey import summaries_layout_ok
+
+    query, s = _inputs((3, 40, 2, 4, 16, 64), 2, seed=5)
+    n = 29
+    views = {name: t[:, :n] for name, t in s.items()}
+    assert summaries_layout_ok(views["codes"], views["kmin"], views["kstep"])
+    assert not views["codes"].is_contiguous()
+    expected = block_lse_reference(query, *(views[k].contiguous() for k in ("codes", "kmin", "kstep")), 2)
+    out = torch.full_like(expected, float("nan"))
+    got = _launch_block_lse(query, views["codes"], views["kmin"], views["kstep"], 2, out, variant=variant)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
+    assert torch.allclose(block_lse(query, views["codes"], views["kmin"], views["kstep"], 2), expected, atol=1e-4,
+                          rtol=1e-4)  # fmt: skip
+    # Different capacities (or a layout the kernel cannot stride over) are refused by the check: block_lse copies.
+    assert not summaries_layout_ok(views["codes"], s["kmin"][:, :n].contiguous(), views["kstep"])
+    assert not summaries_layout_ok(views["codes"].transpose(2, 3), views["kmin"], views["kstep"])
