@@ -108,3 +108,29 @@ def test_kernel_path_slots_never_stale():
             j = pool.block[b, h, s].item()
             assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * 8 : (j + 1) * 8])
             assert torch.equal(pool.data[1, b, h, s], dense_v[b, h, j * 8 : (j + 1) * 8])
+
+
+def test_copy_pieces_reads_expanded_index_tensors():
+    """One block recalled as its 2 x kv_heads pieces: the recall builds the piece ids with expand(), and for a single
+    entry flatten() returns a stride-0 view. The kernel must read its 4 ids, not 1 id and 3 words past it."""
+    g = torch.Generator().manual_seed(1)
+    host = _pool((2, 2, 8, 16), torch.float32)
+    ids = host.allocate(5)
+    for chunk in host.chunks:
+        chunk.view(torch.int32).random_(generator=g)
+    words = host.block_words
+    piece_words = words // 4
+    one = ids[3:4].to(DEVICE)
+    piece_ids = one[:, None].expand(-1, 4).flatten()
+    assert piece_ids.stride() == (0,)  # the layout that was read out of bounds
+    host_off = (torch.arange(4, device=DEVICE) * piece_words)[None, :].expand(1, -1).flatten()
+    dev_off = torch.tensor([3, 0, 2, 1], device=DEVICE) * piece_words
+    got = torch.zeros(4 * piece_words, dtype=torch.float32, device=DEVICE)
+    expected = torch.zeros(4 * piece_words, dtype=torch.float32)
+    copy_pieces(host.chunk_addrs(DEVICE), host.chunk_blocks, words, piece_ids, host_off, got, dev_off, piece_words,
+                False)  # fmt: skip
+    copy_pieces_reference([c.clone() for c in host.chunks], host.chunk_blocks, piece_ids.cpu().contiguous(),
+                          host_off.cpu().contiguous(), expected, dev_off.cpu(), piece_words, False)  # fmt: skip
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    assert torch.equal(got.cpu().view(torch.int32), expected.view(torch.int32))

@@ -90,10 +90,12 @@ def copy_pieces(
         chunk_addrs: UVA addresses of the host pool's pinned chunks, shape ``[n_chunks]``, ``torch.int64``, device.
         chunk_blocks: blocks per chunk.
         block_words: 32-bit words per host block.
-        ids: host block id per piece (``-1``: skip the piece), shape ``[n]``, ``torch.int64``, device.
-        host_word_offsets: word offset of each piece inside its block, shape ``[n]``, ``torch.int64``, device.
+        ids: host block id per piece (``-1``: skip the piece), shape ``[n]`` (any strides), ``torch.int64``, device.
+        host_word_offsets: word offset of each piece inside its block, shape ``[n]`` (any strides), ``torch.int64``,
+            device.
         device_tensor: the device side, contiguous, any dtype (moved as 32-bit words), CUDA.
-        device_word_offsets: word offset of each piece in ``device_tensor``, shape ``[n]``, ``torch.int64``, device.
+        device_word_offsets: word offset of each piece in ``device_tensor``, shape ``[n]`` (any strides),
+            ``torch.int64``, device.
         piece_words: 32-bit words per piece.
         to_host: copy device -> host if true, else host -> device.
         words_per_program: 32-bit words one program moves (a power of two); ``None``: up to 4096.
@@ -102,6 +104,11 @@ def copy_pieces(
     n = ids.numel()
     if n == 0:
         return
+    # The kernel walks the index tensors as contiguous arrays. An index tensor built with expand() can flatten to a
+    # stride-0 view (one entry expanded over its pieces), whose later elements would be read past its storage.
+    ids, host_word_offsets, device_word_offsets = (
+        t.reshape(-1).contiguous() for t in (ids, host_word_offsets, device_word_offsets)
+    )
     block = min(words_per_program or 4096, triton.next_power_of_2(piece_words))
     grid = (n, triton.cdiv(piece_words, block))
     _copy_pieces_kernel[grid](
