@@ -427,6 +427,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         t0 = time.perf_counter()
         if method in OFFLOAD_METHODS:
             torch.manual_seed(0)  # the random values: the same KV for every OffloadCache method
+            cache.reserve(context)  # summaries for the last step's length, allocated once (no growth, no fragments)
             fill_random(cache, batch, fill_tokens, kv_heads, head_dim, device)
             sync(device)
             row["fill_transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"

@@ -77,6 +77,8 @@ def fill_random(cache, batch: int, context: int, kv_heads: int, head_dim: int, d
     from .cache import OffloadLayer
 
     g = torch.Generator(device=device).manual_seed(0)
+    if hasattr(cache, "reserve"):  # an OffloadCache: summaries allocated once, not grown chunk by chunk
+        cache.reserve(context)
     for layer in cache.layers:
         for start in range(0, context, chunk):
             n = min(chunk, context - start)

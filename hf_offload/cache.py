@@ -209,6 +209,7 @@ class OffloadLayer(CacheLayerMixin):
         self.timer = None  # a PhaseTimer shared by the cache's layers when timing is on
         self.n_tokens = 0
         self.n_blocks = 0
+        self._reserved_blocks = 0  # summary capacity asked for by reserve()
         self._window_insert: tuple[int, torch.Tensor] | None = None
 
     # ------------------------------------------------------------------------------------------------- life cycle
@@ -401,13 +402,35 @@ class OffloadLayer(CacheLayerMixin):
         store, n = self._summary_store.get(name), self.n_blocks
         need = n + summary.shape[1]
         if store is None or store.shape[1] < need:
-            capacity = -(-need // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
-            grown = summary.new_empty((summary.shape[0], capacity, *summary.shape[2:]))
-            if n:
-                grown[:, :n] = store[:, :n]
-            store = self._summary_store[name] = grown
+            store = self._summary_store[name] = self._grown(store, summary, max(need, self._reserved_blocks))
         store[:, n:need] = summary
         return store[:, :need]
+
+    def _grown(self, store: torch.Tensor | None, like: torch.Tensor, blocks: int) -> torch.Tensor:
+        """A summary buffer for at least ``blocks`` blocks (whole SUMMARY_CHUNK_BLOCKS), holding ``store``'s first
+        :attr:`n_blocks` blocks; ``like``: any summary of this name, ``[batch, n, ...]``."""
+        capacity = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
+        grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+        if store is not None and self.n_blocks:
+            grown[:, : self.n_blocks] = store[:, : self.n_blocks]
+        return grown
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate the block summaries for ``tokens`` tokens per sequence now (and from the first seal on, if none
+        is sealed yet), so that they never grow while the cache fills: growing buffers of a cache filled in many
+        pieces (chunked prefill) leave freed buffers behind that fragment a nearly full device. Never shrinks.
+
+        Args:
+            tokens: tokens per sequence the cache will hold (prompt, padding and generated tokens).
+        """
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"reserve(tokens) takes a number of tokens >= 0, got {tokens!r}")
+        self._reserved_blocks = max(self._reserved_blocks, tokens // self.block_tokens)
+        for name, store in getattr(self, "_summary_store", {}).items():
+            if store.shape[1] < self._reserved_blocks:
+                self._summary_store[name] = self._grown(store, store, self._reserved_blocks)
+                self.summaries[name] = self._summary_store[name][:, : self.n_blocks]
+                self._graphs = {}  # captured graphs read the old buffers
 
     def finish_step(self) -> None:
         """After this step's attention: put the blocks sealed by this step into the slot pool (a block just written
@@ -1123,6 +1146,15 @@ class OffloadCache(Cache):
             "layers": per_layer,
             "timing": self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None,
         }
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate every offloaded layer's block summaries for ``tokens`` tokens per sequence up front (see
+        :meth:`OffloadLayer.reserve`): useful before a chunked prefill of a known length, near the device's limit.
+
+        >>> cache.reserve(prompt_tokens + max_new_tokens)  # doctest: +SKIP
+        """
+        for layer in self.offload_layers:
+            layer.reserve(tokens)
 
     def reset_stats(self) -> None:
         """Zero the counters and the phase timing of :meth:`stats` (the cached tokens stay)."""

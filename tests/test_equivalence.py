@@ -136,3 +136,33 @@ def test_reset_frees_and_serves_a_new_batch():
     ids3, mask3 = left_padded([26, 19, 33], seed=10)
     expected = _generate(model, ids3, mask3, DynamicCache(config=model.config))
     assert torch.equal(_generate(model, ids3, mask3, cache), expected)
+
+
+def test_reserve_allocates_summaries_once_and_keeps_outputs():
+    """reserve(tokens) before the first seal: summary buffers of that capacity from the start (no growth while the
+    cache fills), same tokens; after: the buffers grow at once and keep every held summary; bad input is refused."""
+    from hf_offload.cache import SUMMARY_CHUNK_BLOCKS
+
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=3)
+    expected = _generate(model, ids, mask, OffloadCache(model, budget_tokens=40, **SMALL))
+    tokens = SMALL["block_tokens"] * (SUMMARY_CHUNK_BLOCKS + 10)  # more than one chunk of summary blocks
+    cache = OffloadCache(model, budget_tokens=40, **SMALL)
+    cache.reserve(tokens)
+    assert torch.equal(_generate(model, ids, mask, cache), expected)
+    for layer in cache.offload_layers:
+        assert {s.shape[1] for s in layer._summary_store.values()} == {2 * SUMMARY_CHUNK_BLOCKS}
+        assert all(view.shape[1] == layer.n_blocks for view in layer.summaries.values())
+    per_block = sum(s[0, 0].numel() * s.element_size() for s in cache.offload_layers[0]._summary_store.values())
+    assert cache.stats()["device_summary_bytes"] == per_block * 2 * 2 * SUMMARY_CHUNK_BLOCKS * len(cache.offload_layers)
+
+    later = OffloadCache(model, budget_tokens=40, **SMALL)
+    _generate(model, ids, mask, later)
+    before = {i: {k: v.clone() for k, v in layer.summaries.items()} for i, layer in enumerate(later.offload_layers)}
+    assert {s.shape[1] for s in later.offload_layers[0]._summary_store.values()} == {SUMMARY_CHUNK_BLOCKS}
+    later.reserve(tokens)
+    for i, layer in enumerate(later.offload_layers):
+        assert {s.shape[1] for s in layer._summary_store.values()} == {2 * SUMMARY_CHUNK_BLOCKS}
+        assert all(torch.equal(layer.summaries[k], v) for k, v in before[i].items())
+    with pytest.raises(ValueError, match="tokens"):
+        later.reserve(-1)
