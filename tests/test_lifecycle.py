@@ -29,4 +29,3 @@ def test_cache_is_freed_without_cyclic_garbage_collection():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
-
