@@ -174,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="cuda_graphs setting(s); with graphs on, lookahead is off and there is no phase timing "
                         "(the step time is the wall time of generate() per step)")  # fmt: skip
     parser.add_argument("--lookahead-blocks", type=int, default=None, help="OffloadConfig.lookahead_blocks")
+    parser.add_argument("--admission", choices=("always", "auto"), default="always",
+                        help="OffloadConfig.admission: 'always' offloads every block (recall over PCIe); 'auto' keeps "
+                        "blocks in device memory up to --device-memory-gib (recall within the device)")  # fmt: skip
+    parser.add_argument("--device-memory-gib", type=float, default=None,
+                        help="OffloadConfig.device_memory_gib for --admission auto (default: 80%% of the free memory)")
     parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
                         "and the recall alone, and report the share of recall hidden behind compute")  # fmt: skip
     parser.add_argument("--alone-repeats", type=int, default=5)
@@ -216,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path:8s} skipped: the copy kernels cannot run on {device.type} here")
             continue
         cache = OffloadCache(model, budget_tokens=args.budget, selector=args.selector, transfer=path, timing=True,
-                             admission="always", lookahead=settings[0][1], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
+                             admission=args.admission, device_memory_gib=args.device_memory_gib,
+                             lookahead=settings[0][1], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
         t0 = time.perf_counter()
         fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
         if cuda:
