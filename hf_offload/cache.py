@@ -914,6 +914,7 @@ class _SharedResources:
         self.phase_timer: PhaseTimer | None = None
         self.inputs: dict[torch.device, DecodeInputs] = {}
         self.graph_pools: dict[torch.device, tuple] = {}
+        self.capture_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.live_graphs: dict[torch.device, int] = {}
 
     def admission(self, device: torch.device) -> DeviceAdmission | None:
@@ -938,11 +939,14 @@ class _SharedResources:
     def capture_graph(self, device: torch.device, body, query: torch.Tensor, held: tuple) -> CapturedDecode:
         """Capture a layer's decode step (:func:`~hf_offload.graphs.capture`) into the memory pool that the graphs of
         the cache's layers on ``device`` share: they replay one after the other, in the order they were captured,
-        so their temporaries may share memory. A pool lives as long as one of its graphs does; after the last one is
-        dropped (a reset), the next capture starts a new pool."""
+        so their temporaries may share memory, which needs one capture stream for all of them (the allocator reuses
+        a block only on the stream that freed it). A pool lives as long as one of its graphs does; after the last
+        one is dropped (a reset), the next capture starts a new pool."""
         if not self.live_graphs.get(device):
             self.graph_pools[device] = torch.cuda.graph_pool_handle()
-        captured = capture(body, query, self.graph_pools[device], held)
+        if device not in self.capture_streams:
+            self.capture_streams[device] = torch.cuda.Stream(device)
+        captured = capture(body, query, self.graph_pools[device], held, self.capture_streams[device])
         self.live_graphs[device] = self.live_graphs.get(device, 0) + 1
         weakref.finalize(captured, self._graph_dropped, device)
         return captured

@@ -135,7 +135,7 @@ class CapturedDecode:
     held: tuple
 
 
-def capture(body, query: torch.Tensor, pool, held: tuple) -> CapturedDecode:
+def capture(body, query: torch.Tensor, pool, held: tuple, stream: torch.cuda.Stream | None = None) -> CapturedDecode:
     """Capture ``body(query_buffer)`` into a CUDA graph on a side stream; nothing runs on the device.
 
     Args:
@@ -145,6 +145,9 @@ def capture(body, query: torch.Tensor, pool, held: tuple) -> CapturedDecode:
             device are the graph's).
         pool: the memory pool handle shared by the graphs of one cache (``torch.cuda.graph_pool_handle()``).
         held: tensors to keep alive with the graph.
+        stream: the side stream to capture on; ``None``: a new one. Graphs that share ``pool`` should share this
+            stream too: the caching allocator reuses a freed block only for allocations on the stream that freed it,
+            so captures on different streams cannot share their temporaries.
 
     Raises:
         Whatever the capture raised; the stream is out of capture mode either way.
@@ -152,7 +155,7 @@ def capture(body, query: torch.Tensor, pool, held: tuple) -> CapturedDecode:
     static = query.detach().clone()
     graph = torch.cuda.CUDAGraph()
     current = torch.cuda.current_stream(query.device)
-    stream = torch.cuda.Stream(query.device)
+    stream = stream if stream is not None else torch.cuda.Stream(query.device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool)
