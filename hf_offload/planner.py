@@ -243,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-memory-gib", type=float, default=None,
                         help="admission='auto': device memory for admitted blocks (default: 80%% of the device "
                         "memory left after the weights, from --device-gib)")  # fmt: skip
+    parser.add_argument("--margin-gib", type=float, default=16.0,
+                        help="admission='auto' with --device-gib: device memory to leave for the decode step's "
+                        "temporaries, CUDA graphs and allocator fragmentation when suggesting device_memory_gib "
+                        "(default %(default)s: what an 8B-shape model at 64K tokens, batches 12-20, needed on an H200)")
     args = parser.parse_args(argv)
     if args.admission == "auto" and args.device_memory_gib is None and args.device_gib is None:
         parser.error("--admission auto needs --device-gib (the admission limit is 80% of the device memory left after "
@@ -261,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
         p = plan(shape, args.context, args.batch, method, config, device_free_bytes=device_free)
         print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.admitted_kv_bytes / GIB:11.2f} "
               f"{p.device_summary_bytes / GIB:14.2f} {p.host_kv_bytes / GIB:12.2f} {p.host_reserved_bytes / GIB:18.2f}")
+    if device_free is not None and args.admission == "auto":
+        p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
+        others = p.device_bytes - p.admitted_reserved_bytes
+        suggest = max(0.0, (device_free - others) / GIB - args.margin_gib)
+        print(f"\nadmission='auto': {p.admitted_reserved_bytes / GIB:.2f} GiB admitted, "
+              f"{(device_free - p.device_bytes) / GIB:.2f} GiB of the device left after weights and cache; to leave "
+              f"{args.margin_gib:g} GiB for the decode step, pass device_memory_gib={suggest:.1f}")  # fmt: skip
     if device_free is not None:
         host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
         print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"
