@@ -805,9 +805,11 @@ def main(argv: list[str] | None = None) -> int:
                   shape.full_layers},  # fmt: skip
         "methods": {m: METHOD_NOTES[m] for m in args.methods},
         "bandwidth": bandwidth,
-        "roofline_note": "roofline_ms = (weights read per step + attended KV) / hbm_bytes_per_s + recalled bytes per "
-        "step / h2d_pinned_bytes_per_s; attended KV: budget_tokens per sequence and layer for OffloadCache, the whole "
-        "KV for the other methods; hf-offloaded recalls its whole KV every step",
+        "roofline_note": "roofline_ms = (weights read per step + attended KV + 2 x recalled bytes of blocks kept on "
+        "the device) / hbm_bytes_per_s + recalled bytes read from the host per step / h2d_pinned_bytes_per_s; "
+        "attended KV: budget_tokens per sequence and layer for OffloadCache, the whole KV for the other methods; "
+        "hf-offloaded recalls its whole KV every step; summary_bytes: the selector's summary buffers on the device "
+        "(whole 256-block buffers)",
         "runs": [], "skipped": [], "e2e": None, "complete": False,
     }  # fmt: skip
 

@@ -420,6 +420,8 @@ class OffloadLayer(CacheLayerMixin):
         is sealed yet), so that they never grow while the cache fills: growing buffers of a cache filled in many
         pieces (chunked prefill) leave freed buffers behind that fragment a nearly full device. Never shrinks.
 
+        The reservation outlives :meth:`reset` (a cache reused for a new batch keeps it).
+
         Args:
             tokens: tokens per sequence the cache will hold (prompt, padding and generated tokens).
         """
@@ -521,7 +523,7 @@ class OffloadLayer(CacheLayerMixin):
         self._graphs = {k: g for k, g in self._graphs.items() if k[0] == key[0]}
         self.stats.prepare_capture(self.device)
         held = (
-            *self.summaries.values(), self.block_table_dev, self.host.chunk_addrs(self.device),
+            *self.summaries.values(), self.block_table_dev, *self.host.chunk_tables(self.device),
             inputs.rows, inputs.valid, inputs.forced, inputs.sequence,
         )  # fmt: skip
         try:

@@ -10,7 +10,7 @@ Everything a captured graph reads must keep its address while the graph lives. :
 every offloaded layer of one decode step shares (which tokens may be attended, which blocks may and must be
 selected) in buffers that keep their address while the number of sealed blocks does; the layer's open block lives in
 a fixed buffer (:class:`~hf_offload.cache.OffloadLayer`); tensors that are replaced when a block is sealed (block
-summaries, the block table, the host pool's chunk addresses) are held by the graph (:class:`CapturedDecode`).
+summaries, the block table, the host pool's chunk tables) are held by the graph (:class:`CapturedDecode`).
 """
 
 from __future__ import annotations

@@ -149,8 +149,9 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         batch: sequences.
         method: ``"dense"`` or ``"offload"``.
         config: the offloaded cache's settings (default ``OffloadConfig()``).
-        device_free_bytes: free device memory when the first block is sealed, in bytes; sets the admission limit
-            (80% of it) of ``admission="auto"`` without ``device_memory_gib``.
+        device_free_bytes: free device memory for the cache, in bytes (the device's memory less the weights); sets
+            the admission limit (80% of it) of ``admission="auto"`` without ``device_memory_gib``. The cache takes
+            80% of what is free when its first block is sealed, after the first slot pools: a little less.
 
     Raises:
         ValueError: an unknown method, or ``admission="auto"`` with neither ``device_memory_gib`` nor
@@ -188,7 +189,7 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         else:
             raise ValueError("admission='auto' admits blocks up to device_memory_gib, or else 80% of the free device "
                              "memory: set device_memory_gib in the config or pass device_free_bytes to plan().")
-        admitted = min(shape.full_layers * chunks, limit // chunk_bytes)
+        admitted = min(shape.full_layers * chunks, max(0, limit) // chunk_bytes)
     whole, part = divmod(admitted, chunks) if chunks else (0, 0)
     admitted_kv = whole * layer_kv + (min(layer_kv, part * chunk_bytes) if part else 0)
     host = shape.full_layers * layer_kv - admitted_kv
@@ -248,6 +249,8 @@ def main(argv: list[str] | None = None) -> int:
                         "temporaries, CUDA graphs and allocator fragmentation when suggesting device_memory_gib "
                         "(default %(default)s: what an 8B-shape model at 64K tokens, batches 12-20, needed on an H200)")
     args = parser.parse_args(argv)
+    if args.device_memory_gib is not None and args.admission != "auto":
+        parser.error("--device-memory-gib is the limit of --admission auto; add --admission auto")
     if args.admission == "auto" and args.device_memory_gib is None and args.device_gib is None:
         parser.error("--admission auto needs --device-gib (the admission limit is 80% of the device memory left after "
                      "the weights) or --device-memory-gib")

@@ -63,6 +63,9 @@ def test_plan_with_admission_auto_suggests_a_limit(capsys):
     assert suggested == pytest.approx((free - always.device_bytes) / 2**30 - 16, abs=0.06)
     with pytest.raises(SystemExit):  # neither --device-gib nor --device-memory-gib: no limit to plan with
         main(["plan", "llama-3.1-8b", "--context", "65536", "--admission", "auto"])
+    with pytest.raises(SystemExit):  # a limit without admission "auto" would be ignored
+        main(["plan", "llama-3.1-8b", "--context", "65536", "--device-memory-gib", "5"])
+    assert "--admission auto" in capsys.readouterr().err
 
 
 def test_demo_without_the_model_prints_the_install_command(monkeypatch, capsys):

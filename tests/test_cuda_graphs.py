@@ -113,3 +113,21 @@ def test_capture_failure_falls_back_or_raises():
     assert not any(layer.graphs for layer in cache.offload_layers)
     with pytest.raises(RuntimeError, match="capturing the decode step failed"):
         _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=True)
+
+
+def test_graphs_count_host_reads_with_admission_auto():
+    """Admission "auto" with a limit of a few chunks and a pool that grows while decoding: graphs give the tokens and
+    the recall counters (host reads included) of the op-by-op steps; a graph replayed on the step that grew the pool
+    reads the chunk tables it was captured with, which it holds."""
+    model = build_model("llama").cuda()
+    ids, mask = left_padded([70, 53, 31], seed=8)
+    ids, mask = ids.cuda(), mask.cuda()
+    options = dict(selector="quantkey", admission="auto", device_memory_gib=30e-6, host_chunk_mib=0.01)
+    expected, eager = _generate(model, ids, mask, 60, cuda_graphs=False, **options)
+    got, graphed = _generate(model, ids, mask, 60, cuda_graphs=True, **options)
+    assert torch.equal(got, expected)
+    a, b = eager.stats(), graphed.stats()
+    assert b["graph_replays"] > 0
+    for name in COUNTERS + ("decode_host_bytes", "decode_recalled_bytes"):
+        assert a[name] == b[name], name
+    assert 0 < a["decode_host_bytes"] < a["decode_recalled_bytes"]  # some recalls stayed on the device

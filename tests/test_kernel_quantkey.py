@@ -156,3 +156,12 @@ def test_reads_the_first_blocks_of_a_buffer_with_capacity(variant):
     # Different capacities (or a layout the kernel cannot stride over) are refused by the check: block_lse copies.
     assert not summaries_layout_ok(views["codes"], s["kmin"][:, :n].contiguous(), views["kstep"])
     assert not summaries_layout_ok(views["codes"].transpose(2, 3), views["kmin"], views["kstep"])
+
+
+def test_kstep_of_another_dtype_than_kmin_takes_the_reference():
+    """The kernel reads kstep with kmin's element type: mixed dtypes go to the reference (same result)."""
+    query, s = _inputs((2, 9, 2, 4, 16, 64), 2, seed=6)
+    kstep = s["kstep"].float()
+    expected = block_lse_reference(query, s["codes"], s["kmin"], kstep, 2)
+    got = block_lse(query, s["codes"], s["kmin"], kstep, 2)
+    assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4)

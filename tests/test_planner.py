@@ -110,3 +110,11 @@ def test_admission_auto_needs_a_limit():
     p = plan(shape, 65536, 16, "offload", OffloadConfig(admission="auto"), device_free_bytes=100 << 30)
     assert p.admitted_reserved_bytes <= 80 << 30 < p.admitted_reserved_bytes + (16 << 20)  # whole 16 MiB chunks
     assert p.host_kv_bytes + p.admitted_kv_bytes == plan(shape, 65536, 16, "offload").host_kv_bytes
+
+
+def test_admission_auto_with_no_free_memory_admits_nothing():
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128)
+    p = plan(shape, 65536, 12, "offload", OffloadConfig(admission="auto"), device_free_bytes=-(4 << 30))
+    always = plan(shape, 65536, 12, "offload")
+    assert p.admitted_reserved_bytes == p.admitted_kv_bytes == 0
+    assert (p.host_kv_bytes, p.host_reserved_bytes) == (always.host_kv_bytes, always.host_reserved_bytes)

@@ -142,6 +142,13 @@ class HostBlockPool:
             self._chunk_on_host = on_host.to(device, non_blocking=True)
         return self._chunk_addrs
 
+    def chunk_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device tables of the chunks: :meth:`chunk_addrs` and, per chunk plus one last ``False`` entry (for
+        the id ``-1``), whether it is in host memory (``torch.bool``, ``[n_chunks + 1]``). A captured decode graph
+        reads both, so it holds both: a growing pool replaces them."""
+        addrs = self.chunk_addrs(device)
+        return addrs, self._chunk_on_host
+
     def count_on_host(self, ids: torch.Tensor):
         """How many of ``ids`` are blocks in host memory, or ``None`` when no chunk is admitted (then all are).
 
