@@ -122,6 +122,7 @@ class HostBlockPool:
         self._next_id = 0
         self._chunk_addrs: torch.Tensor | None = None
         self._chunk_on_host: torch.Tensor | None = None
+        self._chunk_on_host_cpu: torch.Tensor | None = None
 
     @property
     def block_words(self) -> int:
@@ -162,7 +163,9 @@ class HostBlockPool:
         if not any(self.chunk_admitted):
             return None
         if ids.device.type == "cpu":
-            on_host = torch.tensor([not a for a in self.chunk_admitted] + [False])
+            on_host = self._chunk_on_host_cpu
+            if on_host is None or len(on_host) != len(self.chunks) + 1:
+                on_host = self._chunk_on_host_cpu = torch.tensor([not a for a in self.chunk_admitted] + [False])
         else:
             self.chunk_addrs(ids.device)
             on_host = self._chunk_on_host
@@ -246,7 +249,7 @@ class HostBlockPool:
         self.chunks.clear()
         self.chunk_admitted.clear()
         self._chunk_addrs = None
-        self._chunk_on_host = None
+        self._chunk_on_host = self._chunk_on_host_cpu = None
 
     def _by_chunk(self, ids: torch.Tensor):
         chunk_of = ids // self.chunk_blocks
