@@ -54,7 +54,7 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
-from hf_offload.planner import plan, shape_from_config  # noqa: E402
+from hf_offload.planner import plan, shape_from_config, suggested_device_memory_gib  # noqa: E402
 from hf_offload.store.host import available_host_bytes  # noqa: E402
 
 GIB = 1 << 30
@@ -292,9 +292,10 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
         return OffloadConfig(budget_tokens=args.budget, selector=selector)
     gib = args.admission_gib
     if gib is None:
-        base = plan(shape, context, batch, "offload", OffloadConfig(budget_tokens=args.budget, selector=selector))
         free = torch.cuda.mem_get_info(device)[0] if device is not None and device.type == "cuda" else 0
-        gib = max(0.0, (free - base.device_bytes - transient_bytes) / GIB - args.admission_margin_gib)
+        always = OffloadConfig(budget_tokens=args.budget, selector=selector)
+        gib = suggested_device_memory_gib(shape, context, batch, always, free - transient_bytes,
+                                          args.admission_margin_gib)  # fmt: skip
     return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib)
 
 

@@ -198,6 +198,15 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
                 admitted * chunk_bytes)  # fmt: skip
 
 
+def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: int, config: OffloadConfig,
+                                device_free_bytes: int, margin_gib: float) -> float:  # fmt: skip
+    """The ``device_memory_gib`` for ``admission="auto"`` that leaves ``margin_gib`` of ``device_free_bytes`` (the
+    device's memory less the weights) free once the cache's other device bytes (slot pools, open blocks,
+    summaries) are set aside: room for the decode step's temporaries, CUDA graphs and allocator fragmentation."""
+    others = plan(shape, context_tokens, batch, "offload", config.replace(admission="always")).device_bytes
+    return max(0.0, (device_free_bytes - others) / GIB - margin_gib)
+
+
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
                   host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
     """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``; with
@@ -270,8 +279,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{p.device_summary_bytes / GIB:14.2f} {p.host_kv_bytes / GIB:12.2f} {p.host_reserved_bytes / GIB:18.2f}")
     if device_free is not None and args.admission == "auto":
         p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
-        others = p.device_bytes - p.admitted_reserved_bytes
-        suggest = max(0.0, (device_free - others) / GIB - args.margin_gib)
+        suggest = suggested_device_memory_gib(shape, args.context, args.batch, config, device_free, args.margin_gib)
         print(f"\nadmission='auto': {p.admitted_reserved_bytes / GIB:.2f} GiB admitted, "
               f"{(device_free - p.device_bytes) / GIB:.2f} GiB of the device left after weights and cache; to leave "
               f"{args.margin_gib:g} GiB for the decode step, pass device_memory_gib={suggest:.1f}")  # fmt: skip
