@@ -640,7 +640,8 @@ def format_row(r: dict) -> str:
     ratio = "-" if p["peak_over_predicted"] is None else f"{p['peak_over_predicted']:.2f}"
     return (f"{r['method']:13s} {r['context']:8d} {r['batch']:5d} {r['steps']:5d} {r['tokens_per_s']:9.1f} "
             f"{r['step_ms']:9.1f} {gib(r['peak_device_bytes']):>8s} {gib(p['predicted_peak_device_bytes']):>8s} "
-            f"{gib(r['host_bytes']):>8s} {r.get('pcie_gbps', r['recalled_gbps']):9.2f} {hit:>5s} {r['roofline']['roofline_ms']:8.1f} "
+            f"{gib(r['host_bytes']):>8s} {r.get('pcie_gbps', r['recalled_gbps']):9.2f} {hit:>5s} "
+            f"{r['roofline']['roofline_ms']:8.1f} "
             f"{r['roofline']['step_over_roofline']:6.1f} {ratio:>7s}")  # fmt: skip
 
 
@@ -789,7 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     bandwidth = measure_bandwidths(device, (args.bandwidth_mib or (1024 if cuda else 64)) << 20)
     env = {
         "device": device, "kw": cache_kwarg(model), "shape": shape, "head_dim": head_dim, "bandwidth": bandwidth,
-        "weights_per_step": per_step_w, "budget_tokens": args.budget, "n_rep": cfg.num_attention_heads // cfg.num_key_value_heads,
+        "weights_per_step": per_step_w, "budget_tokens": args.budget,
+        "n_rep": cfg.num_attention_heads // cfg.num_key_value_heads,
         "layer_kv_bytes": lambda batch, tokens: batch * tokens * shape.kv_bytes_per_token,
     }  # fmt: skip
     print(f"{DECODE_ONLY}; {args.shape} shape, random bf16 weights ({total_w / GIB:.2f} GiB, {per_step_w / GIB:.2f} "
@@ -881,7 +883,8 @@ def main(argv: list[str] | None = None) -> int:
                     if auto:
                         break
                     continue
-            off_cfg = offload_config(method, args, shape, context, batch, device) or OffloadConfig(budget_tokens=args.budget)
+            off_cfg = (offload_config(method, args, shape, context, batch, device)
+                       or OffloadConfig(budget_tokens=args.budget))  # fmt: skip
             pred = predict(method, shape, context, batch, off_cfg, layer_kv, env["n_rep"])
             # torch's pinned allocator rounds each hf-offloaded layer tensor up to a power of two.
             pinned_round = 0
