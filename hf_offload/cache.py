@@ -384,7 +384,10 @@ class OffloadLayer(CacheLayerMixin):
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
         self.block_table = torch.cat([self.block_table, ids.view(batch, n_new)], dim=1)
-        for name, summary in self.selector.summarize(keys).items():
+        summaries = self.selector.summarize(keys)
+        if self.selector.estimates_tail:
+            summaries.update(self.selector.summarize_values(values))
+        for name, summary in summaries.items():
             self.summaries[name] = self._append_summary(name, summary)
         # The newest blocks are the next steps' window: they enter the slot pool once this step's attention is done
         # (a prefill step first streams older blocks through the pool, which would evict them again).
@@ -597,6 +600,35 @@ class OffloadLayer(CacheLayerMixin):
             resident = resident_blocks(self.pool.block, selection.blocks.shape[1], n)
             selection = cap_transfers(selection, resident, cap, self.config.transfer_cap_margin)
         return selection
+
+    def estimate_tail(
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        n: int,
+        selection: Selection,
+        tokens_ok: torch.Tensor,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The selector's estimate of the attention over the sealed blocks this decode step did not select.
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, compute device.
+            scaling: softmax scale.
+            n: sealed blocks before this step.
+            selection: the step's selection (shared: ``blocks`` and ``keep`` ``[batch, 1, k]``).
+            tokens_ok: tokens of the ``n`` sealed blocks the query may attend to, ``[batch, n, block_tokens]``,
+                ``torch.bool``, compute device.
+            softcap: optional logit soft-capping.
+
+        Returns:
+            ``(out, lse)``, ``[batch, kv_heads, group, head_dim]`` and ``[batch, kv_heads, group]``, float32.
+        """
+        blocks = torch.where(selection.keep, selection.blocks, n)[:, 0]  # not kept: a spare column, dropped below
+        chosen = torch.zeros((self.batch, n + 1), dtype=torch.bool, device=self.device).scatter_(1, blocks, True)
+        tail = tokens_ok & ~chosen[:, :n, None]
+        summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
+        return self.selector.tail_attention(query, summaries, scaling, tail, softcap)
 
     def resident_rounds(
         self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True

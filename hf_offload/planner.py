@@ -120,8 +120,9 @@ class Plan:
 
 
 def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
-    """Device bytes of one block's summaries: the selector's own ``summarize`` run on one block of ``meta`` keys
-    (no memory, any registered selector); Quest bounds where that cannot run."""
+    """Device bytes of one block's summaries: the selector's own ``summarize`` (and ``summarize_values``, where it
+    estimates the unselected blocks) run on one block of ``meta`` keys (no memory, any registered selector); Quest
+    bounds where that cannot run."""
     import torch
 
     selector = get_selector(config.selector)
@@ -129,6 +130,8 @@ def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
     keys = torch.empty((1, 1, shape.kv_heads, config.block_tokens, shape.head_dim), dtype=dtype, device="meta")
     try:
         summaries = selector.summarize(keys)
+        if selector.estimates_tail:
+            summaries.update(selector.summarize_values(keys))
         return sum(t.numel() * t.element_size() for t in summaries.values())
     except Exception:
         return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # kmin and kmax per KV head

@@ -18,7 +18,7 @@ SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=24, hos
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
-@pytest.mark.parametrize("selector", ["solohead", "meanbound", "quantkey", "oracle", "streaming"])
+@pytest.mark.parametrize("selector", ["solohead", "meanbound", "quantkey", "quantkey[tail_bits=2]", "oracle", "streaming"])
 def test_offload_prediction_equals_stats(arch, selector):
     model = build_model(arch)
     config = OffloadConfig(budget_tokens=48, selector=selector, **SMALL)

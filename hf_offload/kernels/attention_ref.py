@@ -55,6 +55,22 @@ class OnlineSoftmax:
         )
         self.m[:, :, :, q] = m_new
 
+    def add_partial(self, out: torch.Tensor, lse: torch.Tensor, q: slice = slice(None)) -> None:
+        """Fold in the attention over another, disjoint set of keys, given as its output and log-sum-exp.
+
+        Args:
+            out: ``[batch, kv_heads, group, q_rows, head_dim]``, float32, that set's attention output.
+            lse: ``[batch, kv_heads, group, q_rows]``, float32, the log-sum-exp of its logits (``-inf``: empty).
+            q: the query rows (dim 3 of ``query``) these belong to.
+        """
+        m_old = self.m[:, :, :, q]
+        m_new = torch.maximum(m_old, lse)
+        shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+        rescale, weight = torch.exp(m_old - shift), torch.exp(lse - shift)
+        self.l[:, :, :, q] = self.l[:, :, :, q] * rescale + weight
+        self.o[:, :, :, q] = self.o[:, :, :, q] * rescale[..., None] + out * weight[..., None]
+        self.m[:, :, :, q] = m_new
+
     def result(self, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
         """The attention output, shape ``[batch, kv_heads, group, q_len, head_dim]``, float32.
 

@@ -3,7 +3,9 @@
 A selector summarises each sealed block once (when the block is sealed) and scores all blocks with the current query
 at every decode step. The base class owns everything that is not scoring: forced sink and window blocks, padding
 blocks, and top-k under the budget, so a new policy only writes ``score`` (and ``summarize`` if it needs other
-summaries than per-head key bounds).
+summaries than per-head key bounds). A selector that also keeps values on the device (``summarize_values``) can
+estimate the attention over the blocks it did not select (``tail_attention``); the offload attention then adds that
+estimate to the exact attention over the selection.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ class Selector:
     name = "base"
     per_head = False
 
+    @property
+    def estimates_tail(self) -> bool:
+        """Whether :meth:`tail_attention` estimates the attention over the unselected blocks (off in the base)."""
+        return False
+
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Summaries of freshly sealed blocks, kept on the compute device for scoring.
 
@@ -56,6 +63,43 @@ class Selector:
             head_dim]``.
         """
         return {"kmin": keys.amin(dim=3), "kmax": keys.amax(dim=3)}
+
+    def summarize_values(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Summaries of the new blocks' values (none in the base class), kept on the compute device beside
+        :meth:`summarize`'s; their names must differ from those.
+
+        Args:
+            values: values of the new blocks, ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache dtype,
+                on the compute device.
+
+        Returns:
+            Named tensors of shape ``[batch, n_new, ...]``.
+        """
+        return {}
+
+    def tail_attention(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        tokens_ok: torch.Tensor,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Estimated attention of the decode query over the tokens ``tokens_ok`` (the unselected blocks), from the
+        summaries alone. Only where :attr:`estimates_tail` is true.
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, the model dtype, compute device.
+            summaries: every summary (keys' and values'), each ``[batch, n_blocks, ...]``.
+            scaling: the attention's softmax scale.
+            tokens_ok: tokens to estimate, ``[batch, n_blocks, block_tokens]``, ``torch.bool``.
+            softcap: optional logit soft-capping.
+
+        Returns:
+            ``(out, lse)``: ``out`` ``[batch, kv_heads, group, head_dim]`` and ``lse`` ``[batch, kv_heads, group]``,
+            float32 (see :func:`hf_offload.kernels.tail.tail_attention_reference`).
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not estimate the attention outside its selection.")
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Score every sealed block for the current query.

@@ -19,6 +19,11 @@ Summaries: ``codes`` (``[batch, n_blocks, kv_heads, block_tokens, head_dim * bit
 all keys: one Triton launch per layer and step where Triton runs (``hf_offload.kernels.quantkey``), which
 dequantizes in registers; elsewhere pure torch, ``chunk_blocks`` blocks at a time to bound the dequantized
 temporary).
+
+With ``tail_bits`` set, the values of every block are kept on the device too, quantized the same way (per block,
+head and channel), and each decode query adds the attention over the blocks it did not select, estimated from the
+quantized keys and values (:mod:`hf_offload.kernels.tail`), to the exact attention over its selection. Each block
+and KV head then costs ``(2 * tail_bits + 4) * head_dim`` more bytes (at 16-token blocks, bf16).
 """
 
 from __future__ import annotations
@@ -81,16 +86,24 @@ class QuantKeySelector(Selector):
     Attributes:
         bits: bits per key element: 1, 2, 4 or 8.
         chunk_blocks: blocks dequantized at a time while scoring.
+        tail_bits: bits per value element of the on-device copy of every block's values that estimates the
+            attention outside the selection (1, 2, 4 or 8); 0: no estimate, the query attends to its selection only.
     """
 
     name = "quantkey"
     per_head = False
     bits: int = 2
     chunk_blocks: int = 512
+    tail_bits: int = 0
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4, 8):
             raise ValueError(f"QuantKeySelector.bits must be 1, 2, 4 or 8, got {self.bits!r}.")
+        if self.tail_bits not in (0, 1, 2, 4, 8):
+            raise ValueError(
+                f"QuantKeySelector.tail_bits must be 0 (no estimate of the unselected blocks) or 1, 2, 4 or 8 bits "
+                f"per value element, got {self.tail_bits!r}."
+            )
         if isinstance(self.chunk_blocks, bool) or not isinstance(self.chunk_blocks, int) or self.chunk_blocks <= 0:
             raise ValueError(f"QuantKeySelector.chunk_blocks must be a positive integer, got {self.chunk_blocks!r}.")
 
@@ -101,6 +114,56 @@ class QuantKeySelector(Selector):
             keys: ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
         """
         return quantize_keys(keys, self.bits)
+
+    @property
+    def estimates_tail(self) -> bool:
+        """Whether the unselected blocks' attention is estimated (``tail_bits`` > 0)."""
+        return self.tail_bits > 0
+
+    def summarize_values(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """With ``tail_bits``: ``vcodes``, ``vmin`` and ``vstep`` of the new blocks' values (see
+        :func:`quantize_keys`); else nothing.
+
+        Args:
+            values: ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
+        """
+        if not self.tail_bits:
+            return {}
+        q = quantize_keys(values, self.tail_bits)
+        return {"vcodes": q["codes"], "vmin": q["kmin"], "vstep": q["kstep"]}
+
+    def tail_attention(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        tokens_ok: torch.Tensor,
+        softcap: float | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Attention over the ``tokens_ok`` tokens from the quantized keys and values (see
+        :meth:`Selector.tail_attention <hf_offload.selectors.base.Selector.tail_attention>`).
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, compute device.
+            summaries: ``codes`` / ``kmin`` / ``kstep`` and ``vcodes`` / ``vmin`` / ``vstep``, ``[batch, n_blocks,
+                ...]``.
+            scaling: softmax scale.
+            tokens_ok: ``[batch, n_blocks, block_tokens]``, ``torch.bool``.
+            softcap: optional logit soft-capping.
+        """
+        from ..kernels.tail import tail_attention_reference
+
+        if not self.tail_bits:
+            raise RuntimeError("QuantKeySelector.tail_attention needs tail_bits > 0.")
+        head_dim = query.shape[-1]
+        q = query.float() * scaling
+        channels = summaries["kmin"].shape[-1]
+        if channels != head_dim:
+            q = torch.nn.functional.pad(q, (0, channels - head_dim))
+        keys = {"codes": summaries["codes"], "kmin": summaries["kmin"], "kstep": summaries["kstep"]}
+        values = {"codes": summaries["vcodes"], "kmin": summaries["vmin"], "kstep": summaries["vstep"]}
+        out, lse = tail_attention_reference(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
+        return out[..., :head_dim], lse
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Estimated attention mass per block summed over all heads, shape ``[batch, 1, n_blocks]``, float32.
