@@ -414,6 +414,35 @@ def _selection_ablation(groups: dict) -> list[str]:
     return lines
 
 
+def _render_tail_error() -> list[str]:
+    """The selection page's table of ``benchmarks/tail_estimate_error.py`` files (``results/selection/tail_error*``):
+    relative error of the attention output against dense attention, with and without the estimate of the
+    unselected blocks, and each variant's device bytes."""
+    files = [(p.name, json.loads(p.read_text())) for p in sorted((REPO / "results/selection").glob("tail_error*.json"))]
+    if not files:
+        return []
+    lines = [
+        "",
+        "## Attention output with the estimate of the unselected blocks",
+        "",
+        "`benchmarks/tail_estimate_error.py`: per decode query and layer, `|out - dense| / |dense|` per query head "
+        "(mean over query heads, layers, decode queries and samples) of the attention over the selection alone "
+        "(`oracle`, `quantkey[bits=k]`) and over the selection plus the estimate of the other blocks from `k`-bit keys "
+        "and `b`-bit values (`quantkey[bits=k,tail_bits=b]`). Device bytes: the variant's summaries per block and KV "
+        "head over the block's own bf16 keys and values (the oracle reads those).",
+        "",
+        "| file | budget tokens | samples | variant | relative error | device bytes / KV | commit |",
+        "|---|---:|---|---|---:|---:|---|",
+    ]
+    for name, d in files:
+        st = d["setting"]
+        for variant, r in d["summary"].items():
+            lines.append(f"| `{name}` | {st['budget_tokens']:,} | {len(st['samples'])} | `{variant}` | "
+                         f"{r['relative_error']:.4f} | {r['summary_share_of_kv']:.3f} | "
+                         f"`{(d['git_commit'] or 'unknown')[:12]}` |")  # fmt: skip
+    return lines
+
+
 def render_selection() -> str:
     """docs/results/selection.md from the results/selection/*.json files of ``benchmarks/selection_recall.py``.
 
@@ -530,6 +559,7 @@ def render_selection() -> str:
         for layer in range(max(len(p) for p in per_layer)):
             lines.append(f"| {layer} | " + " | ".join(f"{p[layer]:.3f}" for p in per_layer) + " |")
         lines.append("| mean | " + " | ".join(f"{g['res']['B'][1]['recall']['mean']:.3f}" for g in gs) + " |")
+    lines += _render_tail_error()
     lines += ["", "## Selection recall per task", "", "Mean over layers, samples and decode queries."]
     for length in lengths:
         gs = [g for g in groups.values() if g["length"] == length]

@@ -8,13 +8,21 @@ precision for the rest, as MiKV (Yang et al., 2024) keeps unimportant tokens at 
 (Chen et al., 2025) estimates the attention of the clusters it does not retrieve. The two parts are merged through
 their log-sum-exp, so the result is one softmax over selection and estimate.
 
-Pure torch here, ``chunk_blocks`` blocks dequantized at a time (the float32 temporary is bounded); no host
-synchronisation, so a captured CUDA graph can hold it.
+:func:`tail_attention` runs one Triton launch where Triton runs (each program walks a range of blocks of one
+sequence and KV head, decodes keys and values in registers and keeps an online softmax for every query head of the
+KV head; the ranges are merged in torch) and :func:`tail_attention_reference` elsewhere: pure torch, ``chunk_blocks``
+blocks dequantized at a time (the float32 temporary is bounded). Neither waits for the host, so a captured CUDA
+graph can hold them.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .gather import kernels_available, tl, triton
+
+BLOCKS_PER_PROGRAM = 16
+"""Blocks one program of the kernel walks (its partial softmax is merged with the others' in torch)."""
 
 
 def tail_attention_reference(
@@ -96,3 +104,145 @@ def merge_attention(
     total = wa + wb
     out = (wa[..., None] * out_a + wb[..., None] * out_b) / total.clamp(min=1e-30)[..., None]
     return out, m + torch.log(total)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _tail_kernel(
+        q_ptr,  # float32 [B, H, G, D], scaled
+        kcodes_ptr,  # uint8 [B, cap, H, T, D // KPER]
+        kmin_ptr,  # [B, cap, H, D]
+        kstep_ptr,  # [B, cap, H, D]
+        vcodes_ptr,  # uint8 [B, cap, H, T, D // VPER]
+        vmin_ptr,  # [B, cap, H, D]
+        vstep_ptr,  # [B, cap, H, D]
+        ok_ptr,  # uint8 [B, N, T]: 1 = attend
+        o_ptr,  # float32 [B, H, S, G, D]: unnormalised partial outputs
+        m_ptr,  # float32 [B, H, S, G]: partial maxima
+        l_ptr,  # float32 [B, H, S, G]: partial denominators
+        n_blocks,
+        heads,
+        splits,
+        k_stride,  # blocks from one sequence's key summaries to the next's
+        v_stride,  # the same for the value summaries
+        G: tl.constexpr,
+        GP: tl.constexpr,  # G rounded up to a power of two
+        T: tl.constexpr,
+        D: tl.constexpr,
+        KBITS: tl.constexpr,
+        VBITS: tl.constexpr,
+        PER_PROGRAM: tl.constexpr,
+    ):
+        # One program: one (sequence, KV head) and PER_PROGRAM consecutive blocks; per block the keys and values
+        # are decoded into [T, D] float32 tiles and folded into an online softmax of all G query heads.
+        KPER: tl.constexpr = 8 // KBITS
+        VPER: tl.constexpr = 8 // VBITS
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1).to(tl.int64)
+        b = bh // heads
+        h = bh % heads
+        g = tl.arange(0, GP)
+        d = tl.arange(0, D)
+        t = tl.arange(0, T)
+        q = tl.load(q_ptr + (bh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+        m = tl.full((GP,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((GP,), dtype=tl.float32)
+        o = tl.zeros((GP, D), dtype=tl.float32)
+        for i in range(PER_PROGRAM):
+            n = split * PER_PROGRAM + i
+            if n < n_blocks:
+                krow = (b * k_stride + n) * heads + h
+                kmin = tl.load(kmin_ptr + krow * D + d).to(tl.float32)
+                kstep = tl.load(kstep_ptr + krow * D + d).to(tl.float32)
+                kbyte = tl.load(kcodes_ptr + (krow * T + t[:, None]) * (D // KPER) + (d // KPER)[None, :])
+                kcode = (kbyte.to(tl.int32) >> ((d % KPER) * KBITS)[None, :]) & ((1 << KBITS) - 1)
+                keys = kmin[None, :] + kcode.to(tl.float32) * kstep[None, :]  # [T, D]
+                logits = tl.sum(q[:, None, :] * keys[None, :, :], axis=2)  # [GP, T]
+                ok = tl.load(ok_ptr + (b * n_blocks + n) * T + t) != 0
+                logits = tl.where(ok[None, :], logits, float("-inf"))
+                m_new = tl.maximum(m, tl.max(logits, axis=1))
+                shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+                p = tl.exp(logits - shift[:, None])
+                rescale = tl.exp(m - shift)
+                vrow = (b * v_stride + n) * heads + h
+                vmin = tl.load(vmin_ptr + vrow * D + d).to(tl.float32)
+                vstep = tl.load(vstep_ptr + vrow * D + d).to(tl.float32)
+                vbyte = tl.load(vcodes_ptr + (vrow * T + t[:, None]) * (D // VPER) + (d // VPER)[None, :])
+                vcode = (vbyte.to(tl.int32) >> ((d % VPER) * VBITS)[None, :]) & ((1 << VBITS) - 1)
+                vals = vmin[None, :] + vcode.to(tl.float32) * vstep[None, :]  # [T, D]
+                l = l * rescale + tl.sum(p, axis=1)
+                o = o * rescale[:, None] + tl.sum(p[:, :, None] * vals[None, :, :], axis=1)
+                m = m_new
+        part = (bh * splits + split) * G + g
+        live = g < G
+        tl.store(o_ptr + part[:, None] * D + d[None, :], o, mask=live[:, None])
+        tl.store(m_ptr + part, m, mask=live)
+        tl.store(l_ptr + part, l, mask=live)
+
+
+def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> bool:
+    """Whether :func:`tail_attention` can run the kernel for these tensors: Triton on their device, power-of-two
+    ``block_tokens`` and channels (the same for keys and values), parameters in a 16- or 32-bit float type, and
+    summaries the kernel reads in place (see :func:`hf_offload.kernels.quantkey.summaries_layout_ok`)."""
+    from .quantkey import summaries_layout_ok
+
+    tokens, channels = keys["codes"].shape[3], query.shape[-1]
+    return (
+        kernels_available(query.device)
+        and tokens & (tokens - 1) == 0
+        and channels & (channels - 1) == 0
+        and channels >= 8
+        and keys["kmin"].shape[-1] == channels == values["kmin"].shape[-1]
+        and all(t.dtype in (torch.bfloat16, torch.float16, torch.float32) for t in (keys["kmin"], values["kmin"]))
+        and keys["kstep"].dtype == keys["kmin"].dtype
+        and values["kstep"].dtype == values["kmin"].dtype
+        and summaries_layout_ok(keys["codes"], keys["kmin"], keys["kstep"])
+        and summaries_layout_ok(values["codes"], values["kmin"], values["kstep"])
+    )
+
+
+def tail_attention(
+    query: torch.Tensor,
+    keys: dict[str, torch.Tensor],
+    key_bits: int,
+    values: dict[str, torch.Tensor],
+    value_bits: int,
+    tokens_ok: torch.Tensor,
+    softcap: float | None = None,
+    chunk_blocks: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tail_attention_reference`'s result, from one Triton launch where :func:`tail_kernel_supported` (and
+    no ``softcap``), else from the reference itself. Arguments and result as the reference's (``chunk_blocks`` is
+    used by the reference only). Allocates only its outputs and never waits for the device."""
+    if softcap is not None or not tail_kernel_supported(query, keys, values):
+        return tail_attention_reference(query, keys, key_bits, values, value_bits, tokens_ok, softcap, chunk_blocks)
+    from .quantkey import block_stride
+
+    batch, heads, group, channels = query.shape
+    n, tokens = tokens_ok.shape[1], tokens_ok.shape[2]
+    if n == 0:
+        return (torch.zeros((batch, heads, group, channels), dtype=torch.float32, device=query.device),
+                torch.full((batch, heads, group), float("-inf"), dtype=torch.float32, device=query.device))  # fmt: skip
+    splits = -(-n // BLOCKS_PER_PROGRAM)
+    o = torch.empty((batch, heads, splits, group, channels), dtype=torch.float32, device=query.device)
+    m = torch.empty((batch, heads, splits, group), dtype=torch.float32, device=query.device)
+    l = torch.empty_like(m)
+    ok = tokens_ok.contiguous().view(torch.uint8)
+    _tail_kernel[(batch * heads, splits)](
+        query.float().contiguous(), keys["codes"], keys["kmin"], keys["kstep"], values["codes"], values["kmin"],
+        values["kstep"], ok, o, m, l, n, heads, splits,
+        block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
+        block_stride(values["codes"], values["kmin"], values["kstep"]),
+        G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
+        PER_PROGRAM=BLOCKS_PER_PROGRAM,
+    )  # fmt: skip
+    top = m.amax(dim=2)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    scale = torch.exp(m - top[:, :, None])  # [B, H, S, G]; 0 for ranges with nothing attended
+    total = (l * scale).sum(dim=2)
+    out = (o * scale[..., None]).sum(dim=2)
+    attended = total > 0
+    out = torch.where(attended[..., None], out / total.clamp(min=1e-30)[..., None], torch.zeros_like(out))
+    lse = torch.where(attended, top + torch.log(total.clamp(min=1e-30)), torch.full_like(top, float("-inf")))
+    return out, lse

@@ -151,7 +151,7 @@ class QuantKeySelector(Selector):
             tokens_ok: ``[batch, n_blocks, block_tokens]``, ``torch.bool``.
             softcap: optional logit soft-capping.
         """
-        from ..kernels.tail import tail_attention_reference
+        from ..kernels.tail import tail_attention
 
         if not self.tail_bits:
             raise RuntimeError("QuantKeySelector.tail_attention needs tail_bits > 0.")
@@ -162,7 +162,7 @@ class QuantKeySelector(Selector):
             q = torch.nn.functional.pad(q, (0, channels - head_dim))
         keys = {"codes": summaries["codes"], "kmin": summaries["kmin"], "kstep": summaries["kstep"]}
         values = {"codes": summaries["vcodes"], "kmin": summaries["vmin"], "kstep": summaries["vstep"]}
-        out, lse = tail_attention_reference(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
+        out, lse = tail_attention(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
         return out[..., :head_dim], lse
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:

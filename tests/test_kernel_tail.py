@@ -1,0 +1,72 @@
+"""The tail-estimate kernel against its pure-torch reference, and the selector's estimate through either path.
+
+Runs where Triton can run: on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_offload.kernels.tail as tail_module
+from hf_offload.kernels.gather import kernels_available
+from hf_offload.kernels.tail import tail_attention, tail_attention_reference, tail_kernel_supported
+from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+
+
+def _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, capacity=None, seed=0):
+    """Quantized keys and values as the cache holds them (views of the first ``n`` blocks of buffers of
+    ``capacity`` blocks), a scaled query and a token mask with some empty blocks."""
+    g = torch.Generator().manual_seed(seed)
+    capacity = capacity or n
+    keys = (torch.randn(batch, capacity, heads, tokens, dim, generator=g) * 2).to(dtype)
+    values = torch.randn(batch, capacity, heads, tokens, dim, generator=g).to(dtype)
+    kq = {k: v.to(DEVICE)[:, :n] for k, v in quantize_keys(keys, key_bits).items()}
+    vq = {k: v.to(DEVICE)[:, :n] for k, v in quantize_keys(values, value_bits).items()}
+    query = (torch.randn(batch, heads, group, dim, generator=g) * dim**-0.5).to(DEVICE)
+    ok = torch.rand(batch, n, tokens, generator=g) > 0.3
+    ok[:, : min(n, 3)] = False  # whole blocks left out (the selected ones)
+    return query, kq, vq, ok.to(DEVICE)
+
+
+@pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 2), (2, 4), (8, 1)])
+@pytest.mark.parametrize("shape", [(2, 37, 2, 7, 16, 64), (1, 5, 3, 4, 8, 128), (3, 16, 1, 1, 16, 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_matches_reference(key_bits, value_bits, shape, dtype):
+    batch, n, heads, group, tokens, dim = shape
+    query, kq, vq, ok = _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, capacity=n + 9)
+    assert tail_kernel_supported(query, kq, vq)
+    out, lse = tail_attention(query, kq, key_bits, vq, value_bits, ok)
+    want_out, want_lse = tail_attention_reference(query, kq, key_bits, vq, value_bits, ok, chunk_blocks=5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+
+
+def test_kernel_with_nothing_to_attend_and_with_no_blocks():
+    query, kq, vq, ok = _inputs(2, 20, 2, 3, 16, 32, 2, 2, torch.float32)
+    ok[1] = False  # one sequence attends nothing
+    out, lse = tail_attention(query, kq, 2, vq, 2, ok)
+    assert torch.isneginf(lse[1]).all() and torch.equal(out[1], torch.zeros_like(out[1]))
+    want_out, want_lse = tail_attention_reference(query, kq, 2, vq, 2, ok)
+    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    empty = {k: v[:, :0] for k, v in kq.items()}
+    out, lse = tail_attention(query, empty, 2, {k: v[:, :0] for k, v in vq.items()}, 2, ok[:, :0])
+    assert torch.isneginf(lse).all() and not out.any()
+
+
+def test_selector_estimate_is_the_same_through_kernel_and_reference(monkeypatch):
+    selector = QuantKeySelector(bits=2, tail_bits=2)
+    g = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 30, 2, 16, 64, generator=g).to(DEVICE)
+    values = torch.randn(2, 30, 2, 16, 64, generator=g).to(DEVICE)
+    summaries = {**selector.summarize(keys), **selector.summarize_values(values)}
+    query = torch.randn(2, 2, 7, 64, generator=g).to(DEVICE)
+    ok = (torch.rand(2, 30, 16, generator=g) > 0.5).to(DEVICE)
+    got = selector.tail_attention(query, summaries, 0.125, ok)
+    monkeypatch.setattr(tail_module, "tail_kernel_supported", lambda *a: False)
+    want = selector.tail_attention(query, summaries, 0.125, ok)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
