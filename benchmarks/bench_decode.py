@@ -278,6 +278,23 @@ def tensor_bytes(cache, device: torch.device) -> tuple[int, int]:
 
 
 # ----------------------------------------------------------------------------------------------------- predictions
+def method_note(method: str, args) -> str:
+    """:data:`METHOD_NOTES`' line for ``method``, naming ``--quantkey-selector`` where it replaces ``quantkey``."""
+    note = METHOD_NOTES[method]
+    if method.startswith("quantkey") and selector_of(method, args) != "quantkey":
+        note += f"; selector {selector_of(method, args)!r} (--quantkey-selector) instead of 'quantkey'"
+    return note
+
+
+def selector_of(method: str, args) -> str:
+    """The selector of an OffloadCache method: ``headwise`` for ``headwise-copy``, else the method's first word, where
+    ``quantkey`` stands for ``--quantkey-selector`` (e.g. ``quantkey[bits=4,tail_bits=2]``)."""
+    if method == "headwise-copy":
+        return "headwise"
+    name = method.split("-")[0]
+    return getattr(args, "quantkey_selector", "quantkey") if name == "quantkey" else name
+
+
 def offload_config(method: str, args, shape=None, context: int = 0, batch: int = 0, device=None,
                    transient_bytes: int = 0) -> OffloadConfig:  # fmt: skip
     """The :class:`OffloadConfig` of an OffloadCache method (``None`` for the others).
@@ -287,7 +304,7 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
     ``transient_bytes`` and ``--admission-margin-gib`` are set aside (0 off CUDA)."""
     if method not in OFFLOAD_METHODS:
         return None
-    selector = "headwise" if method == "headwise-copy" else method.split("-")[0]
+    selector = selector_of(method, args)
     if not method.endswith("-auto"):
         return OffloadConfig(budget_tokens=args.budget, selector=selector)
     gib = args.admission_gib
@@ -381,9 +398,9 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     if method == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True), None
     if method in ("solohead", "quantkey"):
-        return OffloadCache(model, budget_tokens=args.budget, selector=method, transfer="auto"), "auto"
+        return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto"), "auto"
     if method in ("solohead-graphs", "quantkey-graphs"):
-        selector = method.removesuffix("-graphs")
+        selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True), "auto"
     if method in ("solohead-auto", "quantkey-auto"):
         return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
@@ -656,6 +673,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=METHODS,
                         help="methods to sweep (none: only --e2e)")  # fmt: skip
     parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
+    parser.add_argument("--quantkey-selector", default="quantkey",
+                        help="the selector of the quantkey* methods, with settings: e.g. 'quantkey[bits=4,tail_bits=2]' "
+                             "(4-bit keys, the unselected blocks estimated from 2-bit values)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
@@ -753,7 +773,7 @@ def run_isolated(args: argparse.Namespace, t_start: float) -> int:
             if merged is None:
                 merged = {**data, "runs": [], "skipped": [], "e2e": None}
                 merged["metadata"] = {**data["metadata"], "args": vars(args), "isolated": True}
-                merged["methods"] = {m: METHOD_NOTES[m] for m in args.methods}
+                merged["methods"] = {m: method_note(m, args) for m in args.methods}
             merged["runs"] += data["runs"]
             if method == "e2e":
                 merged["e2e"] = data.get("e2e")
@@ -806,7 +826,7 @@ def main(argv: list[str] | None = None) -> int:
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,
                   "weight_bytes_read_per_step": per_step_w, "kv_bytes_per_token": shape.kv_bytes_per_token *
                   shape.full_layers},  # fmt: skip
-        "methods": {m: METHOD_NOTES[m] for m in args.methods},
+        "methods": {m: method_note(m, args) for m in args.methods},
         "bandwidth": bandwidth,
         "roofline_note": "roofline_ms = (weights read per step + attended KV + 2 x recalled bytes of blocks kept on "
         "the device) / hbm_bytes_per_s + recalled bytes read from the host per step / h2d_pinned_bytes_per_s; "

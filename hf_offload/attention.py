@@ -333,6 +333,7 @@ def offload_attention_forward(
         kv_pos = torch.arange(n * layer.block_tokens, device=device).view(1, 1, -1)
         tokens_ok = allowed(slice(0, 1), kv_pos)[:, 0, 0, 0].expand(batch, -1).reshape(batch, n, -1)
         tail_out, tail_lse = layer.estimate_tail(grouped[:, :, :, 0], scaling, n, selection, tokens_ok, softcap)
+        layer.count_tail(tail_lse, (acc.m + torch.log(acc.l))[:, :, :, 0])
         acc.add_partial(tail_out[:, :, :, None], tail_lse[:, :, :, None])
 
     layer.finish_step()
@@ -522,6 +523,7 @@ def _decode_sdpa(
         out, lse = _attention_lse(grouped, k_all, v_all, ok, scaling)
         selection = Selection(blocks=blocks, keep=keep)
         tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
+        layer.count_tail(tail_lse, lse)
         out, _ = merge_attention(out, lse, tail_out, tail_lse)
         return out.to(query.dtype).reshape(batch, 1, q_heads, head_dim)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, k_all, v_all, attn_mask=ok, scale=scaling)

@@ -63,6 +63,8 @@ class LayerStats:
         "prefetch_used_blocks",  # prefetched blocks that the exact plan that followed attended
         "graph_captures",  # decode steps captured into a CUDA graph (each also ran op by op)
         "graph_replays",  # decode steps replayed from a captured graph
+        "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
+        "tail_steps",  # decode steps with that estimate
     )
     _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
 
@@ -630,6 +632,17 @@ class OffloadLayer(CacheLayerMixin):
         summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
         return self.selector.tail_attention(query, summaries, scaling, tail, softcap)
 
+    def count_tail(self, tail_lse: torch.Tensor, selection_lse: torch.Tensor) -> None:
+        """Count one decode step's estimated share of attention outside the selection (device-side, no sync).
+
+        Args:
+            tail_lse: log-sum-exp of the estimate, ``[batch, kv_heads, group]``, float32.
+            selection_lse: log-sum-exp of the exact attention over the selection, same shape.
+        """
+        share = torch.sigmoid(tail_lse - selection_lse).mean()
+        self.stats.add_later(("tail_ppm",), (share * 1e6).round().long())
+        self.stats.add_later(("tail_steps",), torch.ones((), dtype=torch.long, device=share.device))
+
     def resident_rounds(
         self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
@@ -1130,7 +1143,9 @@ class OffloadCache(Cache):
             ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
-            ``None`` before the first decode step), ``decode_steps`` and ``layers`` (the same counters per
+            ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
+            blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
+            decode steps, sequences and query heads; else ``None``), ``decode_steps`` and ``layers`` (the same counters per
             offloaded layer, keyed by layer index). Blocks are counted per KV head for per-head selectors.
         """
         per_layer = {}
@@ -1150,6 +1165,7 @@ class OffloadCache(Cache):
                     "prefetch_used_blocks": int(s.prefetch_used_blocks),
                     "hit_rate": hits / lookups if lookups else None,
                     "lookups": lookups,
+                    "tail_share": int(s.tail_ppm) / 1e6 / int(s.tail_steps) if int(s.tail_steps) else None,
                 }
                 device += layer.device_kv_bytes()
                 summaries += layer.device_summary_bytes()
@@ -1180,6 +1196,7 @@ class OffloadCache(Cache):
             "graph_captures": total("graph_captures"),
             "graph_replays": total("graph_replays"),
             "hit_rate": total("hits") / lookups if lookups else None,
+            "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
             "timing": self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None,

@@ -25,7 +25,7 @@ pytestmark = [
 
 SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
 COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "offloaded_bytes", "decode_steps",
-            "hit_rate", "host_kv_bytes", "device_kv_bytes")  # fmt: skip
+            "hit_rate", "host_kv_bytes", "device_kv_bytes", "tail_share")  # fmt: skip
 
 
 def _generate(model, ids, mask, steps, **options):

@@ -178,3 +178,21 @@ def test_value_summaries_are_kept_and_counted():
     capacity = layer._summary_store["vcodes"].shape[1]
     assert extra == layers * batch * capacity * heads * per_block_head
     assert OffloadConfig(selector="quantkey[tail_bits=4]").selector == "quantkey[tail_bits=4]"
+
+
+def test_stats_report_the_estimated_share_outside_the_selection():
+    model = build_model("llama")
+    ids, mask = left_padded([150, 120], seed=9)
+    tokens = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(9))
+    shares = {}
+    for pool_tokens in (None, 16):
+        cache = OffloadCache(model, selector="quantkey[tail_bits=4]", pool_tokens=pool_tokens, **SMALL)
+        _forced_logits(model, ids, mask, cache, tokens)
+        stats = cache.stats()
+        assert 0 < stats["tail_share"] < 1
+        assert all(0 < layer["tail_share"] < 1 for layer in stats["layers"].values())
+        shares[pool_tokens] = stats["tail_share"]
+    assert abs(shares[None] - shares[16]) < 1e-4  # the fused step and the rounds estimate the same share
+    plain = OffloadCache(model, selector="quantkey", **SMALL)
+    _forced_logits(model, ids, mask, plain, tokens)
+    assert plain.stats()["tail_share"] is None
