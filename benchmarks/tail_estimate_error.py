@@ -12,6 +12,9 @@ and samples, for:
 * ``quantkey[bits=k]``: the selection by ``k``-bit keys, no estimate;
 * ``quantkey[bits=k,tail_bits=b]``: the same selection plus the estimate of the rest from ``k``-bit keys and
   ``b``-bit values.
+* ``quantkey[bits=2]+mean-values``: a coarser estimate (not built into the library): each unselected block
+  weighted by its log-sum-exp over the 2-bit keys (the selector's own block scores), times the block's mean value
+  (one bf16 vector per block and KV head), as estimates from cluster centroids do.
 
 Inputs, paired by RULER task, seed and sample index: the decode queries and keys of
 ``benchmarks/selection_recall.py``'s captures (``--query-dir``) and the prompt's keys and values of
@@ -43,10 +46,13 @@ VARIANTS = [
     "quantkey[bits=2,tail_bits=1]",
     "quantkey[bits=2,tail_bits=2]",
     "quantkey[bits=2,tail_bits=4]",
+    "quantkey[bits=2]+mean-values",
     "quantkey[bits=4]",
     "quantkey[bits=4,tail_bits=2]",
     "quantkey[bits=4,tail_bits=4]",
 ]
+
+MEAN_VALUES = "+mean-values"
 
 
 def pair_captures(query_dir: str, kv_dir: str, model: str, length: int, seeds: list[int]) -> list[tuple[str, Path, Path]]:
@@ -70,11 +76,12 @@ def variant_bytes(name: str, head_dim: int, block_tokens: int, itemsize: int) ->
 
     if name == "oracle":
         return 2 * block_tokens * head_dim * itemsize
-    selector = get_selector(name)
+    selector = get_selector(name.removesuffix(MEAN_VALUES))
+    mean_values = head_dim * itemsize if name.endswith(MEAN_VALUES) else 0
     keys = torch.empty((1, 1, 1, block_tokens, head_dim), dtype={2: torch.bfloat16}.get(itemsize, torch.float32))
     summaries = selector.summarize(keys)
     summaries.update(selector.summarize_values(keys))
-    return sum(t.numel() * t.element_size() for t in summaries.values())
+    return sum(t.numel() * t.element_size() for t in summaries.values()) + mean_values
 
 
 def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
@@ -90,6 +97,7 @@ def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[
     """
     from hf_offload.attention import _attention_lse
     from hf_offload.config import OffloadConfig
+    from hf_offload.kernels.quantkey import block_lse_reference
     from hf_offload.kernels.tail import merge_attention
     from hf_offload.selectors import get_selector
     from hf_offload.selectors.base import Selector
@@ -100,7 +108,7 @@ def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[
     prompt = keys[0].shape[1]
     steps, layers = queries.shape[:2]
     errors = {name: torch.zeros(steps, layers) for name in args.variants}
-    selectors = {name: get_selector(name) for name in args.variants if name != "oracle"}
+    selectors = {name: get_selector(name.removesuffix(MEAN_VALUES)) for name in args.variants if name != "oracle"}
     for layer in range(layers):
         K, V = keys[layer], values[layer]
         n = prompt // T  # sealed blocks of the prompt; its last partial block is the open block (exact)
@@ -130,7 +138,13 @@ def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[
                 token_ok = torch.cat([chosen[:n].repeat_interleave(T), torch.ones(prompt - n * T, dtype=torch.bool)])
                 out, lse = _attention_lse(q, K[None], V[None], token_ok.view(1, 1, 1, -1), scaling)
                 sel = selectors.get(name)
-                if sel is not None and sel.estimates_tail:
+                if name.endswith(MEAN_VALUES):
+                    sm = summaries[name]
+                    block_lse = block_lse_reference(q * scaling, sm["codes"], sm["kmin"], sm["kstep"], sel.bits)
+                    block_lse = block_lse.masked_fill(chosen[:n], float("-inf"))  # [1, H, G, n]
+                    tail_out = torch.einsum("bhgn,bnhd->bhgd", block_lse.softmax(-1), vb.mean(dim=3))
+                    out, _ = merge_attention(out, lse, tail_out, block_lse.logsumexp(-1))
+                elif sel is not None and sel.estimates_tail:
                     tail_ok = ~chosen[:n, None].expand(n, T)[None]
                     tail_out, tail_lse = sel.tail_attention(q, summaries[name], scaling, tail_ok)
                     out, _ = merge_attention(out, lse, tail_out, tail_lse)
