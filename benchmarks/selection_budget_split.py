@@ -134,11 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--floor", type=int, default=0, help="fewest free blocks per layer")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if "/" in args.budget:
-        num, den = args.budget.split("/")
-        budget = max(args.budget_min, args.length * int(num) // int(den))
-    else:
-        budget = int(args.budget)
+    from eval_harness.runner import parse_budget
+
+    budget = parse_budget(args.budget, args.budget_min).resolve(args.length)
     config = OffloadConfig(budget_tokens=budget)
     sets = {}
     for name, seeds in (("A", args.seeds_a), ("B", args.seeds_b)):

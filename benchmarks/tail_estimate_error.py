@@ -166,11 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--variants", nargs="+", default=VARIANTS)
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    if "/" in args.budget:
-        num, den = args.budget.split("/")
-        budget = max(args.budget_min, args.length * int(num) // int(den))
-    else:
-        budget = int(args.budget)
+    from eval_harness.runner import parse_budget
+
+    budget = parse_budget(args.budget, args.budget_min).resolve(args.length)
     pairs = pair_captures(args.query_dir, args.kv_dir, args.model, args.length, args.seeds)
     if not pairs:
         print(f"no sample captured in both {args.query_dir} and {args.kv_dir} at length {args.length}", file=sys.stderr)
