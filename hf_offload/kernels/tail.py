@@ -211,10 +211,12 @@ def tail_attention(
     tokens_ok: torch.Tensor,
     softcap: float | None = None,
     chunk_blocks: int = 256,
+    blocks_per_program: int = BLOCKS_PER_PROGRAM,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention_reference`'s result, from one Triton launch where :func:`tail_kernel_supported` (and
     no ``softcap``), else from the reference itself. Arguments and result as the reference's (``chunk_blocks`` is
-    used by the reference only). Allocates only its outputs and never waits for the device."""
+    used by the reference only; ``blocks_per_program`` by the kernel only). Allocates only its outputs and never
+    waits for the device."""
     if softcap is not None or not tail_kernel_supported(query, keys, values):
         return tail_attention_reference(query, keys, key_bits, values, value_bits, tokens_ok, softcap, chunk_blocks)
     from .quantkey import block_stride
@@ -224,7 +226,7 @@ def tail_attention(
     if n == 0:
         return (torch.zeros((batch, heads, group, channels), dtype=torch.float32, device=query.device),
                 torch.full((batch, heads, group), float("-inf"), dtype=torch.float32, device=query.device))  # fmt: skip
-    splits = -(-n // BLOCKS_PER_PROGRAM)
+    splits = -(-n // blocks_per_program)
     o = torch.empty((batch, heads, splits, group, channels), dtype=torch.float32, device=query.device)
     m = torch.empty((batch, heads, splits, group), dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
@@ -235,7 +237,7 @@ def tail_attention(
         block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
         block_stride(values["codes"], values["kmin"], values["kstep"]),
         G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
-        PER_PROGRAM=BLOCKS_PER_PROGRAM,
+        PER_PROGRAM=blocks_per_program,
     )  # fmt: skip
     top = m.amax(dim=2)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)

@@ -1,0 +1,131 @@
+"""The tail-estimate kernel (attention over quantized keys and values of the unselected blocks), timed on CUDA.
+
+For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query heads each, 2048 blocks of 16 tokens,
+head_dim 128, all but 127 blocks in the tail) it times, in one run:
+
+* ``kernel``: ``hf_offload.kernels.tail.tail_attention`` at each ``--blocks-per-program`` (the split of a
+  sequence's blocks over programs; ``*`` marks the default), for each ``--bits`` pair (keys, values);
+* ``reference``: the pure-torch ``tail_attention_reference`` (what runs without Triton);
+* ``scoring``: the ``quantkey`` scoring kernel over the same key codes (``block_lse``), which every step runs anyway;
+* ``dense``: ``scaled_dot_product_attention`` over the same tokens in bf16 (what attending to them exactly on the
+  device would cost, were they resident).
+
+CUDA events around ``--calls`` calls, median of ``--reps`` after ``--warmup``; each kernel result is checked
+against the reference (largest absolute difference of output and log-sum-exp). Prints a table (microseconds per
+call; GB/s of the summary bytes read) and writes JSON (machine, versions, git commit, settings, timings) to ``--out``.
+
+    python benchmarks/bench_tail_kernel.py --out results/selection/bench_tail_kernel_h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.common import run_metadata, write_results  # noqa: E402
+
+NO_CUDA = ("bench_tail_kernel: no CUDA device with Triton (and not under TRITON_INTERPRET=1); nothing was "
+           "measured")
+
+
+def _time(fn, calls: int, reps: int, warmup: int) -> float:
+    """Median microseconds per call of ``fn()`` over ``reps`` timings of ``calls`` calls (CUDA events; wall
+    time off CUDA)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if not torch.cuda.is_available():
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times.append((time.perf_counter() - t0) * 1e6 / calls)
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / calls)
+    return statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--blocks", type=int, default=2048, help="blocks per sequence")
+    p.add_argument("--selected", type=int, default=127, help="blocks left out of the tail (the selection)")
+    p.add_argument("--tokens", type=int, default=16)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--bits", nargs="+", default=["2,2", "4,2", "4,4"], help="key bits,value bits pairs")
+    p.add_argument("--blocks-per-program", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    from hf_offload.kernels.gather import kernels_available
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if not kernels_available(dev):  # the CPU only under Triton's interpreter (tests; its timings mean nothing)
+        print(NO_CUDA, file=sys.stderr)
+        return 2
+    from hf_offload.kernels import tail
+    from hf_offload.kernels.quantkey import block_lse
+    from hf_offload.selectors.quantkey import quantize_keys
+
+    B, n, H, G, T, D = args.batch, args.blocks, args.kv_heads, args.group, args.tokens, args.head_dim
+    g = torch.Generator(device=dev).manual_seed(0)
+    keys = torch.randn(B, n, H, T, D, device=dev, generator=g, dtype=torch.bfloat16)
+    values = torch.randn(B, n, H, T, D, device=dev, generator=g, dtype=torch.bfloat16)
+    query = torch.randn(B, H, G, D, device=dev, generator=g) * D**-0.5
+    ok = torch.ones(B, n, T, dtype=torch.bool, device=dev)
+    picked = torch.randperm(n, device=dev, generator=g)[: args.selected]
+    ok[:, picked] = False
+    rows = []
+    for pair in args.bits:
+        kb, vb = (int(x) for x in pair.split(","))
+        kq, vq = quantize_keys(keys, kb), quantize_keys(values, vb)
+        nbytes = sum(t.numel() * t.element_size() for t in (*kq.values(), *vq.values()))
+        ref_out, ref_lse = tail.tail_attention_reference(query, kq, kb, vq, vb, ok)
+        entry = {"key_bits": kb, "value_bits": vb, "summary_bytes": nbytes, "kernel": {}}
+        for per in args.blocks_per_program:
+            fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per)  # noqa: E731
+            out, lse = fn()
+            err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
+            us = _time(fn, args.calls, args.reps, args.warmup)
+            entry["kernel"][per] = {"us": us, "gb_per_s": nbytes / us / 1e3, "max_error": err}
+        entry["reference_us"] = _time(lambda: tail.tail_attention_reference(query, kq, kb, vq, vb, ok), 1, 3, 1)
+        entry["scoring_us"] = _time(lambda: block_lse(query, kq["codes"], kq["kmin"], kq["kstep"], kb),
+                                    args.calls, args.reps, args.warmup)  # fmt: skip
+        rows.append(entry)
+    k = keys.permute(0, 2, 1, 3, 4).reshape(B, H, n * T, D)
+    v = values.permute(0, 2, 1, 3, 4).reshape(B, H, n * T, D)
+    q = query.to(torch.bfloat16)
+    dense_us = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v), args.calls, args.reps,
+                     args.warmup)  # fmt: skip
+    print(f"shape: batch {B}, {n} blocks x {T} tokens, {H} KV heads x {G} query heads, head_dim {D}; "
+          f"dense bf16 attention over all tokens {dense_us:.1f} us")  # fmt: skip
+    print(f"{'bits k,v':>9s} {'per prog':>8s} {'us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} {'scoring us':>10s}")
+    for e in rows:
+        for per, r in e["kernel"].items():
+            mark = "*" if per == tail.BLOCKS_PER_PROGRAM else " "
+            print(f"{e['key_bits']:>5d},{e['value_bits']:<3d} {per:>7d}{mark} {r['us']:9.1f} {r['gb_per_s']:7.0f} "
+                  f"{r['max_error']:9.2e} {e['reference_us']:9.0f} {e['scoring_us']:10.1f}")  # fmt: skip
+    if args.out:
+        write_results(args.out, {**run_metadata(args), "dense_sdpa_us": dense_us, "results": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""benchmarks/bench_tail_kernel.py: a tiny shape end to end where the kernel runs (CUDA, or the CPU interpreter)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from benchmarks import bench_tail_kernel
+from hf_offload.kernels.gather import kernels_available
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+def test_tiny_run_checks_the_kernel_and_writes_json(tmp_path):
+    out = tmp_path / "tail.json"
+    assert bench_tail_kernel.main(["--batch", "2", "--kv-heads", "2", "--group", "3", "--blocks", "24",
+                                   "--selected", "5", "--tokens", "8", "--head-dim", "16", "--bits", "2,2", "4,2",
+                                   "--blocks-per-program", "4", "16", "--calls", "1", "--reps", "1", "--warmup", "0",
+                                   "--out", str(out)]) == 0  # fmt: skip
+    data = json.loads(out.read_text())
+    assert [(r["key_bits"], r["value_bits"]) for r in data["results"]] == [(2, 2), (4, 2)]
+    for r in data["results"]:
+        assert set(r["kernel"]) == {"4", "16"}
+        assert all(k["max_error"] < 1e-3 and k["us"] > 0 for k in r["kernel"].values())
+
+
+@pytest.mark.skipif(kernels_available(DEVICE), reason="the kernel runs here")
+def test_without_the_kernel_it_says_so():
+    assert bench_tail_kernel.main(["--blocks", "8"]) == 2
