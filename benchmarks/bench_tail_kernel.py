@@ -3,8 +3,10 @@
 For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query heads each, 2048 blocks of 16 tokens,
 head_dim 128, all but 127 blocks in the tail) it times, in one run:
 
-* ``kernel``: ``hf_offload.kernels.tail.tail_attention`` at each ``--blocks-per-program`` (the split of a
-  sequence's blocks over programs; ``*`` marks the default), for each ``--bits`` pair (keys, values);
+* ``kernel``: ``hf_offload.kernels.tail.tail_attention`` for each ``--bits`` pair (keys, values): the ``dot``
+  kernel (TF32 products) at each ``--blocks-per-program`` (the split of a sequence's blocks over programs; ``*``
+  marks the default), then at the default split the ``dot`` kernel with exact float32 products (``dot-ieee``) and
+  the first kernel (``loop``; the only one where the ``dot`` kernel's tiles do not fit);
 * ``reference``: the pure-torch ``tail_attention_reference`` (what runs without Triton);
 * ``scoring``: the ``quantkey`` scoring kernel over the same key codes (``block_lse``), which every step runs anyway;
 * ``dense``: ``scaled_dot_product_attention`` over the same tokens in bf16 (what attending to them exactly on the
@@ -99,12 +101,18 @@ def main(argv: list[str] | None = None) -> int:
         nbytes = sum(t.numel() * t.element_size() for t in (*kq.values(), *vq.values()))
         ref_out, ref_lse = tail.tail_attention_reference(query, kq, kb, vq, vb, ok)
         entry = {"key_bits": kb, "value_bits": vb, "summary_bytes": nbytes, "kernel": {}}
-        for per in args.blocks_per_program:
-            fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per)  # noqa: E731
+        runs = [("loop", "ieee", tail.BLOCKS_PER_PROGRAM)]
+        if tail.dot_kernel_fits(T, D, kb, vb):  # else only the first kernel runs at this shape
+            runs = [("dot", "tf32", per) for per in args.blocks_per_program] + [("dot", "ieee", runs[0][2])] + runs
+        for variant, precision, per in runs:
+            fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per,  # noqa: E731
+                                             variant=variant, precision=precision)  # fmt: skip
             out, lse = fn()
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
             us = _time(fn, args.calls, args.reps, args.warmup)
-            entry["kernel"][per] = {"us": us, "gb_per_s": nbytes / us / 1e3, "max_error": err}
+            name = variant if precision == "tf32" or variant == "loop" else f"{variant}-{precision}"
+            entry["kernel"][f"{name}/{per}"] = {"variant": variant, "precision": precision, "blocks_per_program": per,
+                                                "us": us, "gb_per_s": nbytes / us / 1e3, "max_error": err}  # fmt: skip
         entry["reference_us"] = _time(lambda: tail.tail_attention_reference(query, kq, kb, vq, vb, ok), 1, 3, 1)
         entry["scoring_us"] = _time(lambda: block_lse(query, kq["codes"], kq["kmin"], kq["kstep"], kb),
                                     args.calls, args.reps, args.warmup)  # fmt: skip
@@ -116,12 +124,14 @@ def main(argv: list[str] | None = None) -> int:
                      args.warmup)  # fmt: skip
     print(f"shape: batch {B}, {n} blocks x {T} tokens, {H} KV heads x {G} query heads, head_dim {D}; "
           f"dense bf16 attention over all tokens {dense_us:.1f} us")  # fmt: skip
-    print(f"{'bits k,v':>9s} {'per prog':>8s} {'us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} {'scoring us':>10s}")
+    print(f"{'bits k,v':>9s} {'kernel':>9s} {'per prog':>8s} {'us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} "
+          f"{'scoring us':>10s}")  # fmt: skip
     for e in rows:
-        for per, r in e["kernel"].items():
-            mark = "*" if per == tail.BLOCKS_PER_PROGRAM else " "
-            print(f"{e['key_bits']:>5d},{e['value_bits']:<3d} {per:>7d}{mark} {r['us']:9.1f} {r['gb_per_s']:7.0f} "
-                  f"{r['max_error']:9.2e} {e['reference_us']:9.0f} {e['scoring_us']:10.1f}")  # fmt: skip
+        for name, r in e["kernel"].items():
+            per = r["blocks_per_program"]
+            mark = "*" if per == tail.BLOCKS_PER_PROGRAM and name.startswith(tail.DEFAULT_VARIANT + "/") else " "
+            print(f"{e['key_bits']:>5d},{e['value_bits']:<3d} {name.split('/')[0]:>9s} {per:>7d}{mark} {r['us']:9.1f} "
+                  f"{r['gb_per_s']:7.0f} {r['max_error']:9.2e} {e['reference_us']:9.0f} {e['scoring_us']:10.1f}")  # fmt: skip
     if args.out:
         write_results(args.out, {**run_metadata(args), "dense_sdpa_us": dense_us, "results": rows})
     return 0

@@ -10,7 +10,12 @@ import torch
 
 import hf_offload.kernels.tail as tail_module
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.kernels.tail import tail_attention, tail_attention_reference, tail_kernel_supported
+from hf_offload.kernels.tail import (
+    dot_kernel_fits,
+    tail_attention,
+    tail_attention_reference,
+    tail_kernel_supported,
+)
 from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -32,17 +37,44 @@ def _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, ca
     return query, kq, vq, ok.to(DEVICE)
 
 
+@pytest.mark.parametrize("variant", ["dot", "loop"])
 @pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 2), (2, 4), (8, 1)])
 @pytest.mark.parametrize("shape", [(2, 37, 2, 7, 16, 64), (1, 5, 3, 4, 8, 128), (3, 16, 1, 1, 16, 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_matches_reference(key_bits, value_bits, shape, dtype):
+def test_kernel_matches_reference(variant, key_bits, value_bits, shape, dtype):
     batch, n, heads, group, tokens, dim = shape
     query, kq, vq, ok = _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, capacity=n + 9)
     assert tail_kernel_supported(query, kq, vq)
-    out, lse = tail_attention(query, kq, key_bits, vq, value_bits, ok)
+    if variant == "dot" and not dot_kernel_fits(tokens, dim, key_bits, value_bits):
+        with pytest.raises(ValueError, match="variant='loop'"):
+            tail_attention(query, kq, key_bits, vq, value_bits, ok, variant="dot")
+        return
     want_out, want_lse = tail_attention_reference(query, kq, key_bits, vq, value_bits, ok, chunk_blocks=5)
-    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    for per in (1, 5, 16):
+        out, lse = tail_attention(query, kq, key_bits, vq, value_bits, ok, blocks_per_program=per, variant=variant,
+                                  precision="ieee")  # fmt: skip
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 2)])
+def test_default_kernel_with_tensor_core_products_is_close(key_bits, value_bits):
+    """The default: the ``dot`` kernel with TF32 products (exact float32 under the interpreter); the error stays
+    far below the codes' own (a 4-bit step is 1/15 of a channel's range in the block)."""
+    query, kq, vq, ok = _inputs(4, 64, 2, 4, 16, 128, key_bits, value_bits, torch.bfloat16)
+    assert dot_kernel_fits(16, 128, key_bits, value_bits) and tail_module.DEFAULT_VARIANT == "dot"
+    out, lse = tail_attention(query, kq, key_bits, vq, value_bits, ok)
+    want_out, want_lse = tail_attention_reference(query, kq, key_bits, vq, value_bits, ok)
+    torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(out, want_out, atol=1e-2, rtol=1e-2)
+
+
+def test_kernel_settings_are_checked():
+    query, kq, vq, ok = _inputs(1, 4, 1, 2, 16, 64, 2, 2, torch.float32)
+    with pytest.raises(ValueError, match="unknown variant"):
+        tail_attention(query, kq, 2, vq, 2, ok, variant="fast")
+    with pytest.raises(ValueError, match="precision"):
+        tail_attention(query, kq, 2, vq, 2, ok, precision="fp16")
 
 
 def test_kernel_with_nothing_to_attend_and_with_no_blocks():

@@ -10,7 +10,8 @@ their log-sum-exp, so the result is one softmax over selection and estimate.
 
 :func:`tail_attention` runs one Triton launch where Triton runs (each program walks a range of blocks of one
 sequence and KV head, decodes keys and values in registers and keeps an online softmax for every query head of the
-KV head; the ranges are merged in torch) and :func:`tail_attention_reference` elsewhere: pure torch, ``chunk_blocks``
+KV head; the ranges are merged in torch; the default ``dot`` kernel forms the products over 64 token rows at a time
+with ``tl.dot``) and :func:`tail_attention_reference` elsewhere: pure torch, ``chunk_blocks``
 blocks dequantized at a time (the float32 temporary is bounded). Neither waits for the host, so a captured CUDA
 graph can hold them.
 """
@@ -180,6 +181,103 @@ if triton is not None:
         tl.store(m_ptr + part, m, mask=live)
         tl.store(l_ptr + part, l, mask=live)
 
+    @triton.jit
+    def _tail_dot_kernel(
+        q_ptr,  # float32 [B, H, G, D], scaled
+        kcodes_ptr,  # uint8 [B, cap, H, T, D // KPER]
+        kmin_ptr,  # [B, cap, H, D]
+        kstep_ptr,  # [B, cap, H, D]
+        vcodes_ptr,  # uint8 [B, cap, H, T, D // VPER]
+        vmin_ptr,  # [B, cap, H, D]
+        vstep_ptr,  # [B, cap, H, D]
+        ok_ptr,  # uint8 [B, N, T]: 1 = attend
+        o_ptr,  # float32 [B, H, S, G, D]: unnormalised partial outputs
+        m_ptr,  # float32 [B, H, S, G]: partial maxima
+        l_ptr,  # float32 [B, H, S, G]: partial denominators
+        n_blocks,
+        heads,
+        splits,
+        k_stride,
+        v_stride,
+        G: tl.constexpr,
+        GP: tl.constexpr,  # G rounded up to a power of two, at least 16 (the smallest matrix-product tile)
+        T: tl.constexpr,
+        D: tl.constexpr,
+        KBITS: tl.constexpr,
+        VBITS: tl.constexpr,
+        PER_PROGRAM: tl.constexpr,  # a multiple of NB
+        NB: tl.constexpr,  # blocks per iteration (NB * T rows, at least 16)
+        PRECISION: tl.constexpr,  # tl.dot input precision: "tf32" or "ieee"
+    ):
+        # One program: one (sequence, KV head) and PER_PROGRAM consecutive blocks, NB blocks (R = NB * T token
+        # rows) per iteration, as flash-decoding walks a KV range. The codes of a byte position p (channels
+        # j * PER + p) form a [R, D / PER] tile: each is dequantized with its block's parameters (loaded once per
+        # block, broadcast over its T rows) and multiplied with the matching channels of the queries by one
+        # matrix product, so every code byte is loaded once and no reduction crosses threads outside tl.dot.
+        KPER: tl.constexpr = 8 // KBITS
+        VPER: tl.constexpr = 8 // VBITS
+        KDB: tl.constexpr = D // KPER
+        VDB: tl.constexpr = D // VPER
+        R: tl.constexpr = NB * T
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1).to(tl.int64)
+        b = bh // heads
+        h = bh % heads
+        g = tl.arange(0, GP)
+        jk = tl.arange(0, KDB)
+        jv = tl.arange(0, VDB)
+        nb = tl.arange(0, NB)
+        t = tl.arange(0, T)
+        qs = ()
+        for p in tl.static_range(KPER):
+            qs = qs + (tl.load(q_ptr + (bh * G + g)[:, None] * D + (jk * KPER + p)[None, :], mask=(g < G)[:, None],
+                               other=0.0),)  # fmt: skip
+        accs = ()
+        for p in tl.static_range(VPER):
+            accs = accs + (tl.zeros((GP, VDB), dtype=tl.float32),)
+        m = tl.full((GP,), float("-inf"), dtype=tl.float32)
+        l = tl.zeros((GP,), dtype=tl.float32)
+        for it in range(PER_PROGRAM // NB):
+            n = split * PER_PROGRAM + it * NB + nb  # [NB]
+            live = n < n_blocks
+            krow = (b * k_stride + n) * heads + h
+            kbyte = tl.load(kcodes_ptr + ((krow * T)[:, None, None] + t[None, :, None]) * KDB + jk[None, None, :],
+                            mask=live[:, None, None], other=0).to(tl.int32)  # [NB, T, KDB]; fmt: skip
+            logits = tl.zeros((GP, R), dtype=tl.float32)
+            for p in tl.static_range(KPER):
+                at = krow[:, None] * D + (jk * KPER + p)[None, :]  # [NB, KDB]
+                kmin = tl.load(kmin_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+                kstep = tl.load(kstep_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+                code = ((kbyte >> (p * KBITS)) & ((1 << KBITS) - 1)).to(tl.float32)
+                keys = tl.reshape(kmin[:, None, :] + code * kstep[:, None, :], (R, KDB))
+                logits += tl.dot(qs[p], tl.trans(keys), input_precision=PRECISION)  # [GP, R]
+            ok = tl.load(ok_ptr + (b * n_blocks + n)[:, None] * T + t[None, :], mask=live[:, None], other=0) != 0
+            logits = tl.where(tl.reshape(ok, (R,))[None, :], logits, float("-inf"))
+            m_new = tl.maximum(m, tl.max(logits, axis=1))
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            prob = tl.exp(logits - shift[:, None])
+            rescale = tl.exp(m - shift)
+            l = l * rescale + tl.sum(prob, axis=1)
+            vrow = (b * v_stride + n) * heads + h
+            vbyte = tl.load(vcodes_ptr + ((vrow * T)[:, None, None] + t[None, :, None]) * VDB + jv[None, None, :],
+                            mask=live[:, None, None], other=0).to(tl.int32)  # [NB, T, VDB]; fmt: skip
+            new_accs = ()
+            for p in tl.static_range(VPER):
+                at = vrow[:, None] * D + (jv * VPER + p)[None, :]
+                vmin = tl.load(vmin_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+                vstep = tl.load(vstep_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
+                code = ((vbyte >> (p * VBITS)) & ((1 << VBITS) - 1)).to(tl.float32)
+                vals = tl.reshape(vmin[:, None, :] + code * vstep[:, None, :], (R, VDB))
+                new_accs = new_accs + (accs[p] * rescale[:, None] + tl.dot(prob, vals, input_precision=PRECISION),)
+            accs = new_accs
+            m = m_new
+        part = (bh * splits + split) * G + g
+        live_g = g < G
+        for p in tl.static_range(VPER):
+            tl.store(o_ptr + part[:, None] * D + (jv * VPER + p)[None, :], accs[p], mask=live_g[:, None])
+        tl.store(m_ptr + part, m, mask=live_g)
+        tl.store(l_ptr + part, l, mask=live_g)
+
 
 def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> bool:
     """Whether :func:`tail_attention` can run the kernel for these tensors: Triton on their device, power-of-two
@@ -202,6 +300,27 @@ def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], va
     )
 
 
+VARIANTS = ("dot", "loop")
+"""Kernels :func:`tail_attention` can run: ``dot`` (matrix products over ``NB * block_tokens`` rows at a time, the
+default where its tiles fit, see :func:`dot_kernel_fits`) and ``loop`` (the first kernel: one block at a time,
+products as broadcast sums; it runs where ``dot`` does not fit)."""
+
+DEFAULT_VARIANT = "dot"
+"""The kernel :func:`tail_attention` runs where it fits."""
+
+
+def dot_kernel_fits(tokens: int, channels: int, key_bits: int, value_bits: int) -> bool:
+    """Whether the ``dot`` kernel's matrix-product tiles fit: at least 16 code bytes per key and per value row
+    (``channels * bits / 8``; the inner size of a product, at least 16) and ``tokens`` at most 128 (one iteration's
+    rows)."""
+    return channels * key_bits // 8 >= 16 and channels * value_bits // 8 >= 16 and tokens <= 128
+
+
+def _dot_rows_blocks(tokens: int) -> int:
+    """Blocks the ``dot`` kernel walks per iteration: 64 token rows (at least one block, at least 16 rows)."""
+    return max(1, 64 // tokens, -(-16 // tokens))
+
+
 def tail_attention(
     query: torch.Tensor,
     keys: dict[str, torch.Tensor],
@@ -212,33 +331,63 @@ def tail_attention(
     softcap: float | None = None,
     chunk_blocks: int = 256,
     blocks_per_program: int = BLOCKS_PER_PROGRAM,
+    variant: str | None = None,
+    precision: str = "tf32",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention_reference`'s result, from one Triton launch where :func:`tail_kernel_supported` (and
     no ``softcap``), else from the reference itself. Arguments and result as the reference's (``chunk_blocks`` is
-    used by the reference only; ``blocks_per_program`` by the kernel only). Allocates only its outputs and never
-    waits for the device."""
+    used by the reference only), plus the kernel's settings:
+
+    Args:
+        blocks_per_program: blocks of one sequence and KV head one program walks (their partial softmaxes are merged
+            in torch); the ``dot`` kernel rounds it up to whole iterations.
+        variant: one of :data:`VARIANTS`; ``None``: :data:`DEFAULT_VARIANT` where :func:`dot_kernel_fits`, else
+            ``loop``. Asking for ``dot`` where it does not fit raises ``ValueError``.
+        precision: the ``dot`` kernel's matrix-product input precision: ``"tf32"`` (tensor cores; products of
+            float32 inputs rounded to 10 mantissa bits, an error far below that of the 2-4-bit codes) or
+            ``"ieee"`` (exact float32, as the reference).
+
+    Allocates only its outputs and never waits for the device."""
     if softcap is not None or not tail_kernel_supported(query, keys, values):
         return tail_attention_reference(query, keys, key_bits, values, value_bits, tokens_ok, softcap, chunk_blocks)
     from .quantkey import block_stride
 
     batch, heads, group, channels = query.shape
     n, tokens = tokens_ok.shape[1], tokens_ok.shape[2]
+    fits = dot_kernel_fits(tokens, channels, key_bits, value_bits)
+    variant = variant or (DEFAULT_VARIANT if fits else "loop")
+    if variant not in VARIANTS:
+        raise ValueError(f"tail_attention: unknown variant {variant!r}; expected one of {VARIANTS}")
+    if variant == "dot" and not fits:
+        raise ValueError(f"tail_attention: the 'dot' kernel needs >= 16 code bytes per key and value row and "
+                         f"block_tokens <= 128 (got {channels} channels at {key_bits}/{value_bits} bits, "
+                         f"{tokens} tokens); use variant='loop' or None")  # fmt: skip
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"tail_attention: precision must be 'tf32' or 'ieee', not {precision!r}")
     if n == 0:
         return (torch.zeros((batch, heads, group, channels), dtype=torch.float32, device=query.device),
                 torch.full((batch, heads, group), float("-inf"), dtype=torch.float32, device=query.device))  # fmt: skip
-    splits = -(-n // blocks_per_program)
+    per_step = _dot_rows_blocks(tokens) if variant == "dot" else 1
+    per_program = -(-max(1, blocks_per_program) // per_step) * per_step
+    splits = -(-n // per_program)
     o = torch.empty((batch, heads, splits, group, channels), dtype=torch.float32, device=query.device)
     m = torch.empty((batch, heads, splits, group), dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     ok = tokens_ok.contiguous().view(torch.uint8)
-    _tail_kernel[(batch * heads, splits)](
-        query.float().contiguous(), keys["codes"], keys["kmin"], keys["kstep"], values["codes"], values["kmin"],
-        values["kstep"], ok, o, m, l, n, heads, splits,
-        block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
-        block_stride(values["codes"], values["kmin"], values["kstep"]),
-        G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
-        PER_PROGRAM=blocks_per_program,
-    )  # fmt: skip
+    args = (query.float().contiguous(), keys["codes"], keys["kmin"], keys["kstep"], values["codes"], values["kmin"],
+            values["kstep"], ok, o, m, l, n, heads, splits,
+            block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
+            block_stride(values["codes"], values["kmin"], values["kstep"]))  # fmt: skip
+    if variant == "dot":
+        _tail_dot_kernel[(batch * heads, splits)](
+            *args, G=group, GP=max(16, 1 << (group - 1).bit_length()), T=tokens, D=channels, KBITS=key_bits,
+            VBITS=value_bits, PER_PROGRAM=per_program, NB=per_step, PRECISION=precision,
+        )  # fmt: skip
+    else:
+        _tail_kernel[(batch * heads, splits)](
+            *args, G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
+            PER_PROGRAM=per_program,
+        )  # fmt: skip
     top = m.amax(dim=2)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
     scale = torch.exp(m - top[:, :, None])  # [B, H, S, G]; 0 for ranges with nothing attended
