@@ -37,7 +37,7 @@ def _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, ca
     return query, kq, vq, ok.to(DEVICE)
 
 
-@pytest.mark.parametrize("variant", ["dot", "loop"])
+@pytest.mark.parametrize("variant", ["dot", "rows", "loop"])
 @pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 2), (2, 4), (8, 1)])
 @pytest.mark.parametrize("shape", [(2, 37, 2, 7, 16, 64), (1, 5, 3, 4, 8, 128), (3, 16, 1, 1, 16, 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -45,7 +45,7 @@ def test_kernel_matches_reference(variant, key_bits, value_bits, shape, dtype):
     batch, n, heads, group, tokens, dim = shape
     query, kq, vq, ok = _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, capacity=n + 9)
     assert tail_kernel_supported(query, kq, vq)
-    if variant == "dot" and not dot_kernel_fits(tokens, dim, key_bits, value_bits):
+    if variant in ("dot", "rows") and not dot_kernel_fits(tokens, dim, key_bits, value_bits):
         with pytest.raises(ValueError, match="variant='loop'"):
             tail_attention(query, kq, key_bits, vq, value_bits, ok, variant="dot")
         return
