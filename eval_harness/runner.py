@@ -237,6 +237,8 @@ def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, p
     """
     import torch
 
+    from hf_offload.cache import generate_cache_kwarg
+
     device = next(model.parameters()).device
     width = max(len(s["input_ids"]) for s in batch)
     pad = model.generation_config.pad_token_id
@@ -265,7 +267,7 @@ def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, p
         pad_token_id=pad,
     )
     if cache is not None:
-        kwargs["past_key_values"] = cache
+        kwargs[generate_cache_kwarg()] = cache  # "cache" on transformers 5.24, "past_key_values" on 5.17
     if prefill_chunk_size:
         kwargs["prefill_chunk_size"] = prefill_chunk_size
     if any(s.get("stop_at_newline") for s in batch):  # LongBench samsum: stop at a newline, generate at least one
@@ -275,8 +277,7 @@ def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, p
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     start = time.perf_counter()
-    with torch.inference_mode(), warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+    with torch.inference_mode():
         out = model.generate(**kwargs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

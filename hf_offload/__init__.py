@@ -22,6 +22,7 @@ _EXPORTS = {
     "OffloadConfig": ".config",
     "disable_offload_attention": ".attention",
     "enable_offload_attention": ".attention",
+    "generate_cache_kwarg": ".cache",
     "HeadwiseSelector": ".selectors",
     "MeanBoundSelector": ".selectors",
     "MeanVarSelector": ".selectors",
@@ -40,7 +41,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
     from .attention import disable_offload_attention, enable_offload_attention
-    from .cache import OffloadCache, OffloadLayer
+    from .cache import OffloadCache, OffloadLayer, generate_cache_kwarg
     from .config import OffloadConfig
     from .selectors import (
         HeadwiseSelector,

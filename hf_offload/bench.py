@@ -24,7 +24,6 @@ import json
 import platform
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -138,12 +137,12 @@ def _decode(model, cache, batch: int, context: int, steps: int, device: torch.de
     """Decode ``steps`` tokens after a filled cache; returns the mean seconds per step, the first step excluded."""
     from transformers import LogitsProcessorList
 
+    from .cache import generate_cache_kwarg
+
     ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
     clock = _StepClock(device)
-    with torch.inference_mode(), warnings.catch_warnings():
-        # transformers 5.24 renamed generate(past_key_values=) to cache=; 5.17 knows only the old name.
-        warnings.filterwarnings("ignore", message="`past_key_values` is deprecated")
-        model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+    with torch.inference_mode():
+        model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
                        max_new_tokens=steps, min_new_tokens=steps,
                        logits_processor=LogitsProcessorList([clock]))  # fmt: skip
     # One mark per step, taken after the step's forward: the spans between marks time steps 2..steps (the first

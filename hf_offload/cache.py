@@ -1022,6 +1022,19 @@ def _layer_types(config) -> list[str]:
     return list(types[: len(types) - shared] if shared else types)
 
 
+
+def generate_cache_kwarg() -> str:
+    """The keyword under which the installed transformers' ``generate()`` takes a cache: ``"cache"`` where its
+    generation inputs are named so (transformers 5.24 renamed ``past_key_values`` and warns about the old name until
+    6.0), else ``"past_key_values"`` (transformers 5.17)."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
 class OffloadCache(Cache):
     """A KV cache that keeps full-attention layers in host memory and attends to a budget of blocks per step.
 
@@ -1040,6 +1053,10 @@ class OffloadCache(Cache):
         >>> cache = OffloadCache(model, budget_tokens=2048)  # doctest: +SKIP
         >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
         >>> cache.stats()["host_kv_bytes"]  # doctest: +SKIP
+
+        ``past_key_values=`` works on every supported transformers; newer releases (5.24) renamed it ``cache=`` and
+        warn about the old name. ``**cache.generate_kwargs()`` passes the cache under the name the installed
+        version expects: ``model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=64)``.
     """
 
     def __init__(self, model: torch.nn.Module, budget_tokens: int | None = None, *, config=None, **overrides):
@@ -1127,6 +1144,11 @@ class OffloadCache(Cache):
     def offload_layers(self) -> list[OffloadLayer]:
         """The offloaded (full-attention) layers."""
         return [layer for layer in self.layers if isinstance(layer, OffloadLayer)]
+
+    def generate_kwargs(self) -> dict:
+        """``{name: self}`` for ``model.generate(**inputs, **cache.generate_kwargs())``: ``name`` is
+        :func:`generate_cache_kwarg`'s, so no deprecation warning on any supported transformers."""
+        return {generate_cache_kwarg(): self}
 
     def stats(self) -> dict:
         """Bytes per tier, recall counters and hit rates (overall and per offloaded layer).

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-import warnings
 
 import torch
 
@@ -57,7 +56,7 @@ def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector
     from eval_harness.needle import make_needle_prompts, score
 
     from .attention import disable_offload_attention
-    from .cache import OffloadCache
+    from .cache import OffloadCache, generate_cache_kwarg
 
     sample = make_needle_prompts(tokenizer, context_tokens, n=1, seed=seed, chat=chat)[0]
     device = next(model.parameters()).device
@@ -72,10 +71,8 @@ def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.inference_mode(), warnings.catch_warnings():
-            # transformers 5.24 renamed generate(past_key_values=) to cache=; 5.17 knows only the old name.
-            warnings.filterwarnings("ignore", message="`past_key_values` is deprecated")
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
                                  max_new_tokens=max_new_tokens, do_sample=False,
                                  prefill_chunk_size=4096)  # fmt: skip
         if device.type == "cuda":
