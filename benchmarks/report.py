@@ -443,6 +443,67 @@ def _render_tail_error() -> list[str]:
     return lines
 
 
+TAIL_STUDY = "ruler_qwen05_tail"  # the RULER study of the estimate's ablation
+TAIL_ROWS = [  # (RULER method, tail_estimate_error.py variant, the idea the row adds)
+    ("quantkey", "quantkey[bits=2]", "the default: 2-bit keys, selection alone"),
+    ("quantkey[bits=4]", "quantkey[bits=4]", "4-bit keys, selection alone"),
+    ("quantkey[tail_bits=2]", "quantkey[bits=2,tail_bits=2]", "2-bit keys, plus the estimate from 2-bit values"),
+    ("quantkey[bits=4,tail_bits=2]", "quantkey[bits=4,tail_bits=2]", "4-bit keys and the estimate from 2-bit values"),
+]
+
+
+def _tail_ablation() -> list[str]:
+    """The selection page's ablation of the estimate of the unselected blocks: per variant, its device bytes, the
+    attention-output error (``results/selection/tail_error*.json`` at a 512-token budget) and the RULER average of
+    ``TAIL_STUDY``."""
+    from eval_harness.report import study_averages
+
+    try:
+        ruler = study_averages(TAIL_STUDY, REPO / "results")
+    except FileNotFoundError:
+        return []
+    errors = {}  # (variant, length) -> (relative error, device share, file)
+    for path in sorted((REPO / "results/selection").glob("tail_error*.json")):
+        d = json.loads(path.read_text())
+        if d["setting"]["budget_tokens"] != 512:
+            continue
+        for variant, r in d["summary"].items():
+            errors[(variant, d["args"]["length"])] = (r["relative_error"], r["summary_share_of_kv"], path.name)
+    lengths = sorted({length for _, length in errors})
+    points = sorted({p for by_point in ruler.values() for p in by_point})
+
+    def avg(method: str, point) -> str:
+        label = "dense" if method == "dense" else next((k for k in ruler if k.split(" ")[0] == method), None)
+        value = ruler.get(label, {}).get(point, (None, 0))[0]
+        return "-" if value is None else f"{value:.1f}"
+
+    lines = [
+        "",
+        "## Ablation: the estimate of the unselected blocks",
+        "",
+        "Each `quantkey` variant at a budget of 1/16 (at least 512 tokens) on Qwen2.5-Coder-0.5B-Instruct: device "
+        "bytes of its summaries over the block's own bf16 keys and values, the attention output's relative error "
+        "against dense attention (`benchmarks/tail_estimate_error.py`, budget 512; files "
+        + ", ".join(sorted({f"`{f}`" for _, _, f in errors.values()}))
+        + f") and the RULER task average of `docs/results/{TAIL_STUDY}.md` (dense first).",
+        "",
+        "| variant | what it adds | device bytes / KV | "
+        + " | ".join(f"output error {length:,}" for length in lengths)
+        + "".join(f" | RULER {p:,}" for p in points)
+        + " |",
+        "|---|---|---:|" + "---:|" * (len(lengths) + len(points)),
+        "| `dense` | all keys and values, exact | - | " + " | ".join("-" for _ in lengths)
+        + "".join(f" | {avg('dense', p)}" for p in points) + " |",
+    ]
+    for method, variant, idea in TAIL_ROWS:
+        shares = {errors[(variant, length)][1] for length in lengths if (variant, length) in errors}
+        cells = [" / ".join(f"{x:.3f}" for x in sorted(shares)) or "-"]
+        cells += [f"{errors[(variant, length)][0]:.3f}" if (variant, length) in errors else "-" for length in lengths]
+        cells += [avg(method, p) for p in points]
+        lines.append(f"| `{method}` | {idea} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render_selection() -> str:
     """docs/results/selection.md from the results/selection/*.json files of ``benchmarks/selection_recall.py``.
 
@@ -559,6 +620,7 @@ def render_selection() -> str:
         for layer in range(max(len(p) for p in per_layer)):
             lines.append(f"| {layer} | " + " | ".join(f"{p[layer]:.3f}" for p in per_layer) + " |")
         lines.append("| mean | " + " | ".join(f"{g['res']['B'][1]['recall']['mean']:.3f}" for g in gs) + " |")
+    lines += _tail_ablation()
     lines += _render_tail_error()
     lines += ["", "## Selection recall per task", "", "Mean over layers, samples and decode queries."]
     for length in lengths:
