@@ -12,6 +12,8 @@ and samples, for:
 * ``quantkey[bits=k]``: the selection by ``k``-bit keys, no estimate;
 * ``quantkey[bits=k,tail_bits=b]``: the same selection plus the estimate of the rest from ``k``-bit keys and
   ``b``-bit values.
+* ``quantkey[bits=k,tail_bits=b,tail_near=R]``: the bounded estimate: only the ``R * k`` best unselected blocks
+  token by token, the others by their block log-sum-exp (``QuantKeySelector.tail_near``);
 * ``quantkey[bits=2]+mean-values``: a coarser estimate (not built into the library): each unselected block
   weighted by its log-sum-exp over the 2-bit keys (the selector's own block scores), times the block's mean value
   (one bf16 vector per block and KV head), as estimates from cluster centroids do.
@@ -146,7 +148,7 @@ def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[
                     out, _ = merge_attention(out, lse, tail_out, block_lse.logsumexp(-1))
                 elif sel is not None and sel.estimates_tail:
                     tail_ok = ~chosen[:n, None].expand(n, T)[None]
-                    tail_out, tail_lse = sel.tail_attention(q, summaries[name], scaling, tail_ok)
+                    tail_out, tail_lse = sel.tail_attention(q, summaries[name], scaling, tail_ok, selection=selection)
                     out, _ = merge_attention(out, lse, tail_out, tail_lse)
                 err = (out - dense).norm(dim=-1) / dense.norm(dim=-1).clamp(min=1e-12)
                 errors[name][step, layer] = err.mean()

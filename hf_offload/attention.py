@@ -464,7 +464,7 @@ def _decode_body(
     blocks, keep, slots, _, _ = next(layer.resident_rounds(selection, decode=True, count_step=count_step, gather=False))
     if timer is not None:
         timer.add("recall", t_select, t_recalled := timer.mark())
-    out = _decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling)
+    out = _decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling, selection)
     if timer is not None:
         timer.add("attention", t_recalled, timer.mark())
     return out
@@ -479,6 +479,7 @@ def _decode_sdpa(
     inputs: DecodeInputs,
     n: int,
     scaling: float,
+    plan: Selection | None = None,
 ) -> torch.Tensor:
     """One decode query over its selected blocks and the open block: one ``scaled_dot_product_attention`` over the
     whole slot pool in place.
@@ -499,6 +500,7 @@ def _decode_sdpa(
         inputs: the step's shared inputs (``rows``).
         n: sealed blocks before this step (row ``n`` of ``inputs.rows`` is the open block).
         scaling: softmax scale.
+        plan: the step's selection (its ``scores`` and ``block_lse`` go to the estimate of the unselected blocks).
 
     Returns:
         Shape ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
@@ -521,7 +523,8 @@ def _decode_sdpa(
     if k < n and layer.selector.estimates_tail:
         # The unselected blocks' attention, estimated by the selector, joins the selection's through the log-sum-exp.
         out, lse = _attention_lse(grouped, k_all, v_all, ok, scaling)
-        selection = Selection(blocks=blocks, keep=keep)
+        selection = Selection(blocks=blocks, keep=keep, scores=None if plan is None else plan.scores,
+                              block_lse=None if plan is None else plan.block_lse)  # fmt: skip
         tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
         layer.count_tail(tail_lse, lse)
         out, _ = merge_attention(out, lse, tail_out, tail_lse)

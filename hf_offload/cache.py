@@ -630,7 +630,7 @@ class OffloadLayer(CacheLayerMixin):
         chosen = torch.zeros((self.batch, n + 1), dtype=torch.bool, device=self.device).scatter_(1, blocks, True)
         tail = tokens_ok & ~chosen[:, :n, None]
         summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
-        return self.selector.tail_attention(query, summaries, scaling, tail, softcap)
+        return self.selector.tail_attention(query, summaries, scaling, tail, softcap, selection=selection)
 
     def count_tail(self, tail_lse: torch.Tensor, selection_lse: torch.Tensor) -> None:
         """Count one decode step's estimated share of attention outside the selection (device-side, no sync).

@@ -141,6 +141,26 @@ def test_eight_bit_estimate_brings_a_small_budget_close_to_dense(arch, pool_toke
     assert err_tail < 0.1 * err_sparse, (err_tail, err_sparse)
 
 
+@pytest.mark.parametrize("pool_tokens", [None, 16])
+def test_bounded_estimate_decodes_between_the_selection_alone_and_the_full_estimate(pool_tokens):
+    """``tail_near=2``: the estimate over twice as many unselected blocks as are selected (6 of 15), plus the others'
+    mass; left padding in the batch (padded tokens stay out of both parts). Mean logit error against dense (a
+    random tiny model attends almost uniformly: the far blocks' values are far from the near estimate's output, so
+    the bounded estimate gains less than it does on real models)."""
+    model = build_model("llama")
+    ids, mask = left_padded([150, 97], seed=5)
+    tokens = torch.randint(3, 90, (2, 6), generator=torch.Generator().manual_seed(5))
+    dense = _forced_logits(model, ids, mask, DynamicCache(config=model.config), tokens)
+    kw = dict(SMALL, pool_tokens=pool_tokens)
+    errors = {}
+    for spec in ("quantkey[bits=8]", "quantkey[bits=8,tail_bits=8,tail_near=2]", "quantkey[bits=8,tail_bits=8]"):
+        cache = OffloadCache(model, selector=spec, **kw)
+        errors[spec] = (_forced_logits(model, ids, mask, cache, tokens) - dense).abs().mean().item()
+        assert cache.stats()["decode_steps"] == 6
+    alone, bounded, full = errors.values()
+    assert full < bounded < alone, errors
+
+
 def test_fused_and_round_paths_give_the_same_estimate():
     model = build_model("llama")
     ids, mask = left_padded([170, 121], seed=6)

@@ -26,11 +26,16 @@ class Selection:
             (padding-only blocks, or scores of ``-inf``) are neither recalled nor attended.
         scores: the scores the choice was made from, shape ``[batch, heads_or_1, n_blocks]``, float32 (``+inf``
             for forced blocks, ``-inf`` for blocks never to attend); ``None`` when every block is selected.
+        block_lse: where the selector computed them, the per-query-head log-sum-exps of every block's logits the
+            scores came from, ``[batch, kv_heads, group, n_blocks]``, float32, compute device (a bounded estimate of
+            the unselected blocks counts the blocks it does not estimate token by token through them); else
+            ``None``.
     """
 
     blocks: torch.Tensor
     keep: torch.Tensor
     scores: torch.Tensor | None = None
+    block_lse: torch.Tensor | None = None
 
 
 class Selector:
@@ -84,6 +89,7 @@ class Selector:
         scaling: float,
         tokens_ok: torch.Tensor,
         softcap: float | None = None,
+        selection: Selection | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Estimated attention of the decode query over the tokens ``tokens_ok`` (the unselected blocks), from the
         summaries alone. Only where :attr:`estimates_tail` is true.
@@ -94,6 +100,8 @@ class Selector:
             scaling: the attention's softmax scale.
             tokens_ok: tokens to estimate, ``[batch, n_blocks, block_tokens]``, ``torch.bool``.
             softcap: optional logit soft-capping.
+            selection: the step's :class:`Selection` (its scores and ``block_lse`` let an estimate spend its work on
+                the unselected blocks that matter); ``None`` where the caller has none.
 
         Returns:
             ``(out, lse)``: ``out`` ``[batch, kv_heads, group, head_dim]`` and ``lse`` ``[batch, kv_heads, group]``,

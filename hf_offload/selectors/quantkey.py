@@ -23,16 +23,22 @@ temporary).
 With ``tail_bits`` set, the values of every block are kept on the device too, quantized the same way (per block,
 head and channel), and each decode query adds the attention over the blocks it did not select, estimated from the
 quantized keys and values (:mod:`hf_offload.kernels.tail`), to the exact attention over its selection. Each block
-and KV head then costs ``(2 * tail_bits + 4) * head_dim`` more bytes (at 16-token blocks, bf16).
+and KV head then costs ``(2 * tail_bits + 4) * head_dim`` more bytes (at 16-token blocks, bf16). With ``tail_near``
+set, only the ``tail_near * k`` unselected blocks of highest score (``k``: the blocks the step selects) are
+estimated token by token, and the other unselected blocks count by their mass alone: their log-sum-exps over the
+quantized keys, which the scoring computed already, valued at the estimate's output. The estimate then reads a
+bounded number of blocks per step, like the recall, instead of every block.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .base import Selector
+from .base import Selection, Selector
 
 
 def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
@@ -88,6 +94,10 @@ class QuantKeySelector(Selector):
         chunk_blocks: blocks dequantized at a time while scoring.
         tail_bits: bits per value element of the on-device copy of every block's values that estimates the
             attention outside the selection (1, 2, 4 or 8); 0: no estimate, the query attends to its selection only.
+        tail_near: with ``tail_bits``: estimate token by token only the ``ceil(tail_near * k)`` unselected blocks
+            of highest score (``k``: blocks selected per step) and count the other unselected blocks by their
+            mass (block log-sum-exps of the scoring; blocks partly padding are left out), valued at that estimate's
+            output; 0: every unselected block token by token.
     """
 
     name = "quantkey"
@@ -95,6 +105,7 @@ class QuantKeySelector(Selector):
     bits: int = 2
     chunk_blocks: int = 512
     tail_bits: int = 0
+    tail_near: float = 0.0
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4, 8):
@@ -106,6 +117,13 @@ class QuantKeySelector(Selector):
             )
         if isinstance(self.chunk_blocks, bool) or not isinstance(self.chunk_blocks, int) or self.chunk_blocks <= 0:
             raise ValueError(f"QuantKeySelector.chunk_blocks must be a positive integer, got {self.chunk_blocks!r}.")
+        near = self.tail_near
+        if isinstance(near, bool) or not isinstance(near, (int, float)) or not math.isfinite(near) or near < 0:
+            raise ValueError(f"QuantKeySelector.tail_near must be a number >= 0 (0: estimate every unselected "
+                             f"block), got {near!r}.")  # fmt: skip
+        if near and not self.tail_bits:
+            raise ValueError("QuantKeySelector.tail_near bounds the estimate of the unselected blocks: set tail_bits "
+                             "too (e.g. quantkey[bits=4,tail_bits=2,tail_near=3]), or leave tail_near at 0.")  # fmt: skip
 
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """``codes``, ``kmin`` and ``kstep`` of the new blocks (see :func:`quantize_keys`).
@@ -139,9 +157,11 @@ class QuantKeySelector(Selector):
         scaling: float,
         tokens_ok: torch.Tensor,
         softcap: float | None = None,
+        selection: Selection | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Attention over the ``tokens_ok`` tokens from the quantized keys and values (see
-        :meth:`Selector.tail_attention <hf_offload.selectors.base.Selector.tail_attention>`).
+        :meth:`Selector.tail_attention <hf_offload.selectors.base.Selector.tail_attention>`); with ``tail_near``
+        and a ``selection`` that carries its ``block_lse``, the bounded estimate (see the class).
 
         Args:
             query: ``[batch, kv_heads, group, head_dim]``, compute device.
@@ -149,7 +169,9 @@ class QuantKeySelector(Selector):
                 ...]``.
             scaling: softmax scale.
             tokens_ok: ``[batch, n_blocks, block_tokens]``, ``torch.bool``.
-            softcap: optional logit soft-capping.
+            softcap: optional logit soft-capping (the blocks counted by mass alone are left out under it: their
+                log-sum-exps are of uncapped logits).
+            selection: the step's selection (``scores`` ``[batch, 1, n_blocks]``, ``blocks``, ``block_lse``).
         """
         from ..kernels.tail import tail_attention
 
@@ -162,7 +184,30 @@ class QuantKeySelector(Selector):
             q = torch.nn.functional.pad(q, (0, channels - head_dim))
         keys = {"codes": summaries["codes"], "kmin": summaries["kmin"], "kstep": summaries["kstep"]}
         values = {"codes": summaries["vcodes"], "kmin": summaries["vmin"], "kstep": summaries["vstep"]}
-        out, lse = tail_attention(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
+        n = tokens_ok.shape[1]
+        bounded = self.tail_near > 0 and selection is not None and selection.block_lse is not None
+        near = min(n, math.ceil(self.tail_near * selection.blocks.shape[-1])) if bounded else n
+        if near >= n:  # every unselected block token by token
+            out, lse = tail_attention(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
+            return out[..., :head_dim], lse
+        wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
+        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(near, dim=-1)
+        index = order.indices  # [batch, near]
+        picked = order.values > float("-inf")
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return torch.take_along_dim(t, index.view(*index.shape, *([1] * (t.dim() - 2))), dim=1)
+
+        near_ok = take(tokens_ok) & picked[:, :, None]
+        out, lse = tail_attention(q, {k: take(v) for k, v in keys.items()}, self.bits,
+                                  {k: take(v) for k, v in values.items()}, self.tail_bits, near_ok, softcap)  # fmt: skip
+        if softcap is None:
+            # Unselected blocks not estimated token by token, every token of which the query may attend (the block
+            # log-sum-exps cover whole blocks: a block with padding in it would count its padding).
+            far = tokens_ok.all(dim=-1).scatter(1, index, False)  # [batch, n]
+            far_lse = selection.block_lse[..., :n].masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
+            far_lse = far_lse.masked_fill(torch.isinf(lse), float("-inf"))  # no estimate to value them at
+            lse = torch.logaddexp(lse, far_lse)
         return out[..., :head_dim], lse
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
@@ -174,11 +219,32 @@ class QuantKeySelector(Selector):
                 ``kstep`` ``[batch, n_blocks, kv_heads, channels]`` (see :func:`quantize_keys`).
             scaling: softmax scale.
         """
+        return torch.softmax(self.block_lse(query, summaries, scaling), dim=-1).sum(dim=(1, 2))[:, None, :]
+
+    def block_lse(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+        """Log-sum-exp of each block's logits over its quantized keys, per query head: ``[batch, kv_heads, group,
+        n_blocks]``, float32 (arguments as :meth:`score`'s)."""
         from ..kernels.quantkey import block_lse
 
         q = query.float() * scaling
         channels = summaries["kmin"].shape[-1]
         if channels != q.shape[-1]:  # head_dim padded to whole bytes of codes
             q = torch.nn.functional.pad(q, (0, channels - q.shape[-1]))
-        lse = block_lse(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits, self.chunk_blocks)
-        return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
+        return block_lse(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits, self.chunk_blocks)
+
+    def select(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        k: int,
+        forced: torch.Tensor,
+        valid: torch.Tensor,
+    ) -> Selection:
+        """:meth:`Selector.select <hf_offload.selectors.base.Selector.select>`; with ``tail_near`` the selection
+        also carries the block log-sum-exps its scores came from (``Selection.block_lse``)."""
+        if not self.tail_near:
+            return super().select(query, summaries, scaling, k, forced, valid)
+        lse = self.block_lse(query, summaries, scaling)
+        scores = torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
+        return dataclasses.replace(self.choose(scores, k, forced, valid), block_lse=lse)

@@ -64,4 +64,4 @@ def cap_transfers(selection: Selection, resident: torch.Tensor, cap_blocks: int,
     chosen = chosen.scatter(-1, miss_order, chosen.gather(-1, miss_order) & ~swap)
     chosen = chosen.scatter(-1, spare_order, chosen.gather(-1, spare_order) | swap)
     top = chosen.float().topk(k, dim=-1)
-    return Selection(blocks=top.indices, keep=top.values > 0, scores=scores)
+    return Selection(blocks=top.indices, keep=top.values > 0, scores=scores, block_lse=selection.block_lse)

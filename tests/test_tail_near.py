@@ -1,0 +1,91 @@
+"""The bounded estimate of the unselected blocks (``QuantKeySelector(tail_near=R)``): only the ``R * k`` best
+unselected blocks token by token, the others by the mass the scoring computed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload.kernels.tail import merge_attention
+from hf_offload.selectors import QuantKeySelector, get_selector
+
+B, N, H, G, T, D = 2, 40, 2, 3, 16, 64
+
+
+def _setup(near, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randn(B, N, H, T, D, generator=g)
+    keys[:, 7] += 1.5  # a few blocks with most of the mass
+    values = torch.randn(B, N, H, T, D, generator=g)
+    query = torch.randn(B, H, G, D, generator=g)
+    selector = QuantKeySelector(bits=4, tail_bits=2, tail_near=near)
+    summaries = {**selector.summarize(keys), **selector.summarize_values(values)}
+    forced = torch.zeros(B, N, dtype=torch.bool)
+    forced[:, :2] = forced[:, -3:] = True
+    valid = torch.ones(B, N, dtype=torch.bool)
+    selection = selector.select(query, summaries, 0.125, 8, forced, valid)
+    chosen = torch.zeros(B, N, dtype=torch.bool).scatter(1, selection.blocks[:, 0], True)
+    tokens_ok = ~chosen[:, :, None].expand(B, N, T)
+    return selector, summaries, query, selection, tokens_ok, keys, values
+
+
+def test_selection_carries_the_block_lse_the_scores_came_from():
+    selector, summaries, query, selection, *_ = _setup(3)
+    assert selection.block_lse.shape == (B, H, G, N)
+    torch.testing.assert_close(selection.block_lse, selector.block_lse(query, summaries, 0.125))
+    plain = QuantKeySelector(bits=4, tail_bits=2).select(query, summaries, 0.125, 8, torch.zeros(B, N, dtype=torch.bool),
+                                                         torch.ones(B, N, dtype=torch.bool))  # fmt: skip
+    assert plain.block_lse is None  # only the bounded estimate needs them
+
+
+def test_near_covering_every_unselected_block_is_the_full_estimate():
+    selector, summaries, query, selection, tokens_ok, *_ = _setup(10)  # 10 * 8 >= 40 blocks
+    full = QuantKeySelector(bits=4, tail_bits=2)
+    got = selector.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
+    want = full.tail_attention(query, summaries, 0.125, tokens_ok)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_bounded_estimate_is_the_near_blocks_plus_the_far_mass():
+    """Checked against its definition: the estimate over the 16 best unselected blocks by score, and the lse of
+    the others added from the selection's block log-sum-exps (the output stays the near blocks')."""
+    selector, summaries, query, selection, tokens_ok, *_ = _setup(2)  # 2 * 8 = 16 of the 32 unselected blocks
+    out, lse = selector.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
+    full = QuantKeySelector(bits=4, tail_bits=2)
+    scores = selection.scores[:, 0].masked_fill(~tokens_ok.any(-1), float("-inf"))
+    near = torch.zeros(B, N, dtype=torch.bool).scatter(1, scores.topk(16, dim=-1).indices, True)
+    near_out, near_lse = full.tail_attention(query, summaries, 0.125, tokens_ok & near[:, :, None])
+    far = tokens_ok.any(-1) & ~near
+    assert int(far.sum()) == B * 16
+    far_lse = selection.block_lse.masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
+    torch.testing.assert_close(out, near_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logaddexp(near_lse, far_lse), atol=1e-5, rtol=1e-5)
+
+
+def test_bounded_estimate_lands_between_none_and_the_full_one():
+    """Against exact attention over all tokens: selection alone > bounded estimate > full estimate (error)."""
+    selector, summaries, query, selection, tokens_ok, keys, values = _setup(1, seed=3)
+    chosen = ~tokens_ok[:, :, 0]
+    q = query * 0.125
+    logits = torch.einsum("bhgd,bnhtd->bhgnt", q, keys)
+    dense = torch.einsum("bhgnt,bnhtd->bhgd", logits.flatten(-2).softmax(-1).view_as(logits), values)
+    sel_logits = logits.masked_fill(~chosen[:, None, None, :, None], float("-inf"))
+    sel_lse = sel_logits.flatten(-2).logsumexp(-1)
+    sel_out = torch.einsum("bhgnt,bnhtd->bhgd", sel_logits.flatten(-2).softmax(-1).view_as(logits), values)
+    errors = {}
+    for name, sel in {"bounded": selector, "full": QuantKeySelector(bits=4, tail_bits=2)}.items():
+        t_out, t_lse = sel.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
+        out, _ = merge_attention(sel_out, sel_lse, t_out, t_lse)
+        errors[name] = float(((out - dense).norm(dim=-1) / dense.norm(dim=-1)).mean())
+    errors["none"] = float(((sel_out - dense).norm(dim=-1) / dense.norm(dim=-1)).mean())
+    assert errors["full"] < errors["bounded"] < errors["none"], errors
+
+
+def test_tail_near_is_checked_and_parsed():
+    assert get_selector("quantkey[bits=4,tail_bits=2,tail_near=3]").tail_near == 3
+    assert get_selector("quantkey[tail_bits=2,tail_near=1.5]").tail_near == 1.5
+    with pytest.raises(ValueError, match="set tail_bits too"):
+        QuantKeySelector(tail_near=3)
+    with pytest.raises(ValueError, match="tail_near must be a number >= 0"):
+        QuantKeySelector(tail_bits=2, tail_near=-1)
