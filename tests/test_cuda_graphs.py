@@ -38,7 +38,9 @@ def _generate(model, ids, mask, steps, **options):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-@pytest.mark.parametrize("selector", ["quantkey", "quantkey[tail_bits=2]", "quantkey[bits=4,tail_bits=2,tail_near=2]", "solohead", "headwise"])
+@pytest.mark.parametrize(
+    "selector", ["quantkey", "quantkey[tail_bits=2]", "quantkey[bits=4,tail_bits=2,tail_near=2]", "solohead", "headwise"]
+)
 def test_graphs_same_tokens_and_counters(arch, selector, monkeypatch):
     model = build_model(arch).cuda()
     ids, mask = left_padded([70, 53, 31], seed=3)
