@@ -5,9 +5,9 @@ head_dim 128, all but 127 blocks in the tail) it times, in one run:
 
 * ``kernel``: ``hf_offload.kernels.tail.tail_attention`` for each ``--bits`` pair (keys, values): the ``dot``
   kernel (TF32 products) at each ``--blocks-per-program`` (the split of a sequence's blocks over programs; ``*``
-  marks the default) and the ``rows`` kernel the same way, both again at each ``--num-warps``, then at the default
-  split the ``dot`` kernel with exact float32 products (``dot-ieee``) and the first kernel (``loop``; the only one
-  where the others' tiles do not fit);
+  marks the default) and the ``rows`` kernel the same way, both again at each ``--num-warps`` and
+  ``--num-stages``, then at the default split the ``dot`` kernel with exact float32 products (``dot-ieee``) and
+  the first kernel (``loop``; the only one where the others' tiles do not fit);
 * ``reference``: the pure-torch ``tail_attention_reference`` (what runs without Triton);
 * ``scoring``: the ``quantkey`` scoring kernel over the same key codes (``block_lse``), which every step runs anyway;
 * ``dense``: ``scaled_dot_product_attention`` over the same tokens in bf16 (what attending to them exactly on the
@@ -74,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks-per-program", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--num-warps", type=int, nargs="*", default=[2, 8],
                    help="warps per program to try (dot and rows kernels, default split) besides Triton's default")
+    p.add_argument("--num-stages", type=int, nargs="*", default=[1, 3],
+                   help="software-pipelining stages to try (dot and rows kernels, default split)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -105,21 +107,23 @@ def main(argv: list[str] | None = None) -> int:
         ref_out, ref_lse = tail.tail_attention_reference(query, kq, kb, vq, vb, ok)
         entry = {"key_bits": kb, "value_bits": vb, "summary_bytes": nbytes, "kernel": {}}
         default = tail.BLOCKS_PER_PROGRAM
-        runs = [("loop", "ieee", default, None)]
+        runs = [("loop", "ieee", default, None, None)]
         if tail.dot_kernel_fits(T, D, kb, vb):  # else only the first kernel runs at this shape
-            runs = [(v, "tf32", per, None) for v in ("dot", "rows") for per in args.blocks_per_program]
-            runs += [(v, "tf32", default, w) for v in ("dot", "rows") for w in args.num_warps]
-            runs += [("dot", "ieee", default, None), ("loop", "ieee", default, None)]
-        for variant, precision, per, warps in runs:
+            runs = [(v, "tf32", per, None, None) for v in ("dot", "rows") for per in args.blocks_per_program]
+            runs += [(v, "tf32", default, w, None) for v in ("dot", "rows") for w in args.num_warps]
+            runs += [(v, "tf32", default, None, st) for v in ("dot", "rows") for st in args.num_stages]
+            runs += [("dot", "ieee", default, None, None), ("loop", "ieee", default, None, None)]
+        for variant, precision, per, warps, stages in runs:
             fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per,  # noqa: E731
-                                             variant=variant, precision=precision, num_warps=warps)  # fmt: skip
+                                             variant=variant, precision=precision, num_warps=warps,
+                                             num_stages=stages)  # fmt: skip
             out, lse = fn()
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
             us = _time(fn, args.calls, args.reps, args.warmup)
             name = variant if precision == "tf32" or variant == "loop" else f"{variant}-{precision}"
-            key = f"{name}/{per}" + (f"/w{warps}" if warps else "")
+            key = f"{name}/{per}" + (f"/w{warps}" if warps else "") + (f"/s{stages}" if stages else "")
             entry["kernel"][key] = {"variant": variant, "precision": precision, "blocks_per_program": per,
-                                    "num_warps": warps, "us": us, "gb_per_s": nbytes / us / 1e3,
+                                    "num_warps": warps, "num_stages": stages, "us": us, "gb_per_s": nbytes / us / 1e3,
                                     "max_error": err}  # fmt: skip
         entry["reference_us"] = _time(lambda: tail.tail_attention_reference(query, kq, kb, vq, vb, ok), 1, 3, 1)
         entry["scoring_us"] = _time(lambda: block_lse(query, kq["codes"], kq["kmin"], kq["kstep"], kb),
@@ -132,14 +136,14 @@ def main(argv: list[str] | None = None) -> int:
                      args.warmup)  # fmt: skip
     print(f"shape: batch {B}, {n} blocks x {T} tokens, {H} KV heads x {G} query heads, head_dim {D}; "
           f"dense bf16 attention over all tokens {dense_us:.1f} us")  # fmt: skip
-    print(f"{'bits k,v':>9s} {'kernel':>9s} {'per prog':>8s} {'warps':>5s} {'us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} "
+    print(f"{'bits k,v':>9s} {'kernel':>9s} {'per prog':>8s} {'warps':>5s} {'stages':>6s} {'us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} "
           f"{'scoring us':>10s}")  # fmt: skip
     for e in rows:
         for name, r in e["kernel"].items():
-            per, warps = r["blocks_per_program"], r["num_warps"]
+            per, warps, stages = r["blocks_per_program"], r["num_warps"], r["num_stages"]
             mark = "*" if name == f"{tail.DEFAULT_VARIANT}/{tail.BLOCKS_PER_PROGRAM}" else " "
             print(f"{e['key_bits']:>5d},{e['value_bits']:<3d} {name.split('/')[0]:>9s} {per:>7d}{mark} "
-                  f"{warps or '-':>5} {r['us']:9.1f} "
+                  f"{warps or '-':>5} {stages or '-':>6} {r['us']:9.1f} "
                   f"{r['gb_per_s']:7.0f} {r['max_error']:9.2e} {e['reference_us']:9.0f} {e['scoring_us']:10.1f}")  # fmt: skip
     if args.out:
         write_results(args.out, {**run_metadata(args), "dense_sdpa_us": dense_us, "results": rows})

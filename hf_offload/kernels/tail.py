@@ -430,6 +430,7 @@ def tail_attention(
     variant: str | None = None,
     precision: str = "tf32",
     num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention_reference`'s result, from one Triton launch where :func:`tail_kernel_supported` (and
     no ``softcap``), else from the reference itself. Arguments and result as the reference's (``chunk_blocks`` is
@@ -444,6 +445,7 @@ def tail_attention(
             float32 inputs rounded to 10 mantissa bits, an error far below that of the 2-4-bit codes) or
             ``"ieee"`` (exact float32, as the reference).
         num_warps: warps per program; ``None``: Triton's default (4).
+        num_stages: software-pipelining stages of the kernel's loop; ``None``: Triton's default.
 
     Allocates only its outputs and never waits for the device."""
     if softcap is not None or not tail_kernel_supported(query, keys, values):
@@ -476,7 +478,7 @@ def tail_attention(
             values["kstep"], ok, o, m, l, n, heads, splits,
             block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
             block_stride(values["codes"], values["kmin"], values["kstep"]))  # fmt: skip
-    launch = {} if num_warps is None else {"num_warps": num_warps}
+    launch = {name: v for name, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     if variant in ("dot", "rows"):
         kernel = _tail_dot_kernel if variant == "dot" else _tail_rows_kernel
         kernel[(batch * heads, splits)](
