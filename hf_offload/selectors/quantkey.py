@@ -85,6 +85,12 @@ def dequantize_keys(codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor
     return kmin.float()[:, :, :, None] + codes.float() * kstep.float()[:, :, :, None]
 
 
+def _block_mass(lse: torch.Tensor) -> torch.Tensor:
+    """Attention mass per block summed over query and KV heads, ``[batch, 1, n_blocks]``, float32, from the block
+    log-sum-exps ``[batch, kv_heads, group, n_blocks]`` (per head, the softmax over blocks)."""
+    return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
+
+
 @dataclass
 class QuantKeySelector(Selector):
     """Oracle-style attention mass per block from keys quantized to ``bits`` bits (shared selection).
@@ -219,7 +225,7 @@ class QuantKeySelector(Selector):
                 ``kstep`` ``[batch, n_blocks, kv_heads, channels]`` (see :func:`quantize_keys`).
             scaling: softmax scale.
         """
-        return torch.softmax(self.block_lse(query, summaries, scaling), dim=-1).sum(dim=(1, 2))[:, None, :]
+        return _block_mass(self.block_lse(query, summaries, scaling))
 
     def block_lse(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Log-sum-exp of each block's logits over its quantized keys, per query head: ``[batch, kv_heads, group,
@@ -246,5 +252,4 @@ class QuantKeySelector(Selector):
         if not self.tail_near:
             return super().select(query, summaries, scaling, k, forced, valid)
         lse = self.block_lse(query, summaries, scaling)
-        scores = torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
-        return dataclasses.replace(self.choose(scores, k, forced, valid), block_lse=lse)
+        return dataclasses.replace(self.choose(_block_mass(lse), k, forced, valid), block_lse=lse)
