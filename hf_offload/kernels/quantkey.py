@@ -435,6 +435,9 @@ def block_lse(
         return block_lse_reference(query, codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
-    if DEFAULT_VARIANT != "v2" or not summaries_layout_ok(codes, kmin, kstep):
+    variant = DEFAULT_VARIANT
+    if variant == "v3" and not v3_fits(query.shape[-1], bits, codes.shape[3]):
+        variant = "v2"
+    if variant == "v1" or not summaries_layout_ok(codes, kmin, kstep):
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
-    return _launch_block_lse(query.float().contiguous(), codes, kmin, kstep, bits, out, variant=DEFAULT_VARIANT)
+    return _launch_block_lse(query.float().contiguous(), codes, kmin, kstep, bits, out, variant=variant)
