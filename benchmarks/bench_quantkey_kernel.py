@@ -8,8 +8,6 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
-* ``v3``: matrix products over dequantized rows (tensor cores, TF32 inputs) at each ``--warps``, and once with exact
-  float32 products (``v3-ieee``), where its tiles fit;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
@@ -113,7 +111,7 @@ def graph_time(launch, sets: list[dict], outs: list[torch.Tensor], args) -> floa
 
 def compiled_stats(variant: str) -> dict:
     """Registers per thread, spilled bytes and shared memory of the kernel compiled last for ``variant``."""
-    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel", "v3": "_block_lse_kernel_v3"}
+    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel"}
     try:
         cache = getattr(quantkey, fn[variant]).device_caches[torch.cuda.current_device()][0]
         kernel = list(cache.values())[-1]
@@ -133,11 +131,6 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
-    if quantkey.v3_fits(args.head_dim, bits, args.tokens):
-        for warps in args.warps:
-            chosen.append({"variant": "v3", "block_n": None, "num_warps": warps, "rows_per_thread": None})
-        chosen.append({"variant": "v3", "block_n": None, "num_warps": None, "rows_per_thread": None,
-                       "precision": "ieee"})  # fmt: skip
     return chosen
 
 
@@ -187,7 +180,7 @@ HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'c
 
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
-    name = row["variant"] + ("-ieee" if row.get("precision") == "ieee" else "") + ("*" if row.get("default") else "")
+    name = row["variant"] + ("*" if row.get("default") else "")
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
@@ -214,13 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         s = result["reference_seconds"]
         print(f"{'reference':<25} {s * 1e6:>9.1f} {result['code_bytes'] / s / 1e9:>9.0f} "
               f"{result['read_bytes'] / s / 1e9:>9.0f}", flush=True)  # fmt: skip
-        for variant in ("v2", "v3"):
-            timed = [r for r in result["rows"] if r["variant"] == variant and "seconds" in r]
-            if timed:
-                best = min(timed, key=lambda r: r["seconds"])
-                print(f"fastest {variant}: block_n {best['block_n']}, {best['num_warps']} warps, "
-                      f"{best['rows_per_thread']} rows per thread, {best.get('precision', 'tf32')}, "
-                      f"{best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
+        timed = [r for r in result["rows"] if r["variant"] == "v2" and "seconds" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["seconds"])
+            print(f"fastest v2: block_n {best['block_n']}, {best['num_warps']} warps, {best['rows_per_thread']} rows "
+                  f"per thread, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     import triton
 

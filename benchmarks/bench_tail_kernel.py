@@ -5,9 +5,9 @@ head_dim 128, all but 127 blocks in the tail) it times, in one run:
 
 * ``kernel``: ``hf_offload.kernels.tail.tail_attention`` for each ``--bits`` pair (keys, values): the ``dot``
   kernel (TF32 products) at each ``--blocks-per-program`` (the split of a sequence's blocks over programs; ``*``
-  marks the default) and the ``rows`` kernel the same way, both again at each ``--num-warps`` and
-  ``--num-stages``, then at the default split the ``dot`` kernel with exact float32 products (``dot-ieee``) and
-  the first kernel (``loop``; the only one where the others' tiles do not fit);
+  marks the default), again at each ``--num-warps`` and ``--num-stages``, then at the default split the ``dot``
+  kernel with exact float32 products (``dot-ieee``) and the first kernel (``loop``; the only one where the ``dot``
+  kernel's tiles do not fit);
 * ``reference``: the pure-torch ``tail_attention_reference`` (what runs without Triton);
 * ``scoring``: the ``quantkey`` scoring kernel over the same key codes (``block_lse``), which every step runs anyway;
 * ``dense``: ``scaled_dot_product_attention`` over the same tokens in bf16 (what attending to them exactly on the
@@ -73,9 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bits", nargs="+", default=["2,2", "4,2", "4,4"], help="key bits,value bits pairs")
     p.add_argument("--blocks-per-program", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     p.add_argument("--num-warps", type=int, nargs="*", default=[2, 8],
-                   help="warps per program to try (dot and rows kernels, default split) besides Triton's default")
+                   help="warps per program to try (dot kernel, default split) besides Triton's default")
     p.add_argument("--num-stages", type=int, nargs="*", default=[1, 3],
-                   help="software-pipelining stages to try (dot and rows kernels, default split)")
+                   help="software-pipelining stages to try (dot kernel, default split)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -109,9 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         default = tail.BLOCKS_PER_PROGRAM
         runs = [("loop", "ieee", default, None, None)]
         if tail.dot_kernel_fits(T, D, kb, vb):  # else only the first kernel runs at this shape
-            runs = [(v, "tf32", per, None, None) for v in ("dot", "rows") for per in args.blocks_per_program]
-            runs += [(v, "tf32", default, w, None) for v in ("dot", "rows") for w in args.num_warps]
-            runs += [(v, "tf32", default, None, st) for v in ("dot", "rows") for st in args.num_stages]
+            runs = [("dot", "tf32", per, None, None) for per in args.blocks_per_program]
+            runs += [("dot", "tf32", default, w, None) for w in args.num_warps]
+            runs += [("dot", "tf32", default, None, st) for st in args.num_stages]
             runs += [("dot", "ieee", default, None, None), ("loop", "ieee", default, None, None)]
         for variant, precision, per, warps, stages in runs:
             fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per,  # noqa: E731

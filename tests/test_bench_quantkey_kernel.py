@@ -5,19 +5,19 @@ from __future__ import annotations
 from benchmarks import bench_quantkey_kernel
 
 
-def test_settings_time_v1_the_v2_grid_and_v3_where_it_fits():
+def test_settings_time_v1_then_the_v2_grid():
     args = bench_quantkey_kernel.parse_args(["--warps", "2", "4", "--rows-per-thread", "16", "8"])
     chosen = bench_quantkey_kernel.settings(args, 2)
     assert chosen[0]["variant"] == "v1"
-    assert sum(s["variant"] == "v2" for s in chosen) == 4  # 2 warps x 2 rows (the default among them)
-    v3 = [s for s in chosen if s["variant"] == "v3"]
-    assert [(s["num_warps"], s.get("precision", "tf32")) for s in v3] == [(2, "tf32"), (4, "tf32"), (None, "ieee")]
-    narrow = bench_quantkey_kernel.parse_args(["--head-dim", "32", "--warps", "4"])
-    assert not any(s["variant"] == "v3" for s in bench_quantkey_kernel.settings(narrow, 2))  # 8 code bytes per row
+    assert [s["variant"] for s in chosen[1:]] == ["v2"] * 4  # 2 warps x 2 rows (the default among them)
+    narrow = bench_quantkey_kernel.parse_args(["--head-dim", "32", "--warps", "1"])
+    chosen = bench_quantkey_kernel.settings(narrow, 2)
+    assert {s["variant"] for s in chosen} == {"v1", "v2"}
+    assert chosen[-1]["num_warps"] == 4  # the default setting is timed even where the grid leaves it out
 
 
-def test_table_line_names_the_exact_v3():
-    row = {"variant": "v3", "precision": "ieee", "block_n": None, "num_warps": None, "rows_per_thread": None,
+def test_table_line_marks_the_default():
+    row = {"variant": "v2", "default": True, "block_n": 64, "num_warps": 4, "rows_per_thread": 16,
            "seconds": 1e-4, "max_abs_err": 1e-6, "first_call_seconds": 1.0}  # fmt: skip
     line = bench_quantkey_kernel.table_line(row, 10**8, 2 * 10**8, 2e-4)
-    assert line.startswith("v3-ieee") and "2.00" in line
+    assert line.startswith("v2*") and "2.00" in line

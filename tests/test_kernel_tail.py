@@ -37,7 +37,7 @@ def _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, ca
     return query, kq, vq, ok.to(DEVICE)
 
 
-@pytest.mark.parametrize("variant", ["dot", "rows", "loop"])
+@pytest.mark.parametrize("variant", ["dot", "loop"])
 @pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 2), (2, 4), (8, 1)])
 @pytest.mark.parametrize("shape", [(2, 37, 2, 7, 16, 64), (1, 5, 3, 4, 8, 128), (3, 16, 1, 1, 16, 16)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -45,7 +45,7 @@ def test_kernel_matches_reference(variant, key_bits, value_bits, shape, dtype):
     batch, n, heads, group, tokens, dim = shape
     query, kq, vq, ok = _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, capacity=n + 9)
     assert tail_kernel_supported(query, kq, vq)
-    if variant in ("dot", "rows") and not dot_kernel_fits(tokens, dim, key_bits, value_bits):
+    if variant == "dot" and not dot_kernel_fits(tokens, dim, key_bits, value_bits):
         with pytest.raises(ValueError, match="variant='loop'"):
             tail_attention(query, kq, key_bits, vq, value_bits, ok, variant="dot")
         return
@@ -100,5 +100,8 @@ def test_selector_estimate_is_the_same_through_kernel_and_reference(monkeypatch)
     got = selector.tail_attention(query, summaries, 0.125, ok)
     monkeypatch.setattr(tail_module, "tail_kernel_supported", lambda *a: False)
     want = selector.tail_attention(query, summaries, 0.125, ok)
+    # On CUDA the default ``dot`` kernel forms its products in TF32 (7.9e-4 off the float32 reference on an H200);
+    # on the CPU the interpreter computes them in exact float32.
+    tol = 2e-3 if DEVICE.type == "cuda" else 1e-4
     for a, b in zip(got, want):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)

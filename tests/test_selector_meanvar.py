@@ -15,11 +15,11 @@ from ._selector_checks import check_full_budget_token_identical, check_planted
 
 def test_registered_not_default():
     import hf_offload
-    from hf_offload.config import OffloadConfig
+    from hf_offload.config import DEFAULT_SELECTOR, OffloadConfig
 
     assert SELECTORS["meanvar"] is MeanVarSelector
     assert hf_offload.MeanVarSelector is MeanVarSelector and "MeanVarSelector" in hf_offload.__all__
-    assert OffloadConfig(budget_tokens=512).selector == "quantkey"
+    assert OffloadConfig(budget_tokens=512).selector == DEFAULT_SELECTOR and not DEFAULT_SELECTOR.startswith("meanvar")
 
 
 def test_summaries():

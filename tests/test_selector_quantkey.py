@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.selectors import SELECTORS
+from hf_offload.selectors import SELECTORS, get_selector
 from hf_offload.selectors.oracle import OracleSelector
 from hf_offload.selectors.quantkey import QuantKeySelector, dequantize_keys, quantize_keys
 
@@ -15,11 +15,13 @@ from ._selector_checks import check_full_budget_token_identical, check_planted
 
 def test_registered_exported_and_default():
     import hf_offload
-    from hf_offload.config import OffloadConfig
+    from hf_offload.config import DEFAULT_SELECTOR, OffloadConfig
 
     assert SELECTORS["quantkey"] is QuantKeySelector
     assert hf_offload.QuantKeySelector is QuantKeySelector and "QuantKeySelector" in hf_offload.__all__
-    assert OffloadConfig(budget_tokens=512).selector == "quantkey"
+    assert OffloadConfig(budget_tokens=512).selector == DEFAULT_SELECTOR == "quantkey[bits=4,tail_bits=2,tail_near=3]"
+    default = get_selector(DEFAULT_SELECTOR)
+    assert isinstance(default, QuantKeySelector) and (default.bits, default.tail_bits, default.tail_near) == (4, 2, 3)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])

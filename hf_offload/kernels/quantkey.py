@@ -16,7 +16,10 @@ across threads once per query head; 0.52 ms per call for the 8B shape at batch 8
 ``v2`` gives each thread a channel range of whole token rows, so that decoding a code takes one bitwise and one
 float operation, every query head adds one fused multiply-add per code, and the main loop uses no shared memory:
 compiled for sm_90 it spends about 8 instructions per code for 2-bit codes and 4 query heads per KV head. The
-arithmetic is float32 throughout (no tensor-core products), as in the reference.
+arithmetic is float32 throughout (no tensor-core products), as in the reference. A tensor-core candidate, ``v3``
+(matrix products over dequantized rows), lost on the H200 and was removed: at best 386.6 us per call at 2 bits and
+408.0 at 4 bits, where ``v2`` took 111.4 and 113.7 at its best settings (llama-8b shape, batch 8, 2048 blocks;
+``results/selection/bench_quantkey_kernel_v3_h200.json``).
 """
 
 from __future__ import annotations
@@ -218,69 +221,9 @@ if triton is not None:
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
 
-    @triton.jit
-    def _block_lse_kernel_v3(
-        q_ptr,  # float32 [B, H, G, D]
-        codes_ptr,  # uint8 [B, N, H, T, D // PER], sequences block_stride blocks apart
-        kmin_ptr,  # [B, N, H, D], sequences block_stride blocks apart
-        kstep_ptr,  # [B, N, H, D], sequences block_stride blocks apart
-        out_ptr,  # float32 [B, H, G, N]
-        n_blocks,
-        heads,
-        block_stride,
-        G: tl.constexpr,
-        GP: tl.constexpr,  # G rounded up to a power of two, at least 16 (the smallest matrix-product tile)
-        T: tl.constexpr,
-        D: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr,  # tl.dot input precision: "tf32" or "ieee"
-    ):
-        # One program: one (batch, KV head) and BLOCK_N blocks as R = BLOCK_N * T token rows. The codes of byte
-        # position p (channels j * PER + p) of all rows form one [R, D / PER] tile, dequantized with each row's
-        # block parameters and multiplied by the matching channels of the queries in one matrix product
-        # (tensor cores at "tf32"); the [R, GP] logits are then reduced to one log-sum-exp per block and head.
-        PER: tl.constexpr = 8 // BITS
-        DB: tl.constexpr = D // PER
-        R: tl.constexpr = BLOCK_N * T
-        bh = tl.program_id(0).to(tl.int64)
-        b = bh // heads
-        h = bh % heads
-        first = tl.program_id(1).to(tl.int64) * BLOCK_N
-        g = tl.arange(0, GP)
-        j = tl.arange(0, DB)
-        r = tl.arange(0, R)
-        n = first + r // T
-        live = n < n_blocks
-        row = (b * block_stride + n) * heads + h
-        byte = tl.load(codes_ptr + (row * T + r % T)[:, None] * DB + j[None, :], mask=live[:, None],
-                       other=0).to(tl.int32)  # [R, DB]; fmt: skip
-        logits = tl.zeros((R, GP), dtype=tl.float32)
-        for p in tl.static_range(PER):
-            qt = tl.load(q_ptr + (bh * G + g)[None, :] * D + (j * PER + p)[:, None], mask=(g < G)[None, :], other=0.0)
-            at = row[:, None] * D + (j * PER + p)[None, :]
-            kmin = tl.load(kmin_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
-            kstep = tl.load(kstep_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
-            code = ((byte >> (p * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
-            logits += tl.dot(kmin + code * kstep, qt, input_precision=PRECISION)  # [R, GP]
-        blocks = tl.reshape(logits, (BLOCK_N, T, GP))
-        top = tl.max(blocks, axis=1)  # [BLOCK_N, GP]
-        lse = top + tl.log(tl.sum(tl.exp(blocks - top[:, None, :]), axis=1))
-        nb = first + tl.arange(0, BLOCK_N)
-        tl.store(out_ptr + (bh * G + g)[None, :] * n_blocks + nb[:, None], lse,
-                 mask=(nb < n_blocks)[:, None] & (g < G)[None, :])  # fmt: skip
-
-
-_VARIANTS = ("v1", "v2", "v3")
-"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), ``v2``, the one
-:func:`block_lse` uses, and ``v3``, matrix products over dequantized rows (tensor cores; where
-:func:`v3_fits`), a candidate timed beside ``v2`` by ``benchmarks/bench_quantkey_kernel.py``."""
-
-
-def v3_fits(head_dim: int, bits: int, tokens: int) -> bool:
-    """Whether the ``v3`` kernel's tiles fit: at least 16 code bytes per key row (the inner size of its product)
-    and at most 64 tokens per block."""
-    return head_dim * bits // 8 >= 16 and tokens <= 64
+_VARIANTS = ("v1", "v2")
+"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), and ``v2``, the one
+:func:`block_lse` uses."""
 
 
 def _layout(tokens: int, head_dim: int, bits: int, group: int) -> dict:
@@ -317,7 +260,9 @@ def _default_config(
 DEFAULT_VARIANT = "v2"
 """The kernel :func:`block_lse` runs. ``v2`` passed the kernel tests on the H200 and took 117 us per call at 2 bits
 (``v1``: 519 us) and 114 us at 4 bits (``v1``: 773 us), llama-8b shape, batch 8, 2048 blocks
-(results/selection/bench_quantkey_kernel_h200.json)."""
+(results/selection/bench_quantkey_kernel_h200.json). A ``v3`` candidate (tensor-core products over dequantized
+rows) was tried and lost: at best 386.6 us at 2 bits and 408.0 us at 4 bits, where ``v2`` took 111.4 and 113.7 us at
+its best settings (results/selection/bench_quantkey_kernel_v3_h200.json)."""
 
 
 def _launch_block_lse(
@@ -331,7 +276,6 @@ def _launch_block_lse(
     block_n: int | None = None,
     num_warps: int | None = None,
     rows_per_thread: int | None = None,
-    precision: str = "tf32",
 ) -> torch.Tensor:
     """Run one scoring kernel into ``out`` with explicit launch settings (no checks of the inputs, no host sync).
 
@@ -349,7 +293,6 @@ def _launch_block_lse(
             fill the warps, :func:`_default_config`).
         num_warps: warps per program; ``None``: the variant's default.
         rows_per_thread: ``v2`` only: token rows of a block per thread; ``None``: :func:`_default_config`'s.
-        precision: ``v3`` only: the products' input precision, ``"tf32"`` (tensor cores) or ``"ieee"``.
 
     Returns:
         ``out``.
@@ -366,16 +309,6 @@ def _launch_block_lse(
         grid = (batch * heads, triton.cdiv(n_blocks, block_n))
         _block_lse_kernel_v1[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, BLOCK_N=block_n,
                                    num_warps=num_warps or 4)  # fmt: skip
-        return out
-    if variant == "v3":
-        if not v3_fits(head_dim, bits, tokens):
-            raise ValueError(f"block_lse kernel v3 needs >= 16 code bytes per key row and <= 64 tokens per block "
-                             f"(head_dim {head_dim}, {bits} bits, {tokens} tokens); use v2")  # fmt: skip
-        block_n = block_n or max(1, 64 // tokens)
-        grid = (batch * heads, triton.cdiv(n_blocks, block_n))
-        _block_lse_kernel_v3[grid](*args, block_stride(codes, kmin, kstep), G=group,
-                                   GP=max(16, 1 << (group - 1).bit_length()), T=tokens, D=head_dim, BITS=bits,
-                                   BLOCK_N=block_n, PRECISION=precision, num_warps=num_warps or 4)  # fmt: skip
         return out
     if variant != "v2":
         raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {_VARIANTS}")
@@ -436,8 +369,6 @@ def block_lse(
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
     variant = DEFAULT_VARIANT
-    if variant == "v3" and not v3_fits(query.shape[-1], bits, codes.shape[3]):
-        variant = "v2"
     if variant == "v1" or not summaries_layout_ok(codes, kmin, kstep):
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
     return _launch_block_lse(query.float().contiguous(), codes, kmin, kstep, bits, out, variant=variant)

@@ -279,101 +279,6 @@ if triton is not None:
         tl.store(l_ptr + part, l, mask=live_g)
 
 
-    @triton.jit
-    def _tail_rows_kernel(
-        q_ptr,  # float32 [B, H, G, D], scaled
-        kcodes_ptr,  # uint8 [B, cap, H, T, D // KPER]
-        kmin_ptr,  # [B, cap, H, D]
-        kstep_ptr,  # [B, cap, H, D]
-        vcodes_ptr,  # uint8 [B, cap, H, T, D // VPER]
-        vmin_ptr,  # [B, cap, H, D]
-        vstep_ptr,  # [B, cap, H, D]
-        ok_ptr,  # uint8 [B, N, T]: 1 = attend
-        o_ptr,  # float32 [B, H, S, G, D]: unnormalised partial outputs
-        m_ptr,  # float32 [B, H, S, G]: partial maxima
-        l_ptr,  # float32 [B, H, S, G]: partial denominators
-        n_blocks,
-        heads,
-        splits,
-        k_stride,
-        v_stride,
-        G: tl.constexpr,
-        GP: tl.constexpr,  # G rounded up to a power of two, at least 16
-        T: tl.constexpr,
-        D: tl.constexpr,
-        KBITS: tl.constexpr,
-        VBITS: tl.constexpr,
-        PER_PROGRAM: tl.constexpr,  # a multiple of NB
-        NB: tl.constexpr,  # blocks per iteration (R = NB * T rows, at least 16)
-        PRECISION: tl.constexpr,
-    ):
-        # The ``dot`` kernel's work with two-dimensional tiles only: row r of an iteration is token r % T of block
-        # r // T, loaded straight into a [R, D / PER] tile (each row's block parameters gathered per row, from
-        # cache lines its neighbours share), so no tile is reshaped; the logits are formed transposed,
-        # [R, GP] = keys @ q^T, and the value product takes the transposed probabilities.
-        KPER: tl.constexpr = 8 // KBITS
-        VPER: tl.constexpr = 8 // VBITS
-        KDB: tl.constexpr = D // KPER
-        VDB: tl.constexpr = D // VPER
-        R: tl.constexpr = NB * T
-        bh = tl.program_id(0).to(tl.int64)
-        split = tl.program_id(1).to(tl.int64)
-        b = bh // heads
-        h = bh % heads
-        g = tl.arange(0, GP)
-        jk = tl.arange(0, KDB)
-        jv = tl.arange(0, VDB)
-        r = tl.arange(0, R)
-        qts = ()
-        for p in tl.static_range(KPER):
-            qts = qts + (tl.load(q_ptr + (bh * G + g)[None, :] * D + (jk * KPER + p)[:, None], mask=(g < G)[None, :],
-                                 other=0.0),)  # [KDB, GP]; fmt: skip
-        accs = ()
-        for p in tl.static_range(VPER):
-            accs = accs + (tl.zeros((GP, VDB), dtype=tl.float32),)
-        m = tl.full((GP,), float("-inf"), dtype=tl.float32)
-        l = tl.zeros((GP,), dtype=tl.float32)
-        for it in range(PER_PROGRAM // NB):
-            n = split * PER_PROGRAM + it * NB + r // T  # [R]: each row's block
-            live = n < n_blocks
-            krow = (b * k_stride + n) * heads + h
-            kbyte = tl.load(kcodes_ptr + (krow * T + r % T)[:, None] * KDB + jk[None, :], mask=live[:, None],
-                            other=0).to(tl.int32)  # [R, KDB]; fmt: skip
-            logits = tl.zeros((R, GP), dtype=tl.float32)
-            for p in tl.static_range(KPER):
-                at = krow[:, None] * D + (jk * KPER + p)[None, :]
-                kmin = tl.load(kmin_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
-                kstep = tl.load(kstep_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
-                code = ((kbyte >> (p * KBITS)) & ((1 << KBITS) - 1)).to(tl.float32)
-                logits += tl.dot(kmin + code * kstep, qts[p], input_precision=PRECISION)  # [R, GP]
-            ok = tl.load(ok_ptr + (b * n_blocks + n) * T + r % T, mask=live, other=0) != 0
-            logits = tl.where(ok[:, None], logits, float("-inf"))
-            m_new = tl.maximum(m, tl.max(logits, axis=0))
-            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
-            prob = tl.trans(tl.exp(logits - shift[None, :]))  # [GP, R]
-            rescale = tl.exp(m - shift)
-            l = l * rescale + tl.sum(prob, axis=1)
-            vrow = (b * v_stride + n) * heads + h
-            vbyte = tl.load(vcodes_ptr + (vrow * T + r % T)[:, None] * VDB + jv[None, :], mask=live[:, None],
-                            other=0).to(tl.int32)  # [R, VDB]; fmt: skip
-            new_accs = ()
-            for p in tl.static_range(VPER):
-                at = vrow[:, None] * D + (jv * VPER + p)[None, :]
-                vmin = tl.load(vmin_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
-                vstep = tl.load(vstep_ptr + at, mask=live[:, None], other=0.0).to(tl.float32)
-                code = ((vbyte >> (p * VBITS)) & ((1 << VBITS) - 1)).to(tl.float32)
-                vals = vmin + code * vstep  # [R, VDB]
-                new_accs = new_accs + (accs[p] * rescale[:, None] + tl.dot(prob, vals, input_precision=PRECISION),)
-            accs = new_accs
-            m = m_new
-        part = (bh * splits + split) * G + g
-        live_g = g < G
-        for p in tl.static_range(VPER):
-            tl.store(o_ptr + part[:, None] * D + (jv * VPER + p)[None, :], accs[p], mask=live_g[:, None])
-        tl.store(m_ptr + part, m, mask=live_g)
-        tl.store(l_ptr + part, l, mask=live_g)
-
-
 def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], values: dict[str, torch.Tensor]) -> bool:
     """Whether :func:`tail_attention` can run the kernel for these tensors: Triton on their device, power-of-two
     ``block_tokens`` and channels (the same for keys and values), parameters in a 16- or 32-bit float type, and
@@ -395,14 +300,18 @@ def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], va
     )
 
 
-VARIANTS = ("dot", "rows", "loop")
+VARIANTS = ("dot", "loop")
 """Kernels :func:`tail_attention` can run: ``dot`` (matrix products over ``NB * block_tokens`` rows at a time, the
-default where its tiles fit, see :func:`dot_kernel_fits`), ``rows`` (the same products from two-dimensional tiles
-only, no reshapes; same fit) and ``loop`` (the first kernel: one block at a time, products as broadcast sums; it
-runs where the others do not fit). ``benchmarks/bench_tail_kernel.py`` times them side by side."""
+default where its tiles fit, see :func:`dot_kernel_fits`) and ``loop`` (the first kernel: one block at a time,
+products as broadcast sums; it runs where ``dot`` does not fit). ``benchmarks/bench_tail_kernel.py`` times them side
+by side."""
 
 DEFAULT_VARIANT = "dot"
-"""The kernel :func:`tail_attention` runs where it fits."""
+"""The kernel :func:`tail_attention` runs where it fits. A ``rows`` candidate (the same products from
+two-dimensional tiles only, no reshapes) lost to it on the H200: for the 8B shape at 32K, batch 8, 4-bit keys and
+2-bit values, ``dot`` took 886 us at its defaults (771 us at 2 warps) and ``rows`` 996-1397 us across blocks per
+program (``results/selection/bench_tail_kernel_rows_h200.json``), and in the kernel tests ``rows`` ran out of shared
+memory (286-321 KB needed, 232 KB available) for the bf16 shape (1, 5, 3, 4, 8, 128)."""
 
 
 def dot_kernel_fits(tokens: int, channels: int, key_bits: int, value_bits: int) -> bool:
@@ -458,8 +367,8 @@ def tail_attention(
     variant = variant or (DEFAULT_VARIANT if fits else "loop")
     if variant not in VARIANTS:
         raise ValueError(f"tail_attention: unknown variant {variant!r}; expected one of {VARIANTS}")
-    if variant in ("dot", "rows") and not fits:
-        raise ValueError(f"tail_attention: the {variant!r} kernel needs >= 16 code bytes per key and value row and "
+    if variant == "dot" and not fits:
+        raise ValueError(f"tail_attention: the 'dot' kernel needs >= 16 code bytes per key and value row and "
                          f"block_tokens <= 128 (got {channels} channels at {key_bits}/{value_bits} bits, "
                          f"{tokens} tokens); use variant='loop' or None")  # fmt: skip
     if precision not in ("tf32", "ieee"):
@@ -467,7 +376,7 @@ def tail_attention(
     if n == 0:
         return (torch.zeros((batch, heads, group, channels), dtype=torch.float32, device=query.device),
                 torch.full((batch, heads, group), float("-inf"), dtype=torch.float32, device=query.device))  # fmt: skip
-    per_step = _dot_rows_blocks(tokens) if variant in ("dot", "rows") else 1
+    per_step = _dot_rows_blocks(tokens) if variant == "dot" else 1
     per_program = -(-max(1, blocks_per_program) // per_step) * per_step
     splits = -(-n // per_program)
     o = torch.empty((batch, heads, splits, group, channels), dtype=torch.float32, device=query.device)
@@ -479,9 +388,8 @@ def tail_attention(
             block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
             block_stride(values["codes"], values["kmin"], values["kstep"]))  # fmt: skip
     launch = {name: v for name, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
-    if variant in ("dot", "rows"):
-        kernel = _tail_dot_kernel if variant == "dot" else _tail_rows_kernel
-        kernel[(batch * heads, splits)](
+    if variant == "dot":
+        _tail_dot_kernel[(batch * heads, splits)](
             *args, G=group, GP=max(16, 1 << (group - 1).bit_length()), T=tokens, D=channels, KBITS=key_bits,
             VBITS=value_bits, PER_PROGRAM=per_program, NB=per_step, PRECISION=precision, **launch,
         )  # fmt: skip
