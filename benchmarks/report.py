@@ -445,12 +445,13 @@ def _render_tail_error() -> list[str]:
 
 TAIL_STUDY = "ruler_qwen05_tail"  # the RULER study of the estimate's ablation
 TAIL_ROWS = [  # (RULER method, tail_estimate_error.py variant, the idea the row adds)
-    ("quantkey", "quantkey[bits=2]", "the default: 2-bit keys, selection alone"),
+    ("quantkey", "quantkey[bits=2]", "2-bit keys, selection alone (the default before the estimate)"),
     ("quantkey[bits=4]", "quantkey[bits=4]", "4-bit keys, selection alone"),
     ("quantkey[tail_bits=2]", "quantkey[bits=2,tail_bits=2]", "2-bit keys, plus the estimate from 2-bit values"),
     ("quantkey[bits=4,tail_bits=2]", "quantkey[bits=4,tail_bits=2]", "4-bit keys and the estimate from 2-bit values"),
     ("quantkey[bits=4,tail_bits=2,tail_near=3]", "quantkey[bits=4,tail_bits=2,tail_near=3]",
-     "the estimate token by token only for the 3k best unselected blocks, the rest by their block log-sum-exps"),
+     "the default: the estimate token by token only for the 3k best unselected blocks, the rest by their block "
+     "log-sum-exps"),
 ]
 
 
@@ -473,6 +474,15 @@ def _tail_ablation() -> list[str]:
             errors[(variant, d["args"]["length"])] = (r["relative_error"], r["summary_share_of_kv"], path.name)
     lengths = sorted({length for _, length in errors})
     points = sorted({p for by_point in ruler.values() for p in by_point})
+    steps = {}  # selector -> (ms per decode step, file): bench_decode_step.py runs at 32K, batch 8, with graphs
+    for path in sorted((REPO / "results/decode").glob("decode_step_32k_b8_*.json")):
+        d = json.loads(path.read_text())
+        args = d["metadata"]["args"]
+        if args.get("context") != 32768 or args.get("batch") != 8 or args.get("graphs") != "on":
+            continue
+        for run in d["runs"]:
+            if run.get("cuda_graphs") and run.get("bytes_moved"):
+                steps[args["selector"]] = (run["step_ms"], path.name)
 
     def avg(method: str, point) -> str:
         label = "dense" if method == "dense" else next((k for k in ruler if k.split(" ")[0] == method), None)
@@ -487,21 +497,26 @@ def _tail_ablation() -> list[str]:
         "bytes of its summaries over the block's own bf16 keys and values, the attention output's relative error "
         "against dense attention (`benchmarks/tail_estimate_error.py`, budget 512; files "
         + ", ".join(sorted({f"`{f}`" for _, _, f in errors.values()}))
-        + f") and the RULER task average of `docs/results/{TAIL_STUDY}.md` (dense first).",
+        + f") and the RULER task average of `docs/results/{TAIL_STUDY}.md` (dense first). Decode ms/step: "
+        "`benchmarks/bench_decode_step.py`, llama-3.1-8b shape, 32,768 tokens, batch 8, budget 2048, every block "
+        "offloaded, CUDA graphs (files "
+        + (", ".join(sorted({f"`{f}`" for _, f in steps.values()})) or "none")
+        + ").",
         "",
         "| variant | what it adds | device bytes / KV | "
         + " | ".join(f"output error {length:,}" for length in lengths)
         + "".join(f" | RULER {p:,}" for p in points)
-        + " |",
-        "|---|---|---:|" + "---:|" * (len(lengths) + len(points)),
+        + " | decode ms/step |",
+        "|---|---|---:|" + "---:|" * (len(lengths) + len(points) + 1),
         "| `dense` | all keys and values, exact | - | " + " | ".join("-" for _ in lengths)
-        + "".join(f" | {avg('dense', p)}" for p in points) + " |",
+        + "".join(f" | {avg('dense', p)}" for p in points) + " | - |",
     ]
     for method, variant, idea in TAIL_ROWS:
         shares = {errors[(variant, length)][1] for length in lengths if (variant, length) in errors}
         cells = [" / ".join(f"{x:.3f}" for x in sorted(shares)) or "-"]
         cells += [f"{errors[(variant, length)][0]:.3f}" if (variant, length) in errors else "-" for length in lengths]
         cells += [avg(method, p) for p in points]
+        cells.append(f"{steps[method][0]:.1f}" if method in steps else "-")
         lines.append(f"| `{method}` | {idea} | " + " | ".join(cells) + " |")
     return lines
 
