@@ -7,7 +7,9 @@ Methods, each decoding one new token per sequence and step through the model's f
   ``torch.compile``).
 * ``hf-offloaded``: transformers' ``DynamicCache(offloading=True)``: every layer's whole KV lives in host memory
   and is copied to the device before the layer runs (prefetched one layer ahead on a side stream) and back after.
-* ``quantkey``: ``OffloadCache(selector="quantkey")``, the default selector, the default transfer path.
+* ``quantkey``: ``OffloadCache(selector="quantkey")`` (2-bit keys, selection alone: the fast selector, the default
+  before the estimate of the unselected blocks; ``--quantkey-selector`` swaps in another spec, e.g. the default
+  ``"quantkey[bits=4,tail_bits=2,tail_near=3]"``), the default transfer path.
 * ``quantkey-graphs``, ``solohead-graphs``: the same with ``cuda_graphs=True`` (each layer's decode attention
   replayed from a CUDA graph).
 * ``solohead``: ``OffloadCache(selector="solohead")``, the default transfer path (the gather kernel where Triton
@@ -94,7 +96,7 @@ METHOD_NOTES = {
     "whole-block recall (gather kernel where Triton runs on CUDA); every other setting is the OffloadConfig default "
     "of the run's commit (lookahead: off, then on with the kernels for a while, off again since the decode step "
     "with padded recent tokens; CHANGELOG)",
-    "quantkey": "OffloadCache(selector='quantkey', transfer='auto'): the default selector (every key on the device at "
+    "quantkey": "OffloadCache(selector='quantkey', transfer='auto'): the fast selector (every key on the device at "
     "2 bits, blocks ranked by their estimated attention mass, one shared selection per layer and sequence), "
     "whole-block recall; every other setting is the OffloadConfig default of the run's commit",
     "quantkey-graphs": "OffloadCache(selector='quantkey', transfer='auto', cuda_graphs=True): quantkey with each "

@@ -673,12 +673,15 @@ def decode_throughput(check: bool) -> list[str]:
     datas = [(path, json.loads(path.read_text())) for path in files]
     runs, methods, skipped, e2es, described = [], [], [], [], {}
     for path, data in datas:
+        # quantkey* runs of another selector (--quantkey-selector) are their own methods: "quantkey-auto (SPEC)".
+        spec = data["metadata"]["args"].get("quantkey_selector") or "quantkey"
+        label = lambda x: x if spec == "quantkey" or not x.startswith("quantkey") else f"{x} ({spec})"  # noqa: E731
         for r in data["runs"]:
-            runs.append({**r, "_file": path.name})
+            runs.append({**r, "method": label(r["method"]), "_file": path.name})
         for x, text in data["methods"].items():
-            described.setdefault(x, text)
-            if x not in methods:
-                methods.append(x)
+            described.setdefault(label(x), text)
+            if label(x) not in methods:
+                methods.append(label(x))
         skipped += [{**sk, "_file": path.name} for sk in data["skipped"]]
         if data.get("e2e") and data["e2e"].get("runs"):
             e2es.append((path.name, data["e2e"]))
@@ -729,7 +732,7 @@ def decode_throughput(check: bool) -> list[str]:
         cells = [("-" if (b := best(x, c)) is None else f"{b['tokens_per_s']:,.1f} ({b['batch']})") for x in methods]
         lines.append(f"| {c:,} | " + " | ".join(cells) + " |")
     offload = ("quantkey", "quantkey-graphs", "quantkey-auto", "solohead", "solohead-graphs", "solohead-auto")
-    ours = [x for x in offload if x in methods]
+    ours = [x for x in methods if x.split(" ")[0] in offload]
     if ours:
         lines += [
             "",
@@ -749,7 +752,7 @@ def decode_throughput(check: bool) -> list[str]:
             b = max(top, key=lambda r: r["tokens_per_s"])
             for x in methods:
                 o = best(x, c)
-                if x not in offload and o is not None and x != "headwise-copy":
+                if x not in ours and o is not None and x != "headwise-copy":
                     lines.append(f"| {c:,} | {b['method']} best ({b['batch']}) / {x} best ({o['batch']}) | "
                                  f"{b['tokens_per_s'] / o['tokens_per_s']:.2f} |")  # fmt: skip
             # At each batch: the fastest run of each method over all files (the headwise run most in its favour).
