@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
 
     print(f"{'transfer':8s} {'graphs':6s} {'lookahead':9s} {'bytes':8s} {'wall ms':>8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "
-          f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s} {'replays/captures':>16s}")  # fmt: skip
+          f"{'recall':>7s} {'attn':>7s} {'rest':>7s} {'tok/s':>7s} {'hit':>6s} {'MiB/step':>9s} {'prefetch used':>13s} {'replays/captures':>16s} {'capture ms':>10s}")  # fmt: skip
     for path in args.transfers:
         if path == "kernel" and not kernels_available(device):
             skipped.append({"transfer": path, "reason": f"the copy kernels cannot run on {device.type} here"})
@@ -271,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
                     "prefetch_used_share": stats["prefetch_used_blocks"] / stats["prefetched_blocks"]
                     if stats["prefetched_blocks"] else None,
                     "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                    # Host time of the layer steps that captured a graph, per timed step (a capture follows each
+                    # seal of a block, every block_tokens steps): the part of wall_ms_per_step graphs cost.
+                    "graph_capture_ms_per_step": stats["graph_capture_ms"] / steps,
                     "stats": stats,
                 }  # fmt: skip
                 runs.append(run)
@@ -282,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
                       f"{'none' if skip else 'moved':8s} {wall_ms:8.2f} {timing['step_ms']:8.2f} {phases} "
                       f"{run['tokens_per_s']:7.1f} {stats['hit_rate']:6.3f} "
                       f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s} "
-                      f"{stats['graph_replays']:>8d}/{stats['graph_captures']:<7d}", flush=True)  # fmt: skip
+                      f"{stats['graph_replays']:>8d}/{stats['graph_captures']:<7d} "
+                      f"{run['graph_capture_ms_per_step']:10.2f}", flush=True)  # fmt: skip
         if args.hidden_share:
             # The bytes a step must move to be exact: the misses of the plans without lookahead.
             base = next(measured[key] for key in ((False, False, False), (True, False, False), (False, True, False))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -417,10 +418,12 @@ def _decode_step(
         out = layer.replay(graph, query)
         layer.finish_step()
         return out
+    start = time.perf_counter()
     out = _decode_body(layer, query, inputs, n, k, scaling, mask, layer.timer)
     if layer.graphs:
         body = lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False)  # noqa: E731
         layer.capture_decode(key, body, query, inputs)
+        layer.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
     layer.finish_step()
     return out
 

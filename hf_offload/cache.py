@@ -63,6 +63,7 @@ class LayerStats:
         "prefetch_used_blocks",  # prefetched blocks that the exact plan that followed attended
         "graph_captures",  # decode steps captured into a CUDA graph (each also ran op by op)
         "graph_replays",  # decode steps replayed from a captured graph
+        "graph_capture_us",  # host wall time of the decode steps that captured (their op-by-op run + the capture)
         "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
         "tail_steps",  # decode steps with that estimate
     )
@@ -1162,7 +1163,9 @@ class OffloadCache(Cache):
             on the device), ``prefetched_blocks``,
             ``prefetched_bytes`` (speculative recalls of lookahead), ``prefetch_used_blocks`` (prefetched blocks
             that the exact plan right after attended), ``offloaded_bytes``, ``graph_captures`` and
-            ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``timing`` (with ``timing=True``: mean
+            ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``graph_capture_ms``
+            (host wall time of the layer decode steps that captured: their op-by-op run and the capture; a graph is
+            captured at the first decode step after each seal of a block, so this is what graphs cost), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
@@ -1217,6 +1220,7 @@ class OffloadCache(Cache):
             "offloaded_bytes": total("offloaded_bytes"),
             "graph_captures": total("graph_captures"),
             "graph_replays": total("graph_replays"),
+            "graph_capture_ms": total("graph_capture_us") / 1000,
             "hit_rate": total("hits") / lookups if lookups else None,
             "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),

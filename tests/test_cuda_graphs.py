@@ -130,6 +130,8 @@ def test_graphs_count_host_reads_with_admission_auto():
     assert torch.equal(got, expected)
     a, b = eager.stats(), graphed.stats()
     assert b["graph_replays"] > 0
+    assert a["graph_captures"] == 0 and a["graph_capture_ms"] == 0  # op by op: nothing captured, no capture time
+    assert b["graph_captures"] > 0 and b["graph_capture_ms"] > 0
     for name in COUNTERS + ("decode_host_bytes", "decode_recalled_bytes"):
         assert a[name] == b[name], name
     assert 0 < a["decode_host_bytes"] < a["decode_recalled_bytes"]  # some recalls stayed on the device
