@@ -201,8 +201,12 @@ class QuantKeySelector(Selector):
         index = order.indices  # [batch, near]
         picked = order.values > float("-inf")
 
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+
         def take(t: torch.Tensor) -> torch.Tensor:
-            return torch.take_along_dim(t, index.view(*index.shape, *([1] * (t.dim() - 2))), dim=1)
+            # Whole blocks by advanced indexing: the index stays [batch, near] (take_along_dim would expand it to
+            # the output's every element, as int64: 8x the bytes of the codes it gathers, plus a pass to wrap it).
+            return t[rows, index]
 
         near_ok = take(tokens_ok) & picked[:, :, None]
         out, lse = tail_attention(q, {k: take(v) for k, v in keys.items()}, self.bits,
