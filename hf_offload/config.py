@@ -39,8 +39,9 @@ class OffloadConfig:
             their estimated attention mass, and the attention the selection leaves out is estimated and joins the
             softmax (2-bit values; token by token for the ``3k`` best unselected blocks, by block log-sum-exps for
             the rest). On RULER at a budget of 1/16 it is within 0.8 points of dense on Qwen2.5-Coder-0.5B and 0.5
-            on 1.5B (4K-16K average). ``"quantkey"`` (2-bit keys, selection alone) is the fast choice: about twice
-            the decode throughput and 2/5 of the summary bytes, 1.6 points below dense on the 0.5B (3.1 at 16K).
+            on 1.5B (4K-16K average). ``"quantkey"`` (2-bit keys, selection alone) is the fast choice: 1.6-2x the
+            decode throughput (8B shape, H200) and 2/5 of the summary bytes, 1.6 points below dense on the 0.5B (3.1
+            at 16K).
             ``docs/tuning.md`` compares the selectors, with links to the measurements.
         pool_tokens: capacity of the device slot pool (hot blocks kept across decode steps). ``None``: 1.25 x
             ``budget_tokens``, rounded up to whole blocks. A smaller pool still gives exact results; selected blocks
