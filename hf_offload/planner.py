@@ -212,13 +212,24 @@ def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: i
 
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
                   host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
-    """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``; with
-    ``admission="auto"``, ``device_free_bytes`` also sets the admission limit (see :func:`plan`)."""
+    """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``.
+
+    With ``admission="auto"`` and no ``device_memory_gib`` in ``config``, each batch is planned with the admission
+    limit that :func:`suggested_device_memory_gib` gives for no margin: the device memory the cache's other device
+    bytes (slot pools, open blocks, summaries) leave, so blocks go to the device as far as they fit and the rest to
+    the host (admitting 80% of the free memory regardless, the runtime default, would count batches as not fitting
+    whose summaries take more than the other 20%). With ``device_memory_gib`` set, that limit is used as given."""
+    config = config or OffloadConfig()
+    tune = method == "offload" and config.admission == "auto" and config.device_memory_gib is None
     best = 0
     lo, hi = 1, limit
     while lo <= hi:
         mid = (lo + hi) // 2
-        p = plan(shape, context_tokens, mid, method, config, device_free_bytes=device_free_bytes)
+        cfg = config
+        if tune:
+            cfg = config.replace(device_memory_gib=suggested_device_memory_gib(
+                shape, context_tokens, mid, config, device_free_bytes, 0.0))  # fmt: skip
+        p = plan(shape, context_tokens, mid, method, cfg, device_free_bytes=device_free_bytes)
         if p.device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes:
             best, lo = mid, mid + 1
         else:

@@ -79,6 +79,29 @@ def test_largest_batch_is_monotone_and_offload_fits_more():
         shape, 65536, offload + 1, "offload").device_bytes > device
 
 
+@pytest.mark.parametrize("selector", ["quantkey", "quantkey[bits=4,tail_bits=2,tail_near=3]"])
+def test_largest_batch_with_admission_auto_admits_what_the_summaries_leave(selector):
+    """admission="auto" without a limit: each batch is planned with the limit the other device bytes leave, so
+    larger summaries move blocks to the host instead of ruling the batch out; the batch found fits that way and
+    the next one does not (the host is full)."""
+    from hf_offload.planner import suggested_device_memory_gib
+
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128)
+    device, host = 124 << 30, 120 << 30  # an H200 less 15 GiB of 8B-shape weights; a 128 GiB host
+    config = OffloadConfig(selector=selector, admission="auto")
+    dense = largest_batch(shape, 131072, "dense", device, host)
+    offload = largest_batch(shape, 131072, "offload", device, host, config)
+    assert dense == 7 and offload > dense  # 16 GiB of KV per sequence at 128K
+    for batch, fits in ((offload, True), (offload + 1, False)):
+        limit = suggested_device_memory_gib(shape, 131072, batch, config, device, 0.0)
+        p = plan(shape, 131072, batch, "offload", config.replace(device_memory_gib=limit))
+        assert (p.device_bytes <= device and p.host_reserved_bytes <= host) == fits
+    # The runtime default limit (80% of the free memory) is not what largest_batch assumes: with the default
+    # selector's summaries (0.31 of the KV) it would leave too little for them.
+    naive = plan(shape, 131072, offload, "offload", config, device_free_bytes=device)
+    assert selector == "quantkey" or naive.device_bytes > device
+
+
 @pytest.mark.parametrize("device_memory_gib", [12e-6, 30e-6, 1.0])  # some chunks, more chunks, every chunk
 def test_admission_auto_prediction_equals_stats(device_memory_gib):
     """admission="auto": the first chunks (layer by layer, as a one-pass prefill seals them) are device memory."""
