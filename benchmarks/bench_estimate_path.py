@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.common import cuda_event_ms, run_metadata, write_results  # noqa: E402
 from hf_offload.attention import _attention_lse  # noqa: E402
 from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
 from hf_offload.kernels.tail import merge_attention, tail_attention  # noqa: E402
@@ -67,19 +67,9 @@ def _time(fn, args, cuda: bool) -> float:
     with torch.cuda.graph(graph):
         for _ in range(args.calls):
             fn()
-    for _ in range(args.warmup):
-        graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(args.reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / args.calls)
+    times = cuda_event_ms(graph.replay, args.warmup, args.reps)
     del graph
-    return statistics.median(times)
+    return statistics.median(times) * 1e3 / args.calls
 
 
 def build(args, device: torch.device) -> dict:
