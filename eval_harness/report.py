@@ -177,6 +177,25 @@ def render(study: str, results_dir="results", plot_file: str | None = None) -> s
     for method, budget in s.columns:
         cells = [_fmt(_mean(times.get((x, method, budget), [])), 3) for x in lengths]
         lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
+    hits: dict[tuple, list[float]] = defaultdict(list)  # each result carries its batch's cache stats
+    for r in s.results:
+        if (r.get("cache") or {}).get("hit_rate") is not None:
+            hits[(r["length"], r["method"], r["budget"])].append(float(r["cache"]["hit_rate"]))
+    if hits:
+        lines += [
+            "",
+            "## Mean decode hit rate of the slot pool",
+            "",
+            "Share of the selected blocks already on the device at a decode step (`cache.stats()[\"hit_rate\"]` of "
+            "each sample's batch), mean over samples.",
+            "",
+            "| method | " + " | ".join(_point(x) for x in lengths) + " |",
+            "|---|" + "---:|" * len(lengths),
+        ]
+        for method, budget in s.columns:
+            if any((x, method, budget) in hits for x in lengths):
+                cells = [_fmt(_mean(hits.get((x, method, budget), [])), 3) for x in lengths]
+                lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
     if s.failed:
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for e in s.failed:

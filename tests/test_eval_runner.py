@@ -88,6 +88,8 @@ def test_ruler_run_records_scores_and_resumes(tmp_path, tok, model):
     md = render("ruler_tiny", tmp_path)
     assert "| dense |" in md and "| solohead 128 |" in md and "## Not built" in md and "`qa_1`" in md
     assert "| niah_single_1 | 512 |" in md
+    hits = md.split("## Mean decode hit rate of the slot pool")[1].split("##")[0]
+    assert "| solohead 128 |" in hits and "| dense |" not in hits  # dense has no cache stats
 
 
 def test_longbench_e_run_and_report(tmp_path, tok, model):
