@@ -27,7 +27,6 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 import time
@@ -134,22 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     grouped = x["query"].view(B, H, G, D)
     sel = x["selection"]
 
-    def near_inputs():
-        """The near blocks' codes, gathered as the bounded estimate gathers them (for the kernel alone)."""
-        near = min(x["n"], math.ceil(selector.tail_near * sel.blocks.shape[-1])) if selector.tail_near else x["n"]
-        index = sel.scores[:, 0].masked_fill(~x["tail_ok"].any(-1), float("-inf")).topk(near, dim=-1).indices
-
-        rows = torch.arange(index.shape[0], device=index.device)[:, None]
-
-        def take(t):
-            return t[rows, index]
-
-        s = x["summaries"]
-        keys = {"codes": take(s["codes"]), "kmin": take(s["kmin"]), "kstep": take(s["kstep"])}
-        values = {"codes": take(s["vcodes"]), "kmin": take(s["vmin"]), "kstep": take(s["vstep"])}
-        return keys, values, take(x["tail_ok"]), near
-
-    near_k, near_v, near_ok, near = near_inputs()
+    s = x["summaries"]
+    near_k = {"codes": s["codes"], "kmin": s["kmin"], "kstep": s["kstep"]}
+    near_v = {"codes": s["vcodes"], "kmin": s["vmin"], "kstep": s["vstep"]}
+    near_ok, near = x["tail_ok"], x["n"]
+    if selector.tail_near:  # the near blocks' codes, gathered as the bounded estimate gathers them
+        near_k, near_v, near_ok, _ = selector.near_blocks(near_k, near_v, near_ok, sel)
+        near = near_ok.shape[1]
     q32 = x["query"].float() * x["scaling"]
     out_a, lse_a = _attention_lse(grouped, x["pool_k"], x["pool_v"], x["ok"], x["scaling"])
     out_b, lse_b = selector.tail_attention(x["query"], x["summaries"], x["scaling"], x["tail_ok"], selection=sel)

@@ -192,25 +192,11 @@ class QuantKeySelector(Selector):
         values = {"codes": summaries["vcodes"], "kmin": summaries["vmin"], "kstep": summaries["vstep"]}
         n = tokens_ok.shape[1]
         bounded = self.tail_near > 0 and selection is not None and selection.block_lse is not None
-        near = min(n, math.ceil(self.tail_near * selection.blocks.shape[-1])) if bounded else n
-        if near >= n:  # every unselected block token by token
+        if not bounded or self.near_count(selection, n) >= n:  # every unselected block token by token
             out, lse = tail_attention(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
             return out[..., :head_dim], lse
-        wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
-        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(near, dim=-1)
-        index = order.indices  # [batch, near]
-        picked = order.values > float("-inf")
-
-        rows = torch.arange(index.shape[0], device=index.device)[:, None]
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            # Whole blocks by advanced indexing: the index stays [batch, near] (take_along_dim would expand it to
-            # the output's every element, as int64: 8x the bytes of the codes it gathers, plus a pass to wrap it).
-            return t[rows, index]
-
-        near_ok = take(tokens_ok) & picked[:, :, None]
-        out, lse = tail_attention(q, {k: take(v) for k, v in keys.items()}, self.bits,
-                                  {k: take(v) for k, v in values.items()}, self.tail_bits, near_ok, softcap)  # fmt: skip
+        near_keys, near_values, near_ok, index = self.near_blocks(keys, values, tokens_ok, selection)
+        out, lse = tail_attention(q, near_keys, self.bits, near_values, self.tail_bits, near_ok, softcap)
         if softcap is None:
             # Unselected blocks not estimated token by token, every token of which the query may attend (the block
             # log-sum-exps cover whole blocks: a block with padding in it would count its padding).
@@ -219,6 +205,43 @@ class QuantKeySelector(Selector):
             far_lse = far_lse.masked_fill(torch.isinf(lse), float("-inf"))  # no estimate to value them at
             lse = torch.logaddexp(lse, far_lse)
         return out[..., :head_dim], lse
+
+    def near_count(self, selection: Selection, n: int) -> int:
+        """Unselected blocks the bounded estimate takes token by token: ``ceil(tail_near * k)``, at most ``n``."""
+        return min(n, math.ceil(self.tail_near * selection.blocks.shape[-1]))
+
+    def near_blocks(
+        self,
+        keys: dict[str, torch.Tensor],
+        values: dict[str, torch.Tensor],
+        tokens_ok: torch.Tensor,
+        selection: Selection,
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """The bounded estimate's near blocks: the :meth:`near_count` unselected blocks of highest score.
+
+        Args:
+            keys: ``codes`` / ``kmin`` / ``kstep`` of the sealed blocks, ``[batch, n_blocks, ...]``.
+            values: the same for the values.
+            tokens_ok: ``[batch, n_blocks, block_tokens]``, ``torch.bool``: the tokens to estimate.
+            selection: the step's selection (its ``scores``, ``[batch, 1, n_blocks]``).
+
+        Returns:
+            ``(keys, values, tokens_ok, index)`` of the near blocks, ``[batch, near, ...]``; ``tokens_ok`` is
+            ``False`` for an entry with nothing to estimate; ``index`` ``[batch, near]``, ``torch.int64``.
+        """
+        n = tokens_ok.shape[1]
+        wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
+        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(self.near_count(selection, n))
+        index = order.indices  # [batch, near]
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            # Whole blocks by advanced indexing: the index stays [batch, near] (take_along_dim would expand it to
+            # the output's every element, as int64: 8x the bytes of the codes it gathers, plus a pass to wrap it).
+            return t[rows, index]
+
+        near_ok = take(tokens_ok) & (order.values > float("-inf"))[:, :, None]
+        return {k: take(v) for k, v in keys.items()}, {k: take(v) for k, v in values.items()}, near_ok, index
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Estimated attention mass per block summed over all heads, shape ``[batch, 1, n_blocks]``, float32.
