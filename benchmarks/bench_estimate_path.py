@@ -7,8 +7,9 @@ batch 8, budget 2048, 16-token blocks, a slot pool of 1.25 x the budget) and is 
 * ``select``: ``Selector.select`` (scoring every sealed block from the quantized keys, forced blocks, top-k);
 * ``sdpa``: ``scaled_dot_product_attention`` over the slot pool under the selection's mask (the attention of a
   selector without an estimate);
-* ``attention_lse``: the float32 masked attention over the same pool that also returns its log-sum-exp (what the
-  estimate needs to merge with; ``hf_offload.attention._attention_lse``);
+* ``attention_lse``: the masked attention over the same pool that also returns its log-sum-exp (what the estimate
+  needs to merge with; ``hf_offload.kernels.tail.attention_lse``, a fused kernel), and ``attention_lse_reference``,
+  the same in float32 matrix products (what the decode step ran before);
 * ``estimate``: ``Selector.tail_attention`` for the step's unselected blocks (with ``tail_near``: the top-k of the
   near blocks, the gathers of their codes, the tail kernel and the far blocks' log-sum-exp);
 * ``estimate_kernel``: the tail kernel alone (``hf_offload.kernels.tail.tail_attention``) over the near blocks'
@@ -37,9 +38,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import cuda_event_ms, run_metadata, write_results  # noqa: E402
-from hf_offload.attention import _attention_lse  # noqa: E402
 from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
-from hf_offload.kernels.tail import merge_attention, tail_attention  # noqa: E402
+from hf_offload.kernels.tail import (  # noqa: E402
+    attention_lse,
+    attention_lse_reference,
+    merge_attention,
+    tail_attention,
+)
 from hf_offload.selectors import get_selector  # noqa: E402
 
 
@@ -141,13 +146,15 @@ def main(argv: list[str] | None = None) -> int:
         near_k, near_v, near_ok, _ = selector.near_blocks(near_k, near_v, near_ok, sel)
         near = near_ok.shape[1]
     q32 = x["query"].float() * x["scaling"]
-    out_a, lse_a = _attention_lse(grouped, x["pool_k"], x["pool_v"], x["ok"], x["scaling"])
+    out_a, lse_a = attention_lse(grouped, x["pool_k"], x["pool_v"], x["ok"], x["scaling"])
     out_b, lse_b = selector.tail_attention(x["query"], x["summaries"], x["scaling"], x["tail_ok"], selection=sel)
     pieces = {
         "select": lambda: selector.select(x["query"], x["summaries"], x["scaling"], x["k"], x["forced"], x["valid"]),
         "sdpa": lambda: torch.nn.functional.scaled_dot_product_attention(grouped, x["pool_k"], x["pool_v"],
                                                                          attn_mask=x["ok"], scale=x["scaling"]),
-        "attention_lse": lambda: _attention_lse(grouped, x["pool_k"], x["pool_v"], x["ok"], x["scaling"]),
+        "attention_lse": lambda: attention_lse(grouped, x["pool_k"], x["pool_v"], x["ok"], x["scaling"]),
+        "attention_lse_reference": lambda: attention_lse_reference(grouped, x["pool_k"], x["pool_v"], x["ok"],
+                                                                   x["scaling"]),
         "estimate": lambda: selector.tail_attention(x["query"], x["summaries"], x["scaling"], x["tail_ok"],
                                                     selection=sel),
         "estimate_kernel": lambda: tail_attention(q32, near_k, selector.bits, near_v, selector.tail_bits, near_ok),

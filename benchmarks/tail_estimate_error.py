@@ -97,7 +97,7 @@ def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[
         scaling: softmax scale.
         budget_tokens: the decode budget.
     """
-    from hf_offload.attention import _attention_lse
+    from hf_offload.kernels.tail import attention_lse_reference as _attention_lse
     from hf_offload.config import OffloadConfig
     from hf_offload.kernels.quantkey import block_lse_reference
     from hf_offload.kernels.tail import merge_attention

@@ -28,7 +28,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kernels import OnlineSoftmax
-from .kernels.tail import merge_attention
+from .kernels.tail import attention_lse, merge_attention
 from .graphs import DecodeInputs
 from .selectors.base import Selection
 
@@ -525,7 +525,7 @@ def _decode_sdpa(
     grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension
     if k < n and layer.selector.estimates_tail:
         # The unselected blocks' attention, estimated by the selector, joins the selection's through the log-sum-exp.
-        out, lse = _attention_lse(grouped, k_all, v_all, ok, scaling)
+        out, lse = attention_lse(grouped, k_all, v_all, ok, scaling)
         selection = Selection(blocks=blocks, keep=keep, scores=None if plan is None else plan.scores,
                               block_lse=None if plan is None else plan.block_lse)  # fmt: skip
         tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
@@ -534,28 +534,6 @@ def _decode_sdpa(
         return out.to(query.dtype).reshape(batch, 1, q_heads, head_dim)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, k_all, v_all, attn_mask=ok, scale=scaling)
     return out.reshape(batch, 1, q_heads, head_dim)
-
-
-def _attention_lse(
-    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scaling: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Masked softmax attention that also returns its log-sum-exp (to merge with another set of keys), in float32.
-
-    Args:
-        query: ``[batch, kv_heads, group, head_dim]``, compute device.
-        keys: ``[batch, kv_heads, n, head_dim]``, same device.
-        values: same shape as ``keys``.
-        allowed: ``[batch, 1 or kv_heads, 1, n]``, ``torch.bool``; every query row must allow at least one key.
-        scaling: softmax scale.
-
-    Returns:
-        ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` and ``[batch, kv_heads, group]``, float32.
-    """
-    logits = torch.einsum("bhgd,bhnd->bhgn", query.float(), keys.float()) * scaling
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    lse = logits.logsumexp(dim=-1)
-    out = torch.einsum("bhgn,bhnd->bhgd", torch.exp(logits - lse[..., None]), values.float())
-    return out, lse
 
 
 def _plain_causal(mask: OffloadMask | None) -> bool:

@@ -15,7 +15,8 @@ def test_tiny_run_times_every_piece_and_writes_json(tmp_path):
                                      "--group", "2", "--head-dim", "32", "--layers", "2", "--calls", "1", "--reps",
                                      "1", "--device", "cpu", "--out", str(out)]) == 0  # fmt: skip
     data = json.loads(out.read_text())
-    assert set(data["us_per_layer"]) == {"select", "sdpa", "attention_lse", "estimate", "estimate_kernel", "merge"}
+    assert set(data["us_per_layer"]) == {"select", "sdpa", "attention_lse", "attention_lse_reference", "estimate",
+                                         "estimate_kernel", "merge"}  # fmt: skip
     assert all(v > 0 for v in data["us_per_layer"].values())
     # 64 sealed blocks, 16 selected (budget 256 / 16), the default's tail_near=3: 48 estimated token by token.
     assert (data["sealed_blocks"], data["selected_blocks"], data["near_blocks"]) == (64, 16, 48)

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.kernels import OnlineSoftmax
-from hf_offload.kernels.tail import merge_attention, tail_attention_reference
+from hf_offload.kernels.tail import attention_lse, attention_lse_reference, merge_attention, tail_attention_reference
 from hf_offload.selectors import get_selector
 from hf_offload.selectors.base import Selector
 from hf_offload.selectors.quantkey import dequantize_keys, quantize_keys
@@ -69,6 +69,57 @@ def test_merge_of_two_halves_equals_one_softmax_and_ignores_an_empty_half():
     out, lse = merge_attention(want_out, want_lse, empty_out, empty_lse)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
+
+
+def _attention_lse_case(device, dtype, n, mask_heads, seed=5):
+    g = torch.Generator().manual_seed(seed)
+    B, H, G, D = 2, 3, 4, 64
+    q, k, v = (torch.randn(B, H, rows, D, generator=g).to(device, dtype) for rows in (G, n, n))
+    allowed = torch.rand(B, mask_heads, 1, n, generator=g) > 0.5
+    allowed[..., -1] = True  # every row allows a key
+    return q, k, v, allowed.to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [48, 37])  # a whole number of 16-element rows, and not
+@pytest.mark.parametrize("mask_heads", [1, 3])
+def test_fused_attention_lse_matches_the_float32_reference(dtype, n, mask_heads):
+    q, k, v, allowed = _attention_lse_case("cpu", dtype, n, mask_heads)
+    out, lse = attention_lse(q, k, v, allowed, 0.125)
+    want_out, want_lse = attention_lse_reference(q, k, v, allowed, 0.125)
+    assert out.dtype == lse.dtype == torch.float32 and out.shape == want_out.shape and lse.shape == want_lse.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the fused output is rounded to the inputs' dtype
+    torch.testing.assert_close(out, want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+
+
+def test_attention_lse_falls_back_to_the_reference_where_no_fused_kernel_takes_the_shape():
+    q, k, v, allowed = _attention_lse_case("cpu", torch.float32, 20, 1)
+    q, k, v = q[..., :12], k[..., :12], v[..., :12]  # head_dim 12: not a multiple of 8
+    out, lse = attention_lse(q, k, v, allowed, 0.3)
+    want_out, want_lse = attention_lse_reference(q, k, v, allowed, 0.3)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [2576, 37])
+@pytest.mark.parametrize("mask_heads", [1, 3])
+def test_fused_attention_lse_on_cuda_matches_the_float32_reference(dtype, n, mask_heads):
+    q, k, v, allowed = _attention_lse_case("cuda", dtype, n, mask_heads)
+    out, lse = attention_lse(q, k, v, allowed, 0.125)
+    want_out, want_lse = attention_lse_reference(q, k, v, allowed, 0.125)
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out, want_out, atol=tol, rtol=tol)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    graph = torch.cuda.CUDAGraph()  # no host synchronisation: it can be captured
+    with torch.cuda.graph(graph):
+        captured = attention_lse(q, k, v, allowed, 0.125)
+    graph.replay()
+    torch.testing.assert_close(captured[0], out)
+    torch.testing.assert_close(captured[1], lse)
 
 
 def test_online_softmax_add_partial_equals_adding_the_keys():

@@ -8,6 +8,7 @@ import torch
 
 from hf_offload.kernels.tail import merge_attention
 from hf_offload.selectors import QuantKeySelector, get_selector
+from hf_offload.selectors.quantkey import take_blocks
 
 B, N, H, G, T, D = 2, 40, 2, 3, 16, 64
 
@@ -89,3 +90,17 @@ def test_tail_near_is_checked_and_parsed():
         QuantKeySelector(tail_near=3)
     with pytest.raises(ValueError, match="tail_near must be a number >= 0"):
         QuantKeySelector(tail_bits=2, tail_near=-1)
+
+
+@pytest.mark.parametrize(
+    "dtype,inner", [(torch.uint8, (2, 4, 16)), (torch.bfloat16, (2, 8)), (torch.bool, (16,)), (torch.uint8, (3, 5))]
+)
+def test_take_blocks_equals_indexing_for_slices_of_capacity_buffers(dtype, inner):
+    g = torch.Generator().manual_seed(11)
+    buffer = torch.randint(0, 255, (3, 40, *inner), generator=g).to(dtype)  # bool: nonzero is True
+    t = buffer[:, :33]  # the first blocks of a buffer with capacity, as the cache holds summaries
+    index = torch.randint(0, 33, (3, 7), generator=g)
+    taken = take_blocks(t, index)
+    assert taken.dtype == t.dtype and taken.is_contiguous()
+    assert torch.equal(taken, t[torch.arange(3)[:, None], index])
+    assert torch.equal(take_blocks(t[:, :, :1], index), t[:, :, :1][torch.arange(3)[:, None], index])  # strided

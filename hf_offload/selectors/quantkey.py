@@ -91,6 +91,38 @@ def _block_mass(lse: torch.Tensor) -> torch.Tensor:
     return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
 
 
+def take_blocks(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of per-block tensors: ``t[b, index[b, j]]``, moved as the widest integer words that tile a
+    block's bytes.
+
+    Indexing works element by element, so gathering 4-bit codes byte by byte costs eight times the work of gathering
+    them as 64-bit words; ``take_along_dim`` would also expand the index to every element (as int64). Here the index
+    stays ``[batch, near]`` and each block moves as whole words where its bytes allow.
+
+    Args:
+        t: ``[batch, n_blocks, ...]``, any dtype, contiguous past the block dimension (a slice of the block
+            dimension of a contiguous buffer is fine), any device.
+        index: ``[batch, near]``, ``torch.int64``, same device: blocks to take per sequence.
+
+    Returns:
+        ``[batch, near, ...]``, ``t``'s dtype, contiguous.
+    """
+    rows = torch.arange(index.shape[0], device=index.device)[:, None]
+    if t.dim() < 3 or t.numel() == 0 or not t[0, 0].is_contiguous():
+        return t[rows, index]  # element by element
+    block_bytes = t[0, 0].numel() * t.element_size()
+    as_bytes = t.flatten(2).view(torch.uint8)  # [batch, n_blocks, block_bytes], a view
+    for word in (torch.int64, torch.int32, torch.int16):
+        if block_bytes % word.itemsize:
+            continue
+        try:
+            words = as_bytes.view(word)  # fails where a stride or the offset is not a whole number of words
+        except RuntimeError:
+            continue
+        return words[rows, index].view(torch.uint8).view(t.dtype).view(*index.shape, *t.shape[2:])
+    return t[rows, index]
+
+
 @dataclass
 class QuantKeySelector(Selector):
     """Oracle-style attention mass per block from keys quantized to ``bits`` bits (shared selection).
@@ -233,15 +265,9 @@ class QuantKeySelector(Selector):
         wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
         order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(self.near_count(selection, n))
         index = order.indices  # [batch, near]
-        rows = torch.arange(index.shape[0], device=index.device)[:, None]
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            # Whole blocks by advanced indexing: the index stays [batch, near] (take_along_dim would expand it to
-            # the output's every element, as int64: 8x the bytes of the codes it gathers, plus a pass to wrap it).
-            return t[rows, index]
-
-        near_ok = take(tokens_ok) & (order.values > float("-inf"))[:, :, None]
-        return {k: take(v) for k, v in keys.items()}, {k: take(v) for k, v in values.items()}, near_ok, index
+        near_ok = take_blocks(tokens_ok, index) & (order.values > float("-inf"))[:, :, None]
+        near_keys = {k: take_blocks(v, index) for k, v in keys.items()}
+        return near_keys, {k: take_blocks(v, index) for k, v in values.items()}, near_ok, index
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Estimated attention mass per block summed over all heads, shape ``[batch, 1, n_blocks]``, float32.
