@@ -86,6 +86,14 @@ def offload_blocks_kernel(host: HostBlockPool, ids: torch.Tensor, blocks: torch.
     )  # fmt: skip
 
 
+RECALL_LAUNCH = {"words_per_program": 512, "num_warps": 2}
+"""Launch settings of the recall kernel. Reading pinned host memory, every setting from 512 words per program on
+reaches the same share of the bulk copy (0.91-0.92 at 4 KiB pieces; ``results/recall/kernel_sweep_h200.txt``);
+reading blocks that ``admission="auto"`` keeps on the device, 512 words on 2 warps moved a 64K, batch-12 layer's
+recall at 1377 GB/s where the former 1024 words on 4 warps reached 782 (``results/recall/d2d_copy_sweep_h200.json``,
+H200)."""
+
+
 def recall_blocks_kernel(
     host: HostBlockPool,
     pool: DeviceSlotPool,
@@ -131,7 +139,7 @@ def recall_blocks_kernel(
         dev_off = (((kv * batch + batch_idx[:, None]) * heads + head_idx[:, None]) * total + slot_idx[:, None]) * piece
         ids = ids[:, None].expand(-1, 2)  # K and V piece of each entry (expand: no host synchronisation)
     copy_pieces(addrs, host.chunk_blocks, words, ids.flatten(), host_off.flatten(), pool.data, dev_off.flatten(),
-                piece, False)  # fmt: skip
+                piece, False, **RECALL_LAUNCH)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- streams and events
