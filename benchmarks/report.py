@@ -474,7 +474,10 @@ def _tail_ablation() -> list[str]:
             errors[(variant, d["args"]["length"])] = (r["relative_error"], r["summary_share_of_kv"], path.name)
     lengths = sorted({length for _, length in errors})
     points = sorted({p for by_point in ruler.values() for p in by_point})
-    steps = {}  # selector -> (ms per decode step, file): bench_decode_step.py runs at 32K, batch 8, with graphs
+    # selector -> (ms per decode step, of which graph captures, file): the newest bench_decode_step.py run at 32K,
+    # batch 8, with graphs (older files hold the same selector at older commits).
+    steps: dict[str, tuple] = {}
+    runs = []
     for path in sorted((REPO / "results/decode").glob("decode_step_32k_b8_*.json")):
         d = json.loads(path.read_text())
         args = d["metadata"]["args"]
@@ -482,7 +485,9 @@ def _tail_ablation() -> list[str]:
             continue
         for run in d["runs"]:
             if run.get("cuda_graphs") and run.get("bytes_moved"):
-                steps[args["selector"]] = (run["step_ms"], path.name)
+                runs.append((d["metadata"].get("timestamp", ""), args["selector"], run, path.name))
+    for _, selector, run, name in sorted(runs, key=lambda r: r[0]):
+        steps[selector] = (run["step_ms"], run.get("graph_capture_ms_per_step"), name)
 
     def avg(method: str, point) -> str:
         label = "dense" if method == "dense" else next((k for k in ruler if k.split(" ")[0] == method), None)
@@ -500,8 +505,9 @@ def _tail_ablation() -> list[str]:
         + f") and the RULER task average of `docs/results/{TAIL_STUDY}.md` (dense first). Decode ms/step: "
         "`benchmarks/bench_decode_step.py`, llama-3.1-8b shape, 32,768 tokens, batch 8, budget 2048, every block "
         "offloaded, CUDA graphs (files "
-        + (", ".join(sorted({f"`{f}`" for _, f in steps.values()})) or "none")
-        + ").",
+        + (", ".join(sorted({f"`{f}`" for *_, f in steps.values()})) or "none")
+        + "; the newest run per variant; in parentheses the part of the step spent capturing graphs, once per "
+        "seal of a block).",
         "",
         "| variant | what it adds | device bytes / KV | "
         + " | ".join(f"output error {length:,}" for length in lengths)
@@ -516,7 +522,11 @@ def _tail_ablation() -> list[str]:
         cells = [" / ".join(f"{x:.3f}" for x in sorted(shares)) or "-"]
         cells += [f"{errors[(variant, length)][0]:.3f}" if (variant, length) in errors else "-" for length in lengths]
         cells += [avg(method, p) for p in points]
-        cells.append(f"{steps[method][0]:.1f}" if method in steps else "-")
+        if method in steps:
+            ms, capture, _ = steps[method]
+            cells.append(f"{ms:.1f}" + ("" if capture is None else f" ({capture:.1f})"))
+        else:
+            cells.append("-")
         lines.append(f"| `{method}` | {idea} | " + " | ".join(cells) + " |")
     return lines
 
