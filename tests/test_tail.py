@@ -4,6 +4,8 @@ budget's output close to dense attention."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -100,6 +102,25 @@ def test_attention_lse_falls_back_to_the_reference_where_no_fused_kernel_takes_t
     want_out, want_lse = attention_lse_reference(q, k, v, allowed, 0.3)
     torch.testing.assert_close(out, want_out)
     torch.testing.assert_close(lse, want_lse)
+
+
+def test_attention_lse_falls_back_to_the_reference_once_the_fused_kernel_fails(monkeypatch):
+    import hf_offload.kernels.tail as tail
+
+    def broken(*args):
+        raise RuntimeError("no kernel image for this device")
+
+    monkeypatch.setattr(tail, "_fused_attention_lse", broken)
+    monkeypatch.setattr(tail, "_FUSED_LSE_FAILED", set())
+    q, k, v, allowed = _attention_lse_case("cpu", torch.float32, 20, 1)
+    with pytest.warns(RuntimeWarning, match="using the float32 reference"):
+        out, lse = attention_lse(q, k, v, allowed, 0.3)
+    want_out, want_lse = attention_lse_reference(q, k, v, allowed, 0.3)
+    torch.testing.assert_close(out, want_out)
+    torch.testing.assert_close(lse, want_lse)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once: later calls go straight to the reference
+        attention_lse(q, k, v, allowed, 0.3)
 
 
 @pytest.mark.cuda

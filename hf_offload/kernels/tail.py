@@ -18,6 +18,8 @@ graph can hold them.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from .gather import kernels_available, tl, triton
@@ -134,8 +136,27 @@ def attention_lse(
     Returns:
         ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` and ``[batch, kv_heads, group]``, float32.
     """
-    if not _fused_lse_supported(query, keys):
+    if not _fused_lse_supported(query, keys) or (query.device.type, query.dtype) in _FUSED_LSE_FAILED:
         return attention_lse_reference(query, keys, values, allowed, scaling)
+    try:
+        return _fused_attention_lse(query, keys, values, allowed, scaling)
+    except RuntimeError as error:
+        if query.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise  # a failed call has invalidated the capture; the op-by-op run before it falls back
+        _FUSED_LSE_FAILED.add((query.device.type, query.dtype))
+        warnings.warn(f"attention_lse: the fused attention kernel failed on {query.device.type} for {query.dtype} "
+                      f"({error}); using the float32 reference from now on.", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return attention_lse_reference(query, keys, values, allowed, scaling)
+
+
+_FUSED_LSE_FAILED: set[tuple[str, torch.dtype]] = set()
+"""Device types and dtypes where the fused kernel of :func:`attention_lse` raised once (the reference serves them)."""
+
+
+def _fused_attention_lse(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_lse` through torch's fused kernels (arguments and result as its)."""
     batch, heads, group, _ = query.shape
     n = keys.shape[-2]
     # An additive mask whose rows start 16-element aligned (what the memory-efficient kernel reads), broadcast over
