@@ -87,16 +87,20 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool) -> tuple[tor
     return out, time.perf_counter() - t0
 
 
-def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: Path) -> None:
+def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: Path, host: bool = False) -> None:
     """Profile ``steps`` decode steps on ``cache`` (after the timed ones; their counts are not reported) and write
-    the operators and kernels by total device time to ``out``."""
+    the operators and kernels by total device time to ``out``; with ``host``, by host time (self CPU time), after
+    dropping the captured graphs, so that the profiled steps start with a capture round."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if host:
+        cache.drop_graphs()
     with profile(activities=activities) as prof:
         decode(model, cache, ids, steps, cuda)
-    sort = "cuda_time_total" if cuda else "cpu_time_total"
-    out.write_text(f"{steps} decode steps\n" + prof.key_averages().table(sort_by=sort, row_limit=40))
+    sort = "self_cpu_time_total" if host or not cuda else "cuda_time_total"
+    what = "host time, starting with a capture round" if host else "device time" if cuda else "host time"
+    out.write_text(f"{steps} decode steps, by {what}\n" + prof.key_averages().table(sort_by=sort, row_limit=40))
     print(f"wrote {out}")
 
 
@@ -185,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after each setting's timed run, profile this many more decode steps (torch.profiler) "
                         "and write the kernels by device time next to --out")  # fmt: skip
+    parser.add_argument("--profile-host", action="store_true",
+                        help="with --profile: sort by host time, and drop the captured graphs first so that the "
+                        "profiled steps start with a capture round (where a graph step's host time goes)")  # fmt: skip
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--out", default="results/decode/decode_step.json")
     args = parser.parse_args(argv)
@@ -247,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                 stats = cache.stats()
                 if args.profile and not skip:
                     profile_steps(model, cache, ids, args.profile, cuda,
-                                  Path(args.out).with_suffix(f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"))
+                                  Path(args.out).with_suffix(f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"),
+                                  host=args.profile_host)  # fmt: skip
                 cache.drop_graphs()
                 stats.pop("layers")
                 steps = max(stats["decode_steps"], 1)

@@ -41,3 +41,16 @@ def test_lookahead_both_with_hidden_share(tmp_path, capsys):
         assert s["exposed_recall_ms"] == s["step_ms"] - s["resident_step_ms"]
     printed = capsys.readouterr().out
     assert "hidden share" in printed and data["metadata"]["args"]["lookahead"] == "both"
+
+
+def test_profile_host_writes_operators_by_host_time(tmp_path):
+    out = tmp_path / "decode_step.json"
+    argv = ["--shape", "tiny", "--context", "256", "--batch", "2", "--budget", "64", "--steps", "2", "--warmup", "1",
+            "--transfers", "torch", "--lookahead", "off", "--profile", "2", "--profile-host", "--device", "cpu",
+            "--out", str(out)]  # fmt: skip
+    assert bench_decode_step.main(argv) == 0
+    profiles = list(tmp_path.glob("decode_step.torch.*.prof.txt"))
+    assert len(profiles) == 1
+    text = profiles[0].read_text()
+    assert text.startswith("2 decode steps, by host time, starting with a capture round")
+    assert "Self CPU" in text
