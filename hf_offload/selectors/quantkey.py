@@ -91,7 +91,7 @@ def _block_mass(lse: torch.Tensor) -> torch.Tensor:
     return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
 
 
-def take_blocks(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+def take_blocks(t: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
     """Whole blocks of per-block tensors: ``t[b, index[b, j]]``, moved as the widest integer words that tile a
     block's bytes.
 
@@ -103,11 +103,14 @@ def take_blocks(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         t: ``[batch, n_blocks, ...]``, any dtype, contiguous past the block dimension (a slice of the block
             dimension of a contiguous buffer is fine), any device.
         index: ``[batch, near]``, ``torch.int64``, same device: blocks to take per sequence.
+        rows: ``arange(batch)[:, None]`` on that device (``None``: made here; a caller taking several tensors
+            passes one).
 
     Returns:
         ``[batch, near, ...]``, ``t``'s dtype, contiguous.
     """
-    rows = torch.arange(index.shape[0], device=index.device)[:, None]
+    if rows is None:
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
     if t.dim() < 3 or t.numel() == 0 or not t[0, 0].is_contiguous():
         return t[rows, index]  # element by element
     block_bytes = t[0, 0].numel() * t.element_size()
@@ -265,9 +268,10 @@ class QuantKeySelector(Selector):
         wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
         order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(self.near_count(selection, n))
         index = order.indices  # [batch, near]
-        near_ok = take_blocks(tokens_ok, index) & (order.values > float("-inf"))[:, :, None]
-        near_keys = {k: take_blocks(v, index) for k, v in keys.items()}
-        return near_keys, {k: take_blocks(v, index) for k, v in values.items()}, near_ok, index
+        rows = torch.arange(index.shape[0], device=index.device)[:, None]
+        near_ok = take_blocks(tokens_ok, index, rows) & (order.values > float("-inf"))[:, :, None]
+        near_keys = {k: take_blocks(v, index, rows) for k, v in keys.items()}
+        return near_keys, {k: take_blocks(v, index, rows) for k, v in values.items()}, near_ok, index
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Estimated attention mass per block summed over all heads, shape ``[batch, 1, n_blocks]``, float32.
