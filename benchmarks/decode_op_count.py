@@ -23,7 +23,9 @@ Triton installed) the kernel runs; elsewhere the kernel path runs with a pure-to
 launch arguments are computed; the count is the same). Composite operations (``einsum``, ``pad``, ``flatten``,
 ``to``, ...) count as the operations they decompose into (a ``to`` that changes nothing counts zero), so the
 numbers are of operations that reach a kernel or a view; ``view`` operations (no kernel on a GPU, but a
-dispatcher trip) are counted in the totals and reported separately as ``views``. A dense layer with ``DynamicCache`` (the
+dispatcher trip) are counted in the totals and reported separately as ``views``. The scoring and tail kernels of
+``quantkey`` selectors are not special-cased: without Triton they run their pure-torch references (counted as such),
+and under the interpreter the operations the interpreter itself issues are counted (inflated counts). A dense layer with ``DynamicCache`` (the
 model's own SDPA attention) is counted for reference.
 
 Example::
@@ -166,7 +168,8 @@ def copy_words(chunks, chunk_blocks, block_words, ids, host_off, device_tensor, 
 def counted_copy_kernel(counter: OpCounter, caches_chunks):
     """Count each launch of the copy kernel as one operation and nothing inside it; without a runnable kernel, copy
     with the pure-torch reference over the host chunks instead (``caches_chunks()``: the live chunk tensors)."""
-    from hf_offload.kernels import gather
+    from hf_offload.kernels import gather, quantkey, tail  # noqa: F401 - imported before the patch below, so that
+    # the scoring and tail kernels keep asking the real kernels_available (they have no pure-torch stand-in here)
 
     original, available = gather.copy_pieces, gather.kernels_available
     runnable = available(torch.device("cpu"))

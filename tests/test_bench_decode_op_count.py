@@ -34,3 +34,14 @@ def test_op_count_tiny(tmp_path, capsys):
         kernel_launches = r["top_ops_per_layer_step"]["recall"].get("copy_pieces (kernel launch)", 0)
         assert (kernel_launches == 1) == (r["transfer"] == "kernel")
     assert "kernel/meanbound" in capsys.readouterr().out
+
+
+def test_op_count_of_a_quantkey_selector_with_the_estimate(tmp_path):
+    out = tmp_path / "op_count.json"
+    argv = ["--layers", "1", "--hidden", "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16",
+            "--context", "512", "--batch", "1", "--budget", "128", "--warmup", "1", "--steps", "2", "--no-dense",
+            "--transfers", "kernel", "--selectors", "quantkey", "quantkey[bits=4,tail_bits=2,tail_near=3]",
+            "--out", str(out)]  # fmt: skip
+    assert decode_op_count.main(argv) == 0
+    plain, default = json.loads(out.read_text())["runs"]
+    assert default["per_layer_step"]["attention"] > plain["per_layer_step"]["attention"]  # the estimate's work
