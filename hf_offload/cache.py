@@ -61,9 +61,10 @@ class LayerStats:
         "prefetched_blocks",  # speculative recalls (lookahead); included in the recall counters above
         "prefetched_bytes",
         "prefetch_used_blocks",  # prefetched blocks that the exact plan that followed attended
-        "graph_captures",  # decode steps captured into a CUDA graph (each also ran op by op)
+        "graph_captures",  # decode steps captured into a CUDA graph (op by op first unless their geometry was warm)
         "graph_replays",  # decode steps replayed from a captured graph
-        "graph_capture_us",  # host wall time of the decode steps that captured (their op-by-op run + the capture)
+        "graph_capture_us",  # host wall time of the decode steps that captured (any op-by-op run + the capture)
+        "graph_capture_retries",  # captures of a warm geometry that failed; the step then ran op by op
         "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
         "tail_steps",  # decode steps with that estimate
     )
@@ -201,6 +202,7 @@ class OffloadLayer(CacheLayerMixin):
         self.cache_capture_graph = capture_graph or (lambda device, body, query, held: capture(body, query, None, held))
         self.graphs = False
         self._graphs: dict[tuple, CapturedDecode] = {}
+        self.warm_geometries: set[tuple] = set()  # warm_for() values of the decode steps run op by op
         self.next_layer: OffloadLayer | None = None
         self.lookahead = False
         self.streams = None
@@ -306,6 +308,7 @@ class OffloadLayer(CacheLayerMixin):
             self.cache_decode_inputs(self.device).invalidate()
             self.is_initialized = False
         self._graphs.clear()
+        self.warm_geometries.clear()
         self._clear_transfer_state()
         self.n_tokens = 0
         self.n_blocks = 0
@@ -504,30 +507,49 @@ class OffloadLayer(CacheLayerMixin):
         Returns:
             ``[batch, 1, q_heads, head_dim]``: the graph's output buffer (overwritten by its next replay).
         """
-        # Stream order, as in resident_rounds: the recall in the graph reads host blocks the offload stream wrote.
-        self._wait_prefetch()
-        transfer.wait_event(self._selectable_written, self.device)
-        self._selectable_written = None
+        self._wait_side_streams()
         graph.query.copy_(query)
         graph.graph.replay()
         self.stats.add(("decode_steps", "graph_replays"), 1)
         return graph.out
 
+    def warm_for(self, n: int, k: int, query: torch.Tensor, scaling: float) -> tuple:
+        """What a decode step's work compiles and plans for, besides buffer addresses: the selected blocks, the
+        query's shape and dtype, the scale, the branches that depend on the number of sealed blocks ``n`` (everything
+        selected; the selector's branch, :meth:`Selector.decode_branch
+        <hf_offload.selectors.base.Selector.decode_branch>`) and the integer specialisations Triton compiles for
+        (``n`` equal to 1, or a multiple of 16). A geometry whose value is in :attr:`warm_geometries` has run op by op
+        before and can be captured without running it op by op first."""
+        return (k, tuple(query.shape), query.dtype, scaling, k >= n, n == 1, n % 16 == 0,
+                self.selector.decode_branch(n, k))  # fmt: skip
+
+    def _wait_side_streams(self) -> None:
+        """Make the compute stream wait for the side-stream work a decode step depends on (a pending prefetch, the
+        host writes of the blocks this forward may read) and forget those events. A replay or a capture does this
+        outside the graph: a graph cannot wait on work recorded outside it."""
+        # Stream order, as in resident_rounds: the recall in the graph reads host blocks the offload stream wrote.
+        self._wait_prefetch()
+        transfer.wait_event(self._selectable_written, self.device)
+        self._selectable_written = None
+
     def capture_decode(self, key: tuple, body: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
-                       inputs: DecodeInputs) -> None:
-        """Capture ``body`` (this layer's decode attention, just run op by op for the same geometry) for ``key``.
+                       inputs: DecodeInputs, retry_op_by_op: bool = False) -> CapturedDecode | None:
+        """Capture ``body`` (this layer's decode attention) for ``key``; returns the graph, or ``None``.
 
         Graphs of an earlier geometry are dropped. If the capture fails, this layer runs op by op from then on
-        (with ``cuda_graphs=True``: the error is raised).
+        (with ``cuda_graphs=True``: the error is raised), unless ``retry_op_by_op``: then the failure is only counted
+        (``graph_capture_retries``) and the caller runs the step op by op and captures again.
 
         Args:
             key: the geometry (sealed blocks, selected blocks, query shape and dtype, scale, input buffers).
             body: enqueues the step's work on the current stream given the query buffer; returns the output.
             query: an example query, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA.
             inputs: the step's shared inputs (held by the graph).
+            retry_op_by_op: the step has not run op by op for this geometry (a warm geometry, :meth:`warm_for`).
         """
         self._graphs = {k: g for k, g in self._graphs.items() if k[0] == key[0]}
         self.stats.prepare_capture(self.device)
+        self._wait_side_streams()
         held = (
             *self.summaries.values(), self.block_table_dev, *self.host.chunk_tables(self.device),
             inputs.rows, inputs.valid, inputs.forced, inputs.sequence,
@@ -535,7 +557,11 @@ class OffloadLayer(CacheLayerMixin):
         try:
             self._graphs[key] = self.cache_capture_graph(self.device, body, query, held)
             self.stats.add(("graph_captures",), 1)
+            return self._graphs[key]
         except Exception as error:
+            if retry_op_by_op:
+                self.stats.add(("graph_capture_retries",), 1)
+                return None
             if self.config.cuda_graphs:
                 raise RuntimeError(f"Layer {self.layer_idx}: capturing the decode step failed: {error}") from error
             warnings.warn(
@@ -546,6 +572,7 @@ class OffloadLayer(CacheLayerMixin):
             )
             self.graphs = False
             self._graphs.clear()
+            return None
 
     def plan_decode(self, query: torch.Tensor, scaling: float, n: int, k: int, inputs: DecodeInputs) -> Selection:
         """The selection of a decode step of a plain causal forward: ``k`` of ``n`` sealed blocks (all if ``k >= n``),
@@ -1164,8 +1191,10 @@ class OffloadCache(Cache):
             ``prefetched_bytes`` (speculative recalls of lookahead), ``prefetch_used_blocks`` (prefetched blocks
             that the exact plan right after attended), ``offloaded_bytes``, ``graph_captures`` and
             ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``graph_capture_ms``
-            (host wall time of the layer decode steps that captured: their op-by-op run and the capture; a graph is
-            captured at the first decode step after each seal of a block, so this is what graphs cost), ``timing`` (with ``timing=True``: mean
+            (host wall time of the layer decode steps that captured: the capture, and an op-by-op run first where the
+            geometry's kind had not run op by op yet; a graph is captured at the first decode step after each seal of
+            a block, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
+            that failed and were redone after one; expected 0), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
@@ -1221,6 +1250,7 @@ class OffloadCache(Cache):
             "graph_captures": total("graph_captures"),
             "graph_replays": total("graph_replays"),
             "graph_capture_ms": total("graph_capture_us") / 1000,
+            "graph_capture_retries": total("graph_capture_retries"),
             "hit_rate": total("hits") / lookups if lookups else None,
             "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),

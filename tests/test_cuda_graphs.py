@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 
+import hf_offload.attention as attention_module
 import hf_offload.cache as cache_module
 from hf_offload import OffloadCache
 from hf_offload.cache import OffloadLayer
@@ -47,17 +48,27 @@ def test_graphs_same_tokens_and_counters(arch, selector, monkeypatch):
     ids, mask = ids.cuda(), mask.cuda()
     steps = 60  # several seals of 8-token blocks: several captures per layer
     expected, eager = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=False)
-    captures, replays = [], []
-    capture, replay = cache_module.capture, OffloadLayer.replay
+    captures, replays, op_by_op = [], [], []
+    capture, replay, body = cache_module.capture, OffloadLayer.replay, attention_module._decode_body
+
+    def counted_body(*args, **kwargs):
+        if not (len(args) > 8 and args[8] is False):  # a step run op by op (not the body a capture records)
+            op_by_op.append(1)
+        return body(*args, **kwargs)
+
     monkeypatch.setattr(cache_module, "capture", lambda *a, **k: captures.append(1) or capture(*a, **k))
     monkeypatch.setattr(OffloadLayer, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
+    monkeypatch.setattr(attention_module, "_decode_body", counted_body)
     got, graphed = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=True)
     assert torch.equal(got, expected)
     layers = len(graphed.offload_layers)
     decode_calls = (steps - 1) * layers
     assert replays and captures
-    assert len(replays) + len(captures) <= decode_calls  # every step either replays or runs op by op
+    assert len(replays) + len(op_by_op) == decode_calls  # every step either replays (maybe just captured) or not
     assert len(replays) >= decode_calls * 3 // 4  # one capture per layer and seal (every 8 steps)
+    # A geometry of a kind the layer has run op by op is captured without running op by op first.
+    assert len(op_by_op) < len(captures)
+    assert graphed.stats()["graph_capture_retries"] == 0
     a, b = eager.stats(), graphed.stats()
     for name in COUNTERS:
         assert a[name] == b[name], name

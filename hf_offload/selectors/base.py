@@ -55,6 +55,13 @@ class Selector:
         """Whether :meth:`tail_attention` estimates the attention over the unselected blocks (off in the base)."""
         return False
 
+    def decode_branch(self, n_blocks: int, k: int) -> object:
+        """Which variant of its decode work this selector runs for ``n_blocks`` sealed blocks of which ``k`` are
+        selected, where that depends on ``n_blocks`` beyond tensor sizes (a hashable value; the base has one
+        variant). A decode step whose variant has not run op by op yet runs op by op before it is captured into a
+        CUDA graph (``OffloadLayer.warm_for``)."""
+        return None
+
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Summaries of freshly sealed blocks, kept on the compute device for scoring.
 

@@ -241,6 +241,13 @@ class QuantKeySelector(Selector):
             lse = torch.logaddexp(lse, far_lse)
         return out[..., :head_dim], lse
 
+    def decode_branch(self, n_blocks: int, k: int) -> object:
+        """With an estimate of the unselected blocks: whether it is bounded (``tail_near`` and more unselected blocks
+        than :meth:`near_count`) or takes every unselected block token by token."""
+        if not self.tail_bits:
+            return None
+        return bool(self.tail_near) and math.ceil(self.tail_near * k) < n_blocks
+
     def near_count(self, selection: Selection, n: int) -> int:
         """Unselected blocks the bounded estimate takes token by token: ``ceil(tail_near * k)``, at most ``n``."""
         return min(n, math.ceil(self.tail_near * selection.blocks.shape[-1]))
