@@ -211,15 +211,22 @@ class Clock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list = []
+        self.host_marks: list[float] = []
 
     def mark(self) -> None:
-        """Record a time point (after all work queued so far)."""
+        """Record a time point (after all work queued so far), and the host's clock when it was queued."""
+        self.host_marks.append(time.perf_counter())
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
             event.record()
             self.marks.append(event)
         else:
-            self.marks.append(time.perf_counter())
+            self.marks.append(self.host_marks[-1])
+
+    def host_spans_s(self) -> list[float]:
+        """Seconds of host time between consecutive marks (where the host ran ahead of the device, less than
+        :meth:`spans_s`; a step that makes the host wait for the device shows here as long as on the device)."""
+        return [b - a for a, b in zip(self.host_marks, self.host_marks[1:])]
 
     def spans_s(self) -> list[float]:
         """Seconds between consecutive marks (synchronises once)."""
@@ -483,6 +490,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         clock.mark()
         ids = decode(model, cache, kw, ids, pos, steps, mask, clock)
         spans = clock.spans_s()
+        host_spans = clock.host_spans_s()
         sync(device)
         pos += steps
         timed_s = sum(spans)
@@ -490,6 +498,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         row.update(
             warmup_steps=args.warmup, warmup_step_s=warm_s, steps=steps, kv_tokens_end=pos, timed_s=timed_s,
             step_ms=step_s * 1e3, step_ms_median=sorted(spans)[len(spans) // 2] * 1e3,
+            step_ms_each=[round(x * 1e3, 3) for x in spans], host_ms_each=[round(x * 1e3, 3) for x in host_spans],
             tokens_per_s=batch / step_s, ms_per_output_token=step_s * 1e3 / batch,
             peak_device_bytes=max(row["fill_peak_device_bytes"], torch.cuda.max_memory_allocated(device)) if cuda
             else None,

@@ -51,6 +51,9 @@ def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, cap
         assert r["tokens_per_s"] > 0 and r["step_ms"] > 0
         assert r["tokens_per_s"] == pytest.approx(BATCH * 1e3 / r["step_ms"])
         assert r["ms_per_output_token"] == pytest.approx(r["step_ms"] / BATCH)
+        assert len(r["step_ms_each"]) == len(r["host_ms_each"]) == STEPS  # one entry per timed step
+        assert sum(r["step_ms_each"]) == pytest.approx(r["step_ms"] * STEPS, rel=1e-3)
+        assert all(ms > 0 for ms in r["host_ms_each"])
         roof = r["roofline"]
         for key in ("weight_bytes", "kv_read_bytes", "hbm_ms", "roofline_ms", "step_over_roofline"):
             assert roof[key] > 0, (method, key)
