@@ -11,9 +11,10 @@ batch 8, budget 2048, 16-token blocks, a slot pool of 1.25 x the budget) and is 
   needs to merge with; ``hf_offload.kernels.tail.attention_lse``, a fused kernel), and ``attention_lse_reference``,
   the same in float32 matrix products (what the decode step ran before);
 * ``estimate``: ``Selector.tail_attention`` for the step's unselected blocks (with ``tail_near``: the top-k of the
-  near blocks, the gathers of their codes, the tail kernel and the far blocks' log-sum-exp);
+  near blocks, the tail kernel reading them through their indices and the far blocks' log-sum-exp);
 * ``estimate_kernel``: the tail kernel alone (``hf_offload.kernels.tail.tail_attention``) over the near blocks'
-  codes, gathered beforehand;
+  codes, gathered beforehand, and (with ``tail_near``) ``estimate_kernel_index``, the same kernel reading the near
+  blocks in place through their indices (what ``estimate`` runs);
 * ``merge``: ``merge_attention`` of the selection's and the estimate's attention.
 
 On CUDA each piece is captured ``--calls`` times in one CUDA graph and the replays are timed with CUDA events
@@ -141,9 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     s = x["summaries"]
     near_k = {"codes": s["codes"], "kmin": s["kmin"], "kstep": s["kstep"]}
     near_v = {"codes": s["vcodes"], "kmin": s["vmin"], "kstep": s["vstep"]}
-    near_ok, near = x["tail_ok"], x["n"]
-    if selector.tail_near:  # the near blocks' codes, gathered as the bounded estimate gathers them
-        near_k, near_v, near_ok, _ = selector.near_blocks(near_k, near_v, near_ok, sel)
+    near_ok, near, index = x["tail_ok"], x["n"], None
+    full_k, full_v = near_k, near_v
+    if selector.tail_near:  # the near blocks' codes, copied (what the estimate did before its kernel took the index)
+        near_k, near_v, near_ok, index = selector.near_blocks(near_k, near_v, near_ok, sel)
         near = near_ok.shape[1]
     q32 = x["query"].float() * x["scaling"]
     out_a, lse_a = attention_lse(grouped, x["pool_k"], x["pool_v"], x["ok"], x["scaling"])
@@ -158,6 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": lambda: selector.tail_attention(x["query"], x["summaries"], x["scaling"], x["tail_ok"],
                                                     selection=sel),
         "estimate_kernel": lambda: tail_attention(q32, near_k, selector.bits, near_v, selector.tail_bits, near_ok),
+        **({"estimate_kernel_index": lambda: tail_attention(q32, full_k, selector.bits, full_v, selector.tail_bits,
+                                                            near_ok, index=index)} if index is not None else {}),
         "merge": lambda: merge_attention(out_a, lse_a, out_b, lse_b),
     }  # fmt: skip
     us = {name: _time(fn, args, cuda) for name, fn in pieces.items()}

@@ -16,7 +16,7 @@ def test_tiny_run_times_every_piece_and_writes_json(tmp_path):
                                      "1", "--device", "cpu", "--out", str(out)]) == 0  # fmt: skip
     data = json.loads(out.read_text())
     assert set(data["us_per_layer"]) == {"select", "sdpa", "attention_lse", "attention_lse_reference", "estimate",
-                                         "estimate_kernel", "merge"}  # fmt: skip
+                                         "estimate_kernel", "estimate_kernel_index", "merge"}  # fmt: skip
     assert all(v > 0 for v in data["us_per_layer"].values())
     # 64 sealed blocks, 16 selected (budget 256 / 16), the default's tail_near=3: 48 estimated token by token.
     assert (data["sealed_blocks"], data["selected_blocks"], data["near_blocks"]) == (64, 16, 48)

@@ -77,6 +77,31 @@ def test_kernel_settings_are_checked():
         tail_attention(query, kq, 2, vq, 2, ok, precision="fp16")
 
 
+@pytest.mark.parametrize("variant", ["dot", "loop"])
+def test_kernel_reads_blocks_through_an_index(variant):
+    """With ``index`` the kernel reads block ``index[b, j]`` of the full summaries for entry ``j``: the same as the
+    reference over copies of those blocks (repeats and out-of-order entries included), and the same as the
+    reference path of ``tail_attention`` itself (which gathers)."""
+    batch, n, heads, group, tokens, dim = 2, 29, 2, 4, 16, 64
+    query, kq, vq, _ = _inputs(batch, n, heads, group, tokens, dim, 4, 2, torch.bfloat16, capacity=n + 7)
+    g = torch.Generator().manual_seed(3)
+    index = torch.stack([torch.randperm(n, generator=g)[:11], torch.randint(0, n, (11,), generator=g)]).to(DEVICE)
+    ok = (torch.rand(batch, 11, tokens, generator=g) > 0.25).to(DEVICE)
+    ok[0, 4] = False  # an entry with nothing to estimate
+    rows = torch.arange(batch, device=DEVICE)[:, None]
+    want_out, want_lse = tail_attention_reference(
+        query, {k: v[rows, index] for k, v in kq.items()}, 4, {k: v[rows, index] for k, v in vq.items()}, 2, ok)
+    for per in (1, 16):
+        out, lse = tail_attention(query, kq, 4, vq, 2, ok, blocks_per_program=per, variant=variant,
+                                  precision="ieee", index=index)  # fmt: skip
+        torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    out, lse = tail_attention(query, kq, 4, vq, 2, ok, softcap=1e9, index=index)  # the reference path
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="index must be int64"):
+        tail_attention(query, kq, 4, vq, 2, ok, index=index[:, :5])
+
+
 def test_kernel_with_nothing_to_attend_and_with_no_blocks():
     query, kq, vq, ok = _inputs(2, 20, 2, 3, 16, 32, 2, 2, torch.float32)
     ok[1] = False  # one sequence attends nothing

@@ -211,6 +211,7 @@ if triton is not None:
         vmin_ptr,  # [B, cap, H, D]
         vstep_ptr,  # [B, cap, H, D]
         ok_ptr,  # uint8 [B, N, T]: 1 = attend
+        idx_ptr,  # int64 [B, N]: the summaries' block of each of the N blocks (read with HAS_INDEX only)
         o_ptr,  # float32 [B, H, S, G, D]: unnormalised partial outputs
         m_ptr,  # float32 [B, H, S, G]: partial maxima
         l_ptr,  # float32 [B, H, S, G]: partial denominators
@@ -226,6 +227,7 @@ if triton is not None:
         KBITS: tl.constexpr,
         VBITS: tl.constexpr,
         PER_PROGRAM: tl.constexpr,
+        HAS_INDEX: tl.constexpr,  # block n is the summaries' block idx[b, n] (else block n itself)
     ):
         # One program: one (sequence, KV head) and PER_PROGRAM consecutive blocks; per block the keys and values
         # are decoded into [T, D] float32 tiles and folded into an online softmax of all G query heads.
@@ -245,7 +247,11 @@ if triton is not None:
         for i in range(PER_PROGRAM):
             n = split * PER_PROGRAM + i
             if n < n_blocks:
-                krow = (b * k_stride + n) * heads + h
+                if HAS_INDEX:
+                    blk = tl.load(idx_ptr + b * n_blocks + n)
+                else:
+                    blk = n
+                krow = (b * k_stride + blk) * heads + h
                 kmin = tl.load(kmin_ptr + krow * D + d).to(tl.float32)
                 kstep = tl.load(kstep_ptr + krow * D + d).to(tl.float32)
                 kbyte = tl.load(kcodes_ptr + (krow * T + t[:, None]) * (D // KPER) + (d // KPER)[None, :])
@@ -258,7 +264,7 @@ if triton is not None:
                 shift = tl.where(m_new == float("-inf"), 0.0, m_new)
                 p = tl.exp(logits - shift[:, None])
                 rescale = tl.exp(m - shift)
-                vrow = (b * v_stride + n) * heads + h
+                vrow = (b * v_stride + blk) * heads + h
                 vmin = tl.load(vmin_ptr + vrow * D + d).to(tl.float32)
                 vstep = tl.load(vstep_ptr + vrow * D + d).to(tl.float32)
                 vbyte = tl.load(vcodes_ptr + (vrow * T + t[:, None]) * (D // VPER) + (d // VPER)[None, :])
@@ -283,6 +289,7 @@ if triton is not None:
         vmin_ptr,  # [B, cap, H, D]
         vstep_ptr,  # [B, cap, H, D]
         ok_ptr,  # uint8 [B, N, T]: 1 = attend
+        idx_ptr,  # int64 [B, N]: the summaries' block of each of the N blocks (read with HAS_INDEX only)
         o_ptr,  # float32 [B, H, S, G, D]: unnormalised partial outputs
         m_ptr,  # float32 [B, H, S, G]: partial maxima
         l_ptr,  # float32 [B, H, S, G]: partial denominators
@@ -300,6 +307,7 @@ if triton is not None:
         PER_PROGRAM: tl.constexpr,  # a multiple of NB
         NB: tl.constexpr,  # blocks per iteration (NB * T rows, at least 16)
         PRECISION: tl.constexpr,  # tl.dot input precision: "tf32" or "ieee"
+        HAS_INDEX: tl.constexpr,  # block n is the summaries' block idx[b, n] (else block n itself)
     ):
         # One program: one (sequence, KV head) and PER_PROGRAM consecutive blocks, NB blocks (R = NB * T token
         # rows) per iteration, as flash-decoding walks a KV range. The codes of a byte position p (channels
@@ -332,7 +340,11 @@ if triton is not None:
         for it in range(PER_PROGRAM // NB):
             n = split * PER_PROGRAM + it * NB + nb  # [NB]
             live = n < n_blocks
-            krow = (b * k_stride + n) * heads + h
+            if HAS_INDEX:
+                blk = tl.load(idx_ptr + b * n_blocks + n, mask=live, other=0)
+            else:
+                blk = n
+            krow = (b * k_stride + blk) * heads + h
             kbyte = tl.load(kcodes_ptr + ((krow * T)[:, None, None] + t[None, :, None]) * KDB + jk[None, None, :],
                             mask=live[:, None, None], other=0).to(tl.int32)  # [NB, T, KDB]; fmt: skip
             logits = tl.zeros((GP, R), dtype=tl.float32)
@@ -350,7 +362,7 @@ if triton is not None:
             prob = tl.exp(logits - shift[:, None])
             rescale = tl.exp(m - shift)
             l = l * rescale + tl.sum(prob, axis=1)
-            vrow = (b * v_stride + n) * heads + h
+            vrow = (b * v_stride + blk) * heads + h
             vbyte = tl.load(vcodes_ptr + ((vrow * T)[:, None, None] + t[None, :, None]) * VDB + jv[None, None, :],
                             mask=live[:, None, None], other=0).to(tl.int32)  # [NB, T, VDB]; fmt: skip
             new_accs = ()
@@ -432,12 +444,17 @@ def tail_attention(
     precision: str = "tf32",
     num_warps: int | None = None,
     num_stages: int | None = None,
+    index: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention_reference`'s result, from one Triton launch where :func:`tail_kernel_supported` (and
     no ``softcap``), else from the reference itself. Arguments and result as the reference's (``chunk_blocks`` is
     used by the reference only), plus the kernel's settings:
 
     Args:
+        index: the blocks to read, ``[batch, n]``, ``torch.int64``, same device: entry ``j`` of ``tokens_ok``
+            (``[batch, n, block_tokens]``) is block ``index[b, j]`` of ``keys`` and ``values``, which then hold
+            every block (``[batch, n_blocks, ...]``). The kernel reads the blocks where they are; the reference
+            gathers them first. ``None``: ``keys`` and ``values`` are the ``n`` blocks themselves.
         blocks_per_program: blocks of one sequence and KV head one program walks (their partial softmaxes are merged
             in torch); the ``dot`` kernel rounds it up to whole iterations.
         variant: one of :data:`VARIANTS`; ``None``: :data:`DEFAULT_VARIANT` where :func:`dot_kernel_fits`, else
@@ -449,7 +466,16 @@ def tail_attention(
         num_stages: software-pipelining stages of the kernel's loop; ``None``: Triton's default.
 
     Allocates only its outputs and never waits for the device."""
+    if index is not None and (index.shape != tokens_ok.shape[:2] or index.dtype != torch.int64):
+        raise ValueError(f"tail_attention: index must be int64 of shape {tuple(tokens_ok.shape[:2])} (tokens_ok's "
+                         f"first two sizes), got {index.dtype} {tuple(index.shape)}")  # fmt: skip
     if softcap is not None or not tail_kernel_supported(query, keys, values):
+        if index is not None:
+            from ..selectors.quantkey import take_blocks
+
+            rows = torch.arange(index.shape[0], device=index.device)[:, None]
+            keys = {name: take_blocks(t, index, rows) for name, t in keys.items()}
+            values = {name: take_blocks(t, index, rows) for name, t in values.items()}
         return tail_attention_reference(query, keys, key_bits, values, value_bits, tokens_ok, softcap, chunk_blocks)
     from .quantkey import block_stride
 
@@ -475,20 +501,22 @@ def tail_attention(
     m = torch.empty((batch, heads, splits, group), dtype=torch.float32, device=query.device)
     l = torch.empty_like(m)
     ok = tokens_ok.contiguous().view(torch.uint8)
+    idx = index.contiguous() if index is not None else ok  # not read without an index
     args = (query.float().contiguous(), keys["codes"], keys["kmin"], keys["kstep"], values["codes"], values["kmin"],
-            values["kstep"], ok, o, m, l, n, heads, splits,
+            values["kstep"], ok, idx, o, m, l, n, heads, splits,
             block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
             block_stride(values["codes"], values["kmin"], values["kstep"]))  # fmt: skip
     launch = {name: v for name, v in (("num_warps", num_warps), ("num_stages", num_stages)) if v is not None}
     if variant == "dot":
         _tail_dot_kernel[(batch * heads, splits)](
             *args, G=group, GP=max(16, 1 << (group - 1).bit_length()), T=tokens, D=channels, KBITS=key_bits,
-            VBITS=value_bits, PER_PROGRAM=per_program, NB=per_step, PRECISION=precision, **launch,
+            VBITS=value_bits, PER_PROGRAM=per_program, NB=per_step, PRECISION=precision, HAS_INDEX=index is not None,
+            **launch,
         )  # fmt: skip
     else:
         _tail_kernel[(batch * heads, splits)](
             *args, G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
-            PER_PROGRAM=per_program, **launch,
+            PER_PROGRAM=per_program, HAS_INDEX=index is not None, **launch,
         )  # fmt: skip
     top = m.amax(dim=2)
     top = torch.where(torch.isinf(top), torch.zeros_like(top), top)

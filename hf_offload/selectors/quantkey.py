@@ -230,8 +230,8 @@ class QuantKeySelector(Selector):
         if not bounded or self.near_count(selection, n) >= n:  # every unselected block token by token
             out, lse = tail_attention(q, keys, self.bits, values, self.tail_bits, tokens_ok, softcap)
             return out[..., :head_dim], lse
-        near_keys, near_values, near_ok, index = self.near_blocks(keys, values, tokens_ok, selection)
-        out, lse = tail_attention(q, near_keys, self.bits, near_values, self.tail_bits, near_ok, softcap)
+        near_ok, index = self.near_index(tokens_ok, selection)
+        out, lse = tail_attention(q, keys, self.bits, values, self.tail_bits, near_ok, softcap, index=index)
         if softcap is None:
             # Unselected blocks not estimated token by token, every token of which the query may attend (the block
             # log-sum-exps cover whole blocks: a block with padding in it would count its padding).
@@ -252,6 +252,25 @@ class QuantKeySelector(Selector):
         """Unselected blocks the bounded estimate takes token by token: ``ceil(tail_near * k)``, at most ``n``."""
         return min(n, math.ceil(self.tail_near * selection.blocks.shape[-1]))
 
+    def near_index(self, tokens_ok: torch.Tensor, selection: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bounded estimate's near blocks, the :meth:`near_count` unselected blocks of highest score: which of
+        their tokens to estimate and where they are.
+
+        Args:
+            tokens_ok: ``[batch, n_blocks, block_tokens]``, ``torch.bool``: the tokens to estimate.
+            selection: the step's selection (its ``scores``, ``[batch, 1, n_blocks]``).
+
+        Returns:
+            ``(tokens_ok, index)``: ``tokens_ok`` of the near blocks, ``[batch, near, block_tokens]``, ``False`` for
+            an entry with nothing to estimate; ``index``, ``[batch, near]``, ``torch.int64``, their blocks.
+        """
+        n = tokens_ok.shape[1]
+        wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
+        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(self.near_count(selection, n))
+        index = order.indices  # [batch, near]
+        near_ok = take_blocks(tokens_ok, index) & (order.values > float("-inf"))[:, :, None]
+        return near_ok, index
+
     def near_blocks(
         self,
         keys: dict[str, torch.Tensor],
@@ -259,7 +278,8 @@ class QuantKeySelector(Selector):
         tokens_ok: torch.Tensor,
         selection: Selection,
     ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
-        """The bounded estimate's near blocks: the :meth:`near_count` unselected blocks of highest score.
+        """:meth:`near_index` plus copies of the near blocks' summaries (what the estimate read before its kernel
+        took the index; kept for the benchmarks and the reference).
 
         Args:
             keys: ``codes`` / ``kmin`` / ``kstep`` of the sealed blocks, ``[batch, n_blocks, ...]``.
@@ -268,15 +288,11 @@ class QuantKeySelector(Selector):
             selection: the step's selection (its ``scores``, ``[batch, 1, n_blocks]``).
 
         Returns:
-            ``(keys, values, tokens_ok, index)`` of the near blocks, ``[batch, near, ...]``; ``tokens_ok`` is
-            ``False`` for an entry with nothing to estimate; ``index`` ``[batch, near]``, ``torch.int64``.
+            ``(keys, values, tokens_ok, index)`` of the near blocks, ``[batch, near, ...]``; ``tokens_ok`` and
+            ``index`` as :meth:`near_index`'s.
         """
-        n = tokens_ok.shape[1]
-        wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
-        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(self.near_count(selection, n))
-        index = order.indices  # [batch, near]
+        near_ok, index = self.near_index(tokens_ok, selection)
         rows = torch.arange(index.shape[0], device=index.device)[:, None]
-        near_ok = take_blocks(tokens_ok, index, rows) & (order.values > float("-inf"))[:, :, None]
         near_keys = {k: take_blocks(v, index, rows) for k, v in keys.items()}
         return near_keys, {k: take_blocks(v, index, rows) for k, v in values.items()}, near_ok, index
 
