@@ -537,7 +537,8 @@ def _decode_sdpa(
         # The unselected blocks' attention, estimated by the selector, joins the selection's through the log-sum-exp.
         out, lse = attention_lse(grouped, k_all, v_all, ok, scaling)
         selection = Selection(blocks=blocks, keep=keep, scores=None if plan is None else plan.scores,
-                              block_lse=None if plan is None else plan.block_lse)  # fmt: skip
+                              block_lse=None if plan is None else plan.block_lse,
+                              ranked=None if plan is None or plan.blocks is not blocks else plan.ranked)  # fmt: skip
         tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
         layer.count_tail(tail_lse, lse)
         out, _ = merge_attention(out, lse, tail_out, tail_lse)

@@ -3,6 +3,8 @@ unselected blocks token by token, the others by the mass the scoring computed.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -104,3 +106,37 @@ def test_take_blocks_equals_indexing_for_slices_of_capacity_buffers(dtype, inner
     assert taken.dtype == t.dtype and taken.is_contiguous()
     assert torch.equal(taken, t[torch.arange(3)[:, None], index])
     assert torch.equal(take_blocks(t[:, :, :1], index), t[:, :, :1][torch.arange(3)[:, None], index])  # strided
+
+
+@pytest.mark.parametrize("near", [1, 3])
+def test_one_ranking_serves_the_selection_and_the_near_blocks(near):
+    """With ``tail_near`` the selection comes from one top-k of ``k + near`` blocks: its first ``k`` are the plain
+    top-k choice, and the near blocks taken from the rest are those a second top-k over the unselected ones picks;
+    the estimate is the same either way."""
+    selector, summaries, query, selection, tokens_ok, *_ = _setup(near, seed=2)
+    k = selection.blocks.shape[-1]
+    assert selection.ranked.shape == (B, 1, k + near * k)
+    assert torch.equal(selection.ranked[..., :k], selection.blocks)
+    forced = torch.zeros(B, N, dtype=torch.bool)
+    forced[:, :2] = forced[:, -3:] = True
+    plain = selector.choose(selector.score(query, summaries, 0.125), k, forced, torch.ones(B, N, dtype=torch.bool))
+    assert torch.equal(selection.blocks.sort(-1).values, plain.blocks.sort(-1).values)
+    assert torch.equal(selection.scores, plain.scores)
+    index = selector.near_index(tokens_ok, selection)[1]
+    unranked = dataclasses.replace(selection, ranked=None)  # the second top-k
+    index_b = selector.near_index(tokens_ok, unranked)[1]
+    assert torch.equal(index.sort(-1).values, index_b.sort(-1).values)
+    got = selector.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
+    want = selector.tail_attention(query, summaries, 0.125, tokens_ok, selection=unranked)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+def test_a_changed_selection_ranks_again():
+    """A selection without the ranking (e.g. after the transfer cap) takes its near blocks by a second top-k, which
+    never returns a selected block."""
+    selector, summaries, query, selection, tokens_ok, *_ = _setup(3, seed=4)
+    swapped = dataclasses.replace(selection, blocks=selection.blocks.flip(-1), ranked=None)
+    chosen = torch.zeros(B, N, dtype=torch.bool).scatter(1, swapped.blocks[:, 0], True)
+    near_ok, index = selector.near_index(tokens_ok & ~chosen[:, :, None], swapped)
+    assert not chosen.gather(1, index)[near_ok.any(-1)].any()

@@ -30,12 +30,17 @@ class Selection:
             scores came from, ``[batch, kv_heads, group, n_blocks]``, float32, compute device (a bounded estimate of
             the unselected blocks counts the blocks it does not estimate token by token through them); else
             ``None``.
+        ranked: where the selector ranked past ``k`` for a later use, the indices of the best blocks by ``scores``
+            in descending order, ``[batch, heads_or_1, k + extra]``, ``torch.int64``, whose first ``k`` are
+            ``blocks`` (the bounded estimate takes its near blocks from the rest); else ``None``. A selection that
+            is changed after it was chosen (e.g. by the transfer cap) carries none.
     """
 
     blocks: torch.Tensor
     keep: torch.Tensor
     scores: torch.Tensor | None = None
     block_lse: torch.Tensor | None = None
+    ranked: torch.Tensor | None = None
 
 
 class Selector:

@@ -265,8 +265,15 @@ class QuantKeySelector(Selector):
             an entry with nothing to estimate; ``index``, ``[batch, near]``, ``torch.int64``, their blocks.
         """
         n = tokens_ok.shape[1]
+        k, near = selection.blocks.shape[-1], self.near_count(selection, n)
+        if selection.ranked is not None and selection.ranked.shape[-1] >= k + near:
+            # The selection's own ranking past k: the best unselected blocks, no second top-k. Blocks ranked at
+            # -inf may not be attended; an entry without a token to estimate counts nothing.
+            index = selection.ranked[:, 0, k : k + near]
+            live = selection.scores[:, 0, :n].gather(1, index) > float("-inf")
+            return take_blocks(tokens_ok, index) & live[:, :, None], index
         wanted = tokens_ok.any(dim=-1)  # [batch, n]: blocks with a token to estimate
-        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(self.near_count(selection, n))
+        order = selection.scores[:, 0, :n].masked_fill(~wanted, float("-inf")).topk(near)
         index = order.indices  # [batch, near]
         near_ok = take_blocks(tokens_ok, index) & (order.values > float("-inf"))[:, :, None]
         return near_ok, index
@@ -332,4 +339,13 @@ class QuantKeySelector(Selector):
         if not self.tail_near:
             return super().select(query, summaries, scaling, k, forced, valid)
         lse = self.block_lse(query, summaries, scaling)
-        return dataclasses.replace(self.choose(_block_mass(lse), k, forced, valid), block_lse=lse)
+        n = valid.shape[-1]
+        ranked = min(n, k + math.ceil(self.tail_near * k))
+        if ranked <= k:
+            return dataclasses.replace(self.choose(_block_mass(lse), k, forced, valid), block_lse=lse)
+        # One top-k serves the selection (its first k) and the bounded estimate's near blocks (the rest).
+        scores = _block_mass(lse).masked_fill(forced[:, None, :], float("inf"))
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+        top = scores.topk(ranked, dim=-1)
+        return Selection(blocks=top.indices[..., :k], keep=top.values[..., :k] > float("-inf"), scores=scores,
+                         block_lse=lse, ranked=top.indices)  # fmt: skip
