@@ -243,10 +243,12 @@ class QuantKeySelector(Selector):
 
     def decode_branch(self, n_blocks: int, k: int) -> object:
         """With an estimate of the unselected blocks: whether it is bounded (``tail_near`` and more unselected blocks
-        than :meth:`near_count`) or takes every unselected block token by token."""
+        than :meth:`near_count`) or takes every unselected block token by token, and whether the selection's own
+        ranking holds the near blocks (``n_blocks >= k + near``; else :meth:`near_index` ranks again)."""
         if not self.tail_bits:
             return None
-        return bool(self.tail_near) and math.ceil(self.tail_near * k) < n_blocks
+        near = math.ceil(self.tail_near * k)
+        return bool(self.tail_near) and near < n_blocks, bool(self.tail_near) and k + near <= n_blocks
 
     def near_count(self, selection: Selection, n: int) -> int:
         """Unselected blocks the bounded estimate takes token by token: ``ceil(tail_near * k)``, at most ``n``."""
