@@ -189,14 +189,16 @@ def merge_attention(
         lse_b: same shape as ``lse_a``.
 
     Returns:
-        ``(out, lse)`` over the union, float32, same shapes.
+        ``(out, lse)`` over the union, float32, same shapes; where both sets are empty, ``out_b`` and ``-inf``
+        (the attention functions of this module give zeros for an empty set).
+
+    Five operations (each a kernel on a GPU, where a decode step runs this once per layer): the share of the first
+    set is ``exp(lse_a - lse)`` with ``lse = logaddexp(lse_a, lse_b)``, and the output interpolates between the
+    two by it.
     """
-    m = torch.maximum(lse_a, lse_b)
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    wa, wb = torch.exp(lse_a - m), torch.exp(lse_b - m)
-    total = wa + wb
-    out = (wa[..., None] * out_a + wb[..., None] * out_b) / total.clamp(min=1e-30)[..., None]
-    return out, m + torch.log(total)
+    lse = torch.logaddexp(lse_a, lse_b)
+    share_a = torch.exp(lse_a - lse).nan_to_num_(0.0)  # both empty: -inf - -inf
+    return torch.lerp(out_b, out_a, share_a[..., None]), lse
 
 
 if triton is not None:
@@ -518,12 +520,9 @@ def tail_attention(
             *args, G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
             PER_PROGRAM=per_program, HAS_INDEX=index is not None, **launch,
         )  # fmt: skip
-    top = m.amax(dim=2)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    scale = torch.exp(m - top[:, :, None])  # [B, H, S, G]; 0 for ranges with nothing attended
-    total = (l * scale).sum(dim=2)
-    out = (o * scale[..., None]).sum(dim=2)
-    attended = total > 0
-    out = torch.where(attended[..., None], out / total.clamp(min=1e-30)[..., None], torch.zeros_like(out))
-    lse = torch.where(attended, top + torch.log(total.clamp(min=1e-30)), torch.full_like(top, float("-inf")))
-    return out, lse
+    # Merge the ranges: lse = log sum_s exp(m_s) l_s, and out = sum_s exp(m_s - lse) o_s (o_s unnormalised). A
+    # range with nothing attended has m_s = -inf and l_s = 0; where nothing is attended at all, lse = -inf and the
+    # weights (-inf - -inf) become 0, so out = 0.
+    lse = torch.logsumexp(m + torch.log(l), dim=2)  # [B, H, G]
+    weight = torch.exp(m - lse[:, :, None]).nan_to_num_(0.0)  # [B, H, S, G]
+    return (o * weight[..., None]).sum(dim=2), lse
