@@ -253,7 +253,7 @@ class OffloadLayer(CacheLayerMixin):
         # SUMMARY_CHUNK_BLOCKS at a time, so that a seal writes in place instead of re-allocating every summary.
         self.summaries: dict[str, torch.Tensor] = {}
         self._summary_store: dict[str, torch.Tensor] = {}
-        self._entry_index_memo: dict[tuple[int, bool], tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self._entry_index_memo: dict[tuple[int, object], tuple[torch.Tensor, torch.Tensor | None]] = {}
         # The open block lives in the slot pool's open slot (one block; positions past the filled ones are never
         # attended), so that decode attention reads it with the selected slots in one call.
         self._open_k, self._open_v = self.pool.open_keys, self.pool.open_values
@@ -792,17 +792,27 @@ class OffloadLayer(CacheLayerMixin):
             batch_idx, head_idx = self._entry_indices(n, per_head=False)
             slot_idx = slots[:, :1].reshape(-1)
             count, unit = missed.sum(), self.host.block_bytes
+        offsets = None if head_idx is not None else self._block_offsets(n)
         addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream, before any side stream
-        uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,))
+        uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,)) + (offsets or ())
         event = transfer.launch_on(
             stream,
-            lambda: transfer.recall_blocks_kernel(self.host, self.pool, ids, batch_idx, slot_idx, head_idx),
+            lambda: transfer.recall_blocks_kernel(self.host, self.pool, ids, batch_idx, slot_idx, head_idx, offsets),
             uses=uses,
             wait_for=(self._last_write,) if stream is not None else (),
         )
         if stream is not None:
             self._prefetch_event = event
         return count, unit, self.host.count_on_host(ids)
+
+    def _block_offsets(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~hf_offload.transfer.block_piece_offsets` of the ``n`` whole-block entries per sequence of
+        :meth:`_entry_indices`, built once per ``n`` (kept as long as the slot pool, like the indices)."""
+        key = (n, "offsets")
+        if key not in self._entry_index_memo:
+            batch_idx, _ = self._entry_indices(n, per_head=False)
+            self._entry_index_memo[key] = transfer.block_piece_offsets(self.host, self.pool, batch_idx)
+        return self._entry_index_memo[key]
 
     def _entry_indices(self, n: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Sequence (and, per head, KV head) of each of ``n`` entries per row, flattened like ``[batch, kv_heads or

@@ -94,6 +94,32 @@ recall at 1377 GB/s where the former 1024 words on 4 warps reached 782 (``result
 H200)."""
 
 
+def block_piece_offsets(
+    host: HostBlockPool, pool: DeviceSlotPool, batch_idx: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts of a whole-block recall's word offsets that do not depend on the slots: per entry and piece
+    ``(kv, h)``, the host offset inside the block and the device offset of slot 0 of the entry's sequence.
+
+    Args:
+        host: the layer's host pool.
+        pool: the layer's device slot pool.
+        batch_idx: destination sequence per entry, ``[n]``, ``torch.int64``, pool device.
+
+    Returns:
+        ``(host_off, dev_base)``, each ``[n, 2 * kv_heads]``, ``torch.int64``, contiguous, pool device; a piece's
+        device offset is ``dev_base + slot * piece_words``.
+    """
+    _, batch, heads, total, _, _ = pool.data.shape
+    piece = host.block_words // (2 * heads)  # 32-bit words of one head's K (or V) of one block
+    # Piece (kv, h) of an entry: host word offset (kv * H + h) * piece inside its block; device word offset
+    # (((kv * B + b) * H + h) * total + slot) * piece.
+    kv_h = pool.piece_index(batch_idx.device)  # [2 * H]: kv * H + h
+    h, kv = kv_h % heads, kv_h // heads
+    host_off = (kv_h * piece).expand(len(batch_idx), -1).contiguous()
+    dev_base = ((kv[None, :] * batch + batch_idx[:, None]) * heads + h[None, :]) * (total * piece)
+    return host_off, dev_base
+
+
 def recall_blocks_kernel(
     host: HostBlockPool,
     pool: DeviceSlotPool,
@@ -101,6 +127,7 @@ def recall_blocks_kernel(
     batch_idx: torch.Tensor,
     slot_idx: torch.Tensor,
     head_idx: torch.Tensor | None = None,
+    offsets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Gather host blocks (or single heads) into device slots in one launch; entries with id ``-1`` are skipped.
 
@@ -116,6 +143,9 @@ def recall_blocks_kernel(
         slot_idx: destination slot per entry, shape ``[n]``, ``torch.int64``, pool device.
         head_idx: ``None`` for whole blocks (one contiguous span each); else the KV head per entry, shape ``[n]``:
             its K and V are copied as two pieces.
+        offsets: whole blocks only: :func:`block_piece_offsets` of ``batch_idx``, kept by a caller that recalls
+            into the same entries at every step (then the launch computes one offset tensor instead of ten);
+            ``None``: computed here.
     """
     from .kernels.gather import copy_pieces
 
@@ -126,12 +156,8 @@ def recall_blocks_kernel(
     # Piece (kv, h) of an entry: host word offset (kv * H + h) * piece inside its block; device word offset
     # (((kv * B + b) * H + h) * total + slot) * piece.
     if head_idx is None:
-        kv_h = pool.piece_index(ids.device)  # [2 * H]: kv * H + h
-        h = kv_h % heads
-        kv = kv_h // heads
-        host_off = (kv_h * piece).expand(len(ids), -1)
-        sequence_head = (kv[None, :] * batch + batch_idx[:, None]) * heads + h[None, :]
-        dev_off = (sequence_head * total + slot_idx[:, None]) * piece
+        host_off, dev_base = offsets if offsets is not None else block_piece_offsets(host, pool, batch_idx)
+        dev_off = torch.add(dev_base, slot_idx[:, None], alpha=piece)
         ids = ids[:, None].expand(-1, 2 * heads)
     else:
         kv = torch.arange(2, device=ids.device)[None, :]

@@ -162,3 +162,30 @@ def test_register_selector():
         SELECTORS.pop("mine_for_test")
     with pytest.raises(ValueError, match="own class attribute `name`"):
         register_selector(type("NoName", (SoloHeadSelector,), {"name": "base"}))
+
+
+def test_block_piece_offsets_point_at_each_piece():
+    """The whole-block recall's word offsets (``transfer.block_piece_offsets`` plus ``slot * piece_words``) land on
+    the K or V of head ``h`` of the entry's block in the host pool and on slot ``slot`` of its sequence in the
+    device pool, for every sequence, head and slot."""
+    from hf_offload.transfer import block_piece_offsets
+
+    batch, heads, slots, tokens, dim = 3, 2, 5, 4, 8
+    pool = DeviceSlotPool(batch=batch, slots=slots, kv_heads=heads, block_tokens=tokens, head_dim=dim,
+                          dtype=torch.bfloat16, device="cpu", open_slot=True)  # fmt: skip
+    host = HostBlockPool((2, heads, tokens, dim), torch.bfloat16, False, 4 * 2 * heads * tokens * dim * 2,
+                         HostMemoryBudget(None))  # fmt: skip
+    batch_idx = torch.tensor([2, 0, 1, 2])
+    slot_idx = torch.tensor([0, 5, 3, 1])  # slot 5: the open slot
+    host_off, dev_base = block_piece_offsets(host, pool, batch_idx)
+    piece = host.block_words // (2 * heads)
+    assert host_off.shape == dev_base.shape == (4, 2 * heads) and host_off.is_contiguous()
+    dev_off = dev_base + slot_idx[:, None] * piece
+    word = 4  # bytes
+    block = torch.empty((2, heads, tokens, dim), dtype=torch.bfloat16)
+    for e, (b, slot) in enumerate(zip(batch_idx.tolist(), slot_idx.tolist())):
+        for kv in range(2):
+            for h in range(heads):
+                j = kv * heads + h
+                assert dev_off[e, j] * word == pool.data[kv, b, h, slot].data_ptr() - pool.data.data_ptr()
+                assert host_off[e, j] * word == block[kv, h].data_ptr() - block.data_ptr()
