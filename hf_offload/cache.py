@@ -708,9 +708,7 @@ class OffloadLayer(CacheLayerMixin):
             if start == 0:
                 # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
                 # them; both must come after the prefetch. Recalled blocks must have reached the host.
-                self._wait_prefetch()
-                transfer.wait_event(self._selectable_written, self.device)
-                self._selectable_written = None
+                self._wait_side_streams()
             count, unit, host_count = self._recall(blocks, slots, miss)
             self._count(count, unit, decode=decode, host_count=host_count)
             if decode:

@@ -153,8 +153,7 @@ def recall_blocks_kernel(
     _, batch, heads, total, _, _ = pool.data.shape
     piece = words // (2 * heads)  # 32-bit words of one head's K (or V) of one block
     addrs = host.chunk_addrs(pool.data.device)
-    # Piece (kv, h) of an entry: host word offset (kv * H + h) * piece inside its block; device word offset
-    # (((kv * B + b) * H + h) * total + slot) * piece.
+    # Offsets as in block_piece_offsets; a single head's K and V are its pieces (0, h) and (1, h).
     if head_idx is None:
         host_off, dev_base = offsets if offsets is not None else block_piece_offsets(host, pool, batch_idx)
         dev_off = torch.add(dev_base, slot_idx[:, None], alpha=piece)
