@@ -100,9 +100,9 @@ METHOD_NOTES = {
     "2 bits, blocks ranked by their estimated attention mass, one shared selection per layer and sequence), "
     "whole-block recall; every other setting is the OffloadConfig default of the run's commit",
     "quantkey-graphs": "OffloadCache(selector='quantkey', transfer='auto', cuda_graphs=True): quantkey with each "
-    "layer's decode attention replayed from a CUDA graph (captured at the first step after each seal)",
+    "layer's decode attention replayed from a CUDA graph (captured once per block capacity, decode_capacity_blocks)",
     "solohead-graphs": "OffloadCache(selector='solohead', transfer='auto', cuda_graphs=True): solohead with each "
-    "layer's decode attention replayed from a CUDA graph (captured at the first step after each seal)",
+    "layer's decode attention replayed from a CUDA graph (captured once per block capacity, decode_capacity_blocks)",
     "quantkey-auto": "OffloadCache(selector='quantkey', transfer='auto', admission='auto', cuda_graphs=None, "
     "device_memory_gib=what the planner leaves free): sealed blocks in device memory as far as it allows, the rest "
     "in host memory; CUDA graphs where they run",
@@ -314,15 +314,16 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
     if method not in OFFLOAD_METHODS:
         return None
     selector = selector_of(method, args)
+    capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None))
     if not method.endswith("-auto"):
-        return OffloadConfig(budget_tokens=args.budget, selector=selector)
+        return OffloadConfig(budget_tokens=args.budget, selector=selector, **capacity)
     gib = args.admission_gib
     if gib is None:
         free = torch.cuda.mem_get_info(device)[0] if device is not None and device.type == "cuda" else 0
         always = OffloadConfig(budget_tokens=args.budget, selector=selector)
         gib = suggested_device_memory_gib(shape, context, batch, always, free - transient_bytes,
                                           args.admission_margin_gib)  # fmt: skip
-    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib)
+    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib, **capacity)
 
 
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
@@ -406,11 +407,14 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
         return StaticCache(config=model.config, max_cache_len=context), None
     if method == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True), None
+    capacity = getattr(args, "decode_capacity", None)
     if method in ("solohead", "quantkey"):
-        return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto"), "auto"
+        return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
+                            decode_capacity_blocks=capacity), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
-        return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True), "auto"
+        return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
+                            decode_capacity_blocks=capacity), "auto"  # fmt: skip
     if method in ("solohead-auto", "quantkey-auto"):
         return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
 
@@ -687,6 +691,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quantkey-selector", default="quantkey",
                         help="the selector of the quantkey* methods, with settings: e.g. 'quantkey[bits=4,tail_bits=2]' "
                              "(4-bit keys, the unselected blocks estimated from 2-bit values)")
+    parser.add_argument("--decode-capacity", type=int, default=None,
+                        help="decode_capacity_blocks of the OffloadCache methods (default: the cache's, 64 with CUDA "
+                             "graphs; 1: the sealed blocks, one graph capture per seal)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")

@@ -396,12 +396,15 @@ def _decode_step(
 ) -> torch.Tensor:
     """One decode query of a plain causal forward whose selection fits the slot pool: plan, recall, one SDPA.
 
-    Where the layer replays CUDA graphs, each geometry (sealed blocks ``n``, ``k`` selected) is captured at its
-    first step and replayed from then on. A geometry whose kind this layer has already run op by op (the same ``k``,
-    query and branch of the work; see :meth:`~hf_offload.cache.OffloadLayer.warm_for`) is captured right away and
-    replayed for the step itself; otherwise the step first runs op by op (compiling kernels and planning what a
-    capture must not), then is captured. A capture per seal (every ``block_tokens`` steps) is the graphs' main host
-    cost: at 32K tokens and batch 8 (8B shape), ~2.4 ms per layer for the op-by-op run and ~1.9 ms for the capture.
+    The step scores :meth:`~hf_offload.cache.OffloadLayer.decode_capacity` blocks: the ``n`` sealed ones rounded up
+    to ``decode_capacity_blocks``, the rest masked. Where the layer replays CUDA graphs, each geometry (that capacity,
+    ``k`` selected, the buffers it reads) is captured at its first step and replayed from then on. A geometry whose
+    kind this layer has already run op by op (the same ``k``, query and branch of the work; see
+    :meth:`~hf_offload.cache.OffloadLayer.warm_for`) is captured right away and replayed for the step itself;
+    otherwise the step first runs op by op (compiling kernels and planning what a capture must not), then is
+    captured. With a capacity of 64 blocks that is once per 64 seals (every ``64 * block_tokens`` steps) instead of
+    once per seal (at 32K tokens and batch 8, 8B shape, ~2.4 ms per layer for an op-by-op run and ~1.9 ms for a
+    capture).
 
     Args:
         handoff: this step's handoff.
@@ -415,8 +418,9 @@ def _decode_step(
         ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
     """
     layer = handoff.layer
-    inputs = layer.decode_inputs(handoff, mask)
-    key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr())
+    n = layer.decode_capacity(n, k)  # from here on: the blocks the step scores
+    inputs = layer.decode_inputs(handoff, mask, n)
+    key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), layer.storage_key())
     graph = layer.captured(key) if layer.graphs else None
     body = lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False)  # noqa: E731
     warm = layer.warm_for(n, k, query, scaling)
@@ -456,7 +460,7 @@ def _decode_body(
         layer: the offloaded layer.
         query: ``[batch, q_heads, 1, head_dim]``, model dtype, compute device.
         inputs: the step's shared inputs.
-        n, k: sealed blocks before this step; blocks the budget selects.
+        n, k: blocks the step scores (the sealed blocks before it, or its capacity); blocks the budget selects.
         scaling: softmax scale.
         mask: the forward's lazy mask, for lookahead only (``None`` while capturing).
         timer: the layer's phase timer, or ``None``.
@@ -511,7 +515,7 @@ def _decode_sdpa(
         keep: which selected entries are attended, same shape, ``torch.bool``.
         slots: the pool slot of each entry, ``[batch, kv_heads, k]``, ``torch.int64``.
         inputs: the step's shared inputs (``rows``).
-        n: sealed blocks before this step (row ``n`` of ``inputs.rows`` is the open block).
+        n: blocks the step scores (``inputs.capacity``; row ``n`` of ``inputs.rows`` is the open block).
         scaling: softmax scale.
         plan: the step's selection (its ``scores`` and ``block_lse`` go to the estimate of the unselected blocks).
 

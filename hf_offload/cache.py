@@ -37,6 +37,9 @@ _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # (one copy) only every SUMMARY_CHUNK_BLOCKS blocks, instead of a new allocation of every summary at every seal,
 # whose freed predecessors fragment device memory when it is nearly full.
 SUMMARY_CHUNK_BLOCKS = 256
+# Blocks by which a decode step's scored blocks grow where the layer replays CUDA graphs (decode_capacity_blocks=None
+# and a selector with masks_invalid): one capture per this many seals.
+GRAPH_CAPACITY_BLOCKS = 64
 
 
 class LayerStats:
@@ -166,6 +169,8 @@ class OffloadLayer(CacheLayerMixin):
         next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
         lookahead: whether decode steps of this layer prefetch for ``next_layer`` (resolved from the config).
         graphs: whether decode steps of this layer replay captured CUDA graphs (resolved from the config).
+        capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this (resolved from
+            ``decode_capacity_blocks``; see :meth:`decode_capacity`).
     """
 
     is_sliding = False
@@ -201,6 +206,8 @@ class OffloadLayer(CacheLayerMixin):
         self.cache_decode_inputs = decode_inputs or (lambda device: self._own_inputs.setdefault(device, DecodeInputs()))
         self.cache_capture_graph = capture_graph or (lambda device, body, query, held: capture(body, query, None, held))
         self.graphs = False
+        self.capacity_blocks = 1
+        self._storage_epoch = 0  # counts replacements of the summary and block-table buffers (graphs read them)
         self._graphs: dict[tuple, CapturedDecode] = {}
         self.warm_geometries: set[tuple] = set()  # warm_for() values of the decode steps run op by op
         self.next_layer: OffloadLayer | None = None
@@ -245,7 +252,9 @@ class OffloadLayer(CacheLayerMixin):
         self.block_table = torch.empty((batch, 0), dtype=torch.int64)  # CPU: host block id per (sequence, block)
         self.use_kernels = self._want_kernels(bool(pin))
         if self.use_kernels:
-            self.block_table_dev = self.block_table.to(self.device)
+            # Device copy of the block table, [batch, capacity]: -1 past the sealed blocks; grows like the summaries,
+            # so that a seal writes in place and a captured graph reads it over several seals.
+            self.block_table_dev = torch.full((batch, 0), -1, dtype=torch.int64, device=self.device)
         # Side streams only where the kernel path runs asynchronously (CUDA); elsewhere every copy is synchronous.
         self.streams = self.cache_streams(self.device) if self.use_kernels and self.device.type == "cuda" else None
         self.resolve_lookahead()
@@ -285,6 +294,10 @@ class OffloadLayer(CacheLayerMixin):
                 "use cuda_graphs=None (on where it can run) or False."
             )
         self.graphs = bool(kernels_on_cuda and graphs is not False and not self.lookahead and not self.config.timing)
+        capacity = self.config.decode_capacity_blocks
+        if capacity is None:
+            capacity = GRAPH_CAPACITY_BLOCKS if self.graphs and self.selector.masks_invalid else 1
+        self.capacity_blocks = capacity
         self._graphs.clear()
 
     def _clear_transfer_state(self) -> None:
@@ -385,7 +398,10 @@ class OffloadLayer(CacheLayerMixin):
                 lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
                 uses=(ids_dev, flat, addrs),
             )
-            self.block_table_dev = torch.cat([self.block_table_dev, ids_dev.view(batch, n_new)], dim=1)
+            n, need = self.n_blocks, self.n_blocks + n_new
+            if self.block_table_dev.shape[1] < need:
+                self.block_table_dev = self._grown(self.block_table_dev, ids_dev.view(batch, n_new), need, fill=-1)
+            self.block_table_dev[:, n:need] = ids_dev.view(batch, n_new)
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
@@ -411,18 +427,33 @@ class OffloadLayer(CacheLayerMixin):
         store, n = self._summary_store.get(name), self.n_blocks
         need = n + summary.shape[1]
         if store is None or store.shape[1] < need:
-            store = self._summary_store[name] = self._grown(store, summary, max(need, self._reserved_blocks))
+            store = self._summary_store[name] = self._grown(store, summary, need)
         store[:, n:need] = summary
         return store[:, :need]
 
-    def _grown(self, store: torch.Tensor | None, like: torch.Tensor, blocks: int) -> torch.Tensor:
-        """A summary buffer for at least ``blocks`` blocks (whole SUMMARY_CHUNK_BLOCKS), holding ``store``'s first
-        :attr:`n_blocks` blocks; ``like``: any summary of this name, ``[batch, n, ...]``."""
+    def _grown(self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
+        """A per-block buffer (a summary, the device block table) for at least ``blocks`` blocks, the reservation
+        and the decode capacity of ``blocks`` (in whole SUMMARY_CHUNK_BLOCKS), holding ``store``'s first
+        :attr:`n_blocks` blocks and ``fill`` past them (blocks past the sealed ones are scored, masked, by a step of
+        a larger capacity: zeros keep their arithmetic finite); ``like``: any tensor of this name, ``[batch, n,
+        ...]``."""
+        blocks = max(blocks, self._reserved_blocks, self.decode_capacity(blocks, 0))
         capacity = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
-        grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+        grown = like.new_full((like.shape[0], capacity, *like.shape[2:]), fill)
         if store is not None and self.n_blocks:
             grown[:, : self.n_blocks] = store[:, : self.n_blocks]
+        self._storage_epoch += 1
         return grown
+
+    def summary_views(self, n: int) -> dict[str, torch.Tensor]:
+        """Every summary over its first ``n`` blocks, ``[batch, n, ...]`` views of the buffers (``n`` may exceed
+        :attr:`n_blocks` up to the decode capacity: those blocks hold zeros and are never valid)."""
+        stores = self._summary_store
+        if any(store.shape[1] < n for store in stores.values()):
+            for name, store in stores.items():  # a capacity larger than the buffers were made for
+                stores[name] = self._grown(store, store, n)
+                self.summaries[name] = stores[name][:, : self.n_blocks]
+        return {name: store[:, :n] for name, store in stores.items()}
 
     def reserve(self, tokens: int) -> None:
         """Allocate the block summaries for ``tokens`` tokens per sequence now (and from the first seal on, if none
@@ -442,6 +473,10 @@ class OffloadLayer(CacheLayerMixin):
                 self._summary_store[name] = self._grown(store, store, self._reserved_blocks)
                 self.summaries[name] = self._summary_store[name][:, : self.n_blocks]
                 self._graphs = {}  # captured graphs read the old buffers
+        table = getattr(self, "block_table_dev", None)
+        if table is not None and table.shape[1] < self._reserved_blocks:
+            self.block_table_dev = self._grown(table, table, self._reserved_blocks, fill=-1)
+            self._graphs = {}
 
     def finish_step(self) -> None:
         """After this step's attention: put the blocks sealed by this step into the slot pool (a block just written
@@ -479,18 +514,30 @@ class OffloadLayer(CacheLayerMixin):
         the budget holds them)."""
         return min(n, (self.config.budget_tokens - recent) // self.block_tokens)
 
+    def decode_capacity(self, n: int, k: int) -> int:
+        """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to
+        :attr:`capacity_blocks` (the blocks past ``n`` are never valid), or ``n`` when every block is selected."""
+        step = self.capacity_blocks
+        return n if k >= n or step == 1 else -(-n // step) * step
+
+    def storage_key(self) -> tuple:
+        """What a captured decode graph depends on besides its shapes: the versions of the summary and block-table
+        buffers and of the host pool's chunk tables, and whether any chunk is admitted to the device."""
+        return self._storage_epoch, self.host.table_version, self.host.admitted_chunks > 0
+
     # ------------------------------------------------------------------------------------------- decode graphs
-    def decode_inputs(self, handoff: Handoff, mask) -> DecodeInputs:
+    def decode_inputs(self, handoff: Handoff, mask, capacity: int | None = None) -> DecodeInputs:
         """The shared inputs of this decode step (built by the step's first offloaded layer on this device).
 
         Args:
             handoff: this step's handoff.
             mask: the forward's :class:`~hf_offload.attention.OffloadMask` (plain causal), or ``None``.
+            capacity: blocks the step scores (:meth:`decode_capacity`); ``None``: the sealed blocks.
         """
         return self.cache_decode_inputs(self.device).update(
             self.batch, handoff.n_blocks_before, self.block_tokens, handoff.first_recent_pos, handoff.key.shape[-2],
             None if mask is None else mask.padding, self.config.sink_blocks, self.config.window_blocks, self.device,
-            step=mask,
+            step=mask, capacity=capacity,
         )  # fmt: skip
 
     def captured(self, key: tuple) -> CapturedDecode | None:
@@ -551,7 +598,7 @@ class OffloadLayer(CacheLayerMixin):
         self.stats.prepare_capture(self.device)
         self._wait_side_streams()
         held = (
-            *self.summaries.values(), self.block_table_dev, *self.host.chunk_tables(self.device),
+            *self._summary_store.values(), self.block_table_dev, *self.host.chunk_tables(self.device),
             inputs.rows, inputs.valid, inputs.forced, inputs.sequence,
         )  # fmt: skip
         try:
@@ -581,7 +628,8 @@ class OffloadLayer(CacheLayerMixin):
         Args:
             query: ``[batch, kv_heads, group, head_dim]``, compute device.
             scaling: softmax scale.
-            n: sealed blocks before this step.
+            n: blocks the step scores: the sealed blocks before it, or its :meth:`decode_capacity` (blocks past the
+                sealed ones are not valid in ``inputs``).
             k: blocks the budget selects (:meth:`decode_blocks`).
             inputs: this step's :class:`~hf_offload.graphs.DecodeInputs`.
         """
@@ -623,8 +671,7 @@ class OffloadLayer(CacheLayerMixin):
             forced = forced_blocks(valid, sink, window)
         else:
             forced = mask.memo(key, lambda: forced_blocks(valid, sink, window))
-        summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
-        selection = self.selector.select(query, summaries, scaling, k, forced, valid)
+        selection = self.selector.select(query, self.summary_views(n), scaling, k, forced, valid)
         cap = self.config.transfer_cap_blocks
         if cap is not None and selection.scores is not None:
             resident = resident_blocks(self.pool.block, selection.blocks.shape[1], n)
@@ -645,9 +692,9 @@ class OffloadLayer(CacheLayerMixin):
         Args:
             query: ``[batch, kv_heads, group, head_dim]``, compute device.
             scaling: softmax scale.
-            n: sealed blocks before this step.
+            n: blocks the step scores (the sealed blocks before it, or its :meth:`decode_capacity`).
             selection: the step's selection (shared: ``blocks`` and ``keep`` ``[batch, 1, k]``).
-            tokens_ok: tokens of the ``n`` sealed blocks the query may attend to, ``[batch, n, block_tokens]``,
+            tokens_ok: tokens of the ``n`` blocks the query may attend to, ``[batch, n, block_tokens]``,
                 ``torch.bool``, compute device.
             softcap: optional logit soft-capping.
 
@@ -657,8 +704,7 @@ class OffloadLayer(CacheLayerMixin):
         blocks = torch.where(selection.keep, selection.blocks, n)[:, 0]  # not kept: a spare column, dropped below
         chosen = torch.zeros((self.batch, n + 1), dtype=torch.bool, device=self.device).scatter_(1, blocks, True)
         tail = tokens_ok & ~chosen[:, :n, None]
-        summaries = {name: s if s.shape[1] == n else s[:, :n] for name, s in self.summaries.items()}
-        return self.selector.tail_attention(query, summaries, scaling, tail, softcap, selection=selection)
+        return self.selector.tail_attention(query, self.summary_views(n), scaling, tail, softcap, selection=selection)
 
     def count_tail(self, tail_lse: torch.Tensor, selection_lse: torch.Tensor) -> None:
         """Count one decode step's estimated share of attention outside the selection (device-side, no sync).
@@ -1104,6 +1150,13 @@ class OffloadCache(Cache):
         text_config = _check_model(model)
         self.config = config
         self.selector = get_selector(config.selector)
+        if (config.decode_capacity_blocks or 1) > 1 and not self.selector.masks_invalid:
+            raise ValueError(
+                f"decode_capacity_blocks={config.decode_capacity_blocks} scores blocks past the sealed ones, masked, "
+                f"which selector {self.selector.name!r} does not support (its scores of valid blocks depend on every "
+                "block: Selector.masks_invalid is False). Use decode_capacity_blocks=None or 1, or a selector that "
+                "masks invalid blocks (quantkey, solohead, headwise)."
+            )
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)
         # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
@@ -1200,8 +1253,8 @@ class OffloadCache(Cache):
             that the exact plan right after attended), ``offloaded_bytes``, ``graph_captures`` and
             ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``graph_capture_ms``
             (host wall time of the layer decode steps that captured: the capture, and an op-by-op run first where the
-            geometry's kind had not run op by op yet; a graph is captured at the first decode step after each seal of
-            a block, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
+            geometry's kind had not run op by op yet; a graph is captured at the first decode step of each block
+            capacity, ``decode_capacity_blocks``, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
             that failed and were redone after one; expected 0), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;

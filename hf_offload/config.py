@@ -82,11 +82,19 @@ class OffloadConfig:
             many as the budget selects.
         cuda_graphs: replay each offloaded layer's decode attention (selection, slot assignment, recall, attention)
             from a CUDA graph instead of launching its ~120 small operations one by one from Python. A layer's
-            graph is captured at the first decode step after each seal of a block (the number of sealed blocks
-            fixes the shapes) and replayed for the other steps; the outputs are those of the step run op by op.
+            graph is captured at the first decode step of each block capacity (``decode_capacity_blocks``: the
+            blocks a step scores fix the shapes) and replayed for the other steps; the outputs are those of the step
+            run op by op.
             Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
             prefill, masks other than causal with padding) run op by op. ``None``: on where it can run;
             ``False``: off; ``True``: on, and an error where it cannot run.
+        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, the blocks
+            past the sealed ones masked out of the selection and the estimate, so its shapes (and its CUDA graph)
+            stay the same over that many seals. Larger: fewer graph captures, a little more scoring work (at most
+            ``decode_capacity_blocks - 1`` blocks of codes per step). ``None``: 64 where the layer replays CUDA
+            graphs and the selector leaves blocks it may not attend out of every block's score
+            (``Selector.masks_invalid``: ``quantkey``, ``solohead``, ``headwise``), else 1 (the sealed blocks).
+            Other values need such a selector.
     """
 
     budget_tokens: int = 2048
@@ -108,6 +116,7 @@ class OffloadConfig:
     lookahead: bool | None = False
     lookahead_blocks: int | None = None
     cuda_graphs: bool | None = False
+    decode_capacity_blocks: int | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -190,6 +199,12 @@ class OffloadConfig:
             raise ValueError(
                 "cuda_graphs=True cannot be combined with timing=True or lookahead=True (both run per-phase host work "
                 "inside the decode step); set cuda_graphs=None to use graphs only where neither is on."
+            )
+        capacity = self.decode_capacity_blocks
+        if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):
+            raise ValueError(
+                f"decode_capacity_blocks must be a positive integer (blocks a decode step's scored blocks are rounded "
+                f"up to) or None (64 with CUDA graphs, else 1), got {capacity!r}."
             )
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(

@@ -3,14 +3,17 @@
 A decode step of one offloaded layer is about a hundred small device operations (scoring, top-k, slot assignment,
 recall, gather, attention). Launched one by one from Python they cost several times the device time they need (an
 8B-shaped model at 32K and batch 8 spends ~95 ms per step, almost all of it host-side launch work;
-``docs/results/decode.md``). Between two seals of a block every shape of that work is fixed, so each layer captures
-it once into a CUDA graph and replays it: one launch per layer and step.
+``docs/results/decode.md``). While the shapes of that work stay the same, each layer captures it once into a CUDA
+graph and replays it: one launch per layer and step. The shapes follow the number of blocks a step scores, the
+sealed blocks rounded up to ``OffloadConfig.decode_capacity_blocks`` (64 with graphs: one capture per 64 seals
+instead of one per seal), the blocks past the sealed ones masked out of the selection and the attention.
 
 Everything a captured graph reads must keep its address while the graph lives. :class:`DecodeInputs` holds what
 every offloaded layer of one decode step shares (which tokens may be attended, which blocks may and must be
-selected) in buffers that keep their address while the number of sealed blocks does; the layer's open block lives in
-a fixed buffer (:class:`~hf_offload.cache.OffloadLayer`); tensors that are replaced when a block is sealed (block
-summaries, the block table, the host pool's chunk tables) are held by the graph (:class:`CapturedDecode`).
+selected) in buffers that keep their address while the step's block capacity does; the layer's open block lives in
+a fixed buffer (:class:`~hf_offload.cache.OffloadLayer`), its summaries and block table in buffers that grow by
+whole chunks; what is replaced when one of those grows (and the host pool's chunk tables) is held by the graph
+(:class:`CapturedDecode`), and a new graph is captured.
 """
 
 from __future__ import annotations
@@ -20,18 +23,22 @@ from dataclasses import dataclass
 import torch
 
 
-def forced_blocks(valid: torch.Tensor, sink_blocks: int, window_blocks: int) -> torch.Tensor:
+def forced_blocks(valid: torch.Tensor, sink_blocks: int, window_blocks: int, n_blocks: int | None = None) -> torch.Tensor:
     """Blocks every selection keeps: the sink (the first ``sink_blocks`` blocks holding a real token of each
-    sequence, so left padding shifts it) and the window (the newest ``window_blocks``); only valid blocks.
+    sequence, so left padding shifts it) and the window (the newest ``window_blocks`` of the ``n_blocks`` sealed
+    ones); only valid blocks.
 
     Args:
-        valid: blocks with a token that may be attended, ``[batch, n_blocks]``, ``torch.bool``, any device.
+        valid: blocks with a token that may be attended, ``[batch, capacity]``, ``torch.bool``, any device (blocks
+            from ``n_blocks`` on are past the sealed ones and not valid).
+        n_blocks: sealed blocks; ``None``: ``capacity``.
 
     Returns:
-        ``[batch, n_blocks]``, ``torch.bool``, ``valid``'s device.
+        ``[batch, capacity]``, ``torch.bool``, ``valid``'s device.
     """
-    n = valid.shape[-1]
-    idx = torch.arange(n, device=valid.device)
+    capacity = valid.shape[-1]
+    n = capacity if n_blocks is None else n_blocks
+    idx = torch.arange(capacity, device=valid.device)
     start = valid.int().argmax(dim=-1, keepdim=True)  # the first block holding a real token
     forced = (idx >= start) & (idx < start + sink_blocks)
     forced |= idx >= n - window_blocks
@@ -41,28 +48,40 @@ def forced_blocks(valid: torch.Tensor, sink_blocks: int, window_blocks: int) -> 
 class DecodeInputs:
     """The inputs every offloaded layer of one decode step shares, built once per step.
 
-    Attributes:
-        rows: which tokens may be attended, ``[batch, n_blocks + 2, block_tokens]``, ``torch.bool``, compute device.
-            Row ``j < n_blocks``: sealed block ``j`` (left padding masks tokens); row ``n_blocks``: the open block
-            (its filled positions that are not padding); row ``n_blocks + 1``: nothing (entries not selected).
-        valid: sealed blocks with at least one token that may be attended, ``[batch, n_blocks]``, ``torch.bool``.
-        forced: sealed blocks every selection keeps (sink and window), ``[batch, n_blocks]``, ``torch.bool``.
-        sequence: ``arange(batch)`` shaped ``[batch, 1, 1]``, ``torch.int64`` (row index of ``rows``).
+    A step scores ``capacity`` blocks: the ``n_blocks`` sealed ones, then blocks past them that nothing may attend
+    (``capacity`` is ``n_blocks`` rounded up to ``OffloadConfig.decode_capacity_blocks``), so that the shapes, and a
+    captured graph, stay the same over several seals.
 
-    The buffers keep their address while ``batch``, ``n_blocks`` and ``block_tokens`` stay the same; a step with new
+    Attributes:
+        rows: which tokens may be attended, ``[batch, capacity + 2, block_tokens]``, ``torch.bool``, compute device.
+            Row ``j < n_blocks``: sealed block ``j`` (left padding masks tokens); rows ``n_blocks`` to ``capacity -
+            1``: nothing; row ``capacity`` (:attr:`open_row`): the open block (its filled positions that are not
+            padding); row ``capacity + 1``: nothing (entries not selected).
+        valid: blocks with at least one token that may be attended, ``[batch, capacity]``, ``torch.bool``.
+        forced: blocks every selection keeps (sink and window), ``[batch, capacity]``, ``torch.bool``.
+        sequence: ``arange(batch)`` shaped ``[batch, 1, 1]``, ``torch.int64`` (row index of ``rows``).
+        capacity: blocks a step scores (the open block's row).
+
+    The buffers keep their address while ``batch``, ``capacity`` and ``block_tokens`` stay the same; a step with new
     values fills them in place.
     """
 
     def __init__(self) -> None:
         self._step: tuple | None = None
         self._shape: tuple | None = None
-        self._plain = False  # the sealed rows hold "every token" (no padding)
+        self._plain_n: int | None = None  # sealed rows hold "every token" up to this block, nothing past it
         self.rows = self.valid = self.forced = self.sequence = None
+        self.capacity = 0
+
+    @property
+    def open_row(self) -> int:
+        """The row of :attr:`rows` that holds the open block (``capacity``)."""
+        return self.capacity
 
     def invalidate(self) -> None:
         """Forget the step the buffers were filled for (the cache was reset); the next step fills them again."""
         self._step = None
-        self._plain = False
+        self._plain_n = None
 
     def update(
         self,
@@ -76,6 +95,7 @@ class DecodeInputs:
         window_blocks: int,
         device: torch.device,
         step: object,
+        capacity: int | None = None,
     ) -> "DecodeInputs":
         """Fill the buffers for one decode step (a no-op for the later layers of the same step).
 
@@ -88,32 +108,39 @@ class DecodeInputs:
             sink_blocks, window_blocks: blocks forced at the start (after left padding) and at the end.
             device: compute device.
             step: identifies the forward (the layers of one forward pass the same object).
+            capacity: blocks the step scores, ``>= n_blocks``; ``None``: ``n_blocks``.
         """
-        key = (batch, n_blocks, block_tokens, first_recent, n_recent, id(step))
+        capacity = n_blocks if capacity is None else capacity
+        if capacity < n_blocks:
+            raise ValueError(f"DecodeInputs.update: capacity {capacity} is below the {n_blocks} sealed blocks.")
+        key = (batch, n_blocks, capacity, block_tokens, first_recent, n_recent, id(step))
         if key == self._step:
             return self
-        shape = (batch, n_blocks, block_tokens, device)
+        shape = (batch, capacity, block_tokens, device)
         if shape != self._shape:
-            self.rows = torch.zeros((batch, n_blocks + 2, block_tokens), dtype=torch.bool, device=device)
-            self.valid = torch.zeros((batch, n_blocks), dtype=torch.bool, device=device)
-            self.forced = torch.zeros((batch, n_blocks), dtype=torch.bool, device=device)
+            self.rows = torch.zeros((batch, capacity + 2, block_tokens), dtype=torch.bool, device=device)
+            self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
+            self.forced = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
             self.sequence = torch.arange(batch, device=device)[:, None, None]
+            self.capacity = capacity
             self._shape = shape
-            self._plain = False
-        rows, n, T = self.rows, n_blocks, block_tokens
+            self._plain_n = None
+        rows, n, T, C = self.rows, n_blocks, block_tokens, capacity
         if padding is None:
-            if not self._plain:  # sealed rows: every token (once per buffer while no padding comes)
+            if self._plain_n != n:  # sealed rows: every token (once per seal while no padding comes)
                 rows[:, :n] = True
-                self._plain = True
-            rows[:, n] = torch.arange(T, device=device) < n_recent
+                rows[:, n:C] = False
+                self._plain_n = n
+            rows[:, C] = torch.arange(T, device=device) < n_recent
         else:
             padding = padding.to(device)
             rows[:, :n].copy_(padding[:, : n * T].view(batch, n, T))
-            rows[:, n, :n_recent] = padding[:, first_recent : first_recent + n_recent]
-            rows[:, n, n_recent:] = False
-            self._plain = False
-        torch.any(rows[:, :n], dim=-1, out=self.valid)
-        self.forced.copy_(forced_blocks(self.valid, sink_blocks, window_blocks))
+            rows[:, n:C] = False
+            rows[:, C, :n_recent] = padding[:, first_recent : first_recent + n_recent]
+            rows[:, C, n_recent:] = False
+            self._plain_n = None
+        torch.any(rows[:, :C], dim=-1, out=self.valid)
+        self.forced.copy_(forced_blocks(self.valid, sink_blocks, window_blocks, n))
         self._step = key
         return self
 

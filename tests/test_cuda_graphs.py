@@ -11,9 +11,10 @@ import torch
 import hf_offload.attention as attention_module
 import hf_offload.cache as cache_module
 from hf_offload import OffloadCache
-from hf_offload.cache import OffloadLayer
+from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
+from hf_offload.config import DEFAULT_SELECTOR
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.selectors import SoloHeadSelector
+from hf_offload.selectors import SoloHeadSelector, get_selector
 
 from .conftest import build_model, left_padded
 
@@ -30,6 +31,10 @@ COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "offl
 
 
 def _generate(model, ids, mask, steps, **options):
+    if options.get("cuda_graphs") is False and "decode_capacity_blocks" not in options:
+        # Op by op, the steps score the block capacity a graphed run scores, so that both do the same arithmetic.
+        masks = get_selector(options.get("selector", DEFAULT_SELECTOR)).masks_invalid
+        options["decode_capacity_blocks"] = GRAPH_CAPACITY_BLOCKS if masks else 1
     cache = OffloadCache(model, **SMALL, **options)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
@@ -38,16 +43,21 @@ def _generate(model, ids, mask, steps, **options):
     return out, cache
 
 
+@pytest.mark.parametrize("capacity", [1, None])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 @pytest.mark.parametrize(
     "selector", ["quantkey", "quantkey[tail_bits=2]", "quantkey[bits=4,tail_bits=2,tail_near=2]", "solohead", "headwise"]
 )
-def test_graphs_same_tokens_and_counters(arch, selector, monkeypatch):
+def test_graphs_same_tokens_and_counters(arch, selector, capacity, monkeypatch):
+    """Capacity 1: one capture per layer and seal (graphs of an earlier kind captured without an op-by-op run);
+    ``None`` (64 blocks): one capture per layer for the whole run."""
     model = build_model(arch).cuda()
     ids, mask = left_padded([70, 53, 31], seed=3)
     ids, mask = ids.cuda(), mask.cuda()
-    steps = 60  # several seals of 8-token blocks: several captures per layer
-    expected, eager = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=False)
+    steps = 60  # several seals of 8-token blocks
+    eager_capacity = capacity or GRAPH_CAPACITY_BLOCKS
+    expected, eager = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=False,
+                                decode_capacity_blocks=eager_capacity)  # fmt: skip
     captures, replays, op_by_op = [], [], []
     capture, replay, body = cache_module.capture, OffloadLayer.replay, attention_module._decode_body
 
@@ -59,15 +69,21 @@ def test_graphs_same_tokens_and_counters(arch, selector, monkeypatch):
     monkeypatch.setattr(cache_module, "capture", lambda *a, **k: captures.append(1) or capture(*a, **k))
     monkeypatch.setattr(OffloadLayer, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
     monkeypatch.setattr(attention_module, "_decode_body", counted_body)
-    got, graphed = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=True)
+    got, graphed = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=True,
+                             decode_capacity_blocks=capacity)  # fmt: skip
     assert torch.equal(got, expected)
     layers = len(graphed.offload_layers)
+    assert all(layer.capacity_blocks == eager_capacity for layer in graphed.offload_layers)
     decode_calls = (steps - 1) * layers
     assert replays and captures
     assert len(replays) + len(op_by_op) == decode_calls  # every step either replays (maybe just captured) or not
-    assert len(replays) >= decode_calls * 3 // 4  # one capture per layer and seal (every 8 steps)
-    # A geometry of a kind the layer has run op by op is captured without running op by op first.
-    assert len(op_by_op) < len(captures)
+    assert len(replays) >= decode_calls * 3 // 4  # at most one capture per layer and seal (every 8 steps)
+    if capacity == 1:
+        # A geometry of a kind the layer has run op by op is captured without running op by op first.
+        assert len(op_by_op) < len(captures)
+    else:
+        assert len(captures) == layers and len(op_by_op) == layers  # 9 to 16 sealed blocks: one capacity
+        assert len(replays) == decode_calls - layers
     assert graphed.stats()["graph_capture_retries"] == 0
     a, b = eager.stats(), graphed.stats()
     for name in COUNTERS:

@@ -93,6 +93,30 @@ def test_kernel_and_torch_transfer_agree_in_sparse_mode(selector):
     assert torch.equal(runs["kernel"][2][0], runs["torch"][2][0])
 
 
+@pytest.mark.parametrize("selector", ["solohead", "quantkey"])
+def test_kernel_path_with_a_decode_capacity(selector):
+    """Steps that score 16-block capacities recall through the device block table past the sealed blocks (-1
+    there) and give the tokens and recall counts of steps over the sealed blocks."""
+    model = build_model("llama").to(DEVICE)
+    ids, mask = left_padded([70, 51], seed=2)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    runs = {}
+    for capacity in (1, 16):
+        cache = OffloadCache(model, budget_tokens=40, selector=selector, transfer="kernel", decode_capacity_blocks=capacity,
+                             **SMALL)  # fmt: skip
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                 do_sample=False)  # fmt: skip
+        runs[capacity] = (out, cache.stats())
+        layer = cache.offload_layers[0]
+        assert layer.block_table_dev.shape[1] >= 16
+        assert torch.equal(layer.block_table_dev[:, : layer.n_blocks].cpu(), layer.block_table)
+        assert (layer.block_table_dev[:, layer.n_blocks :] == -1).all()
+    assert torch.equal(runs[16][0], runs[1][0])
+    for key in ("recalled_blocks", "decode_recalled_blocks", "hit_rate"):
+        assert runs[16][1][key] == runs[1][1][key], key
+
+
 def test_kernel_path_slots_never_stale():
     model = build_model("llama").to(DEVICE)
     cache = OffloadCache(model, budget_tokens=32, selector="headwise", transfer="kernel", **SMALL)

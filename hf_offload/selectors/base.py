@@ -50,10 +50,17 @@ class Selector:
         name: registry name.
         per_head: ``True`` if each KV head selects its own blocks (recall then moves per-head pieces of a block);
             ``False`` if one selection is shared by all heads of the layer (recall moves whole blocks).
+        masks_invalid: ``True`` if no block's score depends on the summaries of blocks that ``valid`` leaves out
+            of :meth:`select` (needed for ``OffloadConfig.decode_capacity_blocks`` above 1; ``False`` in the base:
+            a selector that normalises its scores over all blocks must mask the invalid ones first).
     """
 
     name = "base"
     per_head = False
+    # Whether a block's score never depends on the summaries of blocks that ``valid`` leaves out (each block scored
+    # alone, or normalised over valid blocks only). Then a decode step may score more blocks than are sealed, the
+    # rest masked (``OffloadConfig.decode_capacity_blocks``), and its shapes stay the same over several seals.
+    masks_invalid = False
 
     @property
     def estimates_tail(self) -> bool:

@@ -19,6 +19,7 @@ class HeadwiseSelector(Selector):
 
     name = "headwise"
     per_head = True
+    masks_invalid = True  # each block's bound stands alone
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Quest upper bounds, shape ``[batch, kv_heads, n_blocks]``."""

@@ -166,6 +166,11 @@ class QuantKeySelector(Selector):
             raise ValueError("QuantKeySelector.tail_near bounds the estimate of the unselected blocks: set tail_bits "
                              "too (e.g. quantkey[bits=4,tail_bits=2,tail_near=3]), or leave tail_near at 0.")  # fmt: skip
 
+    @property
+    def masks_invalid(self) -> bool:
+        """The block masses are softmaxes over the valid blocks only (unless a subclass scores its own way)."""
+        return type(self).score is QuantKeySelector.score
+
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """``codes``, ``kmin`` and ``kstep`` of the new blocks (see :func:`quantize_keys`).
 
@@ -336,11 +341,14 @@ class QuantKeySelector(Selector):
         forced: torch.Tensor,
         valid: torch.Tensor,
     ) -> Selection:
-        """:meth:`Selector.select <hf_offload.selectors.base.Selector.select>`; with ``tail_near`` the selection
+        """:meth:`Selector.select <hf_offload.selectors.base.Selector.select>` with each head's softmax over the
+        valid blocks only (blocks that may not be attended take no share of it); with ``tail_near`` the selection
         also carries the block log-sum-exps its scores came from (``Selection.block_lse``)."""
-        if not self.tail_near:
+        if not self.masks_invalid:  # a subclass with its own score()
             return super().select(query, summaries, scaling, k, forced, valid)
-        lse = self.block_lse(query, summaries, scaling)
+        lse = self.block_lse(query, summaries, scaling).masked_fill(~valid[:, None, None, :], float("-inf"))
+        if not self.tail_near:
+            return self.choose(_block_mass(lse), k, forced, valid)
         n = valid.shape[-1]
         ranked = min(n, k + math.ceil(self.tail_near * k))
         if ranked <= k:

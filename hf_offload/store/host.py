@@ -120,9 +120,14 @@ class HostBlockPool:
         self.chunk_admitted: list[bool] = []  # per chunk: admitted to the device (else host memory)
         self._free: list[int] = []
         self._next_id = 0
-        self._chunk_addrs: torch.Tensor | None = None
-        self._chunk_on_host: torch.Tensor | None = None
+        # Device tables of the chunks for the copy kernels, with room for more chunks (filled in place as the pool
+        # grows, so that a captured graph reading them stays valid; re-allocated, doubled, when full).
+        self._chunk_addrs: torch.Tensor | None = None  # [capacity], int64: the chunks' addresses, 0 past them
+        self._chunk_on_host: torch.Tensor | None = None  # [capacity + 1], bool: in host memory; the last: False
+        self._tables_filled = 0  # chunks entered in the tables
         self._chunk_on_host_cpu: torch.Tensor | None = None
+        self.table_version = 0  # counts re-allocations of the device tables
+        self.admitted_chunks = 0  # chunks in device memory (admission)
 
     @property
     def block_words(self) -> int:
@@ -131,22 +136,35 @@ class HostBlockPool:
 
     def chunk_addrs(self, device: torch.device) -> torch.Tensor:
         """Addresses of the pinned chunks, shape ``[n_chunks]``, ``torch.int64``, on ``device`` (for the copy
-        kernels, which read and write pinned memory through unified addressing)."""
-        if self._chunk_addrs is None or len(self._chunk_addrs) != len(self.chunks):
-            addrs = torch.tensor([c.data_ptr() for c in self.chunks], dtype=torch.int64)
-            # Per chunk: in host memory (not admitted); one more entry, False, for the id -1 (count_on_host).
-            on_host = torch.tensor([not a for a in self.chunk_admitted] + [False])
+        kernels, which read and write pinned memory through unified addressing): a view of a table with room for
+        more chunks, filled in place (on the current stream) as the pool grows."""
+        n = len(self.chunks)
+        table = self._chunk_addrs
+        if table is None or table.device != torch.device(device) or len(table) < n:
+            capacity = max(64, n, 2 * (0 if table is None else len(table)))
+            # Per chunk: its address and whether it is in host memory (not admitted); the last on_host entry, False,
+            # stands for the id -1 (count_on_host). Device tables start zeroed and are filled below.
+            self._chunk_addrs = torch.zeros(capacity, dtype=torch.int64, device=device)
+            self._chunk_on_host = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
+            self._tables_filled = 0
+            self.table_version += 1
+        start = self._tables_filled
+        if start < n:
+            addrs = torch.tensor([c.data_ptr() for c in self.chunks[start:n]], dtype=torch.int64)
+            on_host = torch.tensor([not a for a in self.chunk_admitted[start:n]])
             if torch.device(device).type == "cuda":
                 # Asynchronous copies: no host synchronisation when the pool grows.
                 addrs, on_host = addrs.pin_memory(), on_host.pin_memory()
-            self._chunk_addrs = addrs.to(device, non_blocking=True)
-            self._chunk_on_host = on_host.to(device, non_blocking=True)
-        return self._chunk_addrs
+            self._chunk_addrs[start:n].copy_(addrs, non_blocking=True)
+            self._chunk_on_host[start:n].copy_(on_host, non_blocking=True)
+            self._tables_filled = n
+        return self._chunk_addrs[:n]
 
     def chunk_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The device tables of the chunks: :meth:`chunk_addrs` and, per chunk plus one last ``False`` entry (for
-        the id ``-1``), whether it is in host memory (``torch.bool``, ``[n_chunks + 1]``). A captured decode graph
-        reads both, so it holds both: a growing pool replaces them."""
+        """The device tables of the chunks: :meth:`chunk_addrs` and, per chunk of the table's capacity plus one
+        last ``False`` entry (for the id ``-1``), whether it is in host memory (``torch.bool``, ``[capacity + 1]``).
+        A captured decode graph reads both: they keep their address until :attr:`table_version` changes (a pool
+        that outgrows them), and the graph holds the ones it read."""
         addrs = self.chunk_addrs(device)
         return addrs, self._chunk_on_host
 
@@ -160,7 +178,7 @@ class HostBlockPool:
             ``None``, an int (``ids`` on the CPU) or a 0-d ``torch.int64`` tensor on ``ids``' device (no host
             synchronisation).
         """
-        if not any(self.chunk_admitted):
+        if not self.admitted_chunks:
             return None
         if ids.device.type == "cpu":
             on_host = self._chunk_on_host_cpu
@@ -169,7 +187,7 @@ class HostBlockPool:
         else:
             self.chunk_addrs(ids.device)
             on_host = self._chunk_on_host
-        chunk = torch.where(ids >= 0, ids // self.chunk_blocks, len(self.chunks))  # -1 reads the last entry
+        chunk = torch.where(ids >= 0, ids // self.chunk_blocks, len(on_host) - 1)  # -1 reads the last entry
         found = on_host[chunk].sum()
         return int(found) if ids.device.type == "cpu" else found
 
@@ -194,6 +212,7 @@ class HostBlockPool:
         if self.admission is not None and self.admission.admit(nbytes):
             self.chunks.append(torch.empty(shape, dtype=self.dtype, device=self.admission.device))
             self.chunk_admitted.append(True)
+            self.admitted_chunks += 1
             return
         self.budget.reserve(nbytes)
         try:
@@ -248,8 +267,10 @@ class HostBlockPool:
             self.admission.admitted_bytes -= device_bytes
         self.chunks.clear()
         self.chunk_admitted.clear()
+        self.admitted_chunks = 0
         self._chunk_addrs = None
         self._chunk_on_host = self._chunk_on_host_cpu = None
+        self._tables_filled = 0
 
     def _by_chunk(self, ids: torch.Tensor):
         chunk_of = ids // self.chunk_blocks
