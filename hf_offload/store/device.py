@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.slots import assign_slots, assign_supported
+
 _NEVER = torch.iinfo(torch.int64).max
 
 
@@ -51,6 +53,8 @@ class DeviceSlotPool:
         self.last_used = self._last_used[..., :slots]
         self.n_slots = slots
         self._pieces: torch.Tensor | None = None
+        # assign() runs one kernel where Triton runs (hf_offload.kernels.slots); False: always the torch code.
+        self.use_kernel = True
         # The recency clock lives on the device, so that a captured decode step (CUDA graph) advances it too.
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self._b = torch.arange(batch, device=device)[:, None, None]
@@ -113,6 +117,19 @@ class DeviceSlotPool:
         n = blocks.shape[-1]
         if n > slots:
             raise ValueError(f"assign() got {n} blocks for a pool of {slots} slots per sequence")
+        if self.use_kernel and assign_supported(self.block.device, slots, n):
+            if touch:
+                self.clock += 1
+            return assign_slots(self._block, self._last_used, self.clock, blocks, keep, touch)
+        return self.assign_reference(blocks, keep, touch)
+
+    def assign_reference(
+        self, blocks: torch.Tensor, keep: torch.Tensor, touch: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`assign` in torch operations (where the kernel of :mod:`hf_offload.kernels.slots` does not run,
+        and the reference it is tested against); same arguments and result."""
+        batch, heads, slots = self.block.shape
+        n = blocks.shape[-1]
         # Entries not kept look for block -2, which no slot holds (empty slots hold -1).
         wanted = torch.where(keep, blocks, -2)
         match = self.block[:, :, None, :] == wanted[..., None]  # [B, H, n, S]
