@@ -50,7 +50,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)  # b * heads + h
         b = row // heads
         h = row % heads
-        hb = h if blocks_heads > 1 else 0
+        hb = h % blocks_heads  # a shared selection (one row for all heads): 0
         s = tl.arange(0, SP)
         live_s = s < S
         i = tl.arange(0, NP)
