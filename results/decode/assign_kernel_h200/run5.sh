@@ -1,0 +1,21 @@
+#!/bin/bash
+# One GPU: the slot-assignment kernel's test and every cuda test, then 64K b12 A/B (assign kernel vs d3b9153), quantkey and the default.
+set -u
+export TOKENIZERS_PARALLELISM=false
+C=$(cat .gpu/COMMIT)
+PYTHONPATH=$PWD HF_OFFLOAD_GIT_COMMIT=$C timeout 330 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernel_slots.py tests/test_kernels.py > /tmp/pyt1.txt 2>&1
+echo "pytest kernels rc=$?"; grep -v "Warning\|warn\|^  \|^$" /tmp/pyt1.txt | tail -8 | cut -c1-400
+PYTHONPATH=$PWD HF_OFFLOAD_GIT_COMMIT=$C timeout 300 python3 -m pytest -m cuda -q -rfEs -p no:cacheprovider tests > /tmp/pyt.txt 2>&1
+echo "pytest cuda rc=$?"; grep -v "Warning\|warn\|^  \|^$" /tmp/pyt.txt | tail -12 | cut -c1-400
+one() {  # tag dir commit selector
+  (cd $2 && PYTHONPATH=$PWD HF_OFFLOAD_GIT_COMMIT=$3 timeout 100 python3 benchmarks/bench_decode.py \
+    --contexts 65536 --methods quantkey-auto --batches 12 --steps 64 --quantkey-selector "$4" --config-seconds 40 \
+    --max-seconds 90 --out $OUT/bench_decode_64k_b12_$1.json > /tmp/log_$1.txt 2>&1; echo "$1 rc=$?"; tail -2 /tmp/log_$1.txt | cut -c1-200)
+}
+D="quantkey[bits=4,tail_bits=2,tail_near=3]"
+one quantkey_new_a . $C quantkey
+one quantkey_old_a .gpu/old d3b9153 quantkey
+one default_new_a . $C "$D"
+one default_old_a .gpu/old d3b9153 "$D"
+for f in $OUT/bench_decode_64k_b12_*.json; do python3 -c "
+import json,statistics as st; r=json.load(open('$f'))['runs'][0]; e=r['step_ms_each']; s=[x for i,x in enumerate(e) if i%16 not in (0,15)]; print('$f'.split('/')[-1], r['steps'], round(r['tokens_per_s'],1), round(r['step_ms'],2), 'median', round(r['step_ms_median'],2), 'steady', round(st.mean(s),2)); print([round(x) for x in e])"; done
