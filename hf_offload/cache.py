@@ -249,7 +249,9 @@ class OffloadLayer(CacheLayerMixin):
         self.pool = DeviceSlotPool(
             batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device, open_slot=True
         )
-        self.block_table = torch.empty((batch, 0), dtype=torch.int64)  # CPU: host block id per (sequence, block)
+        # CPU: host block id per (sequence, block): the first n_blocks columns of a buffer that grows by whole chunks.
+        self._block_table_store = torch.full((batch, 0), -1, dtype=torch.int64)
+        self.block_table = self._block_table_store
         self.use_kernels = self._want_kernels(bool(pin))
         if self.use_kernels:
             # Device copy of the block table, [batch, capacity]: -1 past the sealed blocks; grows like the summaries,
@@ -315,7 +317,7 @@ class OffloadLayer(CacheLayerMixin):
                 # caching host allocator): finish them before the memory is freed.
                 torch.cuda.synchronize(self.device)
             self.host.release()
-            del self.pool, self.block_table, self.summaries, self._summary_store
+            del self.pool, self.block_table, self._block_table_store, self.summaries, self._summary_store
             self.block_table_dev = None
             self.keys = self.values = self._open_k = self._open_v = None
             self.cache_decode_inputs(self.device).invalidate()
@@ -387,6 +389,7 @@ class OffloadLayer(CacheLayerMixin):
         blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
         ids = self.host.allocate(batch * n_new)
         flat = blocks.reshape(-1, 2, heads, T, D)
+        n, need = self.n_blocks, self.n_blocks + n_new
         if self.use_kernels:
             # Stream order: the write runs on the offload stream behind the computation of these keys and values
             # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
@@ -398,14 +401,17 @@ class OffloadLayer(CacheLayerMixin):
                 lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
                 uses=(ids_dev, flat, addrs),
             )
-            n, need = self.n_blocks, self.n_blocks + n_new
             if self.block_table_dev.shape[1] < need:
                 self.block_table_dev = self._grown(self.block_table_dev, ids_dev.view(batch, n_new), need, fill=-1)
             self.block_table_dev[:, n:need] = ids_dev.view(batch, n_new)
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
-        self.block_table = torch.cat([self.block_table, ids.view(batch, n_new)], dim=1)
+        # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
+        if self._block_table_store.shape[1] < need:
+            self._block_table_store = self._grown(self._block_table_store, ids.view(batch, n_new), need, fill=-1)
+        self._block_table_store[:, n:need] = ids.view(batch, n_new)
+        self.block_table = self._block_table_store[:, :need]
         summaries = self.selector.summarize(keys)
         if self.selector.estimates_tail:
             summaries.update(self.selector.summarize_values(values))
