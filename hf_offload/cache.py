@@ -47,8 +47,9 @@ class LayerStats:
 
     Counters are Python ints or 0-d device tensors. Device counts of decode steps may be queued with
     :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
-    Counts added while a CUDA graph is being captured go into a persistent device tensor instead (one in-place add
-    per field, recorded in the graph), so that every replay of the graph counts.
+    Counts added while a CUDA graph is being captured go into a persistent device tensor instead, one entry per
+    distinct ``(fields, factor)`` of :meth:`add_later` (one in-place add per call, recorded in the graph; the factor
+    and the fields are applied when a counter is read), so that every replay of the graph counts.
     """
 
     FIELDS = (
@@ -72,6 +73,7 @@ class LayerStats:
         "tail_steps",  # decode steps with that estimate
     )
     _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
+    _CAPTURE_SLOTS = 64  # distinct (fields, factor) counts that captured graphs may add into
 
     def __init__(self) -> None:
         self.reset()
@@ -88,8 +90,8 @@ class LayerStats:
     def prepare_capture(self, device: torch.device) -> None:
         """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
         if getattr(self, "_captured", None) is None:
-            self._captured = torch.zeros(len(self.FIELDS), dtype=torch.int64, device=device)
-            self._captured_fields: set[str] = set()
+            self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
+            self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
 
     def add(self, fields: tuple[str, ...], value) -> None:
         """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
@@ -108,9 +110,12 @@ class LayerStats:
             self.add(fields, value * factor)
             return
         if value.is_cuda and torch.cuda.is_current_stream_capturing():
-            for name in fields:
-                self._captured.select(0, self.FIELDS.index(name)).add_(value * factor)
-                self._captured_fields.add(name)
+            slot = self._capture_slots.get((fields, factor))
+            if slot is None:
+                if len(self._capture_slots) == self._CAPTURE_SLOTS:
+                    raise RuntimeError(f"LayerStats: more than {self._CAPTURE_SLOTS} distinct counts in captured graphs")
+                slot = self._capture_slots[(fields, factor)] = len(self._capture_slots)
+            self._captured.select(0, slot).add_(value)
             return
         self._queued.setdefault((fields, factor), []).append(value)
         self._n_queued += 1
@@ -129,9 +134,11 @@ def _counter(name: str) -> property:
     def get(self: LayerStats):
         if self._n_queued:
             self.settle()
-        if name in getattr(self, "_captured_fields", ()):
-            return self._totals[name] + self._captured[LayerStats.FIELDS.index(name)]
-        return self._totals[name]
+        total = self._totals[name]
+        for (fields, factor), slot in getattr(self, "_capture_slots", {}).items():
+            if name in fields:
+                total = total + self._captured[slot] * factor
+        return total
 
     def set(self: LayerStats, value) -> None:
         self._totals[name] = value
