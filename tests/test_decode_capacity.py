@@ -138,3 +138,25 @@ def test_capacity_settings_are_checked():
     with torch.no_grad():
         model(input_ids=torch.randint(3, 90, (1, 40)), past_key_values=cache)
     assert all(layer.capacity_blocks == 1 for layer in cache.offload_layers)
+
+
+def test_chunk_tables_fill_in_place_while_the_pool_grows():
+    from hf_offload.store import DeviceAdmission, HostBlockPool, HostMemoryBudget
+
+    block = (2, 2, 4, 8)
+    nbytes = torch.Size(block).numel() * 4
+    admission = DeviceAdmission(torch.device("cpu"), limit_bytes=2 * 2 * nbytes)  # the first two chunks admitted
+    pool = HostBlockPool(block, torch.float32, False, 2 * nbytes, HostMemoryBudget(None), admission=admission)
+    pool.allocate(3)  # two chunks
+    addrs, on_host = pool.chunk_tables(torch.device("cpu"))
+    version, ptr = pool.table_version, on_host.data_ptr()
+    assert len(addrs) == 2 and len(on_host) == 65  # room for 64 chunks, and the entry of the id -1
+    ids = pool.allocate(6)  # three more chunks, in host memory
+    addrs, on_host = pool.chunk_tables(torch.device("cpu"))
+    assert pool.table_version == version and on_host.data_ptr() == ptr  # filled in place
+    assert addrs.tolist() == [c.data_ptr() for c in pool.chunks]
+    assert on_host[:5].tolist() == [False, False, True, True, True] and not on_host[5:].any()
+    assert pool.count_on_host(torch.cat([ids, torch.tensor([-1, 0])])) == 5  # ids 3..8: 5 on the host; -1, 0 not
+    pool.allocate(2 * 64)  # past the tables' room: new tables, a new version
+    addrs, _ = pool.chunk_tables(torch.device("cpu"))
+    assert pool.table_version == version + 1 and len(addrs) == len(pool.chunks)

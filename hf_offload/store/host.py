@@ -140,7 +140,10 @@ class HostBlockPool:
         more chunks, filled in place (on the current stream) as the pool grows."""
         n = len(self.chunks)
         table = self._chunk_addrs
-        if table is None or table.device != torch.device(device) or len(table) < n:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors name it
+            device = torch.device("cuda", torch.cuda.current_device())
+        if table is None or table.device != device or len(table) < n:
             capacity = max(64, n, 2 * (0 if table is None else len(table)))
             # Per chunk: its address and whether it is in host memory (not admitted); the last on_host entry, False,
             # stands for the id -1 (count_on_host). Device tables start zeroed and are filled below.
@@ -152,7 +155,7 @@ class HostBlockPool:
         if start < n:
             addrs = torch.tensor([c.data_ptr() for c in self.chunks[start:n]], dtype=torch.int64)
             on_host = torch.tensor([not a for a in self.chunk_admitted[start:n]])
-            if torch.device(device).type == "cuda":
+            if device.type == "cuda":
                 # Asynchronous copies: no host synchronisation when the pool grows.
                 addrs, on_host = addrs.pin_memory(), on_host.pin_memory()
             self._chunk_addrs[start:n].copy_(addrs, non_blocking=True)
