@@ -8,7 +8,8 @@ Here one program handles one (sequence, KV head) row of the pool: it loads the r
 finds hits, ranks the unprotected slots by last use by counting (no sort: each slot's rank is the number of slots
 before it in (last use, slot) order), gives the i-th miss the i-th of them and writes the row's new state. The
 result, and the pool's state after it, are those of the torch code (``DeviceSlotPool.assign_reference``), which the
-tests compare bit for bit.
+tests compare bit for bit. The pool runs it on CUDA (``DeviceSlotPool.use_kernel``); the tests also run it on the
+CPU under Triton's interpreter.
 """
 
 from __future__ import annotations

@@ -53,8 +53,9 @@ class DeviceSlotPool:
         self.last_used = self._last_used[..., :slots]
         self.n_slots = slots
         self._pieces: torch.Tensor | None = None
-        # assign() runs one kernel where Triton runs (hf_offload.kernels.slots); False: always the torch code.
-        self.use_kernel = True
+        # assign() runs one kernel on CUDA where Triton runs (hf_offload.kernels.slots); else the torch code (the
+        # tests switch the kernel on under Triton's CPU interpreter, where it is slow).
+        self.use_kernel = torch.device(device).type == "cuda"
         # The recency clock lives on the device, so that a captured decode step (CUDA graph) advances it too.
         self.clock = torch.zeros((), dtype=torch.int64, device=device)
         self._b = torch.arange(batch, device=device)[:, None, None]
