@@ -396,7 +396,6 @@ class OffloadLayer(CacheLayerMixin):
         blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
         ids = self.host.allocate(batch * n_new)
         flat = blocks.reshape(-1, 2, heads, T, D)
-        n, need = self.n_blocks, self.n_blocks + n_new
         if self.use_kernels:
             # Stream order: the write runs on the offload stream behind the computation of these keys and values
             # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
@@ -408,17 +407,13 @@ class OffloadLayer(CacheLayerMixin):
                 lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
                 uses=(ids_dev, flat, addrs),
             )
-            if self.block_table_dev.shape[1] < need:
-                self.block_table_dev = self._grown(self.block_table_dev, ids_dev.view(batch, n_new), need, fill=-1)
-            self.block_table_dev[:, n:need] = ids_dev.view(batch, n_new)
+            self.block_table_dev = self._appended(self.block_table_dev, ids_dev.view(batch, n_new), fill=-1)
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
         # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
-        if self._block_table_store.shape[1] < need:
-            self._block_table_store = self._grown(self._block_table_store, ids.view(batch, n_new), need, fill=-1)
-        self._block_table_store[:, n:need] = ids.view(batch, n_new)
-        self.block_table = self._block_table_store[:, :need]
+        self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1)
+        self.block_table = self._block_table_store[:, : self.n_blocks + n_new]
         summaries = self.selector.summarize(keys)
         if self.selector.estimates_tail:
             summaries.update(self.selector.summarize_values(values))
@@ -437,12 +432,17 @@ class OffloadLayer(CacheLayerMixin):
             name: the summary's name (a key of the selector's ``summarize`` output).
             summary: the new blocks' summary, ``[batch, n_new, ...]``, on the compute device.
         """
-        store, n = self._summary_store.get(name), self.n_blocks
-        need = n + summary.shape[1]
+        store = self._summary_store[name] = self._appended(self._summary_store.get(name), summary)
+        return store[:, : self.n_blocks + summary.shape[1]]
+
+    def _appended(self, store: torch.Tensor | None, new: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """``store`` (a per-block buffer: a summary, a block table; ``None``: none yet), grown by :meth:`_grown` if
+        it cannot hold them, with ``new`` (``[batch, n_new, ...]``) written after its :attr:`n_blocks` blocks."""
+        n, need = self.n_blocks, self.n_blocks + new.shape[1]
         if store is None or store.shape[1] < need:
-            store = self._summary_store[name] = self._grown(store, summary, need)
-        store[:, n:need] = summary
-        return store[:, :need]
+            store = self._grown(store, new, need, fill)
+        store[:, n:need] = new
+        return store
 
     def _grown(self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
         """A per-block buffer (a summary, the device block table) for at least ``blocks`` blocks, the reservation

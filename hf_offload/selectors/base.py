@@ -57,9 +57,6 @@ class Selector:
 
     name = "base"
     per_head = False
-    # Whether a block's score never depends on the summaries of blocks that ``valid`` leaves out (each block scored
-    # alone, or normalised over valid blocks only). Then a decode step may score more blocks than are sealed, the
-    # rest masked (``OffloadConfig.decode_capacity_blocks``), and its shapes stay the same over several seals.
     masks_invalid = False
 
     @property
