@@ -314,7 +314,8 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
     if method not in OFFLOAD_METHODS:
         return None
     selector = selector_of(method, args)
-    capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None))
+    capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None),
+                    decode_attention=getattr(args, "decode_attention", "auto"))  # fmt: skip
     if not method.endswith("-auto"):
         return OffloadConfig(budget_tokens=args.budget, selector=selector, **capacity)
     gib = args.admission_gib
@@ -408,13 +409,14 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     if method == "hf-offloaded":
         return DynamicCache(config=model.config, offloading=True), None
     capacity = getattr(args, "decode_capacity", None)
+    attention = getattr(args, "decode_attention", "auto")
     if method in ("solohead", "quantkey"):
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
-                            decode_capacity_blocks=capacity), "auto"  # fmt: skip
+                            decode_capacity_blocks=capacity, decode_attention=attention), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
-                            decode_capacity_blocks=capacity), "auto"  # fmt: skip
+                            decode_capacity_blocks=capacity, decode_attention=attention), "auto"  # fmt: skip
     if method in ("solohead-auto", "quantkey-auto"):
         return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
 
@@ -694,6 +696,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-capacity", type=int, default=None,
                         help="decode_capacity_blocks of the OffloadCache methods (default: the cache's, 64 with CUDA "
                              "graphs; 1: the sealed blocks, one graph capture per seal)")
+    parser.add_argument("--decode-attention", choices=("auto", "paged", "pool"), default="auto",
+                        help="decode_attention of the OffloadCache methods ('paged': admitted blocks read in place; "
+                             "'pool': every selected block copied into the slot pool first)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")

@@ -28,6 +28,7 @@ from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMa
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kernels import OnlineSoftmax
+from .kernels.paged import paged_decode
 from .kernels.tail import attention_lse, merge_attention
 from .graphs import DecodeInputs
 from .selectors.base import Selection
@@ -478,7 +479,9 @@ def _decode_body(
         layer.lookahead_next(q, mask, scaling)
         if timer is not None:
             timer.add("prefetch", t_select, t_select := timer.mark())
-    blocks, keep, slots, _, _ = next(layer.resident_rounds(selection, decode=True, count_step=count_step, gather=False))
+    blocks, keep, slots, _, _ = next(
+        layer.resident_rounds(selection, decode=True, count_step=count_step, gather=False, in_place=layer.paged)
+    )
     if timer is not None:
         timer.add("recall", t_select, t_recalled := timer.mark())
     out = _decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling, selection)
@@ -525,6 +528,9 @@ def _decode_sdpa(
     pool = layer.pool
     batch, q_heads, _, head_dim = query.shape
     heads, sel_heads, k = pool.kv_heads, blocks.shape[1], blocks.shape[-1]
+    tail = k < n and layer.selector.estimates_tail
+    if layer.paged:
+        return _decode_paged(layer, query, blocks, keep, slots, inputs, n, scaling, plan, tail)
     total, tokens = pool.slots + 1, layer.block_tokens
     entry_rows = inputs.rows[inputs.sequence, torch.where(keep, blocks, n + 1)]  # [B, Hs, k, T]; row n + 1: none
     # Each kept entry's row goes to its slot; other entries to a spare column past the pool (dropped below).
@@ -537,17 +543,66 @@ def _decode_sdpa(
     if k_all.dtype != query.dtype:
         k_all, v_all = k_all.to(query.dtype), v_all.to(query.dtype)
     grouped = query.view(batch, heads, q_heads // heads, head_dim)  # the group as the query-length dimension
-    if k < n and layer.selector.estimates_tail:
-        # The unselected blocks' attention, estimated by the selector, joins the selection's through the log-sum-exp.
+    if tail:
         out, lse = attention_lse(grouped, k_all, v_all, ok, scaling)
-        selection = Selection(blocks=blocks, keep=keep, scores=None if plan is None else plan.scores,
-                              block_lse=None if plan is None else plan.block_lse,
-                              ranked=None if plan is None or plan.blocks is not blocks else plan.ranked)  # fmt: skip
-        tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
-        layer.count_tail(tail_lse, lse)
-        out, _ = merge_attention(out, lse, tail_out, tail_lse)
-        return out.to(query.dtype).reshape(batch, 1, q_heads, head_dim)
+        return _with_tail(layer, query, grouped, out, lse, blocks, keep, inputs, n, scaling, plan)
     out = torch.nn.functional.scaled_dot_product_attention(grouped, k_all, v_all, attn_mask=ok, scale=scaling)
+    return out.reshape(batch, 1, q_heads, head_dim)
+
+
+def _with_tail(
+    layer: "OffloadLayer",
+    query: torch.Tensor,
+    grouped: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    blocks: torch.Tensor,
+    keep: torch.Tensor,
+    inputs: DecodeInputs,
+    n: int,
+    scaling: float,
+    plan: Selection | None,
+) -> torch.Tensor:
+    """The selection's attention (``out``, ``lse``: float32, ``[batch, kv_heads, group, head_dim]`` and ``[batch,
+    kv_heads, group]``) merged with the selector's estimate of the unselected blocks through the log-sum-exp;
+    returns ``[batch, 1, q_heads, head_dim]``, ``query.dtype``. ``query`` is ``[batch, q_heads, 1, head_dim]`` and
+    ``grouped`` its ``[batch, kv_heads, group, head_dim]`` view; the other arguments as :func:`_decode_sdpa`'s."""
+    batch, q_heads, _, head_dim = query.shape
+    selection = Selection(blocks=blocks, keep=keep, scores=None if plan is None else plan.scores,
+                          block_lse=None if plan is None else plan.block_lse,
+                          ranked=None if plan is None or plan.blocks is not blocks else plan.ranked)  # fmt: skip
+    tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
+    layer.count_tail(tail_lse, lse)
+    out, _ = merge_attention(out, lse, tail_out, tail_lse)
+    return out.to(query.dtype).reshape(batch, 1, q_heads, head_dim)
+
+
+def _decode_paged(
+    layer: "OffloadLayer",
+    query: torch.Tensor,
+    blocks: torch.Tensor,
+    keep: torch.Tensor,
+    slots: torch.Tensor,
+    inputs: DecodeInputs,
+    n: int,
+    scaling: float,
+    plan: Selection | None,
+    tail: bool,
+) -> torch.Tensor:
+    """:func:`_decode_sdpa` through :func:`~hf_offload.kernels.paged.paged_decode`: each selected block is read
+    where it lies (an admitted chunk, or its slot), the open block from the pool's last slot; no mask is built.
+    Arguments and result as :func:`_decode_sdpa`'s (``tail``: merge the selector's estimate of the unselected
+    blocks)."""
+    batch, q_heads, _, head_dim = query.shape
+    heads = layer.kv_heads
+    grouped = query.view(batch, heads, q_heads // heads, head_dim)
+    addrs, on_host = layer.host.chunk_tables(layer.device)
+    out, lse = paged_decode(
+        grouped, scaling, blocks, keep, slots, inputs.rows, n, layer.block_table_dev, addrs, on_host,
+        layer.host.chunk_blocks, layer.pool.data, out_dtype=torch.float32 if tail else query.dtype,
+    )  # fmt: skip
+    if tail:
+        return _with_tail(layer, query, grouped, out, lse, blocks, keep, inputs, n, scaling, plan)
     return out.reshape(batch, 1, q_heads, head_dim)
 
 

@@ -213,6 +213,7 @@ class OffloadLayer(CacheLayerMixin):
         self.cache_decode_inputs = decode_inputs or (lambda device: self._own_inputs.setdefault(device, DecodeInputs()))
         self.cache_capture_graph = capture_graph or (lambda device, body, query, held: capture(body, query, None, held))
         self.graphs = False
+        self.paged = False  # decided at the first update (_want_paged)
         self.capacity_blocks = 1
         self._storage_epoch = 0  # counts replacements of the summary and block-table buffers (graphs read them)
         self._graphs: dict[tuple, CapturedDecode] = {}
@@ -264,6 +265,7 @@ class OffloadLayer(CacheLayerMixin):
             # Device copy of the block table, [batch, capacity]: -1 past the sealed blocks; grows like the summaries,
             # so that a seal writes in place and a captured graph reads it over several seals.
             self.block_table_dev = torch.full((batch, 0), -1, dtype=torch.int64, device=self.device)
+        self.paged = self._want_paged()
         # Side streams only where the kernel path runs asynchronously (CUDA); elsewhere every copy is synchronous.
         self.streams = self.cache_streams(self.device) if self.use_kernels and self.device.type == "cuda" else None
         self.resolve_lookahead()
@@ -288,6 +290,24 @@ class OffloadLayer(CacheLayerMixin):
                 "transfer='kernel' needs a CUDA device, a pinned host pool and Triton; use transfer='auto' or 'torch'."
             )
         return possible and self.config.transfer != "torch"
+
+    def _want_paged(self) -> bool:
+        """Whether decode steps attend through :func:`~hf_offload.kernels.paged.paged_decode` (admitted blocks read
+        in place); see ``OffloadConfig.decode_attention``."""
+        from .kernels.paged import paged_decode_supported
+
+        wanted = self.config.decode_attention
+        if wanted == "pool":
+            return False
+        probe = torch.empty((1, 1, 1, self.head_dim), dtype=self.dtype, device=self.device)
+        possible = self.use_kernels and paged_decode_supported(probe, self.pool.data)
+        if wanted == "paged" and not possible:
+            raise RuntimeError(
+                "decode_attention='paged' needs the kernel transfer path (CUDA, a pinned host pool and Triton), a "
+                "float16, bfloat16 or float32 cache and a power-of-two head_dim >= 16; use decode_attention='auto' "
+                "or 'pool'."
+            )
+        return possible and (wanted == "paged" or self.device.type == "cuda")
 
     def resolve_lookahead(self) -> None:
         """Set :attr:`lookahead` and :attr:`graphs` from the config: ``None`` means on with the kernel path on CUDA
@@ -731,12 +751,15 @@ class OffloadLayer(CacheLayerMixin):
         self.stats.add_later(("tail_steps",), torch.ones((), dtype=torch.long, device=share.device))
 
     def resident_rounds(
-        self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True
+        self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True, in_place: bool = False
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
 
         Before its first recall the compute stream waits for the host writes of the blocks this forward may read
         and for this layer's pending prefetch, if any (events, no host synchronisation).
+
+        With ``in_place`` (the paged decode attention reads blocks of admitted chunks where they are), only blocks
+        in host memory take slots and are recalled; the others count as hits (no bytes move for them).
 
         Yields:
             ``(blocks, keep, slots, keys, values)`` per round: block indices ``[batch, 1 or kv_heads, n]``, which are
@@ -756,7 +779,7 @@ class OffloadLayer(CacheLayerMixin):
             else:
                 blocks = selection.blocks[..., start : start + per_round]
                 keep = selection.keep[..., start : start + per_round]
-            slots, miss = self.pool.assign(blocks, keep)
+            slots, miss = self.pool.assign(blocks, self._pool_keep(blocks, keep) if in_place else keep)
             if decode:
                 # Device-side counts, summed when stats() reads them.
                 self.stats.add_later(("lookups", "hits"), keep.sum(), heads // keep.shape[1])
@@ -776,6 +799,23 @@ class OffloadLayer(CacheLayerMixin):
                 self.stats.add_later(("hits",), count, -heads if shared else -1)
             keys, values = self.pool.gather(slots) if gather else (None, None)
             yield blocks, keep, slots, keys, values
+
+    def _pool_keep(self, blocks: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` limited to the blocks in host memory (those the paged decode attention reads from slots).
+
+        Args:
+            blocks: block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``, compute device (below the device
+                block table's capacity).
+            keep: which entries are wanted, same shape, ``torch.bool``.
+        """
+        if not self.host.admitted_chunks:
+            return keep
+        _, on_host = self.host.chunk_tables(self.device)
+        table = self.block_table_dev
+        # Entries past the sealed blocks (a step's capacity) are never kept: any column serves them.
+        ids = table.gather(1, blocks.reshape(blocks.shape[0], -1).clamp(0, table.shape[1] - 1)).view(blocks.shape)
+        chunk = torch.where(ids >= 0, ids // self.host.chunk_blocks, len(on_host) - 1)  # -1 reads False
+        return keep & on_host[chunk]
 
     def _wait_prefetch(self) -> None:
         """Make the compute stream wait for this layer's pending speculative recall, if any."""
@@ -926,6 +966,8 @@ class OffloadLayer(CacheLayerMixin):
         if selection.blocks.shape[-1] > self.pool.slots:
             return  # the exact plan runs in rounds that cycle the whole pool: nothing would stay resident
         keep = self._bounded(selection)
+        if self.paged:  # blocks of admitted chunks are read in place: nothing to prefetch for them
+            keep = self._pool_keep(selection.blocks, keep)
         slots, miss = self.pool.assign(selection.blocks, keep, touch=False)
         stream = self.streams.prefetch if self.streams is not None else None
         count, unit, host_count = self._recall(selection.blocks, slots, miss, stream)

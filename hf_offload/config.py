@@ -95,6 +95,13 @@ class OffloadConfig:
             graphs and the selector leaves blocks it may not attend out of every block's score
             (``Selector.masks_invalid``: ``quantkey``, ``solohead``, ``headwise``), else 1 (the sealed blocks).
             Other values need such a selector.
+        decode_attention: how a decode step attends its selected blocks. ``"paged"``: one Triton kernel reads each
+            block where it lies: blocks of admitted chunks (``admission="auto"``) in place, blocks in host memory
+            from the slot pool after their recall, so only those are ever copied (needs the kernel transfer path).
+            ``"pool"``: every selected block is made resident in the slot pool (admitted ones copied within the
+            device) and one ``scaled_dot_product_attention`` reads the pool. ``"auto"``: ``"paged"`` on CUDA with the
+            kernel transfer path, else ``"pool"``. The outputs agree to float rounding (both are exact attention over
+            the same tokens).
     """
 
     budget_tokens: int = 2048
@@ -117,6 +124,7 @@ class OffloadConfig:
     lookahead_blocks: int | None = None
     cuda_graphs: bool | None = False
     decode_capacity_blocks: int | None = None
+    decode_attention: str = "auto"
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -206,6 +214,8 @@ class OffloadConfig:
                 f"decode_capacity_blocks must be a positive integer (blocks a decode step's scored blocks are rounded "
                 f"up to) or None (64 with CUDA graphs, else 1), got {capacity!r}."
             )
+        if self.decode_attention not in ("auto", "paged", "pool"):
+            raise ValueError(f"decode_attention must be 'auto', 'paged' or 'pool', got {self.decode_attention!r}.")
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
             raise TypeError(
                 f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."
