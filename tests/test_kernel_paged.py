@@ -53,7 +53,7 @@ def _case(seed, batch, heads, group, head_dim, tokens, slots, k, per_head, dtype
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
 def test_paged_decode_matches_the_reference(per_head, splits, dtype):
-    c = _case(7 + splits if splits else 5, batch=2, heads=2, group=3, head_dim=16, tokens=4, slots=9, k=7,
+    c = _case(7 + splits if splits else 5, batch=2, heads=2, group=3, head_dim=16, tokens=8, slots=9, k=7,
               per_head=per_head, dtype=dtype)  # fmt: skip
     assert paged_decode_supported(c["query"], c["pool"])
     scaling = 0.25
@@ -79,6 +79,21 @@ def test_paged_decode_matches_the_reference(per_head, splits, dtype):
         c["on_host"], c["chunk_blocks"], c["pool"], splits=splits, block_e=2,
     )  # fmt: skip
     assert not torch.allclose(out2, out)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("block_e,splits", [(4, None), (8, 3), (2, 1)])
+def test_paged_decode_at_a_real_shape(block_e, splits):
+    """The 8B shape's heads, 16-token blocks, 60 selected blocks in many tiles per program, bfloat16."""
+    c = _case(11, batch=3, heads=8, group=4, head_dim=128, tokens=16, slots=75, k=60, per_head=False,
+              dtype=torch.bfloat16, chunk_blocks=16, n_chunks=12)  # fmt: skip
+    args = (c["query"], 0.088, c["blocks"], c["keep"], c["slots"], c["rows"], c["open_row"], c["table"])
+    ref_out, ref_lse = paged_decode_reference(*args, c["chunks"], c["admitted"], c["pool"])
+    out, lse = paged_decode(*args, c["addrs"], c["on_host"], c["chunk_blocks"], c["pool"], block_e=block_e,
+                            splits=splits)  # fmt: skip
+    torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
 
 
 def test_paged_decode_in_output_dtype_and_nothing_but_the_open_block():

@@ -132,6 +132,7 @@ if triton is not None:
         chunk_addr_ptr,  # int64 [n_chunks]: chunk addresses
         chunk_on_host_ptr,  # bool (as int8) [>= n_chunks]: chunk in host memory (read from its slot)
         pool_ptr,  # [2, B, H, S + 1, T, D], the pool's dtype
+        pool_addr,  # int: pool_ptr's address in bytes
         part_out_ptr,  # float32 [B, H, SPLITS, G, D]
         part_lse_ptr,  # float32 [B, H, SPLITS, G]
         scaling,
@@ -167,6 +168,7 @@ if triton is not None:
         else:  # one selection shared by every head
             hs = h * 0
         dt = pool_ptr.dtype.element_ty
+        ESIZE: tl.constexpr = dt.primitive_bitwidth // 8
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         t = tl.arange(0, T)
@@ -193,18 +195,19 @@ if triton is not None:
             on_host = tl.load(chunk_on_host_ptr + chunk, mask=bid >= 0, other=1) != 0
             in_place = (bid >= 0) & ~on_host
             base = tl.load(chunk_addr_ptr + chunk, mask=in_place, other=0)
-            # Element offsets from the pool's start (slot entries) or absolute addresses (admitted blocks).
+            # Element offsets from the pool's start: an admitted block's K of this head (its chunk's address minus
+            # the pool's, plus the block's and head's offset), else the entry's slot. Every offset is a multiple of
+            # T * D elements (allocations are 256-byte aligned), which lets the loads below use wide accesses.
+            place_off = (base - pool_addr) // ESIZE + (bid % chunk_blocks) * block_elems + h * T * D
             pool_off = (((b * H + h) * (S + 1) + slot) * T) * D
-            chunk_k = base + ((bid % chunk_blocks) * block_elems + h * T * D) * dt.primitive_bitwidth // 8
+            k_off = tl.multiple_of(tl.where(in_place, place_off, pool_off), 16)
+            v_off = tl.multiple_of(k_off + tl.where(in_place, H * T * D, pool_v), 16)
             row = tl.where(is_open, open_row, blk)
             tok = tl.load(rows_ptr + (b * n_rows + row)[:, None] * T + t[None, :], mask=used[:, None], other=0) != 0
             tok = tok & used[:, None]  # [BLOCK_E, T]
             inner = (t[None, :, None] * D + d[None, None, :]).to(tl.int64)  # [1, T, D]
-            pool_k = pool_ptr + pool_off[:, None, None] + inner
-            place_k = chunk_k.to(tl.pointer_type(dt))[:, None, None] + inner
-            ip = in_place[:, None, None]
-            k_ptrs = tl.where(ip, place_k, pool_k)
-            v_ptrs = tl.where(ip, place_k + H * T * D, pool_k + pool_v)
+            k_ptrs = pool_ptr + k_off[:, None, None] + inner
+            v_ptrs = pool_ptr + v_off[:, None, None] + inner
             lmask = tok[:, :, None]
             keys = tl.reshape(tl.load(k_ptrs, mask=lmask, other=0.0), (BLOCK_E * T, D))
             vals = tl.reshape(tl.load(v_ptrs, mask=lmask, other=0.0), (BLOCK_E * T, D))
@@ -261,10 +264,10 @@ if triton is not None:
 
 
 def default_splits(batch: int, kv_heads: int, entries: int, block_e: int, device: torch.device) -> int:
-    """Splits of each (sequence, KV head) pair's entries: enough programs for two per multiprocessor (CUDA; 4
+    """Splits of each (sequence, KV head) pair's entries: enough programs for four per multiprocessor (CUDA; 4
     elsewhere), at most one tile of ``block_e`` entries per split."""
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 4 * torch.cuda.get_device_properties(device).multi_processor_count
     else:
         target = 4 * batch * kv_heads
     return max(1, min(-(-target // (batch * kv_heads)), -(-entries // block_e), 64))
@@ -326,7 +329,7 @@ def paged_decode(
     gp = max(16, triton.next_power_of_2(group))
     _paged_partial_kernel[(batch * heads, splits)](
         query.contiguous(), blocks, keep.view(torch.int8), slots, rows.view(torch.int8), block_table,
-        chunk_addrs, chunk_on_host.view(torch.int8), pool_data, part_out, part_lse,
+        chunk_addrs, chunk_on_host.view(torch.int8), pool_data, pool_data.data_ptr(), part_out, part_lse,
         scaling, k, rows.shape[1], open_row, block_table.stride(0), chunk_blocks, batch,
         PER_SPLIT=per_split, H=heads, HS=blocks.shape[1], S=slots_total - 1, G=group, GP=gp, T=tokens, D=head_dim, SPLITS=splits,
         BLOCK_E=block_e, IEEE=query.dtype == torch.float32, num_warps=num_warps,
