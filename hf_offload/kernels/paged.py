@@ -290,6 +290,7 @@ def paged_decode(
     block_e: int = 4,
     splits: int | None = None,
     num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one decode query over its selected blocks (admitted ones read in place) and the open block:
     two launches, no host synchronisation (a CUDA graph can hold them once they have compiled).
@@ -308,6 +309,7 @@ def paged_decode(
         block_e: entries per tile (a power of two).
         splits: programs per (sequence, KV head); ``None``: :func:`default_splits`.
         num_warps: warps per program of the first launch.
+        num_stages: software-pipelining stages of the first launch; ``None``: Triton's default.
 
     Returns:
         ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` (``out_dtype``) and ``[batch, kv_heads, group]``
@@ -333,6 +335,7 @@ def paged_decode(
         scaling, k, rows.shape[1], open_row, block_table.stride(0), chunk_blocks, batch,
         PER_SPLIT=per_split, H=heads, HS=blocks.shape[1], S=slots_total - 1, G=group, GP=gp, T=tokens, D=head_dim, SPLITS=splits,
         BLOCK_E=block_e, IEEE=query.dtype == torch.float32, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     _paged_merge_kernel[(batch * heads * group,)](
         part_out, part_lse, out, lse, G=group, D=head_dim, SPLITS=splits, SP=max(2, triton.next_power_of_2(splits)),
