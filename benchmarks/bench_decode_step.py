@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admission", choices=("always", "auto"), default="always",
                         help="OffloadConfig.admission: 'always' offloads every block (recall over PCIe); 'auto' keeps "
                         "blocks in device memory up to --device-memory-gib (recall within the device)")  # fmt: skip
+    parser.add_argument("--decode-attention", choices=("auto", "paged", "pool"), default="auto",
+                        help="OffloadConfig.decode_attention")
     parser.add_argument("--device-memory-gib", type=float, default=None,
                         help="OffloadConfig.device_memory_gib for --admission auto (default: 80%% of the free memory)")
     parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
@@ -229,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         cache = OffloadCache(model, budget_tokens=args.budget, selector=args.selector, transfer=path, timing=True,
                              admission=args.admission, device_memory_gib=args.device_memory_gib,
+                             decode_attention=args.decode_attention,
                              lookahead=settings[0][1], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
         t0 = time.perf_counter()
         fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
