@@ -69,12 +69,11 @@ if triton is not None:
         miss = keep & ~hit
         # Slots holding a wanted block are protected: they rank after every other slot (as last use "never").
         protected = (tl.max(match.to(tl.int32), axis=0) > 0) | ~live_s
-        # Rank of each slot in (protected, last use, slot) order: how many slots come before it.
-        before = (protected[None, :].to(tl.int32) < protected[:, None].to(tl.int32)) | (
-            (protected[None, :] == protected[:, None])
-            & ((last[None, :] < last[:, None]) | ((last[None, :] == last[:, None]) & (s[None, :] < s[:, None])))
-        )  # [SP (slot), SP (other slot)]
-        rank_s = tl.sum(before.to(tl.int32), axis=1)  # [SP]
+        # Rank of each slot in (protected, last use, slot) order: how many slots come before it. The order is that
+        # of one integer key per slot (protected in bit 62, last use + 1 >= 0 above the slot's 9 bits), so each pair
+        # of slots costs one comparison.
+        key = (protected.to(tl.int64) << 62) | ((last + 1) << 9) | s.to(tl.int64)
+        rank_s = tl.sum((key[None, :] < key[:, None]).to(tl.int32), axis=1)  # [SP]: slots before each slot
         # The i-th miss (0-based, in entry order) takes the slot of rank i.
         rank_i = tl.cumsum(miss.to(tl.int32), axis=0) - 1
         rank_i = tl.maximum(rank_i, 0)
@@ -123,6 +122,6 @@ def assign_slots(
     out_miss = torch.empty((batch, heads, n), dtype=torch.bool, device=block.device)
     _assign_kernel[(batch * heads,)](
         block, last_used, clock, blocks, keep, out_slots, out_miss, heads, blocks.shape[1],
-        S=slots, N=n, SP=triton.next_power_of_2(slots), NP=triton.next_power_of_2(n), TOUCH=touch, num_warps=4,
+        S=slots, N=n, SP=triton.next_power_of_2(slots), NP=triton.next_power_of_2(n), TOUCH=touch, num_warps=8,
     )  # fmt: skip
     return out_slots, out_miss
