@@ -1313,6 +1313,7 @@ class OffloadCache(Cache):
             that failed and were redone after one; expected 0), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
+            with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
             blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
             decode steps, sequences and query heads; else ``None``), ``decode_steps`` and ``layers`` (the same counters per

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import transformers
 from transformers import DynamicCache
 
@@ -25,6 +26,21 @@ def test_block_size_must_be_power_of_two(block_tokens):
 def test_sink_and_window_must_be_whole_blocks():
     with pytest.raises(ValueError, match="multiple of block_tokens=16"):
         OffloadConfig(sink_tokens=20)
+
+
+@pytest.mark.parametrize("value", ["flash", None, True])
+def test_decode_attention_must_be_one_of_three(value):
+    with pytest.raises(ValueError, match="decode_attention must be 'auto', 'paged' or 'pool'"):
+        OffloadConfig(decode_attention=value)
+
+
+def test_paged_attention_needs_the_kernel_path():
+    """On a CPU without Triton's interpreter (or with transfer='torch' anywhere) the paged kernel cannot run: a clear
+    error at the first forward, where the cache learns its device."""
+    model = build_model("llama")
+    cache = OffloadCache(model, budget_tokens=64, block_tokens=8, transfer="torch", decode_attention="paged")
+    with pytest.raises(RuntimeError, match="decode_attention='paged' needs the kernel transfer path"):
+        model(torch.randint(3, 90, (1, 40)), past_key_values=cache)
 
 
 def test_unknown_selector():

@@ -138,10 +138,3 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, monkeypatch):
         results[attention] = (out, cache.stats())
     assert torch.equal(results["paged"][0], results["pool"][0])
     assert results["paged"][1]["recalled_bytes"] < results["pool"][1]["recalled_bytes"]
-
-
-def test_paged_needs_the_kernel_path():
-    model = build_model("llama")
-    cache = OffloadCache(model, budget_tokens=64, block_tokens=8, transfer="torch", decode_attention="paged")
-    with pytest.raises(RuntimeError, match="decode_attention='paged' needs the kernel transfer path"):
-        model(torch.randint(3, 90, (1, 40)), past_key_values=cache)
