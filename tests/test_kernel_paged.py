@@ -110,10 +110,12 @@ def test_paged_decode_in_output_dtype_and_nothing_but_the_open_block():
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
 
 
-# A shared selection, one per KV head, and the default selector (its estimate of the unselected blocks merges with
-# the kernel's log-sum-exp).
-@pytest.mark.parametrize("selector", ["solohead", "headwise", "quantkey[bits=4,tail_bits=2,tail_near=3]"])
-def test_cache_decodes_the_tokens_of_the_pool_path(selector, monkeypatch):
+# A shared selection, one per KV head, the default selector (its estimate of the unselected blocks merges with the
+# kernel's log-sum-exp), and lookahead (its prefetch leaves admitted blocks alone).
+@pytest.mark.parametrize("selector,lookahead", [("solohead", False), ("headwise", False),
+                                                ("quantkey[bits=4,tail_bits=2,tail_near=3]", False),
+                                                ("solohead", True)])  # fmt: skip
+def test_cache_decodes_the_tokens_of_the_pool_path(selector, lookahead, monkeypatch):
     """Greedy tokens through the paged kernel (admitted chunks read in place, others from slots) equal those of the
     slot-pool path, with some chunks admitted and some offloaded, left padding included; fewer bytes are recalled."""
     if DEVICE.type == "cpu":
@@ -130,7 +132,8 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, monkeypatch):
         # Chunks of 4 blocks; four of them (of the ~14 the two layers fill) stay on the device, the rest offloaded.
         cache = OffloadCache(model, budget_tokens=64, block_tokens=8, selector=selector, transfer="kernel",
                              admission="auto", device_memory_gib=16 * block_bytes / 2**30,
-                             host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention)  # fmt: skip
+                             host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention,
+                             lookahead=lookahead)  # fmt: skip
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False)
         layer = cache.offload_layers[0]
         assert layer.paged == (attention == "paged")
@@ -138,3 +141,5 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, monkeypatch):
         results[attention] = (out, cache.stats())
     assert torch.equal(results["paged"][0], results["pool"][0])
     assert results["paged"][1]["recalled_bytes"] < results["pool"][1]["recalled_bytes"]
+    if lookahead:
+        assert results["paged"][1]["prefetched_blocks"] > 0
