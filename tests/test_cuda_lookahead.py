@@ -27,12 +27,18 @@ SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8)
 
 @pytest.mark.parametrize("selector", ["solohead", "headwise"])
 @pytest.mark.parametrize("correlated", [False, True])
-def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, correlated):
+@pytest.mark.parametrize("attention", ["pool", "paged"])
+def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, correlated, attention):
+    """The synchronous portable path attends through the slot pool (SDPA); the asynchronous one through the pool
+    too, or through the paged kernel, whose float32 sums differ from SDPA's at rounding level (hence the looser
+    tolerance on the KV of later layers; the tokens must still be identical)."""
     model = _llama(4, correlated=correlated).cuda()
     ids, mask = left_padded([300, 260, 190], seed=3)
     ids, mask = ids.cuda(), mask.cuda()
     outs, caches = {}, {}
-    for name, options in {"sync": dict(transfer="torch", lookahead=False), "async": dict(transfer="kernel", lookahead=None)}.items():
+    runs = {"sync": dict(transfer="torch", lookahead=False),
+            "async": dict(transfer="kernel", lookahead=None, decode_attention=attention)}  # fmt: skip
+    for name, options in runs.items():
         cache = OffloadCache(model, budget_tokens=64, selector=selector, **options, **SMALL)
         with torch.no_grad():
             outs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
@@ -53,8 +59,9 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
         ref_k, ref_v = reference.dense_kv()
         # The host pool got every write. Lookahead places blocks in other slots, and attention sums over the slot
         # pool in slot order, so the KV of later layers may differ at rounding level (the tokens do not).
-        torch.testing.assert_close(dense_k, ref_k, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dense_v, ref_v, rtol=1e-5, atol=1e-5)
+        tol = 1e-5 if attention == "pool" else 1e-4
+        torch.testing.assert_close(dense_k, ref_k, rtol=tol, atol=tol)
+        torch.testing.assert_close(dense_v, ref_v, rtol=tol, atol=tol)
         pool, T = layer.pool, layer.block_tokens
         for b, h, s in (pool.block >= 0).nonzero().tolist():  # and no slot serves stale data
             j = pool.block[b, h, s].item()
@@ -114,7 +121,11 @@ def test_async_default_path_matches_synchronous_over_500_steps_of_a_real_shape()
     ids = torch.randint(0, config.vocab_size, (2, 2048), generator=g).cuda()
     mask = torch.ones_like(ids)
     steps, outs, stats = 500, {}, {}
-    for name, options in {"sync": dict(transfer="torch"), "async": dict(transfer="kernel")}.items():
+    # Both attend through the slot pool: the comparison is of the recall engine, synchronous or not (the paged
+    # kernel's bfloat16 rounding differs from SDPA's, which over 500 steps can flip a near-tie token; it is compared
+    # with the pool path in tests/test_kernel_paged.py).
+    runs = {"sync": dict(transfer="torch"), "async": dict(transfer="kernel", decode_attention="pool")}
+    for name, options in runs.items():
         cache = OffloadCache(model, budget_tokens=512, **options)
         with torch.no_grad():
             outs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
