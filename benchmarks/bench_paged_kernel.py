@@ -28,24 +28,14 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.common import cuda_event_ms, run_metadata, write_results  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.kernels.paged import paged_decode, paged_decode_reference  # noqa: E402
 
 
 def _time(fn, repeats: int) -> float:
     """Median microseconds of ``fn`` over ``repeats`` calls (CUDA events), after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return statistics.median(cuda_event_ms(fn, warmup=3, reps=repeats)) * 1e3
 
 
 def main(argv: list[str] | None = None) -> int:
