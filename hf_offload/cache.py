@@ -1209,8 +1209,8 @@ class OffloadCache(Cache):
             raise ValueError(
                 f"decode_capacity_blocks={config.decode_capacity_blocks} scores blocks past the sealed ones, masked, "
                 f"which selector {self.selector.name!r} does not support (its scores of valid blocks depend on every "
-                "block: Selector.masks_invalid is False). Use decode_capacity_blocks=None or 1, or a selector that "
-                "masks invalid blocks (quantkey, solohead, headwise)."
+                "block: Selector.masks_invalid is False). Use decode_capacity_blocks=None or 1, or give the selector a "
+                "masked_score() (every built-in selector has one or needs none)."
             )
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)

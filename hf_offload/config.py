@@ -93,7 +93,7 @@ class OffloadConfig:
             stay the same over that many seals. Larger: fewer graph captures, a little more scoring work (at most
             ``decode_capacity_blocks - 1`` blocks of codes per step). ``None``: 64 where the layer replays CUDA
             graphs and the selector leaves blocks it may not attend out of every block's score
-            (``Selector.masks_invalid``: ``quantkey``, ``solohead``, ``headwise``), else 1 (the sealed blocks).
+            (``Selector.masks_invalid``: every built-in selector), else 1 (the sealed blocks).
             Other values need such a selector.
         decode_attention: how a decode step attends its selected blocks. ``"paged"``: one Triton kernel reads each
             block where it lies: blocks of admitted chunks (``admission="auto"``) in place, blocks in host memory

@@ -51,13 +51,19 @@ class Selector:
         per_head: ``True`` if each KV head selects its own blocks (recall then moves per-head pieces of a block);
             ``False`` if one selection is shared by all heads of the layer (recall moves whole blocks).
         masks_invalid: ``True`` if no block's score depends on the summaries of blocks that ``valid`` leaves out
-            of :meth:`select` (needed for ``OffloadConfig.decode_capacity_blocks`` above 1; ``False`` in the base:
-            a selector that normalises its scores over all blocks must mask the invalid ones first).
+            of :meth:`select` (needed for ``OffloadConfig.decode_capacity_blocks`` above 1). In the base: ``True``
+            where the class that defines :meth:`score` also defines :meth:`masked_score` (a subclass that
+            overrides :meth:`score` alone loses it); a selector whose scores stand alone per block may set it
+            ``True`` directly.
     """
 
     name = "base"
     per_head = False
-    masks_invalid = False
+
+    @property
+    def masks_invalid(self) -> bool:
+        score, masked = _defined_by(type(self), "score"), _defined_by(type(self), "masked_score")
+        return masked is not Selector and score is masked
 
     @property
     def estimates_tail(self) -> bool:
@@ -141,6 +147,24 @@ class Selector:
         """
         raise NotImplementedError
 
+    def masked_score(
+        self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float, valid: torch.Tensor | None
+    ) -> torch.Tensor:
+        """:meth:`score` with the blocks that ``valid`` leaves out taking no part in any normalisation over blocks
+        (a softmax over blocks, a ranking), so that no valid block's score depends on their summaries; their own
+        scores do not matter (:meth:`select` never picks them). Selectors that normalise over blocks implement
+        this and define :meth:`score` as ``masked_score(..., valid=None)``; :meth:`select` then uses it.
+
+        Args:
+            query, summaries, scaling: see :meth:`score`.
+            valid: blocks that may be attended, ``[batch, n_blocks]``, ``torch.bool``, compute device; ``None``:
+                every block.
+
+        Returns:
+            See :meth:`score`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no masked_score(); select() uses score().")
+
     def select(
         self,
         query: torch.Tensor,
@@ -150,7 +174,8 @@ class Selector:
         forced: torch.Tensor,
         valid: torch.Tensor,
     ) -> Selection:
-        """Pick ``k`` blocks per sequence (and head): forced blocks first, then the best scores.
+        """Pick ``k`` blocks per sequence (and head): forced blocks first, then the best scores (of
+        :meth:`masked_score` where :attr:`masks_invalid` comes from it, else of :meth:`score`).
 
         Args:
             query: see :meth:`score`.
@@ -163,7 +188,10 @@ class Selector:
         Returns:
             The :class:`Selection`.
         """
-        scores = self.score(query, summaries, scaling)
+        if _defined_by(type(self), "masked_score") is not Selector and self.masks_invalid:
+            scores = self.masked_score(query, summaries, scaling, valid)
+        else:
+            scores = self.score(query, summaries, scaling)
         if scores.dtype != torch.float32:
             scores = scores.float()
         expected = query.shape[1] if self.per_head else 1
@@ -188,6 +216,25 @@ class Selector:
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         top = scores.topk(k, dim=-1)
         return Selection(blocks=top.indices, keep=top.values > float("-inf"), scores=scores)
+
+
+def _defined_by(cls: type, name: str) -> type | None:
+    """The class of ``cls``'s method resolution order whose body defines ``name``."""
+    return next((c for c in cls.__mro__ if name in vars(c)), None)
+
+
+def mask_invalid_logits(logits: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
+    """``logits`` with every entry of a block that ``valid`` leaves out set to ``-inf``.
+
+    Args:
+        logits: ``[batch, heads, group, n_blocks * parts]`` (``parts`` consecutive entries per block), float.
+        valid: ``[batch, n_blocks]``, ``torch.bool``, same device; ``None``: ``logits`` unchanged.
+    """
+    if valid is None:
+        return logits
+    parts = logits.shape[-1] // valid.shape[-1]
+    keep = valid if parts == 1 else valid.repeat_interleave(parts, dim=-1)
+    return logits.masked_fill(~keep[:, None, None, :], float("-inf"))
 
 
 def group_query(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

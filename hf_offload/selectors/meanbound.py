@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selector, key_bound_logits
+from .base import Selector, key_bound_logits, mask_invalid_logits
 
 
 @dataclass
@@ -50,7 +50,12 @@ class MeanBoundSelector(Selector):
             summaries: ``kmin``/``kmax``/``kmean``, ``[batch, n_blocks, kv_heads, head_dim]`` each.
             scaling: softmax scale.
         """
+        return self.masked_score(query, summaries, scaling, None)
+
+    def masked_score(self, query, summaries, scaling, valid) -> torch.Tensor:
+        """:meth:`score` with each head's softmax over the valid blocks only (``valid``: ``[batch, n_blocks]``,
+        bool, or ``None``)."""
         bounds = key_bound_logits(query, summaries["kmin"], summaries["kmax"])  # [B, H, G, N]
         mean = torch.einsum("bhgd,bnhd->bhgn", query.float(), summaries["kmean"].float())
-        logits = (bounds - self.shrink * (bounds - mean)) * scaling
+        logits = mask_invalid_logits((bounds - self.shrink * (bounds - mean)) * scaling, valid)
         return torch.softmax(logits, dim=-1).sum(dim=(1, 2))[:, None, :]

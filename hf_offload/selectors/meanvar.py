@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selector
+from .base import Selector, mask_invalid_logits
 
 
 @dataclass
@@ -93,15 +93,25 @@ class MeanVarSelector(Selector):
                 kv_heads, head_dim]``.
             scaling: softmax scale.
         """
-        batch, n_blocks, parts = summaries["kmeans"].shape[:3]
+        return self.masked_score(query, summaries, scaling, None)
+
+    def masked_score(self, query, summaries, scaling, valid) -> torch.Tensor:
+        """:meth:`score` with each head's softmax over the valid blocks only (``valid``: ``[batch, n_blocks]``,
+        bool, or ``None``)."""
         # A softmax over blocks of log-sum-exp(sub-block logits) equals a softmax over all sub-blocks, summed within
         # each block; the latter skips the log and exp.
-        votes = torch.softmax(self._logits(query, summaries, scaling), dim=-1).sum(dim=(1, 2))  # [B, N * P]
-        return votes.view(batch, n_blocks, parts).sum(-1)[:, None, :]
+        return self.head_votes(query, summaries, scaling, valid).sum(dim=(1, 2))[:, None, :]
 
-    def head_votes(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+    def head_votes(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Each query head's vote per block (its softmax over the blocks), ``[batch, kv_heads, group, n_blocks]``,
-        float32; :meth:`score` is their sum over heads. Arguments as for :meth:`score`."""
+        float32; :meth:`score` is their sum over heads. Arguments as for :meth:`masked_score`."""
         batch, n_blocks, parts = summaries["kmeans"].shape[:3]
-        votes = torch.softmax(self._logits(query, summaries, scaling), dim=-1)  # [B, H, G, N * P]
+        logits = mask_invalid_logits(self._logits(query, summaries, scaling), valid)
+        votes = torch.softmax(logits, dim=-1)  # [B, H, G, N * P]
         return votes.view(*votes.shape[:3], n_blocks, parts).sum(-1)

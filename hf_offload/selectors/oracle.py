@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selector
+from .base import Selector, mask_invalid_logits
 
 
 @dataclass
@@ -30,8 +30,14 @@ class OracleSelector(Selector):
         Padding tokens of padding-only blocks are excluded by the base class; partial padding inside a block adds
         a little mass to that block, which only affects the ranking among blocks.
         """
+        return self.masked_score(query, summaries, scaling, None)
+
+    def masked_score(self, query, summaries, scaling, valid) -> torch.Tensor:
+        """:meth:`score` with the softmax over the tokens of valid blocks only (``valid``: ``[batch, n_blocks]``,
+        bool, or ``None``)."""
         keys = summaries["keys"].float()  # [B, N, H, T, D]
         logits = torch.einsum("bhgd,bnhtd->bhgnt", query.float(), keys) * scaling
         batch, heads, group, n_blocks, block = logits.shape
-        mass = torch.softmax(logits.reshape(batch, heads, group, -1), dim=-1).view_as(logits)
+        flat = mask_invalid_logits(logits.reshape(batch, heads, group, -1), valid)
+        mass = torch.softmax(flat, dim=-1).view_as(logits)
         return mass.sum(dim=(1, 2, 4))[:, None, :]

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selector, key_bound_logits
+from .base import Selector, key_bound_logits, mask_invalid_logits
 
 
 @dataclass
@@ -44,13 +44,19 @@ class RoundRobinSelector(Selector):
             summaries: ``kmin``/``kmax``, ``[batch, n_blocks, kv_heads, head_dim]`` each.
             scaling: softmax scale.
         """
+        return self.masked_score(query, summaries, scaling, None)
+
+    def masked_score(self, query, summaries, scaling, valid) -> torch.Tensor:
+        """:meth:`score` with the blocks that ``valid`` leaves out (``[batch, n_blocks]``, bool, or ``None``) out
+        of the votes and ranked after every valid block."""
         if self.unit not in ("query", "kv"):
             raise ValueError(f"RoundRobinSelector.unit must be 'query' or 'kv', got {self.unit!r}")
         bounds = key_bound_logits(query, summaries["kmin"], summaries["kmax"]) * scaling  # [B, H, G, N]
+        bounds = mask_invalid_logits(bounds, valid)
         n = bounds.shape[-1]
         votes = torch.softmax(bounds, dim=-1).sum(dim=(1, 2))  # SoloHead's score, in [0, heads]
         ranked = bounds.amax(dim=2) if self.unit == "kv" else bounds.flatten(1, 2)  # [B, heads, N]
-        order = ranked.argsort(dim=-1, descending=True)
+        order = ranked.argsort(dim=-1, descending=True, stable=True)  # ties: the earlier block first
         rank = torch.empty_like(order).scatter_(
             -1, order, torch.arange(n, device=order.device).expand_as(order)
         )

@@ -15,6 +15,7 @@ class StreamingSelector(Selector):
 
     name = "streaming"
     per_head = False
+    masks_invalid = True  # the forced blocks alone: no score depends on other blocks
 
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """No summaries are needed."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selector, key_bound_logits
+from .base import Selector, key_bound_logits, mask_invalid_logits
 
 
 @dataclass
@@ -46,8 +46,13 @@ class TemperedVoteSelector(Selector):
             summaries: ``kmin``/``kmax``, ``[batch, n_blocks, kv_heads, head_dim]`` each.
             scaling: softmax scale.
         """
+        return self.masked_score(query, summaries, scaling, None)
+
+    def masked_score(self, query, summaries, scaling, valid) -> torch.Tensor:
+        """:meth:`score` with each head's vote a softmax over the valid blocks only (``valid``: ``[batch,
+        n_blocks]``, bool, or ``None``)."""
         bounds = key_bound_logits(query, summaries["kmin"], summaries["kmax"]) * (scaling * self.power)
-        votes = torch.softmax(bounds, dim=-1)  # [B, H, G, N]
+        votes = torch.softmax(mask_invalid_logits(bounds, valid), dim=-1)  # [B, H, G, N]
         if self.head_weight:
             votes = votes * votes.amax(dim=-1, keepdim=True).pow(self.head_weight)
         return votes.sum(dim=(1, 2))[:, None, :]

@@ -58,17 +58,25 @@ class UnionSelector(MeanVarSelector):
             out.update(kmin=keys.amin(dim=3), kmax=keys.amax(dim=3))
         return out
 
-    def head_scores(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+    def head_scores(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        valid: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Each KV head's own block scores, ``[batch, kv_heads, n_blocks]``, float32.
 
         Args:
             query: ``[batch, kv_heads, group, head_dim]``.
             summaries: this selector's summaries over ``n_blocks`` blocks.
             scaling: softmax scale.
+            valid: blocks that may be attended, ``[batch, n_blocks]``, ``torch.bool``; ``None``: every block (they
+                take no share of a ``meanvar`` head's softmax).
         """
         if self.head_score == "quest":
             return key_bound_logits(query, summaries["kmin"], summaries["kmax"]).amax(dim=2)
-        return self.head_votes(query, summaries, scaling).sum(dim=2)
+        return self.head_votes(query, summaries, scaling, valid).sum(dim=2)
 
     def select(
         self,
@@ -81,8 +89,10 @@ class UnionSelector(MeanVarSelector):
     ) -> Selection:
         """Forced blocks, then each head's quota, then the shared vote; see :meth:`Selector.select` for the
         arguments (``forced`` and ``valid``: ``[batch, n_blocks]`` bool)."""
-        shared = self.score(query, summaries, scaling).float()  # [B, 1, N]
-        own = self.head_scores(query, summaries, scaling).float()  # [B, H, N]
+        # Blocks that may not be attended take no share of any head's vote (valid blocks' scores do not depend on
+        # their summaries).
+        shared = self.masked_score(query, summaries, scaling, valid).float()  # [B, 1, N]
+        own = self.head_scores(query, summaries, scaling, valid).float()  # [B, H, N]
         heads, n = own.shape[1], own.shape[2]
         chosen = forced & valid  # [B, N]
         free = (k - chosen.sum(-1)).clamp(min=0)  # [B]
