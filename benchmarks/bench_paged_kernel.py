@@ -121,11 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     host_off = (kv_h[None, :] * piece_words).expand(batch * k, -1).reshape(-1)
     kv, h = kv_h // heads, kv_h % heads
     dev_off = ((((kv[None, :] * batch + b_idx[:, None]) * heads + h[None, :]) * total + s_idx[:, None]) * piece_words)
-    copy = lambda: copy_pieces(addrs, chunk_blocks, block_words, piece_ids, host_off, pool, dev_off.reshape(-1),  # noqa: E731
-                               piece_words, to_host=False)  # fmt: skip
+    copy = lambda: copy_pieces(addrs, chunk_blocks, block_words, piece_ids, host_off, pool,  # noqa: E731
+                               dev_off.reshape(-1), piece_words, to_host=False)  # fmt: skip
     results["copy_admitted_us"] = _time(copy, args.repeats)
     results["copy_admitted_bytes"] = int(sel_admitted.sum()) * block_words * 4
-    print(f"{'copy_admitted':24s} {results['copy_admitted_us']:8.1f}  ({results['copy_admitted_bytes'] / 2**20:.1f} MiB)")
+    mib = results["copy_admitted_bytes"] / 2**20
+    print(f"{'copy_admitted':24s} {results['copy_admitted_us']:8.1f}  ({mib:.1f} MiB)")
     write_results(args.out, {"metadata": run_metadata(args), **results})
     return 0
 

@@ -135,6 +135,11 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, lookahead, monkeypa
                              host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention,
                              lookahead=lookahead)  # fmt: skip
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False)
+        # A second turn on the same cache: its prefill reads admitted blocks through the slot pool (copies), then
+        # decode steps read them in place again.
+        more = torch.cat([out, torch.randint(3, 90, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)], 1)
+        mask2 = torch.cat([mask, torch.ones_like(more[:, mask.shape[1]:])], 1)
+        out = model.generate(more, attention_mask=mask2, past_key_values=cache, max_new_tokens=8, do_sample=False)
         layer = cache.offload_layers[0]
         assert layer.paged == (attention == "paged")
         assert 0 < layer.host.admitted_chunks < len(layer.host.chunks)

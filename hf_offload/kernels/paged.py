@@ -332,8 +332,8 @@ def paged_decode(
         query.contiguous(), blocks, keep.view(torch.int8), slots, rows.view(torch.int8), block_table,
         chunk_addrs, chunk_on_host.view(torch.int8), pool_data, pool_data.data_ptr(), part_out, part_lse,
         scaling, k, rows.shape[1], open_row, block_table.stride(0), chunk_blocks, batch,
-        PER_SPLIT=per_split, H=heads, HS=blocks.shape[1], S=slots_total - 1, G=group, GP=gp, T=tokens, D=head_dim, SPLITS=splits,
-        BLOCK_E=block_e, IEEE=query.dtype == torch.float32, num_warps=num_warps,
+        PER_SPLIT=per_split, H=heads, HS=blocks.shape[1], S=slots_total - 1, G=group, GP=gp, T=tokens, D=head_dim,
+        SPLITS=splits, BLOCK_E=block_e, IEEE=query.dtype == torch.float32, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     _paged_merge_kernel[(batch * heads * group,)](
