@@ -197,7 +197,8 @@ if triton is not None:
             base = tl.load(chunk_addr_ptr + chunk, mask=in_place, other=0)
             # Element offsets from the pool's start: an admitted block's K of this head (its chunk's address minus
             # the pool's, plus the block's and head's offset), else the entry's slot. Every offset is a multiple of
-            # T * D elements (allocations are 256-byte aligned), which lets the loads below use wide accesses.
+            # 16 elements (device allocations start 512-byte aligned; T * D is a multiple of 16), which lets the
+            # loads below use wide accesses.
             place_off = (base - pool_addr) // ESIZE + (bid % chunk_blocks) * block_elems + h * T * D
             pool_off = (((b * H + h) * (S + 1) + slot) * T) * D
             k_off = tl.multiple_of(tl.where(in_place, place_off, pool_off), 16)
