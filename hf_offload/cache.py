@@ -299,8 +299,7 @@ class OffloadLayer(CacheLayerMixin):
         wanted = self.config.decode_attention
         if wanted == "pool":
             return False
-        probe = torch.empty((1, 1, 1, self.head_dim), dtype=self.dtype, device=self.device)
-        possible = self.use_kernels and paged_decode_supported(probe, self.pool.data)
+        possible = self.use_kernels and paged_decode_supported(self.pool.data)
         if wanted == "paged" and not possible:
             raise RuntimeError(
                 "decode_attention='paged' needs the kernel transfer path (CUDA, a pinned host pool and Triton), a "

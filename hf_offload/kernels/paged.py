@@ -22,14 +22,14 @@ import torch
 from .gather import kernels_available, tl, triton
 
 
-def paged_decode_supported(query: torch.Tensor, pool_data: torch.Tensor) -> bool:
-    """Whether :func:`paged_decode` can run for these tensors (Triton on their device; power-of-two ``head_dim``
-    of at least 16 and ``block_tokens``; float16, bfloat16 or float32)."""
-    head_dim, tokens = query.shape[-1], pool_data.shape[-2]
+def paged_decode_supported(pool_data: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode` can run over this slot pool, ``[2, batch, kv_heads, slots + 1, block_tokens,
+    head_dim]`` (Triton on its device; power-of-two ``head_dim`` of at least 16 and ``block_tokens``; float16,
+    bfloat16 or float32, which the queries share)."""
+    head_dim, tokens = pool_data.shape[-1], pool_data.shape[-2]
     return (
-        kernels_available(query.device)
-        and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and pool_data.dtype == query.dtype
+        kernels_available(pool_data.device)
+        and pool_data.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and head_dim >= 16
         and head_dim & (head_dim - 1) == 0
         and tokens & (tokens - 1) == 0
