@@ -8,6 +8,8 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
+* ``v4``: the tensor-core kernel over ``--v4-warps`` x ``--v4-blocks`` x ``--v4-words`` (its ``rows`` column: code
+  words per product), then at its defaults with the queries as two float16 terms and as one (``-1q``);
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
@@ -36,7 +38,13 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.kernels import quantkey  # noqa: E402
-from hf_offload.kernels.quantkey import _default_config, _launch_block_lse, block_lse_reference  # noqa: E402
+from hf_offload.kernels.quantkey import (  # noqa: E402
+    _default_config,
+    _launch_block_lse,
+    _v4_config,
+    block_lse_reference,
+    v4_fits,
+)
 
 NO_CUDA = "bench_quantkey_kernel: no CUDA device (torch.cuda.is_available() is False); nothing was measured"
 
@@ -56,6 +64,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program (powers of two)")
     p.add_argument("--rows-per-thread", type=int, nargs="+", default=[16, 8, 4],
                    help="token rows of a block per thread (powers of two, at most --tokens)")  # fmt: skip
+    p.add_argument("--v4-blocks", type=int, nargs="+", default=[4, 8, 16], help="v4: blocks per program")
+    p.add_argument("--v4-words", type=int, nargs="+", default=[1, 2, 4], help="v4: code words per product")
+    p.add_argument("--v4-warps", type=int, nargs="+", default=[4, 8], help="v4: warps per program")
     p.add_argument("--calls", type=int, default=10, help="kernel launches per timed CUDA graph replay")
     p.add_argument("--reps", type=int, default=50, help="timed replays per setting (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed replays before the timed ones")
@@ -111,7 +122,7 @@ def graph_time(launch, sets: list[dict], outs: list[torch.Tensor], args) -> floa
 
 def compiled_stats(variant: str) -> dict:
     """Registers per thread, spilled bytes and shared memory of the kernel compiled last for ``variant``."""
-    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel"}
+    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel", "v4": "_block_lse_kernel_v4"}
     try:
         cache = getattr(quantkey, fn[variant]).device_caches[torch.cuda.current_device()][0]
         kernel = list(cache.values())[-1]
@@ -131,6 +142,14 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
+    if v4_fits(args.tokens, args.head_dim, bits):
+        for warps in args.v4_warps:
+            for blocks in args.v4_blocks:
+                for words in sorted({_v4_config(args.tokens, args.head_dim, bits, words=w)["words"] for w in
+                                     args.v4_words}):  # fmt: skip
+                    chosen.append({"variant": "v4", "block_n": blocks, "num_warps": warps, "rows_per_thread": words})
+        default4 = {"variant": "v4", "block_n": None, "num_warps": None, "rows_per_thread": None}
+        chosen += [default4, {**default4, "split_queries": False}]
     return chosen
 
 
@@ -180,7 +199,7 @@ HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'c
 
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
-    name = row["variant"] + ("*" if row.get("default") else "")
+    name = row["variant"] + ("*" if row.get("default") else "") + ("-1q" if row.get("split_queries") is False else "")
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
@@ -207,11 +226,12 @@ def main(argv: list[str] | None = None) -> int:
         s = result["reference_seconds"]
         print(f"{'reference':<25} {s * 1e6:>9.1f} {result['code_bytes'] / s / 1e9:>9.0f} "
               f"{result['read_bytes'] / s / 1e9:>9.0f}", flush=True)  # fmt: skip
-        timed = [r for r in result["rows"] if r["variant"] == "v2" and "seconds" in r]
-        if timed:
-            best = min(timed, key=lambda r: r["seconds"])
-            print(f"fastest v2: block_n {best['block_n']}, {best['num_warps']} warps, {best['rows_per_thread']} rows "
-                  f"per thread, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
+        for variant, what in (("v2", "rows per thread"), ("v4", "words per product")):
+            timed = [r for r in result["rows"] if r["variant"] == variant and "seconds" in r]
+            if timed:
+                best = min(timed, key=lambda r: r["seconds"])
+                print(f"fastest {variant}: block_n {best['block_n']}, {best['num_warps']} warps, "
+                      f"{best['rows_per_thread']} {what}, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     import triton
 

@@ -221,9 +221,114 @@ if triton is not None:
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
 
-_VARIANTS = ("v1", "v2")
-"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), and ``v2``, the one
-:func:`block_lse` uses."""
+    @triton.jit
+    def _block_lse_kernel_v4(
+        q_ptr,  # float32 [B, H, G, D]
+        codes_ptr,  # uint8 [B, N, H, T, D // PER], 4-byte aligned, sequences block_stride blocks apart
+        kmin_ptr,  # [B, N, H, D], sequences block_stride blocks apart
+        kstep_ptr,  # [B, N, H, D], sequences block_stride blocks apart
+        out_ptr,  # float32 [B, H, G, N]
+        n_blocks,
+        heads,
+        block_stride,
+        G: tl.constexpr,
+        GP: tl.constexpr,  # G rounded up to a power of two, at least 16 (the narrowest matrix-product tile)
+        T: tl.constexpr,
+        D: tl.constexpr,
+        BITS: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        KW: tl.constexpr,  # 32-bit code words per row and product (the product's inner size: KW * 32 / BITS)
+        A_SPLIT: tl.constexpr,  # code * kstep not exact in float16: a second float16 term carries the remainder
+        Q_SPLIT: tl.constexpr,  # the queries as two float16 terms (hi + lo); one term only when False
+    ):
+        # One program: one (batch, KV head) and BLOCK_N blocks, their R = BLOCK_N * T token rows. Channel c of a
+        # row sits at bits [BITS * c, BITS * c + BITS) of the row's codes read as little-endian 32-bit words, so a
+        # word holds CPW consecutive channels. For each run of KW words the kernel forms the [R, K] tile
+        # a = code * kstep in float32 (the code made a float by the bit trick of v2: the word's 16-bit half OR
+        # 2**23's bits, masked to the code's bits, minus 2**23, is code * 2**s; the step is scaled by 2**-s), rounds
+        # it to float16 and multiplies it with the queries' channels on tensor cores: logits[r, g] += a @ q, with
+        # q as two float16 terms (hi + lo) so that only float16's range, not its precision, limits the products.
+        # The blocks' constant term sum_d kmin[d] q[g, d] is added after the log-sum-exp over the block's rows.
+        CPW: tl.constexpr = 32 // BITS  # channels per word
+        DW: tl.constexpr = D * BITS // 32  # words per token row
+        K: tl.constexpr = KW * CPW
+        R: tl.constexpr = BLOCK_N * T
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        MAGIC: tl.constexpr = 0x4B000000  # bits of the float 2**23
+        bh = tl.program_id(0).to(tl.int64)
+        b = bh // heads
+        h = bh % heads
+        blk = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        live = blk < n_blocks
+        srow = (b * block_stride + blk) * heads + h  # [BLOCK_N]: (b, n, h) of the summaries
+        t = tl.arange(0, T)
+        w = tl.arange(0, KW)
+        c = tl.arange(0, CPW)
+        bit = BITS * c  # [CPW]: where the channel's code starts in its word
+        high = bit >= 16
+        shift = tl.where(high, 16, 0)
+        field = LEVELS << (bit - shift)  # the code's bits within its 16-bit half
+        unscale = tl.exp2(-(bit - shift).to(tl.float32))  # [CPW]: 2**-s
+        kk = tl.arange(0, K)
+        g = tl.arange(0, GP)
+        words = codes_ptr.to(tl.pointer_type(tl.int32))
+        word_at = (srow[:, None, None] * T + t[None, :, None]) * DW + w[None, None, :]  # [BLOCK_N, T, KW]
+        live3 = live[:, None, None]
+        acc = tl.zeros((R, GP), dtype=tl.float32)
+        for k0 in tl.static_range(0, DW, KW):
+            word = tl.load(words + word_at + k0, mask=live3, other=0)  # [BLOCK_N, T, KW]
+            held = ((word[:, :, :, None] >> shift[None, None, None, :]) & field[None, None, None, :]) | MAGIC
+            code = held.to(tl.float32, bitcast=True) - 8388608.0  # [BLOCK_N, T, KW, CPW]: code * 2**s
+            code = tl.reshape(code, (BLOCK_N, T, K))
+            ch = k0 * CPW + kk  # [K]: channels of this run
+            ks = tl.load(kstep_ptr + srow[:, None] * D + ch[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            ks = ks * tl.reshape(tl.broadcast_to(unscale[None, :], (KW, CPW)), (K,))[None, :]  # [BLOCK_N, K]
+            a = tl.reshape(code * ks[:, None, :], (R, K))  # code * kstep, exact in float32
+            qc = tl.load(q_ptr + (bh * G + g[None, :]) * D + ch[:, None], mask=(g < G)[None, :], other=0.0)
+            q_hi = qc.to(tl.float16)
+            q_lo = (qc - q_hi.to(tl.float32)).to(tl.float16)  # [K, GP]
+            a_hi = a.to(tl.float16)
+            acc = tl.dot(a_hi, q_hi, acc)
+            if Q_SPLIT:
+                acc = tl.dot(a_hi, q_lo, acc)
+            if A_SPLIT:
+                acc = tl.dot((a - a_hi.to(tl.float32)).to(tl.float16), q_hi, acc)
+        logits = tl.reshape(acc, (BLOCK_N, T, GP))
+        top = tl.max(logits, axis=1)  # [BLOCK_N, GP]
+        lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None, :]), axis=1))
+        d = tl.arange(0, D)
+        kmin = tl.load(kmin_ptr + srow[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+        for gi in tl.static_range(G):
+            qg = tl.load(q_ptr + (bh * G + gi) * D + d)
+            base = tl.sum(kmin * qg[None, :], axis=1)  # [BLOCK_N]: sum_d kmin[d] q[g, d]
+            lse = tl.where((g == gi)[None, :], lse + base[:, None], lse)
+        tl.store(out_ptr + (bh * G + g[None, :]) * n_blocks + blk[:, None], lse,
+                 mask=live[:, None] & (g < G)[None, :])  # fmt: skip
+
+
+_VARIANTS = ("v1", "v2", "v4")
+"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), ``v2``, the float32
+kernel, and ``v4``, tensor-core products of float16 ``code * kstep`` rows with the queries (where
+:func:`v4_fits`)."""
+
+
+def v4_fits(tokens: int, head_dim: int, bits: int) -> bool:
+    """Whether the ``v4`` kernel takes blocks of this shape: whole 32-bit words of codes per token row, at least 16
+    channels per product (four words at 8 bits) and at most 128 tokens per block."""
+    return head_dim * bits % 32 == 0 and head_dim >= 16 and tokens <= 128
+
+
+def _v4_config(tokens: int, head_dim: int, bits: int, block_n: int | None = None, words: int | None = None,
+               num_warps: int | None = None) -> dict:  # fmt: skip
+    """Launch settings of the ``v4`` kernel: ``block_n`` blocks per program (default: 128 token rows),
+    ``words`` code words per product (default: 32 channels, at least 16) and ``num_warps`` (default 4)."""
+    per_word = 32 // bits
+    row_words = head_dim * bits // 32
+    return {
+        "block_n": block_n or max(1, 128 // tokens),
+        "words": min(row_words, words or max(1, 32 // per_word)),
+        "num_warps": num_warps or 4,
+    }
 
 
 def _layout(tokens: int, head_dim: int, bits: int, group: int) -> dict:
@@ -276,6 +381,7 @@ def _launch_block_lse(
     block_n: int | None = None,
     num_warps: int | None = None,
     rows_per_thread: int | None = None,
+    split_queries: bool = True,
 ) -> torch.Tensor:
     """Run one scoring kernel into ``out`` with explicit launch settings (no checks of the inputs, no host sync).
 
@@ -292,7 +398,10 @@ def _launch_block_lse(
         block_n: blocks per program, a power of two; ``None``: the variant's default (``v2``: the fewest that
             fill the warps, :func:`_default_config`).
         num_warps: warps per program; ``None``: the variant's default.
-        rows_per_thread: ``v2`` only: token rows of a block per thread; ``None``: :func:`_default_config`'s.
+        rows_per_thread: ``v2``: token rows of a block per thread; ``None``: :func:`_default_config`'s. ``v4``:
+            code words per product; ``None``: :func:`_v4_config`'s.
+        split_queries: ``v4`` only: the queries as two float16 terms (``False``: one, about 1e-3 relative error
+            per product; for timing the second term's cost).
 
     Returns:
         ``out``.
@@ -309,6 +418,16 @@ def _launch_block_lse(
         grid = (batch * heads, triton.cdiv(n_blocks, block_n))
         _block_lse_kernel_v1[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, BLOCK_N=block_n,
                                    num_warps=num_warps or 4)  # fmt: skip
+        return out
+    if variant == "v4":
+        config = _v4_config(tokens, head_dim, bits, block_n, rows_per_thread, num_warps)
+        exact = kmin.dtype == torch.bfloat16 and bits <= 2  # 8 + 2 significant bits: code * kstep fits float16
+        grid = (batch * heads, triton.cdiv(n_blocks, config["block_n"]))
+        _block_lse_kernel_v4[grid](*args, block_stride(codes, kmin, kstep), G=group,
+                                   GP=max(16, 1 << (group - 1).bit_length()), T=tokens, D=head_dim, BITS=bits,
+                                   BLOCK_N=config["block_n"], KW=config["words"], A_SPLIT=not exact,
+                                   Q_SPLIT=split_queries,
+                                   num_warps=config["num_warps"])  # fmt: skip
         return out
     if variant != "v2":
         raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {_VARIANTS}")
