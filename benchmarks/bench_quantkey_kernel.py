@@ -8,8 +8,10 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
-* ``v4``: the tensor-core kernel over ``--v4-warps`` x ``--v4-blocks`` x ``--v4-words`` (its ``rows`` column: code
-  words per product), then at its defaults with the queries as two float16 terms and as one (``-1q``);
+* ``v5``: the tensor-core kernel, both forms (per-block products with ``kstep * q``, and ``v5s``: codes scaled by
+  ``kstep`` in one product with the queries), over ``--v5-warps`` x ``--v5-blocks`` (its ``rows`` column: code
+  words per product), then at its defaults with one float16 term instead of two (``-1``), 64 channels per product
+  and a query-head width of 16 (``n16``);
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
@@ -41,9 +43,9 @@ from hf_offload.kernels import quantkey  # noqa: E402
 from hf_offload.kernels.quantkey import (  # noqa: E402
     _default_config,
     _launch_block_lse,
-    _v4_config,
+    _v5_config,
     block_lse_reference,
-    v4_fits,
+    v5_fits,
 )
 
 NO_CUDA = "bench_quantkey_kernel: no CUDA device (torch.cuda.is_available() is False); nothing was measured"
@@ -64,9 +66,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program (powers of two)")
     p.add_argument("--rows-per-thread", type=int, nargs="+", default=[16, 8, 4],
                    help="token rows of a block per thread (powers of two, at most --tokens)")  # fmt: skip
-    p.add_argument("--v4-blocks", type=int, nargs="+", default=[4, 8, 16], help="v4: blocks per program")
-    p.add_argument("--v4-words", type=int, nargs="+", default=[1, 2, 4], help="v4: code words per product")
-    p.add_argument("--v4-warps", type=int, nargs="+", default=[4, 8], help="v4: warps per program")
+    p.add_argument("--v5-blocks", type=int, nargs="+", default=[2, 4, 8], help="v5: blocks per program")
+    p.add_argument("--v5-warps", type=int, nargs="+", default=[4, 8], help="v5: warps per program")
     p.add_argument("--calls", type=int, default=10, help="kernel launches per timed CUDA graph replay")
     p.add_argument("--reps", type=int, default=50, help="timed replays per setting (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed replays before the timed ones")
@@ -122,7 +123,7 @@ def graph_time(launch, sets: list[dict], outs: list[torch.Tensor], args) -> floa
 
 def compiled_stats(variant: str) -> dict:
     """Registers per thread, spilled bytes and shared memory of the kernel compiled last for ``variant``."""
-    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel", "v4": "_block_lse_kernel_v4"}
+    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel", "v5": "_block_lse_kernel_v5"}
     try:
         cache = getattr(quantkey, fn[variant]).device_caches[torch.cuda.current_device()][0]
         kernel = list(cache.values())[-1]
@@ -142,14 +143,14 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
-    if v4_fits(args.tokens, args.head_dim, bits):
-        for warps in args.v4_warps:
-            for blocks in args.v4_blocks:
-                for words in sorted({_v4_config(args.tokens, args.head_dim, bits, words=w)["words"] for w in
-                                     args.v4_words}):  # fmt: skip
-                    chosen.append({"variant": "v4", "block_n": blocks, "num_warps": warps, "rows_per_thread": words})
-        default4 = {"variant": "v4", "block_n": None, "num_warps": None, "rows_per_thread": None}
-        chosen += [default4, {**default4, "split_queries": False}]
+    if v5_fits(args.tokens, args.head_dim, bits):
+        for scale in (False, True):
+            base = {"variant": "v5", "block_n": None, "num_warps": None, "rows_per_thread": None, "scale_codes": scale}
+            for warps in args.v5_warps:
+                for blocks in args.v5_blocks:
+                    chosen.append({**base, "block_n": blocks, "num_warps": warps})
+            wide = _v5_config(args.tokens, args.head_dim, bits, words=64 * bits // 32)["words"]
+            chosen += [{**base, "split": False}, {**base, "min_n": 16}, {**base, "rows_per_thread": wide}]
     return chosen
 
 
@@ -199,7 +200,8 @@ HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'c
 
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
-    name = row["variant"] + ("*" if row.get("default") else "") + ("-1q" if row.get("split_queries") is False else "")
+    name = row["variant"] + ("s" if row.get("scale_codes") else "") + ("*" if row.get("default") else "")
+    name += ("-1" if row.get("split") is False else "") + (f"n{row['min_n']}" if row.get("min_n") else "")
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
         s = result["reference_seconds"]
         print(f"{'reference':<25} {s * 1e6:>9.1f} {result['code_bytes'] / s / 1e9:>9.0f} "
               f"{result['read_bytes'] / s / 1e9:>9.0f}", flush=True)  # fmt: skip
-        for variant, what in (("v2", "rows per thread"), ("v4", "words per product")):
+        for variant, what in (("v2", "rows per thread"), ("v5", "words per product")):
             timed = [r for r in result["rows"] if r["variant"] == variant and "seconds" in r]
             if timed:
                 best = min(timed, key=lambda r: r["seconds"])
