@@ -187,7 +187,7 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             launch(first, outs[0])
             row["max_abs_err"] = (outs[0] - reference).abs().max().item()
         except Exception as e:  # recorded (a setting the compiler rejects, say); the sweep goes on
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
+            row["error"] = f"{type(e).__name__}: {e}"[-800:]
         rows.append(row)
         print(table_line(row, code_bytes, read_bytes, rows[0].get("seconds")), flush=True)
     return {"bits": bits, "code_bytes": code_bytes, "read_bytes": read_bytes, "reference_seconds": ref_s,

@@ -228,9 +228,16 @@ if triton is not None:
         OR 1024.0's bits into both halves, one packed subtraction of 1024.0); else plain operations (the
         interpreter's path)."""
         if ASM:
-            mask: tl.constexpr = LEVELS | (LEVELS << 16)
+            if LEVELS == 1:
+                mask: tl.constexpr = "0x00010001"
+            elif LEVELS == 3:
+                mask: tl.constexpr = "0x00030003"
+            elif LEVELS == 15:
+                mask: tl.constexpr = "0x000F000F"
+            else:
+                mask: tl.constexpr = "0x00FF00FF"
             return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, m; shr.b32 t, $2, $3; and.b32 t, t, " + str(mask) + "; or.b32 t, t, 0x64006400; "
+                "{ .reg .b32 t, m; shr.b32 t, $2, $3; and.b32 t, t, " + mask + "; or.b32 t, t, 0x64006400; "
                 "mov.b32 m, 0x64006400; sub.f16x2 t, t, m; mov.b32 {$0, $1}, t; }",
                 "=h,=h,r,r", [word, shift], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)  # fmt: skip
         lo = ((word >> shift) & LEVELS).to(tl.float16)
