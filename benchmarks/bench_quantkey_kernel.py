@@ -8,10 +8,6 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
-* ``v5``: the tensor-core kernel, both forms (per-block products with ``kstep * q``, and ``v5s``: codes scaled by
-  ``kstep`` in one product with the queries), over ``--v5-warps`` x ``--v5-blocks`` (its ``rows`` column: code
-  words per product), then at its defaults with one float16 term instead of two (``-1``), 64 channels per product
-  and a query-head width of 16 (``n16``);
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
@@ -40,13 +36,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.kernels import quantkey  # noqa: E402
-from hf_offload.kernels.quantkey import (  # noqa: E402
-    _default_config,
-    _launch_block_lse,
-    _v5_config,
-    block_lse_reference,
-    v5_fits,
-)
+from hf_offload.kernels.quantkey import _default_config, _launch_block_lse, block_lse_reference  # noqa: E402
 
 NO_CUDA = "bench_quantkey_kernel: no CUDA device (torch.cuda.is_available() is False); nothing was measured"
 
@@ -66,8 +56,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warps", type=int, nargs="+", default=[1, 2, 4, 8], help="warps per program (powers of two)")
     p.add_argument("--rows-per-thread", type=int, nargs="+", default=[16, 8, 4],
                    help="token rows of a block per thread (powers of two, at most --tokens)")  # fmt: skip
-    p.add_argument("--v5-blocks", type=int, nargs="+", default=[2, 4, 8], help="v5: blocks per program")
-    p.add_argument("--v5-warps", type=int, nargs="+", default=[4, 8], help="v5: warps per program")
     p.add_argument("--calls", type=int, default=10, help="kernel launches per timed CUDA graph replay")
     p.add_argument("--reps", type=int, default=50, help="timed replays per setting (the median is reported)")
     p.add_argument("--warmup", type=int, default=5, help="untimed replays before the timed ones")
@@ -123,7 +111,7 @@ def graph_time(launch, sets: list[dict], outs: list[torch.Tensor], args) -> floa
 
 def compiled_stats(variant: str) -> dict:
     """Registers per thread, spilled bytes and shared memory of the kernel compiled last for ``variant``."""
-    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel", "v5": "_block_lse_kernel_v5"}
+    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel"}
     try:
         cache = getattr(quantkey, fn[variant]).device_caches[torch.cuda.current_device()][0]
         kernel = list(cache.values())[-1]
@@ -143,14 +131,6 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
-    if v5_fits(args.tokens, args.head_dim, bits):
-        for scale in (False, True):
-            base = {"variant": "v5", "block_n": None, "num_warps": None, "rows_per_thread": None, "scale_codes": scale}
-            for warps in args.v5_warps:
-                for blocks in args.v5_blocks:
-                    chosen.append({**base, "block_n": blocks, "num_warps": warps})
-            wide = _v5_config(args.tokens, args.head_dim, bits, words=64 * bits // 32)["words"]
-            chosen += [{**base, "split": False}, {**base, "min_n": 16}, {**base, "rows_per_thread": wide}]
     return chosen
 
 
@@ -200,8 +180,7 @@ HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'c
 
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
-    name = row["variant"] + ("s" if row.get("scale_codes") else "") + ("*" if row.get("default") else "")
-    name += ("-1" if row.get("split") is False else "") + (f"n{row['min_n']}" if row.get("min_n") else "")
+    name = row["variant"] + ("*" if row.get("default") else "")
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
@@ -228,12 +207,11 @@ def main(argv: list[str] | None = None) -> int:
         s = result["reference_seconds"]
         print(f"{'reference':<25} {s * 1e6:>9.1f} {result['code_bytes'] / s / 1e9:>9.0f} "
               f"{result['read_bytes'] / s / 1e9:>9.0f}", flush=True)  # fmt: skip
-        for variant, what in (("v2", "rows per thread"), ("v5", "words per product")):
-            timed = [r for r in result["rows"] if r["variant"] == variant and "seconds" in r]
-            if timed:
-                best = min(timed, key=lambda r: r["seconds"])
-                print(f"fastest {variant}: block_n {best['block_n']}, {best['num_warps']} warps, "
-                      f"{best['rows_per_thread']} {what}, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
+        timed = [r for r in result["rows"] if r["variant"] == "v2" and "seconds" in r]
+        if timed:
+            best = min(timed, key=lambda r: r["seconds"])
+            print(f"fastest v2: block_n {best['block_n']}, {best['num_warps']} warps, {best['rows_per_thread']} rows "
+                  f"per thread, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     import triton
 

@@ -221,132 +221,9 @@ if triton is not None:
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
 
-    @triton.jit
-    def _codes_f16(word, shift, LEVELS: tl.constexpr, ASM: tl.constexpr):
-        """The two codes at bits ``shift`` and ``16 + shift`` of each 32-bit ``word`` as exact float16 values (two
-        tensors of ``word``'s broadcast shape with ``shift``). ``ASM``: four instructions per pair (shift, mask and
-        OR 1024.0's bits into both halves, one packed subtraction of 1024.0); else plain operations (the
-        interpreter's path)."""
-        if ASM:
-            if LEVELS == 1:
-                mask: tl.constexpr = "0x00010001"
-            elif LEVELS == 3:
-                mask: tl.constexpr = "0x00030003"
-            elif LEVELS == 15:
-                mask: tl.constexpr = "0x000F000F"
-            else:
-                mask: tl.constexpr = "0x00FF00FF"
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t, m; shr.b32 t, $2, $3; and.b32 t, t, " + mask + "; or.b32 t, t, 0x64006400; "
-                "mov.b32 m, 0x64006400; sub.f16x2 t, t, m; mov.b32 {$0, $1}, t; }",
-                "=h,=h,r,r", [word, shift], dtype=(tl.float16, tl.float16), is_pure=True, pack=1)  # fmt: skip
-        lo = ((word >> shift) & LEVELS).to(tl.float16)
-        hi = ((word >> (shift + 16)) & LEVELS).to(tl.float16)
-        return lo, hi
-
-    @triton.jit
-    def _block_lse_kernel_v5(
-        q_ptr,  # float32 [B, H, G, D]
-        codes_ptr,  # uint8 [B, N, H, T, D // PER], 4-byte aligned, sequences block_stride blocks apart
-        kmin_ptr,  # [B, N, H, D], sequences block_stride blocks apart
-        kstep_ptr,  # [B, N, H, D], sequences block_stride blocks apart
-        out_ptr,  # float32 [B, H, G, N]
-        n_blocks,
-        heads,
-        block_stride,
-        G: tl.constexpr,
-        GP: tl.constexpr,  # G rounded up to a power of two (or more)
-        T: tl.constexpr,
-        D: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        KW: tl.constexpr,  # 32-bit code words per row and product
-        SCALE_A: tl.constexpr,  # False: per-block products codes @ (kstep * q); True: (codes * kstep) @ q
-        SPLIT: tl.constexpr,  # the float32 operand as two float16 terms (hi + lo)
-        ASM: tl.constexpr,  # decode codes with inline PTX (CUDA); False under the interpreter
-    ):
-        # One program: one (batch, KV head) and BLOCK_N blocks of T token rows. The codes are decoded two at a time
-        # to exact float16 values (bits s and 16 + s of a word: channels i and P + i of its CPW channels, P = CPW /
-        # 2), so a run of KW words gives a [BLOCK_N, T, K] tile whose K order is (word, i, half); the queries and
-        # steps are read in that order. SCALE_A False: logits = codes @ (kstep * q) per block (batched products,
-        # the codes exact, kstep * q as hi + lo float16 terms); True: (codes * kstep) @ q as one [BLOCK_N * T, K]
-        # product (code * kstep in float16, exact for bfloat16 steps and codes of up to 2 bits). The block's
-        # constant term sum_d kmin[d] q[g, d] is added after the log-sum-exp over its rows.
-        CPW: tl.constexpr = 32 // BITS  # channels per word
-        P: tl.constexpr = CPW // 2  # code pairs per word
-        DW: tl.constexpr = D * BITS // 32  # words per token row
-        K: tl.constexpr = KW * CPW
-        LEVELS: tl.constexpr = (1 << BITS) - 1
-        bh = tl.program_id(0).to(tl.int64)
-        b = bh // heads
-        h = bh % heads
-        blk = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        live = blk < n_blocks
-        srow = (b * block_stride + blk) * heads + h  # [BLOCK_N]: (b, n, h) of the summaries
-        t = tl.arange(0, T)
-        w = tl.arange(0, KW)
-        shift = (tl.arange(0, P) * BITS)[None, None, None, :]  # [1, 1, 1, P]
-        kk = tl.arange(0, K)
-        chan = (kk // CPW) * CPW + (kk % 2) * P + (kk % CPW) // 2  # [K]: channel of product position kk
-        g = tl.arange(0, GP)
-        words = codes_ptr.to(tl.pointer_type(tl.int32))
-        word_at = (srow[:, None, None] * T + t[None, :, None]) * DW + w[None, None, :]  # [BLOCK_N, T, KW]
-        live3 = live[:, None, None]
-        acc = tl.zeros((BLOCK_N, T, GP), dtype=tl.float32)
-        for k0 in tl.static_range(0, DW, KW):
-            word = tl.load(words + word_at + k0, mask=live3, other=0)  # [BLOCK_N, T, KW]
-            lo, hi = _codes_f16(word[:, :, :, None], shift, LEVELS, ASM)  # [BLOCK_N, T, KW, P] each
-            codes = tl.reshape(tl.join(lo, hi), (BLOCK_N, T, K))
-            ch = k0 * CPW + chan  # [K]
-            ks = tl.load(kstep_ptr + srow[:, None] * D + ch[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            qc = tl.load(q_ptr + (bh * G + g[None, :]) * D + ch[:, None], mask=(g < G)[None, :], other=0.0)  # [K, GP]
-            if SCALE_A:
-                a = tl.reshape(codes * ks.to(tl.float16)[:, None, :], (BLOCK_N * T, K))
-                q_hi = qc.to(tl.float16)
-                part = tl.dot(a, q_hi)
-                if SPLIT:
-                    part = tl.dot(a, (qc - q_hi.to(tl.float32)).to(tl.float16), part)
-                acc += tl.reshape(part, (BLOCK_N, T, GP))
-            else:
-                wgt = ks[:, :, None] * qc[None, :, :]  # [BLOCK_N, K, GP]: kstep * q
-                w_hi = wgt.to(tl.float16)
-                acc = tl.dot(codes, w_hi, acc)
-                if SPLIT:
-                    acc = tl.dot(codes, (wgt - w_hi.to(tl.float32)).to(tl.float16), acc)
-        top = tl.max(acc, axis=1)  # [BLOCK_N, GP]
-        lse = top + tl.log(tl.sum(tl.exp(acc - top[:, None, :]), axis=1))
-        d = tl.arange(0, D)
-        kmin = tl.load(kmin_ptr + srow[:, None] * D + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-        for gi in tl.static_range(G):
-            qg = tl.load(q_ptr + (bh * G + gi) * D + d)
-            base = tl.sum(kmin * qg[None, :], axis=1)  # [BLOCK_N]: sum_d kmin[d] q[g, d]
-            lse = tl.where((g == gi)[None, :], lse + base[:, None], lse)
-        tl.store(out_ptr + (bh * G + g[None, :]) * n_blocks + blk[:, None], lse,
-                 mask=live[:, None] & (g < G)[None, :])  # fmt: skip
-
-
-_VARIANTS = ("v1", "v2", "v5")
-"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), ``v2``, the float32
-kernel, and ``v5``, tensor-core products over codes decoded to float16 (where :func:`v5_fits`)."""
-
-
-def v5_fits(tokens: int, head_dim: int, bits: int) -> bool:
-    """Whether the ``v5`` kernel takes blocks of this shape: whole 32-bit words of codes per token row, at least 16
-    channels per product (four words at 8 bits), 16 to 128 tokens per block."""
-    return head_dim * bits % 32 == 0 and head_dim >= 16 and 16 <= tokens <= 128
-
-
-def _v5_config(tokens: int, head_dim: int, bits: int, block_n: int | None = None, words: int | None = None,
-               num_warps: int | None = None) -> dict:  # fmt: skip
-    """Launch settings of the ``v5`` kernel: ``block_n`` blocks per program (default: 64 token rows),
-    ``words`` code words per product (default: 32 channels; at least 16) and ``num_warps`` (default 4)."""
-    per_word = 32 // bits
-    row_words = head_dim * bits // 32
-    return {
-        "block_n": block_n or max(1, 64 // tokens),
-        "words": min(row_words, max(words or 32 // per_word, -(-16 // per_word))),
-        "num_warps": num_warps or 4,
-    }
+_VARIANTS = ("v1", "v2")
+"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), and ``v2``, the one
+:func:`block_lse` uses."""
 
 
 def _layout(tokens: int, head_dim: int, bits: int, group: int) -> dict:
@@ -385,7 +262,10 @@ DEFAULT_VARIANT = "v2"
 (``v1``: 519 us) and 114 us at 4 bits (``v1``: 773 us), llama-8b shape, batch 8, 2048 blocks
 (results/selection/bench_quantkey_kernel_h200.json). A ``v3`` candidate (tensor-core products over dequantized
 rows) was tried and lost: at best 386.6 us at 2 bits and 408.0 us at 4 bits, where ``v2`` took 111.4 and 113.7 us at
-its best settings (results/selection/bench_quantkey_kernel_v3_h200.json)."""
+its best settings (results/selection/bench_quantkey_kernel_v3_h200.json). Two later tensor-core candidates lost too
+(results/selection/tensor_core_h200/, 8B shape at 64K tokens, batch 12, 2-bit codes): ``v4`` (float16
+``code * kstep`` rows times the queries) 643.6 us at best and ``v5`` (codes decoded to float16 two at a time by
+inline PTX, products per block) 420.0, where ``v2`` took 324.6."""
 
 
 def _launch_block_lse(
@@ -399,9 +279,6 @@ def _launch_block_lse(
     block_n: int | None = None,
     num_warps: int | None = None,
     rows_per_thread: int | None = None,
-    split: bool = True,
-    scale_codes: bool = False,
-    min_n: int = 8,
 ) -> torch.Tensor:
     """Run one scoring kernel into ``out`` with explicit launch settings (no checks of the inputs, no host sync).
 
@@ -418,13 +295,7 @@ def _launch_block_lse(
         block_n: blocks per program, a power of two; ``None``: the variant's default (``v2``: the fewest that
             fill the warps, :func:`_default_config`).
         num_warps: warps per program; ``None``: the variant's default.
-        rows_per_thread: ``v2``: token rows of a block per thread; ``None``: :func:`_default_config`'s. ``v5``:
-            code words per product; ``None``: :func:`_v5_config`'s.
-        split: ``v5`` only: the float32 operand (``kstep * q``, or ``q`` with ``scale_codes``) as two float16 terms
-            (``False``: one, about 1e-3 relative error per product).
-        scale_codes: ``v5`` only: multiply the codes by ``kstep`` and take one product with the queries (exact
-            for bfloat16 steps and codes of up to 2 bits), instead of one product per block with ``kstep * q``.
-        min_n: ``v5`` only: the products' query-head width is at least this (a power of two).
+        rows_per_thread: ``v2`` only: token rows of a block per thread; ``None``: :func:`_default_config`'s.
 
     Returns:
         ``out``.
@@ -441,14 +312,6 @@ def _launch_block_lse(
         grid = (batch * heads, triton.cdiv(n_blocks, block_n))
         _block_lse_kernel_v1[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, BLOCK_N=block_n,
                                    num_warps=num_warps or 4)  # fmt: skip
-        return out
-    if variant == "v5":
-        config = _v5_config(tokens, head_dim, bits, block_n, rows_per_thread, num_warps)
-        grid = (batch * heads, triton.cdiv(n_blocks, config["block_n"]))
-        _block_lse_kernel_v5[grid](*args, block_stride(codes, kmin, kstep), G=group,
-                                   GP=max(min_n, 1 << (group - 1).bit_length()), T=tokens, D=head_dim, BITS=bits,
-                                   BLOCK_N=config["block_n"], KW=config["words"], SCALE_A=scale_codes,
-                                   SPLIT=split, ASM=query.device.type == "cuda", num_warps=config["num_warps"])  # fmt: skip
         return out
     if variant != "v2":
         raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {_VARIANTS}")
