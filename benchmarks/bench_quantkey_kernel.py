@@ -8,6 +8,9 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
+* ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
+  of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
+  9.0+); their error is also given against ``block_lse_emulated``, the rounding they are meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
@@ -35,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload.kernels import quantkey  # noqa: E402
+from hf_offload.kernels import quantkey, quantkey_mma  # noqa: E402
 from hf_offload.kernels.quantkey import _default_config, _launch_block_lse, block_lse_reference  # noqa: E402
 
 NO_CUDA = "bench_quantkey_kernel: no CUDA device (torch.cuda.is_available() is False); nothing was measured"
@@ -131,6 +134,8 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
+    for variant in ("mma", "mma-magic"):  # the tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...)
+        chosen.append({"variant": variant, "block_n": None, "num_warps": None, "rows_per_thread": None})
     return chosen
 
 
@@ -157,6 +162,10 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **setting)
 
         row = {**setting, "default": setting == default}
+        if setting["variant"].startswith("mma") and not quantkey_mma.mma_supported(
+            first["query"], first["codes"], first["kmin"], bits
+        ):
+            continue
         try:
             started = time.perf_counter()
             launch(first, outs[0])
@@ -166,6 +175,9 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             row["seconds"] = graph_time(launch, sets, outs, args)
             launch(first, outs[0])
             row["max_abs_err"] = (outs[0] - reference).abs().max().item()
+            if setting["variant"].startswith("mma"):  # against the rounding the kernel is meant to do
+                emulated = quantkey_mma.block_lse_emulated(first["query"], first["codes"], first["kmin"], first["kstep"])
+                row["max_abs_err_vs_emulated"] = (outs[0] - emulated).abs().max().item()
         except Exception as e:  # recorded (a setting the compiler rejects, say); the sweep goes on
             row["error"] = f"{type(e).__name__}: {e}"[-800:]
         rows.append(row)

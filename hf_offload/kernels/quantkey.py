@@ -24,6 +24,8 @@ arithmetic is float32 throughout (no tensor-core products), as in the reference.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .gather import kernels_available, tl, triton
@@ -221,9 +223,11 @@ if triton is not None:
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
 
-_VARIANTS = ("v1", "v2")
-"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), and ``v2``, the one
-:func:`block_lse` uses."""
+_VARIANTS = ("v1", "v2", "mma", "mma-magic")
+"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), ``v2`` (Triton, float32
+multiply-adds), and the tensor-core CUDA kernel of :mod:`hf_offload.kernels.quantkey_mma` with its codes decoded to
+subnormal bfloat16 values (``mma``) or through 128.0's bits (``mma-magic``, kept for comparison); the ``mma`` ones
+take only what :func:`~hf_offload.kernels.quantkey_mma.mma_supported` allows."""
 
 
 def _layout(tokens: int, head_dim: int, bits: int, group: int) -> dict:
@@ -304,6 +308,11 @@ def _launch_block_lse(
     n_blocks, tokens = codes.shape[1], codes.shape[3]
     if n_blocks == 0:
         return out
+    if variant in ("mma", "mma-magic"):
+        from . import quantkey_mma
+
+        decode = "magic" if variant == "mma-magic" else "subnormal"
+        return quantkey_mma.launch(query, codes, kmin, kstep, out, block_stride(codes, kmin, kstep), decode=decode)
     if variant == "v1":
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
     args = (query, codes, kmin, kstep, out, n_blocks, heads)
@@ -371,7 +380,14 @@ def block_lse(
         return block_lse_reference(query, codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
-    variant = DEFAULT_VARIANT
+    variant = os.environ.get("HF_OFFLOAD_QUANTKEY_KERNEL", DEFAULT_VARIANT)
+    if variant not in _VARIANTS:
+        raise ValueError(f"HF_OFFLOAD_QUANTKEY_KERNEL must be one of {_VARIANTS}, got {variant!r}")
+    if variant.startswith("mma"):
+        from .quantkey_mma import mma_supported
+
+        if not mma_supported(query, codes, kmin, bits):
+            variant = "v2"
     if variant == "v1" or not summaries_layout_ok(codes, kmin, kstep):
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
     return _launch_block_lse(query.float().contiguous(), codes, kmin, kstep, bits, out, variant=variant)

@@ -1,0 +1,359 @@
+"""Block log-sum-exp over 2-bit quantized keys on tensor cores: a CUDA kernel compiled at run time (NVRTC).
+
+The Triton kernel (:mod:`hf_offload.kernels.quantkey`, ``v2``) forms every logit with float32 multiply-adds, about
+8 instructions per code, and is bound by that arithmetic (325 us per layer call at 64K tokens, batch 12, 8B shape on
+an H200, a third of a decode step). Three tensor-core versions in Triton lost to it: with 16 rows per block and a
+different right-hand side per block (``kstep * q``), the layout conversions and reductions that Triton puts around
+the small products cost more than the multiply-adds they replace. This kernel is written in CUDA so that it controls
+the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) itself:
+
+* **Codes go straight into the A fragments.** A fragment register holds two bfloat16 values, one in each 16-bit half.
+  Masking a 32-bit word of packed codes with ``0x00030003 << s`` leaves one 2-bit code in each half, at bit ``s``:
+  read as a bfloat16 whose exponent bits are zero, that half is the subnormal ``code * 2**s * 2**-133``, exactly. So
+  a word of 16 codes becomes 8 fragment registers with 3 shifts and 8 bitwise ands (no conversion, no subtraction),
+  and the power-of-two factors are folded into the right-hand side. Which code lands in which k position follows
+  from the packing (:func:`hf_offload.selectors.quantkey.quantize_keys`); the right-hand side is built in the same
+  order, so the format of the codes is unchanged.
+* **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at position
+  ``k``, formed with two bfloat16 multiplies per register from the block's ``kstep`` and the query scaled once per
+  program (so the products stay inside bfloat16's range for ``|kstep * q| < 65536``). A block is one
+  ``m16n8k16`` row tile (16 tokens) times ``head_dim / 16`` k tiles, with up to 8 query heads as the 8 columns.
+* **The block's constant** ``q . kmin`` is itself a matrix product: 16 blocks as the rows, ``kmin`` (exact in
+  bfloat16) times the query split into a bfloat16 high and low part (about 16 bits of the float32 query), two
+  products per 16 blocks.
+* Each block's log-sum-exp per query head is reduced over its 16 tokens with warp shuffles, offset by the constant,
+  and written to ``[batch, kv_heads, group, n_blocks]``, float32, as the Triton kernel writes it.
+
+The only rounding beyond float32 is of ``kstep * q`` to bfloat16 (twice: the scaled query, then the product; relative
+error under 2**-8 per channel), small against the error of the 2-bit codes themselves;
+:func:`block_lse_emulated` computes exactly that rounding in pure torch, so the CPU tests check the scheme's
+accuracy against :func:`~hf_offload.kernels.quantkey.block_lse_reference`, and the CUDA tests check the kernel
+against both. Limits: 2-bit codes, 16-token blocks, ``head_dim`` 64, 128 or 256, at most 8 query heads per KV head,
+bfloat16 ``kmin`` / ``kstep``, a GPU of compute capability 9.0 or newer (``mul.bf16x2``), and
+``torch.cuda._compile_kernel`` (PyTorch's NVRTC wrapper). :func:`mma_supported` says whether all hold; the caller
+falls back to the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SHIFT = 112
+"""The right-hand side is ``kstep * q * 2**(SHIFT - s)``: a subnormal code times it is ``code * kstep * q *
+2**(SHIFT - 133)``, so the accumulator holds the logits times ``2**(SHIFT - 133)``; ``SHIFT`` 112 keeps every
+product inside bfloat16's range while ``|kstep * q| < 2**16`` and leaves it a normal float32 down to ``2**-105``."""
+
+BLOCKS_PER_WARP = 16
+"""Blocks one warp scores per pass (the rows of the product that gives each block's ``q . kmin``)."""
+
+WARPS = 4
+"""Warps per program."""
+
+_SOURCE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+__device__ __forceinline__ u32 bf16x2_of(float hi, float lo) {  // {hi: upper half, lo: lower half}, rounded
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
+    u32 r;
+    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ u32 sub_bf16x2(u32 a, u32 b) {
+    u32 r;
+    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+    return r;
+}
+__device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
+__device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
+__device__ __forceinline__ float ex2(float x) {  // 2**x (relative error about 2**-22; tiny results flush to zero)
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// Fragment register (p, s) of a word of 16 packed 2-bit codes (byte j holds channels 4j..4j+3 at bits 0, 2, 4, 6):
+// the code of channel 4s + p in the lower half and of channel 4s + 8 + p in the upper half, at bit 2p (p < 3) or 0.
+__device__ __forceinline__ u32 take(u32 x, int p, int s) {
+    const u32 m = 0x00030003u;
+    u32 v;
+    if (s == 0) v = p < 3 ? (x & (m << (2 * p))) : ((x >> 6) & m);
+    else v = p < 3 ? ((x >> 8) & (m << (2 * p))) : ((x >> 14) & m);
+#if MAGIC  // as normal numbers: 128 + v, less 128 (exact)
+    v = sub_bf16x2(v | 0x43004300u, 0x43004300u);
+#endif
+    return v;
+}
+
+// One program: one (sequence, KV head) and WARPS * 16 blocks; one warp: 16 blocks.
+// q: float32 [B, H, G, D] (scaled); codes: u8 [B, cap, H, 16, D/4]; kmin, kstep: bf16 [B, cap, H, D];
+// out: float32 [B, H, G, N].
+extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
+    const float* __restrict__ q, const unsigned char* __restrict__ codes, const unsigned short* __restrict__ kmin,
+    const unsigned short* __restrict__ kstep, float* __restrict__ out, int n_blocks, int heads, int stride, int group) {
+    constexpr int W = D / 64;            // code words per token row and thread
+    constexpr int CH = 16 * W;           // channels per thread (a contiguous range)
+    constexpr int KT = D / 16;           // k tiles
+    __shared__ float stage[WARPS][16][9];  // per block and head: largest scaled logit, then the sum of exponentials
+    __shared__ float sums[WARPS][16][9];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const long long bh = blockIdx.x;
+    const long long b = bh / heads, h = bh % heads;
+    const int first = (blockIdx.y * WARPS + warp) * 16;
+    if (first >= n_blocks) return;
+    const int c0 = CH * t;               // this thread's channels: c0 .. c0 + CH - 1
+
+    // The query of head g over this thread's channels, in the two orders the products need.
+    float qv[CH];
+    const bool head_ok = g < group;
+#pragma unroll
+    for (int i = 0; i < CH; i += 4) {
+        float4 v = head_ok ? *reinterpret_cast<const float4*>(q + ((bh * group + g) * D + c0 + i))
+                           : make_float4(0.f, 0.f, 0.f, 0.f);
+        qv[i] = v.x; qv[i + 1] = v.y; qv[i + 2] = v.z; qv[i + 3] = v.w;
+    }
+    // Right-hand side factors of the code products: register (word wi, p, s) holds channels 16 wi + 4 s + p and + 8.
+    u32 qs[8 * W];
+#pragma unroll
+    for (int wi = 0; wi < W; ++wi)
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+#pragma unroll
+            for (int s = 0; s < 2; ++s) {
+                const int lo = 16 * wi + 4 * s + p;
+                const float f = __int_as_float((127 + BEXP - (p < 3 ? 2 * p : 0)) << 23);  // 2**(BEXP - bit)
+                qs[8 * wi + 2 * p + s] = bf16x2_of(qv[lo + 8] * f, qv[lo] * f);
+            }
+    // The constant's right-hand side: k tile kt, positions 2t, 2t+1 -> channels c0 + 4kt + 0, 1; 2t+8, 2t+9 -> + 2, 3.
+    u32 qh[2 * KT], ql[2 * KT];
+#pragma unroll
+    for (int i = 0; i < 2 * KT; ++i) {
+        const float x0 = qv[2 * i], x1 = qv[2 * i + 1];
+        qh[i] = bf16x2_of(x1, x0);
+        ql[i] = bf16x2_of(x1 - bf16_hi(qh[i]), x0 - bf16_lo(qh[i]));
+    }
+
+    // q . kmin of blocks first + g and first + g + 8 (rows), heads 2t and 2t+1 (columns).
+    float cst[4] = {0.f, 0.f, 0.f, 0.f};
+    {
+        u32 ka[2][2 * KT];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int n = first + g + 8 * r;
+            const long long row = ((b * stride + n) * heads + h) * D + c0;
+#pragma unroll
+            for (int i = 0; i < 2 * KT; i += 4) {
+                uint4 v = n < n_blocks ? *reinterpret_cast<const uint4*>(kmin + row + 2 * i) : make_uint4(0, 0, 0, 0);
+                ka[r][i] = v.x; ka[r][i + 1] = v.y; ka[r][i + 2] = v.z; ka[r][i + 3] = v.w;
+            }
+        }
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
+            mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
+        }
+    }
+
+    const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
+    const float to_exp2 = scale * 1.4426950408889634f;
+    const int count = min(16, n_blocks - first);
+    for (int j = 0; j < count; ++j) {
+        const long long row = (b * stride + first + j) * heads + h;
+        u32 x0[W], x1[W];                    // code words of token rows g and g + 8
+        const unsigned char* base = codes + row * (16 * D / 4) + 4 * W * t;
+        if (W == 1) {
+            x0[0] = *reinterpret_cast<const u32*>(base + g * (D / 4));
+            x1[0] = *reinterpret_cast<const u32*>(base + (g + 8) * (D / 4));
+        } else {
+#pragma unroll
+            for (int i = 0; i < W; i += 2) {
+                uint2 v0 = *reinterpret_cast<const uint2*>(base + g * (D / 4) + 4 * i);
+                uint2 v1 = *reinterpret_cast<const uint2*>(base + (g + 8) * (D / 4) + 4 * i);
+                x0[i] = v0.x; x0[i + 1] = v0.y; x1[i] = v1.x; x1[i + 1] = v1.y;
+            }
+        }
+        u32 ks[CH / 2];                      // kstep of channels c0 .. c0 + CH - 1, two per register
+#pragma unroll
+        for (int i = 0; i < CH / 2; i += 4) {
+            uint4 v = *reinterpret_cast<const uint4*>(kstep + row * D + c0 + 2 * i);
+            ks[i] = v.x; ks[i + 1] = v.y; ks[i + 2] = v.z; ks[i + 3] = v.w;
+        }
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int wi = 0; wi < W; ++wi)
+#pragma unroll
+            for (int p = 0; p < 4; ++p) {
+                u32 bb[2];
+#pragma unroll
+                for (int s = 0; s < 2; ++s) {
+                    const int lo = 16 * wi + 4 * s + p;   // channels lo and lo + 8
+                    const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 8) >> 1], (lo & 1) ? 0x7632 : 0x5410);
+                    bb[s] = mul_bf16x2(pair, qs[8 * wi + 2 * p + s]);
+                }
+                mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0], bb[1]);
+            }
+        // Log-sum-exp over the 16 tokens (rows g and g + 8 of the 8 lanes sharing t) of heads 2t and 2t + 1.
+        float m0 = fmaxf(acc[0], acc[2]), m1 = fmaxf(acc[1], acc[3]);
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+        }
+        const float n0 = -m0 * to_exp2, n1 = -m1 * to_exp2;
+        float s0 = ex2(fmaf(acc[0], to_exp2, n0)) + ex2(fmaf(acc[2], to_exp2, n0));
+        float s1 = ex2(fmaf(acc[1], to_exp2, n1)) + ex2(fmaf(acc[3], to_exp2, n1));
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+            s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+            s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+        }
+        if (g == 0) {  // the logarithm waits for the end of the pass (one per value and lane there)
+            stage[warp][j][2 * t] = m0;
+            stage[warp][j][2 * t + 1] = m1;
+            sums[warp][j][2 * t] = s0;
+            sums[warp][j][2 * t + 1] = s1;
+        }
+    }
+    __syncwarp();
+    // Lane (g, t) adds the constants it holds: blocks first + g, first + g + 8; heads 2t, 2t + 1.
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        const int j = g + 8 * r;
+        if (j >= count) continue;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int head = 2 * t + e;
+            if (head < group)
+                out[(bh * group + head) * n_blocks + first + j] =
+                    stage[warp][j][head] * scale + logf(sums[warp][j][head]) + cst[2 * r + e];
+        }
+    }
+}
+"""
+
+DECODES = ("subnormal", "magic")
+"""How codes become bfloat16 fragment values: ``subnormal`` (the masked bits read as a subnormal number, no further
+instruction; the default) or ``magic`` (the bits OR 128.0's, less 128.0: one more instruction per two codes, normal
+numbers only), kept to compare the two on a GPU."""
+
+_COMPILED: dict[tuple[int, str], object] = {}
+
+
+def _kernel(head_dim: int, decode: str = "subnormal"):
+    """The compiled kernel for ``head_dim`` and ``decode`` (compiled once per process)."""
+    fn = _COMPILED.get((head_dim, decode))
+    if fn is None:
+        if decode not in DECODES:
+            raise ValueError(f"quantkey_mma: decode must be one of {DECODES}, got {decode!r}")
+        magic = decode == "magic"
+        bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
+        defines = {"D": head_dim, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp}
+        source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
+        fn = torch.cuda._compile_kernel(source, "quantkey_mma")
+        _COMPILED[(head_dim, decode)] = fn
+    return fn
+
+
+def mma_supported(query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, bits: int) -> bool:
+    """Whether :func:`launch` can score these inputs (see the module's limits).
+
+    Args:
+        query: ``[batch, kv_heads, group, head_dim]``, any dtype and device.
+        codes: ``[batch, n_blocks, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``.
+        kmin: ``[batch, n_blocks, kv_heads, head_dim]``.
+        bits: bits per code.
+    """
+    if not (query.is_cuda and bits == 2 and codes.shape[3] == 16 and kmin.dtype == torch.bfloat16):
+        return False
+    if query.shape[-1] not in (64, 128, 256) or query.shape[2] > 8 or codes.shape[-1] * 4 != query.shape[-1]:
+        return False
+    if not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    return torch.cuda.get_device_capability(query.device) >= (9, 0)
+
+
+def launch(
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kstep: torch.Tensor,
+    out: torch.Tensor,
+    block_stride: int,
+    decode: str = "subnormal",
+) -> torch.Tensor:
+    """Run the kernel into ``out`` (no checks of the inputs, no host synchronisation; call :func:`mma_supported`
+    first).
+
+    Args:
+        query: ``[batch, kv_heads, group, head_dim]``, float32, already multiplied by the softmax scale, contiguous,
+            CUDA.
+        codes: ``[batch, n_blocks, kv_heads, 16, head_dim // 4]``, ``torch.uint8``, same device: the first
+            ``n_blocks`` blocks of a ``[batch, block_stride, ...]`` buffer, contiguous past the block dimension.
+        kmin: ``[batch, n_blocks, kv_heads, head_dim]``, ``torch.bfloat16``, same device and block capacity.
+        kstep: same shape, dtype, device and layout as ``kmin``.
+        out: ``[batch, kv_heads, group, n_blocks]``, float32, contiguous, same device; written in full.
+        block_stride: blocks from one sequence's summaries to the next's.
+        decode: one of :data:`DECODES`.
+
+    Returns:
+        ``out``.
+    """
+    batch, heads, group, head_dim = query.shape
+    n_blocks = codes.shape[1]
+    if n_blocks == 0 or batch == 0:
+        return out
+    per_program = WARPS * BLOCKS_PER_WARP
+    grid = (batch * heads, -(-n_blocks // per_program), 1)
+    _kernel(head_dim, decode)(grid=grid, block=(32 * WARPS, 1, 1),
+                      args=[query, codes, kmin, kstep, out, n_blocks, heads, block_stride, group])  # fmt: skip
+    return out
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (float32) rounded to bfloat16 and back."""
+    return x.to(torch.bfloat16).float()
+
+
+def block_lse_emulated(
+    query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor
+) -> torch.Tensor:
+    """What the kernel computes, in pure torch (any device): the block log-sum-exp with ``kstep * q`` rounded as the
+    kernel rounds it and the constant ``q . kmin`` from the query's bfloat16 high and low parts.
+
+    Args:
+        query: ``[batch, kv_heads, group, head_dim]``, float32, already multiplied by the softmax scale.
+        codes: ``[batch, n_blocks, kv_heads, block_tokens, head_dim // 4]``, ``torch.uint8`` (2-bit codes).
+        kmin: ``[batch, n_blocks, kv_heads, head_dim]``, ``torch.bfloat16``.
+        kstep: same as ``kmin``.
+
+    Returns:
+        ``[batch, kv_heads, group, n_blocks]``, float32.
+    """
+    from ..selectors.quantkey import dequantize_keys
+
+    head_dim = query.shape[-1]
+    zero = torch.zeros_like(kmin)
+    code = dequantize_keys(codes, zero, torch.ones_like(kmin), 2)  # [B, N, H, T, D] float32 codes
+    # The power of two the code carries at its bit position: 2**(2p) for p = channel % 4 < 3, else 1.
+    p = torch.arange(head_dim, device=query.device) % 4
+    bit = torch.where(p < 3, 2 * p, torch.zeros_like(p)).float()
+    f = torch.exp2(SHIFT - bit)  # [D]
+    qs = _round_bf16(query.float() * f)  # [B, H, G, D]
+    w = _round_bf16(kstep.float()[:, :, :, None, :] * qs[:, None])  # [B, N, H, G, D]
+    w = w / f  # exact: a power of two
+    logits = torch.einsum("bnhtd,bnhgd->bhgnt", code, w)
+    hi = _round_bf16(query.float())
+    lo = _round_bf16(query.float() - hi)
+    const = torch.einsum("bnhd,bhgd->bhgn", kmin.float(), hi) + torch.einsum("bnhd,bhgd->bhgn", kmin.float(), lo)
+    return logits.logsumexp(dim=-1) + const

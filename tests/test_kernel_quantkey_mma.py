@@ -1,0 +1,122 @@
+"""The tensor-core scoring kernel (``hf_offload.kernels.quantkey_mma``): its rounding scheme on the CPU, the kernel
+itself on CUDA (compute capability 9.0+) against that scheme and against the float32 reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload.kernels import quantkey_mma
+from hf_offload.kernels.quantkey import _launch_block_lse, block_lse, block_lse_reference
+from hf_offload.kernels.quantkey_mma import block_lse_emulated, mma_supported
+from hf_offload.selectors.quantkey import dequantize_keys, quantize_keys
+
+HAS_MMA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+needs_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA device of compute capability 9.0 or newer")
+
+
+def _inputs(batch, n, heads, group, head_dim, device="cpu", seed=0):
+    """Scaled queries, the 2-bit summaries of keys whose channels have different ranges (as RoPE'd keys have), and
+    those keys (CPU)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.linspace(0.2, 6.0, head_dim)
+    keys = (torch.randn(batch, n, heads, 16, head_dim, generator=g) * scale).to(torch.bfloat16)
+    query = torch.randn(batch, heads, group, head_dim, generator=g) * head_dim**-0.5 * 3
+    s = quantize_keys(keys, 2)
+    return query.to(device), {k: v.to(device) for k, v in s.items()}, keys
+
+
+def _term_bound(query, s):
+    """Per (batch, head, query head, block): the largest sum over channels of ``|code * kstep * q|`` of a token, the
+    scale of the rounding error of ``kstep * q`` in bfloat16."""
+    code = dequantize_keys(s["codes"], torch.zeros_like(s["kmin"]), torch.ones_like(s["kmin"]), 2)
+    w = (s["kstep"].float()[:, :, :, None, :] * query.float()[:, None]).abs()  # [B, N, H, G, D]
+    return torch.einsum("bnhtd,bnhgd->bhgnt", code, w).amax(dim=-1)
+
+
+@pytest.mark.parametrize("head_dim, group", [(64, 7), (128, 4), (256, 1)])
+def test_rounding_scheme_stays_close_to_the_float32_reference(head_dim, group):
+    query, s, keys = _inputs(2, 40, 2, group, head_dim)
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2)
+    got = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
+    err = (got - expected).abs()
+    # kstep * q is rounded to bfloat16 twice (relative error below 2**-8 each product): the logits move by less than
+    # 2**-7 of the sum of the magnitudes of their terms, and far less on average.
+    assert (err <= 2**-7 * _term_bound(query, s) + 1e-4).all(), err.max()
+    assert err.mean() < 2**-9 * _term_bound(query, s).mean()
+    # Far below the error of the 2-bit codes themselves (the logits of the keys before quantization).
+    true = torch.einsum("bhgd,bnhtd->bhgnt", query, keys.float()).logsumexp(dim=-1)
+    assert err.mean() < 0.05 * (true - expected).abs().mean()
+
+
+def test_rounding_scheme_ranks_blocks_like_the_reference():
+    query, s, _ = _inputs(1, 256, 2, 4, 128, seed=3)
+    expected = torch.softmax(block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2), dim=-1).sum((1, 2))
+    got = torch.softmax(block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"]), dim=-1).sum((1, 2))
+    k = 16
+    top_ref = set(expected.topk(k).indices[0].tolist())
+    top_got = set(got.topk(k).indices[0].tolist())
+    assert len(top_ref & top_got) >= k - 2
+    assert (got - expected).abs().sum() < 0.05 * expected.sum()
+
+
+def test_mma_is_not_taken_without_its_requirements():
+    query, s, _ = _inputs(1, 4, 1, 4, 128)
+    assert not mma_supported(query, s["codes"], s["kmin"], 2)  # CPU tensors
+    if HAS_MMA:
+        q, c = query.cuda(), {k: v.cuda() for k, v in s.items()}
+        assert mma_supported(q, c["codes"], c["kmin"], 2)
+        assert not mma_supported(q, c["codes"], c["kmin"].float(), 2)  # float32 summaries
+        assert not mma_supported(q, c["codes"], c["kmin"], 4)  # 4-bit codes
+        q9 = torch.zeros(1, 1, 9, 128, device="cuda")
+        assert not mma_supported(q9, c["codes"], c["kmin"], 2)  # more than 8 query heads per KV head
+
+
+@needs_mma
+@pytest.mark.cuda
+@pytest.mark.parametrize("decode", ["subnormal", "magic"])
+@pytest.mark.parametrize("shape", [(2, 70, 2, 4, 128), (1, 16, 3, 7, 64), (3, 129, 1, 8, 256), (1, 1, 2, 1, 128)])
+def test_kernel_matches_its_scheme_and_the_reference(decode, shape):
+    batch, n, heads, group, head_dim = shape
+    query, s, _ = _inputs(batch, n, heads, group, head_dim, device="cuda", seed=n)
+    out = torch.full((batch, heads, group, n), float("nan"), device="cuda")
+    variant = "mma" if decode == "subnormal" else "mma-magic"
+    got = _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], 2, out, variant=variant)
+    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2)
+    assert not torch.isnan(got).any()
+    # Against the same rounding, the only differences are the order of float32 sums.
+    assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()
+    assert ((got - expected).abs() <= 2**-7 * _term_bound(query, s) + 2e-3).all()
+
+
+@needs_mma
+@pytest.mark.cuda
+def test_kernel_reads_blocks_of_a_larger_buffer_and_replays_in_a_graph():
+    query, s, _ = _inputs(3, 90, 2, 4, 128, device="cuda", seed=5)
+    views = {k: v[:, :77] for k, v in s.items()}  # the first 77 of 90 blocks per sequence, in place
+    expected = block_lse_emulated(query, *(views[k].contiguous() for k in ("codes", "kmin", "kstep")))
+    got = block_lse(query, views["codes"], views["kmin"], views["kstep"], 2)  # block_lse's default kernel
+    assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = block_lse(query, views["codes"], views["kmin"], views["kstep"], 2)
+    query.mul_(0.5)
+    graph.replay()
+    again = block_lse(query, views["codes"], views["kmin"], views["kstep"], 2)
+    assert torch.equal(replayed, again)
+
+
+@needs_mma
+@pytest.mark.cuda
+def test_extreme_steps_and_zero_ranges():
+    query, s, _ = _inputs(1, 33, 2, 4, 128, device="cuda", seed=7)
+    s["kstep"][:, :3] = 0  # constant blocks (every code 0)
+    s["codes"][:, :3] = 0
+    s["kstep"][:, 3:6] *= 1000.0  # large products: kstep * q * 2**112 must stay finite
+    query[:, :, 1] *= 1e-6  # tiny ones: products far below 2**-21 still count
+    out = torch.empty(1, 2, 4, 33, device="cuda")
+    got = quantkey_mma.launch(query, s["codes"], s["kmin"], s["kstep"], out, block_stride=33)
+    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got, emulated, atol=2e-2, rtol=1e-4), (got - emulated).abs().max()
