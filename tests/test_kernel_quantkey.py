@@ -23,6 +23,13 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
 
 
+@pytest.fixture(autouse=True)
+def _triton_kernel(monkeypatch):
+    """These tests are of the Triton kernels (float32 throughout): ``block_lse`` runs ``v2`` here, not the
+    tensor-core kernel it prefers on a recent GPU (``tests/test_kernel_quantkey_mma.py``)."""
+    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "v2")
+
+
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
 @pytest.mark.parametrize("shape", [(2, 13, 2, 7, 16, 64), (1, 5, 3, 4, 8, 128)])  # B, N, H, G, T, D
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

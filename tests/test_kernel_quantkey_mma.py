@@ -60,6 +60,13 @@ def test_rounding_scheme_ranks_blocks_like_the_reference():
     assert (got - expected).abs().sum() < 0.05 * expected.sum()
 
 
+def test_an_unknown_kernel_name_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "v9")
+    query, s, _ = _inputs(1, 4, 1, 4, 128)
+    with pytest.raises(ValueError, match="HF_OFFLOAD_QUANTKEY_KERNEL must be one of"):
+        block_lse(query, s["codes"], s["kmin"], s["kstep"], 2)
+
+
 def test_mma_is_not_taken_without_its_requirements():
     query, s, _ = _inputs(1, 4, 1, 4, 128)
     assert not mma_supported(query, s["codes"], s["kmin"], 2)  # CPU tensors
@@ -92,11 +99,12 @@ def test_kernel_matches_its_scheme_and_the_reference(decode, shape):
 
 @needs_mma
 @pytest.mark.cuda
-def test_kernel_reads_blocks_of_a_larger_buffer_and_replays_in_a_graph():
+def test_kernel_reads_blocks_of_a_larger_buffer_and_replays_in_a_graph(monkeypatch):
+    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "mma")  # what block_lse runs by default on such a GPU
     query, s, _ = _inputs(3, 90, 2, 4, 128, device="cuda", seed=5)
     views = {k: v[:, :77] for k, v in s.items()}  # the first 77 of 90 blocks per sequence, in place
     expected = block_lse_emulated(query, *(views[k].contiguous() for k in ("codes", "kmin", "kstep")))
-    got = block_lse(query, views["codes"], views["kmin"], views["kstep"], 2)  # block_lse's default kernel
+    got = block_lse(query, views["codes"], views["kmin"], views["kstep"], 2)
     assert torch.allclose(got, expected, atol=2e-3, rtol=1e-4)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

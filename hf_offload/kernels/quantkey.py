@@ -261,15 +261,19 @@ def _default_config(
     return {"block_n": max(1, 32 * num_warps // per_block), "num_warps": num_warps, "rows_per_thread": rows}
 
 
-DEFAULT_VARIANT = "v2"
-"""The kernel :func:`block_lse` runs. ``v2`` passed the kernel tests on the H200 and took 117 us per call at 2 bits
-(``v1``: 519 us) and 114 us at 4 bits (``v1``: 773 us), llama-8b shape, batch 8, 2048 blocks
-(results/selection/bench_quantkey_kernel_h200.json). A ``v3`` candidate (tensor-core products over dequantized
-rows) was tried and lost: at best 386.6 us at 2 bits and 408.0 us at 4 bits, where ``v2`` took 111.4 and 113.7 us at
-its best settings (results/selection/bench_quantkey_kernel_v3_h200.json). Two later tensor-core candidates lost too
-(results/selection/tensor_core_h200/, 8B shape at 64K tokens, batch 12, 2-bit codes): ``v4`` (float16
-``code * kstep`` rows times the queries) 643.6 us at best and ``v5`` (codes decoded to float16 two at a time by
-inline PTX, products per block) 420.0, where ``v2`` took 324.6."""
+DEFAULT_VARIANT = "mma"
+"""The kernel :func:`block_lse` runs, unless the environment variable ``HF_OFFLOAD_QUANTKEY_KERNEL`` names another of
+:data:`_VARIANTS`: ``mma``, the tensor-core CUDA kernel, where
+:func:`~hf_offload.kernels.quantkey_mma.mma_supported` allows it (2-bit codes, 16-token blocks, bfloat16
+summaries, compute capability 9.0+), else ``v2``. On an H200 (8B shape, 2-bit codes) ``mma`` took 154.3 us per
+call at 64K tokens and batch 12 where ``v2`` took 324.4, and 62.4 against 116.6 at 32K and batch 8
+(``results/selection/mma_h200/``). ``v2`` took 117 us per call at 2 bits (``v1``: 519 us) and 114 us at 4 bits
+(``v1``: 773 us), llama-8b shape, batch 8, 2048 blocks (results/selection/bench_quantkey_kernel_h200.json). Three
+tensor-core candidates in Triton lost to ``v2``: ``v3`` (products over dequantized rows) at best 386.6 us at 2 bits
+and 408.0 us at 4 bits, where ``v2`` took 111.4 and 113.7 us at its best settings
+(results/selection/bench_quantkey_kernel_v3_h200.json); ``v4`` (float16 ``code * kstep`` rows times the queries)
+643.6 us at best and ``v5`` (codes decoded to float16 two at a time by inline PTX, products per block) 420.0, where
+``v2`` took 324.6 (results/selection/tensor_core_h200/, 8B shape at 64K tokens, batch 12)."""
 
 
 def _launch_block_lse(
@@ -367,10 +371,14 @@ def block_lse(
     query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
 ) -> torch.Tensor:
     """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the :data:`DEFAULT_VARIANT`
-    kernel at its default settings where :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or
-    float32), else :func:`block_lse_reference`. Arguments and result as the reference's (``chunk_blocks`` is used
-    by the reference only). The kernel allocates only the result and never waits for the device, so it can be
+    kernel (or the one ``HF_OFFLOAD_QUANTKEY_KERNEL`` names) at its default settings where
+    :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or float32), else :func:`block_lse_reference`.
+    The ``mma`` kernel rounds ``kstep * q`` to bfloat16 (see :mod:`hf_offload.kernels.quantkey_mma`); the others
+    compute in float32. Arguments and result as the reference's (``chunk_blocks`` is used by the reference only). The kernel allocates only the result and never waits for the device, so it can be
     captured in a CUDA graph once it has run (compiled) outside one."""
+    variant = os.environ.get("HF_OFFLOAD_QUANTKEY_KERNEL", DEFAULT_VARIANT)
+    if variant not in _VARIANTS:
+        raise ValueError(f"HF_OFFLOAD_QUANTKEY_KERNEL must be one of {_VARIANTS} (or unset), got {variant!r}")
     if (
         not block_lse_supported(query, codes)
         or query.shape[-1] % (8 // bits)
@@ -380,9 +388,6 @@ def block_lse(
         return block_lse_reference(query, codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
-    variant = os.environ.get("HF_OFFLOAD_QUANTKEY_KERNEL", DEFAULT_VARIANT)
-    if variant not in _VARIANTS:
-        raise ValueError(f"HF_OFFLOAD_QUANTKEY_KERNEL must be one of {_VARIANTS}, got {variant!r}")
     if variant.startswith("mma"):
         from .quantkey_mma import mma_supported
 
