@@ -4,13 +4,14 @@ For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query head
 head_dim 128) and each ``--bits``, on CUDA, it times:
 
 * ``v1``: the first kernel (``hf_offload.kernels.quantkey``, variant ``v1``), at its own launch settings;
-* ``v2``: the current kernel, at every launch setting of the grid ``--warps`` x ``--rows-per-thread`` (warps per
+* ``v2``: the Triton kernel, at every launch setting of the grid ``--warps`` x ``--rows-per-thread`` (warps per
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
 * ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
   of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
-  9.0+); their error is also given against ``block_lse_emulated``, the rounding they are meant to do;
+  9.0+), and ``mma`` without loading the next block ahead (``mma-np``); their error is also given against
+  ``block_lse_emulated``, the rounding they are meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call
@@ -134,8 +135,11 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
-    for variant in ("mma", "mma-magic"):  # the tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...)
-        chosen.append({"variant": variant, "block_n": None, "num_warps": None, "rows_per_thread": None})
+    # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): both decodes, with and without
+    # loading the next block ahead.
+    for variant, prefetch in (("mma", True), ("mma", False), ("mma-magic", True)):
+        chosen.append({"variant": variant, "block_n": None, "num_warps": None, "rows_per_thread": None,
+                       "prefetch": prefetch})  # fmt: skip
     return chosen
 
 
@@ -155,11 +159,15 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     ref_s = start.elapsed_time(end) / 1e3
     outs = [torch.empty_like(reference) for _ in sets]
     default = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
+    if quantkey_mma.mma_supported(first["query"], first["codes"], first["kmin"], bits):  # what block_lse runs
+        default = {"variant": "mma", "block_n": None, "num_warps": None, "rows_per_thread": None, "prefetch": True}
     rows = []
     for setting in settings(args, bits):
 
         def launch(s, o, setting=setting):
-            _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **setting)
+            quantkey_mma.PREFETCH = setting.get("prefetch", True)
+            options = {k: v for k, v in setting.items() if k != "prefetch"}
+            _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **options)
 
         row = {**setting, "default": setting == default}
         if setting["variant"].startswith("mma") and not quantkey_mma.mma_supported(
@@ -192,7 +200,7 @@ HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'c
 
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
-    name = row["variant"] + ("*" if row.get("default") else "")
+    name = row["variant"] + ("*" if row.get("default") else "") + ("-np" if row.get("prefetch") is False else "")
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
@@ -224,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             best = min(timed, key=lambda r: r["seconds"])
             print(f"fastest v2: block_n {best['block_n']}, {best['num_warps']} warps, {best['rows_per_thread']} rows "
                   f"per thread, {best['seconds'] * 1e6:.1f} us", flush=True)  # fmt: skip
+        mma = [r for r in result["rows"] if r["variant"] == "mma" and "seconds" in r]
+        if timed and mma:
+            print(f"fastest mma against fastest v2: {best['seconds'] / min(r['seconds'] for r in mma):.2f} x",
+                  flush=True)  # fmt: skip
         torch.cuda.empty_cache()
     import triton
 

@@ -95,6 +95,31 @@ __device__ __forceinline__ u32 take(u32 x, int p, int s) {
     return v;
 }
 
+// Block `row` ((sequence, block, KV head) of the summaries): the code words of this thread's channels in token rows
+// g and g + 8, and kstep of its channels (two per register).
+__device__ __forceinline__ void load_block(const unsigned char* __restrict__ codes,
+                                           const unsigned short* __restrict__ kstep, long long row, int g, int t,
+                                           u32* x0, u32* x1, u32* ks) {
+    constexpr int W = D / 64, CH = 16 * W;
+    const unsigned char* base = codes + row * (16 * D / 4) + 4 * W * t;
+    if (W == 1) {
+        x0[0] = *reinterpret_cast<const u32*>(base + g * (D / 4));
+        x1[0] = *reinterpret_cast<const u32*>(base + (g + 8) * (D / 4));
+    } else {
+#pragma unroll
+        for (int i = 0; i < W; i += 2) {
+            uint2 v0 = *reinterpret_cast<const uint2*>(base + g * (D / 4) + 4 * i);
+            uint2 v1 = *reinterpret_cast<const uint2*>(base + (g + 8) * (D / 4) + 4 * i);
+            x0[i] = v0.x; x0[i + 1] = v0.y; x1[i] = v1.x; x1[i + 1] = v1.y;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < CH / 2; i += 4) {
+        uint4 v = *reinterpret_cast<const uint4*>(kstep + row * D + CH * t + 2 * i);
+        ks[i] = v.x; ks[i + 1] = v.y; ks[i + 2] = v.z; ks[i + 3] = v.w;
+    }
+}
+
 // One program: one (sequence, KV head) and WARPS * 16 blocks; one warp: 16 blocks.
 // q: float32 [B, H, G, D] (scaled); codes: u8 [B, cap, H, 16, D/4]; kmin, kstep: bf16 [B, cap, H, D];
 // out: float32 [B, H, G, N].
@@ -168,27 +193,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
     const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
     const float to_exp2 = scale * 1.4426950408889634f;
     const int count = min(16, n_blocks - first);
+    u32 x0[W], x1[W], ks[CH / 2];  // block j: code words of token rows g and g + 8; kstep of this thread's channels
+    load_block(codes, kstep, (b * stride + first) * heads + h, g, t, x0, x1, ks);
     for (int j = 0; j < count; ++j) {
-        const long long row = (b * stride + first + j) * heads + h;
-        u32 x0[W], x1[W];                    // code words of token rows g and g + 8
-        const unsigned char* base = codes + row * (16 * D / 4) + 4 * W * t;
-        if (W == 1) {
-            x0[0] = *reinterpret_cast<const u32*>(base + g * (D / 4));
-            x1[0] = *reinterpret_cast<const u32*>(base + (g + 8) * (D / 4));
-        } else {
-#pragma unroll
-            for (int i = 0; i < W; i += 2) {
-                uint2 v0 = *reinterpret_cast<const uint2*>(base + g * (D / 4) + 4 * i);
-                uint2 v1 = *reinterpret_cast<const uint2*>(base + (g + 8) * (D / 4) + 4 * i);
-                x0[i] = v0.x; x0[i + 1] = v0.y; x1[i] = v1.x; x1[i + 1] = v1.y;
-            }
-        }
-        u32 ks[CH / 2];                      // kstep of channels c0 .. c0 + CH - 1, two per register
-#pragma unroll
-        for (int i = 0; i < CH / 2; i += 4) {
-            uint4 v = *reinterpret_cast<const uint4*>(kstep + row * D + c0 + 2 * i);
-            ks[i] = v.x; ks[i + 1] = v.y; ks[i + 2] = v.z; ks[i + 3] = v.w;
-        }
+#if PREFETCH  // the next block's loads are in flight while this one is scored
+        u32 nx0[W], nx1[W], nks[CH / 2];
+        if (j + 1 < count) load_block(codes, kstep, (b * stride + first + j + 1) * heads + h, g, t, nx0, nx1, nks);
+#endif
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int wi = 0; wi < W; ++wi)
@@ -224,6 +235,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
             sums[warp][j][2 * t] = s0;
             sums[warp][j][2 * t + 1] = s1;
         }
+#if PREFETCH
+#pragma unroll
+        for (int i = 0; i < W; ++i) { x0[i] = nx0[i]; x1[i] = nx1[i]; }
+#pragma unroll
+        for (int i = 0; i < CH / 2; ++i) ks[i] = nks[i];
+#else
+        if (j + 1 < count) load_block(codes, kstep, (b * stride + first + j + 1) * heads + h, g, t, x0, x1, ks);
+#endif
     }
     __syncwarp();
     // Lane (g, t) adds the constants it holds: blocks first + g, first + g + 8; heads 2t, 2t + 1.
@@ -247,21 +266,27 @@ DECODES = ("subnormal", "magic")
 instruction; the default) or ``magic`` (the bits OR 128.0's, less 128.0: one more instruction per two codes, normal
 numbers only), kept to compare the two on a GPU."""
 
-_COMPILED: dict[tuple[int, str], object] = {}
+PREFETCH = True
+"""Whether a warp loads the next block's codes and steps before scoring the current one (read when a kernel is
+compiled; ``benchmarks/bench_quantkey_kernel.py`` times both)."""
+
+_COMPILED: dict[tuple[int, str, bool], object] = {}
 
 
 def _kernel(head_dim: int, decode: str = "subnormal"):
-    """The compiled kernel for ``head_dim`` and ``decode`` (compiled once per process)."""
-    fn = _COMPILED.get((head_dim, decode))
+    """The compiled kernel for ``head_dim``, ``decode`` and :data:`PREFETCH` (compiled once per process each)."""
+    key = (head_dim, decode, PREFETCH)
+    fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
             raise ValueError(f"quantkey_mma: decode must be one of {DECODES}, got {decode!r}")
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
-        defines = {"D": head_dim, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp}
+        defines = {"D": head_dim, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
+                   "PREFETCH": int(PREFETCH)}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
-        _COMPILED[(head_dim, decode)] = fn
+        _COMPILED[key] = fn
     return fn
 
 
