@@ -266,9 +266,11 @@ DECODES = ("subnormal", "magic")
 instruction; the default) or ``magic`` (the bits OR 128.0's, less 128.0: one more instruction per two codes, normal
 numbers only), kept to compare the two on a GPU."""
 
-PREFETCH = True
+PREFETCH = False
 """Whether a warp loads the next block's codes and steps before scoring the current one (read when a kernel is
-compiled; ``benchmarks/bench_quantkey_kernel.py`` times both)."""
+compiled; ``benchmarks/bench_quantkey_kernel.py`` times both). Off: on an H200 at 64K tokens, batch 12 (8B shape)
+the prefetching kernel took 154.2 us per call and the plain one 146.4 (``results/selection/mma_h200/``), the extra
+registers costing more than the hidden latency gains."""
 
 _COMPILED: dict[tuple[int, str, bool], object] = {}
 
