@@ -10,7 +10,8 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   marked ``*`` (and timed even where the grid leaves it out);
 * ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
   of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
-  9.0+), and ``mma`` loading the next block ahead (``mma-pf``); their error is also given against
+  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with two blocks per loop iteration (``-u2``) and
+  with 8 warps per program; their error is also given against
   ``block_lse_emulated``, the rounding they are meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
@@ -135,11 +136,12 @@ def settings(args, bits: int) -> list[dict]:
     mine = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if mine not in chosen:
         chosen.append(mine)
-    # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): both decodes, with and without
-    # loading the next block ahead.
-    for variant, prefetch in (("mma", False), ("mma", True), ("mma-magic", False)):
-        chosen.append({"variant": variant, "block_n": None, "num_warps": None, "rows_per_thread": None,
-                       "prefetch": prefetch})  # fmt: skip
+    # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): its default, then one change at a
+    # time (loading the next block ahead, two blocks per loop iteration, 8 warps per program), and the other decode.
+    base = {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False, "unroll": 1}
+    for change in ({}, {"prefetch": True}, {"unroll": 2}, {"num_warps": 8}, {"unroll": 2, "num_warps": 8},
+                   {"variant": "mma-magic"}):  # fmt: skip
+        chosen.append({**base, **change})
     return chosen
 
 
@@ -160,14 +162,16 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     outs = [torch.empty_like(reference) for _ in sets]
     default = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if quantkey_mma.mma_supported(first["query"], first["codes"], first["kmin"], bits):  # what block_lse runs
-        default = {"variant": "mma", "block_n": None, "num_warps": None, "rows_per_thread": None,
-                   "prefetch": quantkey_mma.PREFETCH}  # fmt: skip
+        default = {"variant": "mma", "block_n": None, "num_warps": quantkey_mma.WARPS, "rows_per_thread": None,
+                   "prefetch": quantkey_mma.PREFETCH, "unroll": quantkey_mma.UNROLL}  # fmt: skip
     rows = []
     for setting in settings(args, bits):
 
         def launch(s, o, setting=setting):
-            quantkey_mma.PREFETCH = setting.get("prefetch", False)
-            options = {k: v for k, v in setting.items() if k != "prefetch"}
+            if setting["variant"].startswith("mma"):  # compile-time settings of the CUDA kernel
+                quantkey_mma.PREFETCH, quantkey_mma.UNROLL = setting["prefetch"], setting["unroll"]
+                quantkey_mma.WARPS = setting["num_warps"]
+            options = {k: v for k, v in setting.items() if k not in ("prefetch", "unroll")}
             _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **options)
 
         row = {**setting, "default": setting == default}
@@ -202,6 +206,7 @@ HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'c
 def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
     name = row["variant"] + ("*" if row.get("default") else "") + ("-pf" if row.get("prefetch") else "")
+    name += f"-u{row['unroll']}" if row.get("unroll", 1) > 1 else ""
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"

@@ -32,11 +32,39 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import SELECTORS, get_selector  # noqa: E402
 from hf_offload.selectors.quality import block_keys, evaluate_selector  # noqa: E402
+from hf_offload.kernels.quantkey_mma import block_lse_emulated  # noqa: E402
+from hf_offload.selectors.quantkey import QuantKeySelector  # noqa: E402
 from hf_offload.selectors.roundrobin import RoundRobinSelector  # noqa: E402
 from hf_offload.selectors.tempered import TemperedVoteSelector  # noqa: E402
 
+class BF16QuantKeySelector(QuantKeySelector):
+    """``quantkey`` as a bfloat16 cache runs it: keys rounded to bfloat16 before quantization (summaries in
+    bfloat16), scored in float32 by the reference."""
+
+    name = "quantkey-bf16"
+
+    def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The summaries of the keys rounded to bfloat16 (see :class:`QuantKeySelector`)."""
+        return super().summarize(keys.to(torch.bfloat16))
+
+
+class MmaQuantKeySelector(BF16QuantKeySelector):
+    """``quantkey-bf16`` scored with the rounding of the tensor-core kernel (``kstep * q`` in bfloat16;
+    ``hf_offload.kernels.quantkey_mma.block_lse_emulated``): what a compute-capability-9.0 GPU selects."""
+
+    name = "quantkey-mma"
+
+    def block_lse(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
+        """Block log-sum-exps as the tensor-core kernel computes them (2-bit codes only)."""
+        if self.bits != 2:
+            raise ValueError("quantkey-mma: the tensor-core kernel takes 2-bit codes only")
+        q = query.float() * scaling
+        return block_lse_emulated(q, summaries["codes"], summaries["kmin"], summaries["kstep"])
+
+
 # Unregistered candidates the benchmark can still measure by name.
-CANDIDATES = {**SELECTORS, RoundRobinSelector.name: RoundRobinSelector, TemperedVoteSelector.name: TemperedVoteSelector}
+CANDIDATES = {**SELECTORS, RoundRobinSelector.name: RoundRobinSelector, TemperedVoteSelector.name: TemperedVoteSelector,
+              BF16QuantKeySelector.name: BF16QuantKeySelector, MmaQuantKeySelector.name: MmaQuantKeySelector}
 
 CAPTURE_NAME = "hfo_selection_capture"
 TASKS = ["niah_multikey_2", "niah_multivalue", "vt"]

@@ -128,3 +128,17 @@ def test_extreme_steps_and_zero_ranges():
     emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
     assert torch.isfinite(got).all()
     assert torch.allclose(got, emulated, atol=2e-2, rtol=1e-4), (got - emulated).abs().max()
+
+
+@needs_mma
+@pytest.mark.cuda
+@pytest.mark.parametrize("prefetch, unroll, warps", [(True, 1, 4), (False, 2, 4), (False, 1, 8), (True, 2, 8)])
+def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps):
+    monkeypatch.setattr(quantkey_mma, "PREFETCH", prefetch)
+    monkeypatch.setattr(quantkey_mma, "UNROLL", unroll)
+    monkeypatch.setattr(quantkey_mma, "WARPS", warps)
+    query, s, _ = _inputs(2, 157, 2, 4, 128, device="cuda", seed=11)  # 157: neither 16 nor 64 blocks divide it
+    out = torch.full((2, 2, 4, 157), float("nan"), device="cuda")
+    got = quantkey_mma.launch(query, s["codes"], s["kmin"], s["kstep"], out, block_stride=157)
+    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
+    assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()

@@ -47,9 +47,15 @@ BLOCKS_PER_WARP = 16
 """Blocks one warp scores per pass (the rows of the product that gives each block's ``q . kmin``)."""
 
 WARPS = 4
-"""Warps per program."""
+"""Warps per program (read when a kernel is compiled and launched; the benchmark times others)."""
+
+UNROLL = 1
+"""Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times
+others)."""
 
 _SOURCE = r"""
+#define PRAGMA_(x) _Pragma(#x)
+#define PRAGMA(x) PRAGMA_(x)
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
@@ -195,6 +201,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
     const int count = min(16, n_blocks - first);
     u32 x0[W], x1[W], ks[CH / 2];  // block j: code words of token rows g and g + 8; kstep of this thread's channels
     load_block(codes, kstep, (b * stride + first) * heads + h, g, t, x0, x1, ks);
+    PRAGMA(unroll UNROLL)
     for (int j = 0; j < count; ++j) {
 #if PREFETCH  // the next block's loads are in flight while this one is scored
         u32 nx0[W], nx1[W], nks[CH / 2];
@@ -272,12 +279,13 @@ compiled; ``benchmarks/bench_quantkey_kernel.py`` times both). Off: on an H200 a
 the prefetching kernel took 154.2 us per call and the plain one 146.4 (``results/selection/mma_h200/``), the extra
 registers costing more than the hidden latency gains."""
 
-_COMPILED: dict[tuple[int, str, bool], object] = {}
+_COMPILED: dict[tuple, object] = {}
 
 
 def _kernel(head_dim: int, decode: str = "subnormal"):
-    """The compiled kernel for ``head_dim``, ``decode`` and :data:`PREFETCH` (compiled once per process each)."""
-    key = (head_dim, decode, PREFETCH)
+    """The compiled kernel for ``head_dim``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS` and
+    :data:`UNROLL` (compiled once per process each)."""
+    key = (head_dim, decode, PREFETCH, WARPS, UNROLL)
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -285,7 +293,7 @@ def _kernel(head_dim: int, decode: str = "subnormal"):
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
         defines = {"D": head_dim, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
-                   "PREFETCH": int(PREFETCH)}  # fmt: skip
+                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
