@@ -15,38 +15,41 @@ HAS_MMA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9
 needs_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA device of compute capability 9.0 or newer")
 
 
-def _inputs(batch, n, heads, group, head_dim, device="cpu", seed=0):
-    """Scaled queries, the 2-bit summaries of keys whose channels have different ranges (as RoPE'd keys have), and
+def _inputs(batch, n, heads, group, head_dim, device="cpu", seed=0, bits=2):
+    """Scaled queries, the ``bits``-bit summaries of keys whose channels have different ranges (as RoPE'd keys have), and
     those keys (CPU)."""
     g = torch.Generator().manual_seed(seed)
     scale = torch.linspace(0.2, 6.0, head_dim)
     keys = (torch.randn(batch, n, heads, 16, head_dim, generator=g) * scale).to(torch.bfloat16)
     query = torch.randn(batch, heads, group, head_dim, generator=g) * head_dim**-0.5 * 3
-    s = quantize_keys(keys, 2)
+    s = quantize_keys(keys, bits)
     return query.to(device), {k: v.to(device) for k, v in s.items()}, keys
 
 
-def _term_bound(query, s):
+def _term_bound(query, s, bits=2):
     """Per (batch, head, query head, block): the largest sum over channels of ``|code * kstep * q|`` of a token, the
     scale of the rounding error of ``kstep * q`` in bfloat16."""
-    code = dequantize_keys(s["codes"], torch.zeros_like(s["kmin"]), torch.ones_like(s["kmin"]), 2)
+    code = dequantize_keys(s["codes"], torch.zeros_like(s["kmin"]), torch.ones_like(s["kmin"]), bits)
     w = (s["kstep"].float()[:, :, :, None, :] * query.float()[:, None]).abs()  # [B, N, H, G, D]
     return torch.einsum("bnhtd,bnhgd->bhgnt", code, w).amax(dim=-1)
 
 
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("head_dim, group", [(64, 7), (128, 4), (256, 1)])
-def test_rounding_scheme_stays_close_to_the_float32_reference(head_dim, group):
-    query, s, keys = _inputs(2, 40, 2, group, head_dim)
-    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2)
-    got = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
+def test_rounding_scheme_stays_close_to_the_float32_reference(head_dim, group, bits):
+    query, s, keys = _inputs(2, 40, 2, group, head_dim, bits=bits)
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], bits)
+    got = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"], bits)
     err = (got - expected).abs()
     # kstep * q is rounded to bfloat16 twice (relative error below 2**-8 each product): the logits move by less than
     # 2**-7 of the sum of the magnitudes of their terms, and far less on average.
-    assert (err <= 2**-7 * _term_bound(query, s) + 1e-4).all(), err.max()
-    assert err.mean() < 2**-9 * _term_bound(query, s).mean()
-    # Far below the error of the 2-bit codes themselves (the logits of the keys before quantization).
+    bound = _term_bound(query, s, bits)
+    assert (err <= 2**-7 * bound + 1e-4).all(), err.max()
+    assert err.mean() < 2**-9 * bound.mean()
+    # Far below the error of the codes themselves (against the logits of the keys before quantization): a twentieth
+    # of it at 2 bits, under a sixth at 4 (16 times finer codes), which adds about 1% to it in quadrature.
     true = torch.einsum("bhgd,bnhtd->bhgnt", query, keys.float()).logsumexp(dim=-1)
-    assert err.mean() < 0.05 * (true - expected).abs().mean()
+    assert err.mean() < {2: 0.05, 4: 0.15}[bits] * (true - expected).abs().mean()
 
 
 def test_rounding_scheme_ranks_blocks_like_the_reference():
@@ -74,27 +77,32 @@ def test_mma_is_not_taken_without_its_requirements():
         q, c = query.cuda(), {k: v.cuda() for k, v in s.items()}
         assert mma_supported(q, c["codes"], c["kmin"], 2)
         assert not mma_supported(q, c["codes"], c["kmin"].float(), 2)  # float32 summaries
-        assert not mma_supported(q, c["codes"], c["kmin"], 4)  # 4-bit codes
+        assert not mma_supported(q, c["codes"], c["kmin"], 4)  # 2-bit codes called 4-bit ones
+        c4 = quantize_keys(torch.randn(1, 4, 1, 16, 128, device="cuda").to(torch.bfloat16), 4)
+        assert mma_supported(q, c4["codes"], c4["kmin"], 4)
+        assert not mma_supported(q, quantize_keys(torch.randn(1, 4, 1, 16, 128, device="cuda"), 1)["codes"],
+                                 c["kmin"], 1)  # 1-bit codes  # fmt: skip
         q9 = torch.zeros(1, 1, 9, 128, device="cuda")
         assert not mma_supported(q9, c["codes"], c["kmin"], 2)  # more than 8 query heads per KV head
 
 
 @needs_mma
 @pytest.mark.cuda
+@pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("decode", ["subnormal", "magic"])
 @pytest.mark.parametrize("shape", [(2, 70, 2, 4, 128), (1, 16, 3, 7, 64), (3, 129, 1, 8, 256), (1, 1, 2, 1, 128)])
-def test_kernel_matches_its_scheme_and_the_reference(decode, shape):
+def test_kernel_matches_its_scheme_and_the_reference(decode, shape, bits):
     batch, n, heads, group, head_dim = shape
-    query, s, _ = _inputs(batch, n, heads, group, head_dim, device="cuda", seed=n)
+    query, s, _ = _inputs(batch, n, heads, group, head_dim, device="cuda", seed=n, bits=bits)
     out = torch.full((batch, heads, group, n), float("nan"), device="cuda")
     variant = "mma" if decode == "subnormal" else "mma-magic"
-    got = _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], 2, out, variant=variant)
-    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
-    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], 2)
+    got = _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], bits, out, variant=variant)
+    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"], bits)
+    expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], bits)
     assert not torch.isnan(got).any()
     # Against the same rounding, the only differences are the order of float32 sums.
     assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()
-    assert ((got - expected).abs() <= 2**-7 * _term_bound(query, s) + 2e-3).all()
+    assert ((got - expected).abs() <= 2**-7 * _term_bound(query, s, bits) + 2e-3).all()
 
 
 @needs_mma

@@ -316,7 +316,8 @@ def _launch_block_lse(
         from . import quantkey_mma
 
         decode = "magic" if variant == "mma-magic" else "subnormal"
-        return quantkey_mma.launch(query, codes, kmin, kstep, out, block_stride(codes, kmin, kstep), decode=decode)
+        stride = block_stride(codes, kmin, kstep)
+        return quantkey_mma.launch(query, codes, kmin, kstep, out, stride, bits=bits, decode=decode)
     if variant == "v1":
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
     args = (query, codes, kmin, kstep, out, n_blocks, heads)

@@ -1,4 +1,4 @@
-"""Block log-sum-exp over 2-bit quantized keys on tensor cores: a CUDA kernel compiled at run time (NVRTC).
+"""Block log-sum-exp over 2- or 4-bit quantized keys on tensor cores: a CUDA kernel compiled at run time (NVRTC).
 
 The Triton kernel (:mod:`hf_offload.kernels.quantkey`, ``v2``) forms every logit with float32 multiply-adds, about
 8 instructions per code, and is bound by that arithmetic (325 us per layer call at 64K tokens, batch 12, 8B shape on
@@ -8,10 +8,11 @@ the small products cost more than the multiply-adds they replace. This kernel is
 the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) itself:
 
 * **Codes go straight into the A fragments.** A fragment register holds two bfloat16 values, one in each 16-bit half.
-  Masking a 32-bit word of packed codes with ``0x00030003 << s`` leaves one 2-bit code in each half, at bit ``s``:
+  Masking a 32-bit word of packed 2-bit codes with ``0x00030003 << s`` leaves one code in each half, at bit ``s``:
   read as a bfloat16 whose exponent bits are zero, that half is the subnormal ``code * 2**s * 2**-133``, exactly. So
   a word of 16 codes becomes 8 fragment registers with 3 shifts and 8 bitwise ands (no conversion, no subtraction),
-  and the power-of-two factors are folded into the right-hand side. Which code lands in which k position follows
+  and the power-of-two factors are folded into the right-hand side. 4-bit codes take one shift and one and per
+  register (a word of 8 codes, 4 registers), each code at bit 0. Which code lands in which k position follows
   from the packing (:func:`hf_offload.selectors.quantkey.quantize_keys`); the right-hand side is built in the same
   order, so the format of the codes is unchanged.
 * **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at position
@@ -28,7 +29,7 @@ The only rounding beyond float32 is of ``kstep * q`` to bfloat16 (twice: the sca
 error under 2**-8 per channel), small against the error of the 2-bit codes themselves;
 :func:`block_lse_emulated` computes exactly that rounding in pure torch, so the CPU tests check the scheme's
 accuracy against :func:`~hf_offload.kernels.quantkey.block_lse_reference`, and the CUDA tests check the kernel
-against both. Limits: 2-bit codes, 16-token blocks, ``head_dim`` 64, 128 or 256, at most 8 query heads per KV head,
+against both. Limits: 2- or 4-bit codes, 16-token blocks, ``head_dim`` 64, 128 or 256, at most 8 query heads per KV head,
 bfloat16 ``kmin`` / ``kstep``, a GPU of compute capability 9.0 or newer (``mul.bf16x2``), and
 ``torch.cuda._compile_kernel`` (PyTorch's NVRTC wrapper). :func:`mma_supported` says whether all hold; the caller
 falls back to the Triton kernel otherwise.
@@ -88,13 +89,21 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
-// Fragment register (p, s) of a word of 16 packed 2-bit codes (byte j holds channels 4j..4j+3 at bits 0, 2, 4, 6):
-// the code of channel 4s + p in the lower half and of channel 4s + 8 + p in the upper half, at bit 2p (p < 3) or 0.
+constexpr int PER = 8 / BITS;         // codes per byte
+constexpr int CPW = 4 * PER;          // channels per 32-bit word of codes
+// Fragment register (p, s) of a word of packed codes (byte j holds channels PER j .. PER j + PER - 1, code p at bit
+// BITS p): the code of channel PER s + p in the lower half and of channel PER (s + 2) + p in the upper half, at bit
+// BIT(p) of its half.
+__device__ __forceinline__ constexpr int BIT(int p) { return BITS == 2 && p < 3 ? 2 * p : 0; }
 __device__ __forceinline__ u32 take(u32 x, int p, int s) {
-    const u32 m = 0x00030003u;
+    const u32 m = BITS == 2 ? 0x00030003u : 0x000F000Fu;
     u32 v;
-    if (s == 0) v = p < 3 ? (x & (m << (2 * p))) : ((x >> 6) & m);
-    else v = p < 3 ? ((x >> 8) & (m << (2 * p))) : ((x >> 14) & m);
+    if (BITS == 2) {
+        if (s == 0) v = p < 3 ? (x & (m << (2 * p))) : ((x >> 6) & m);
+        else v = p < 3 ? ((x >> 8) & (m << (2 * p))) : ((x >> 14) & m);
+    } else {
+        v = (x >> (4 * p + 8 * s)) & m;
+    }
 #if MAGIC  // as normal numbers: 128 + v, less 128 (exact)
     v = sub_bf16x2(v | 0x43004300u, 0x43004300u);
 #endif
@@ -106,16 +115,16 @@ __device__ __forceinline__ u32 take(u32 x, int p, int s) {
 __device__ __forceinline__ void load_block(const unsigned char* __restrict__ codes,
                                            const unsigned short* __restrict__ kstep, long long row, int g, int t,
                                            u32* x0, u32* x1, u32* ks) {
-    constexpr int W = D / 64, CH = 16 * W;
-    const unsigned char* base = codes + row * (16 * D / 4) + 4 * W * t;
+    constexpr int W = D * BITS / 128, CH = CPW * W, RB = D * BITS / 8;  // RB: code bytes per token row
+    const unsigned char* base = codes + row * (16 * RB) + 4 * W * t;
     if (W == 1) {
-        x0[0] = *reinterpret_cast<const u32*>(base + g * (D / 4));
-        x1[0] = *reinterpret_cast<const u32*>(base + (g + 8) * (D / 4));
+        x0[0] = *reinterpret_cast<const u32*>(base + g * RB);
+        x1[0] = *reinterpret_cast<const u32*>(base + (g + 8) * RB);
     } else {
 #pragma unroll
         for (int i = 0; i < W; i += 2) {
-            uint2 v0 = *reinterpret_cast<const uint2*>(base + g * (D / 4) + 4 * i);
-            uint2 v1 = *reinterpret_cast<const uint2*>(base + (g + 8) * (D / 4) + 4 * i);
+            uint2 v0 = *reinterpret_cast<const uint2*>(base + g * RB + 4 * i);
+            uint2 v1 = *reinterpret_cast<const uint2*>(base + (g + 8) * RB + 4 * i);
             x0[i] = v0.x; x0[i + 1] = v0.y; x1[i] = v1.x; x1[i + 1] = v1.y;
         }
     }
@@ -132,8 +141,8 @@ __device__ __forceinline__ void load_block(const unsigned char* __restrict__ cod
 extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ codes, const unsigned short* __restrict__ kmin,
     const unsigned short* __restrict__ kstep, float* __restrict__ out, int n_blocks, int heads, int stride, int group) {
-    constexpr int W = D / 64;            // code words per token row and thread
-    constexpr int CH = 16 * W;           // channels per thread (a contiguous range)
+    constexpr int W = D * BITS / 128;    // code words per token row and thread
+    constexpr int CH = CPW * W;          // channels per thread (a contiguous range, D / 4 of them)
     constexpr int KT = D / 16;           // k tiles
     __shared__ float stage[WARPS][16][9];  // per block and head: largest scaled logit, then the sum of exponentials
     __shared__ float sums[WARPS][16][9];
@@ -154,17 +163,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
                            : make_float4(0.f, 0.f, 0.f, 0.f);
         qv[i] = v.x; qv[i + 1] = v.y; qv[i + 2] = v.z; qv[i + 3] = v.w;
     }
-    // Right-hand side factors of the code products: register (word wi, p, s) holds channels 16 wi + 4 s + p and + 8.
-    u32 qs[8 * W];
+    // Right-hand side factors of the code products: register (word wi, p, s) holds channels CPW wi + PER s + p and
+    // that + 2 PER.
+    u32 qs[2 * PER * W];
 #pragma unroll
     for (int wi = 0; wi < W; ++wi)
 #pragma unroll
-        for (int p = 0; p < 4; ++p)
+        for (int p = 0; p < PER; ++p)
 #pragma unroll
             for (int s = 0; s < 2; ++s) {
-                const int lo = 16 * wi + 4 * s + p;
-                const float f = __int_as_float((127 + BEXP - (p < 3 ? 2 * p : 0)) << 23);  // 2**(BEXP - bit)
-                qs[8 * wi + 2 * p + s] = bf16x2_of(qv[lo + 8] * f, qv[lo] * f);
+                const int lo = CPW * wi + PER * s + p;
+                const float f = __int_as_float((127 + BEXP - BIT(p)) << 23);  // 2**(BEXP - bit)
+                qs[2 * PER * wi + 2 * p + s] = bf16x2_of(qv[lo + 2 * PER] * f, qv[lo] * f);
             }
     // The constant's right-hand side: k tile kt, positions 2t, 2t+1 -> channels c0 + 4kt + 0, 1; 2t+8, 2t+9 -> + 2, 3.
     u32 qh[2 * KT], ql[2 * KT];
@@ -211,13 +221,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
 #pragma unroll
         for (int wi = 0; wi < W; ++wi)
 #pragma unroll
-            for (int p = 0; p < 4; ++p) {
+            for (int p = 0; p < PER; ++p) {
                 u32 bb[2];
 #pragma unroll
                 for (int s = 0; s < 2; ++s) {
-                    const int lo = 16 * wi + 4 * s + p;   // channels lo and lo + 8
-                    const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 8) >> 1], (lo & 1) ? 0x7632 : 0x5410);
-                    bb[s] = mul_bf16x2(pair, qs[8 * wi + 2 * p + s]);
+                    const int lo = CPW * wi + PER * s + p;   // channels lo and lo + 2 PER
+                    const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
+                    bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
                 }
                 mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0], bb[1]);
             }
@@ -282,17 +292,17 @@ registers costing more than the hidden latency gains."""
 _COMPILED: dict[tuple, object] = {}
 
 
-def _kernel(head_dim: int, decode: str = "subnormal"):
-    """The compiled kernel for ``head_dim``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS` and
-    :data:`UNROLL` (compiled once per process each)."""
-    key = (head_dim, decode, PREFETCH, WARPS, UNROLL)
+def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
+    """The compiled kernel for ``head_dim``, ``bits``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS`
+    and :data:`UNROLL` (compiled once per process each)."""
+    key = (head_dim, bits, decode, PREFETCH, WARPS, UNROLL)
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
             raise ValueError(f"quantkey_mma: decode must be one of {DECODES}, got {decode!r}")
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
-        defines = {"D": head_dim, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
+        defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
                    "PREFETCH": int(PREFETCH), "UNROLL": UNROLL}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
@@ -309,9 +319,10 @@ def mma_supported(query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, 
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``.
         bits: bits per code.
     """
-    if not (query.is_cuda and bits == 2 and codes.shape[3] == 16 and kmin.dtype == torch.bfloat16):
+    if not (query.is_cuda and bits in (2, 4) and codes.shape[3] == 16 and kmin.dtype == torch.bfloat16):
         return False
-    if query.shape[-1] not in (64, 128, 256) or query.shape[2] > 8 or codes.shape[-1] * 4 != query.shape[-1]:
+    head_dim = query.shape[-1]
+    if head_dim not in (64, 128, 256) or query.shape[2] > 8 or codes.shape[-1] * 8 != head_dim * bits:
         return False
     if not hasattr(torch.cuda, "_compile_kernel"):
         return False
@@ -325,6 +336,7 @@ def launch(
     kstep: torch.Tensor,
     out: torch.Tensor,
     block_stride: int,
+    bits: int = 2,
     decode: str = "subnormal",
 ) -> torch.Tensor:
     """Run the kernel into ``out`` (no checks of the inputs, no host synchronisation; call :func:`mma_supported`
@@ -333,12 +345,13 @@ def launch(
     Args:
         query: ``[batch, kv_heads, group, head_dim]``, float32, already multiplied by the softmax scale, contiguous,
             CUDA.
-        codes: ``[batch, n_blocks, kv_heads, 16, head_dim // 4]``, ``torch.uint8``, same device: the first
+        codes: ``[batch, n_blocks, kv_heads, 16, head_dim * bits // 8]``, ``torch.uint8``, same device: the first
             ``n_blocks`` blocks of a ``[batch, block_stride, ...]`` buffer, contiguous past the block dimension.
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``, ``torch.bfloat16``, same device and block capacity.
         kstep: same shape, dtype, device and layout as ``kmin``.
         out: ``[batch, kv_heads, group, n_blocks]``, float32, contiguous, same device; written in full.
         block_stride: blocks from one sequence's summaries to the next's.
+        bits: bits per code, 2 or 4.
         decode: one of :data:`DECODES`.
 
     Returns:
@@ -350,7 +363,7 @@ def launch(
         return out
     per_program = WARPS * BLOCKS_PER_WARP
     grid = (batch * heads, -(-n_blocks // per_program), 1)
-    _kernel(head_dim, decode)(grid=grid, block=(32 * WARPS, 1, 1),
+    _kernel(head_dim, bits, decode)(grid=grid, block=(32 * WARPS, 1, 1),
                       args=[query, codes, kmin, kstep, out, n_blocks, heads, block_stride, group])  # fmt: skip
     return out
 
@@ -361,16 +374,17 @@ def _round_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 def block_lse_emulated(
-    query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor
+    query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int = 2
 ) -> torch.Tensor:
     """What the kernel computes, in pure torch (any device): the block log-sum-exp with ``kstep * q`` rounded as the
     kernel rounds it and the constant ``q . kmin`` from the query's bfloat16 high and low parts.
 
     Args:
         query: ``[batch, kv_heads, group, head_dim]``, float32, already multiplied by the softmax scale.
-        codes: ``[batch, n_blocks, kv_heads, block_tokens, head_dim // 4]``, ``torch.uint8`` (2-bit codes).
+        codes: ``[batch, n_blocks, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``.
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``, ``torch.bfloat16``.
         kstep: same as ``kmin``.
+        bits: bits per code, 2 or 4.
 
     Returns:
         ``[batch, kv_heads, group, n_blocks]``, float32.
@@ -379,10 +393,11 @@ def block_lse_emulated(
 
     head_dim = query.shape[-1]
     zero = torch.zeros_like(kmin)
-    code = dequantize_keys(codes, zero, torch.ones_like(kmin), 2)  # [B, N, H, T, D] float32 codes
-    # The power of two the code carries at its bit position: 2**(2p) for p = channel % 4 < 3, else 1.
+    code = dequantize_keys(codes, zero, torch.ones_like(kmin), bits)  # [B, N, H, T, D] float32 codes
+    # The power of two the code carries at its bit position: 2-bit codes 2**(2p) for p = channel % 4 < 3, else 1;
+    # 4-bit codes 1 (a shift puts each at bit 0).
     p = torch.arange(head_dim, device=query.device) % 4
-    bit = torch.where(p < 3, 2 * p, torch.zeros_like(p)).float()
+    bit = torch.where((p < 3) & (bits == 2), 2 * p, torch.zeros_like(p)).float()
     f = torch.exp2(SHIFT - bit)  # [D]
     qs = _round_bf16(query.float() * f)  # [B, H, G, D]
     w = _round_bf16(kstep.float()[:, :, :, None, :] * qs[:, None])  # [B, N, H, G, D]
