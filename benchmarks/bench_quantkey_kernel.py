@@ -189,7 +189,8 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             launch(first, outs[0])
             row["max_abs_err"] = (outs[0] - reference).abs().max().item()
             if setting["variant"].startswith("mma"):  # against the rounding the kernel is meant to do
-                emulated = quantkey_mma.block_lse_emulated(first["query"], first["codes"], first["kmin"], first["kstep"])
+                emulated = quantkey_mma.block_lse_emulated(first["query"], first["codes"], first["kmin"], first["kstep"],
+                                                           bits)
                 row["max_abs_err_vs_emulated"] = (outs[0] - emulated).abs().max().item()
         except Exception as e:  # recorded (a setting the compiler rejects, say); the sweep goes on
             row["error"] = f"{type(e).__name__}: {e}"[-800:]

@@ -55,11 +55,11 @@ class MmaQuantKeySelector(BF16QuantKeySelector):
     name = "quantkey-mma"
 
     def block_lse(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
-        """Block log-sum-exps as the tensor-core kernel computes them (2-bit codes only)."""
-        if self.bits != 2:
-            raise ValueError("quantkey-mma: the tensor-core kernel takes 2-bit codes only")
+        """Block log-sum-exps as the tensor-core kernel computes them (2- or 4-bit codes)."""
+        if self.bits not in (2, 4):
+            raise ValueError(f"quantkey-mma: the tensor-core kernel takes 2- or 4-bit codes, not {self.bits}")
         q = query.float() * scaling
-        return block_lse_emulated(q, summaries["codes"], summaries["kmin"], summaries["kstep"])
+        return block_lse_emulated(q, summaries["codes"], summaries["kmin"], summaries["kstep"], self.bits)
 
 
 # Unregistered candidates the benchmark can still measure by name.
