@@ -150,3 +150,19 @@ def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps)
     got = quantkey_mma.launch(query, s["codes"], s["kmin"], s["kstep"], out, block_stride=157)
     emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
     assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()
+
+
+def test_a_failed_compilation_warns_once_and_is_not_retried(monkeypatch):
+    calls = []
+
+    def broken(source, name, *args, **kwargs):
+        calls.append(name)
+        raise RuntimeError("nvrtc: library not found")
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
+    monkeypatch.setattr(quantkey_mma, "_COMPILED", {})
+    monkeypatch.setattr(quantkey_mma, "_FAILED", None)
+    with pytest.warns(RuntimeWarning, match="could not be compiled .*library not found.*Triton kernel instead"):
+        assert quantkey_mma.compiled(128, 2) is None
+    assert quantkey_mma.compiled(128, 4) is None  # no second attempt, no second warning
+    assert calls == ["quantkey_mma"]

@@ -37,6 +37,8 @@ falls back to the Triton kernel otherwise.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 SHIFT = 112
@@ -290,6 +292,7 @@ the prefetching kernel took 154.2 us per call and the plain one 146.4 (``results
 registers costing more than the hidden latency gains."""
 
 _COMPILED: dict[tuple, object] = {}
+_FAILED: str | None = None  # why compiling failed, once it has (then the kernel is not offered again)
 
 
 def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
@@ -324,9 +327,31 @@ def mma_supported(query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, 
     head_dim = query.shape[-1]
     if head_dim not in (64, 128, 256) or query.shape[2] > 8 or codes.shape[-1] * 8 != head_dim * bits:
         return False
-    if not hasattr(torch.cuda, "_compile_kernel"):
+    if torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):  # inline PTX: NVIDIA only
         return False
-    return torch.cuda.get_device_capability(query.device) >= (9, 0)
+    if torch.cuda.get_device_capability(query.device) < (9, 0):
+        return False
+    return compiled(head_dim, bits) is not None
+
+
+def compiled(head_dim: int, bits: int, decode: str = "subnormal"):
+    """The kernel for these settings, compiled on first use; ``None`` (with one warning per process) where NVRTC
+    cannot build it (no NVRTC library, a toolkit too old for sm_90's instructions, ...), so that the caller falls
+    back to the Triton kernel instead of failing a decode step."""
+    global _FAILED
+    if _FAILED is not None:
+        return None
+    try:
+        return _kernel(head_dim, bits, decode)
+    except Exception as e:  # the reason is kept and reported once; the Triton kernel scores from here on
+        _FAILED = f"{type(e).__name__}: {e}"
+        warnings.warn(
+            f"hf_offload: the tensor-core quantkey kernel could not be compiled ({_FAILED[:300]}); scoring with "
+            "the Triton kernel instead. Set HF_OFFLOAD_QUANTKEY_KERNEL=v2 to skip the attempt.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
 
 
 def launch(
