@@ -5,15 +5,23 @@ from __future__ import annotations
 from benchmarks import bench_quantkey_kernel
 
 
-def test_settings_time_v1_then_the_v2_grid():
+def test_settings_time_v1_then_the_v2_grid_then_the_tensor_core_kernel():
     args = bench_quantkey_kernel.parse_args(["--warps", "2", "4", "--rows-per-thread", "16", "8"])
     chosen = bench_quantkey_kernel.settings(args, 2)
     assert chosen[0]["variant"] == "v1"
-    assert [s["variant"] for s in chosen[1:]] == ["v2"] * 4  # 2 warps x 2 rows (the default among them)
+    triton = [s for s in chosen[1:] if s["variant"] == "v2"]
+    assert len(triton) == 4 and chosen[1:5] == triton  # 2 warps x 2 rows (the default among them)
+    cuda = chosen[5:]
+    assert [s["variant"] for s in cuda] == ["mma"] * 5 + ["mma-magic"]  # the default, then one change at a time
+    assert cuda[0] == {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False,
+                       "unroll": 1}  # fmt: skip
+    assert {(s["prefetch"], s["unroll"], s["num_warps"]) for s in cuda[1:5]} == {
+        (True, 1, 4), (False, 2, 4), (False, 1, 8), (False, 2, 8)}  # fmt: skip
     narrow = bench_quantkey_kernel.parse_args(["--head-dim", "32", "--warps", "1"])
     chosen = bench_quantkey_kernel.settings(narrow, 2)
-    assert {s["variant"] for s in chosen} == {"v1", "v2"}
-    assert chosen[-1]["num_warps"] == 4  # the default setting is timed even where the grid leaves it out
+    triton = [s for s in chosen if s["variant"] in ("v1", "v2")]
+    assert {s["variant"] for s in triton} == {"v1", "v2"}
+    assert triton[-1]["num_warps"] == 4  # the default setting is timed even where the grid leaves it out
 
 
 def test_table_line_marks_the_default():
@@ -21,3 +29,5 @@ def test_table_line_marks_the_default():
            "seconds": 1e-4, "max_abs_err": 1e-6, "first_call_seconds": 1.0}  # fmt: skip
     line = bench_quantkey_kernel.table_line(row, 10**8, 2 * 10**8, 2e-4)
     assert line.startswith("v2*") and "2.00" in line
+    mma = {**row, "variant": "mma", "default": False, "prefetch": True, "unroll": 2, "num_warps": 8}
+    assert bench_quantkey_kernel.table_line(mma, 10**8, 2 * 10**8, 2e-4).startswith("mma-pf-u2")
