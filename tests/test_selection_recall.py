@@ -137,3 +137,23 @@ def test_plan_and_selection_match_offload_layer():
                              plan.valid)
             assert torch.equal(got.blocks, expected.blocks), (selector, budget)
             assert torch.equal(got.keep, expected.keep), (selector, budget)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_benchmark_candidates_for_the_tensor_core_rounding_select_the_planted_blocks(bits):
+    """benchmarks/selection_recall.py's quantkey-bf16 (bfloat16 summaries) and quantkey-mma (scored as the tensor-core
+    kernel rounds, emulated) capture the planted blocks as plain quantkey does (head_dim 16 here: the emulation takes
+    any head_dim, the kernel 64, 128 or 256)."""
+    from benchmarks.selection_recall import BF16QuantKeySelector, MmaQuantKeySelector
+    from hf_offload.selectors.quantkey import QuantKeySelector
+
+    query, keys = _planted(seed=6)
+    outs = []
+    for cls in (QuantKeySelector, BF16QuantKeySelector, MmaQuantKeySelector):
+        outs.append(evaluate_selector(cls(bits=bits), query, keys, D**-0.5, budget_tokens=6 * T, block_tokens=T,
+                                      sink_blocks=1, window_blocks=1))  # fmt: skip
+    for out in outs:
+        assert torch.allclose(out["recall"], torch.ones(B), atol=1e-4)
+    assert torch.allclose(outs[1]["coverage"], outs[2]["coverage"], atol=1e-3)
+    with pytest.raises(ValueError, match="2- or 4-bit codes"):
+        MmaQuantKeySelector(bits=1).block_lse(query, {"codes": None, "kmin": None, "kstep": None}, 1.0)
