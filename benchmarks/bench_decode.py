@@ -41,7 +41,6 @@ import inspect
 import io
 import json
 import math
-import os
 import sys
 import time
 import traceback
@@ -56,7 +55,7 @@ from benchmarks.bench_decode_step import fill_random  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
-from hf_offload.kernels import quantkey as quantkey_kernels  # noqa: E402
+from hf_offload.kernels.quantkey import chosen_variant  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
 from hf_offload.planner import plan, shape_from_config, suggested_device_memory_gib  # noqa: E402
 from hf_offload.store.host import available_host_bytes  # noqa: E402
@@ -845,8 +844,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{bandwidth['h2d_pinned_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)  # fmt: skip
     result = {
         "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
-                                 device=str(device), quantkey_kernel=os.environ.get(
-                                     "HF_OFFLOAD_QUANTKEY_KERNEL", quantkey_kernels.DEFAULT_VARIANT)),  # fmt: skip
+                                 device=str(device), quantkey_kernel=chosen_variant()),  # fmt: skip
         "decode_only": DECODE_ONLY,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,

@@ -48,6 +48,7 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, transfer  # noqa: E402
 from hf_offload.bench import fill_random  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
+from hf_offload.kernels.quantkey import chosen_variant  # noqa: E402
 from hf_offload.store import DeviceSlotPool  # noqa: E402
 
 LOOKAHEAD = {"off": [False], "on": [True], "both": [False, True]}
@@ -219,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     note = "decode-only: the KV is filled with random values without a prefill; random weights"
 
     def save(complete: bool) -> None:
-        write_results(args.out, {"metadata": run_metadata(args, model_build_s=build_s, note=note), "runs": runs,
+        meta = run_metadata(args, model_build_s=build_s, note=note, quantkey_kernel=chosen_variant())
+        write_results(args.out, {"metadata": meta, "runs": runs,
                                  "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
 
     print(f"{'transfer':8s} {'graphs':6s} {'lookahead':9s} {'bytes':8s} {'wall ms':>8s} {'step ms':>8s} {'select':>7s} {'prefetch':>8s} "

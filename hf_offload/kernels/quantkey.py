@@ -368,6 +368,19 @@ def summaries_layout_ok(codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Te
     return None not in caps and len(caps - {-1}) <= 1
 
 
+def chosen_variant() -> str:
+    """The kernel :func:`block_lse` prefers: ``HF_OFFLOAD_QUANTKEY_KERNEL`` where set, else :data:`DEFAULT_VARIANT`
+    (``mma`` still falls back to ``v2`` where it cannot run).
+
+    Raises:
+        ValueError: the variable names no kernel of :data:`_VARIANTS`.
+    """
+    variant = os.environ.get("HF_OFFLOAD_QUANTKEY_KERNEL", DEFAULT_VARIANT)
+    if variant not in _VARIANTS:
+        raise ValueError(f"HF_OFFLOAD_QUANTKEY_KERNEL must be one of {_VARIANTS} (or unset), got {variant!r}")
+    return variant
+
+
 def block_lse(
     query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
 ) -> torch.Tensor:
@@ -377,9 +390,7 @@ def block_lse(
     The ``mma`` kernel rounds ``kstep * q`` to bfloat16 (see :mod:`hf_offload.kernels.quantkey_mma`); the others
     compute in float32. Arguments and result as the reference's (``chunk_blocks`` is used by the reference only). The kernel allocates only the result and never waits for the device, so it can be
     captured in a CUDA graph once it has run (compiled) outside one."""
-    variant = os.environ.get("HF_OFFLOAD_QUANTKEY_KERNEL", DEFAULT_VARIANT)
-    if variant not in _VARIANTS:
-        raise ValueError(f"HF_OFFLOAD_QUANTKEY_KERNEL must be one of {_VARIANTS} (or unset), got {variant!r}")
+    variant = chosen_variant()
     if (
         not block_lse_supported(query, codes)
         or query.shape[-1] % (8 // bits)
