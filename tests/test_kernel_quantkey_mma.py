@@ -3,6 +3,8 @@ itself on CUDA (compute capability 9.0+) against that scheme and against the flo
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -166,3 +168,38 @@ def test_a_failed_compilation_warns_once_and_is_not_retried(monkeypatch):
         assert quantkey_mma.compiled(128, 2) is None
     assert quantkey_mma.compiled(128, 4) is None  # no second attempt, no second warning
     assert calls == ["quantkey_mma"]
+
+
+class _Shape:
+    """Stands in for a CUDA tensor where only the dispatch is tested (no GPU needed): shape, dtype, device."""
+
+    def __init__(self, *shape, dtype=torch.bfloat16):
+        self.shape, self.dtype, self.is_cuda, self.device = shape, dtype, True, "cuda:0"
+
+
+@pytest.mark.parametrize("capability, hip, compiles, expected", [
+    ((9, 0), None, True, True),  # H100 / H200
+    ((10, 0), None, True, True),  # newer
+    ((8, 0), None, True, False),  # A100: no mul.bf16x2
+    ((9, 4), "6.0", True, False),  # ROCm reports gfx numbers; the kernel is inline PTX
+    ((9, 0), None, False, False),  # NVRTC cannot build it: the Triton kernel scores instead
+])  # fmt: skip
+def test_dispatch_on_the_device_and_the_toolkit(monkeypatch, capability, hip, compiles, expected):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(quantkey_mma, "_FAILED", None)
+    monkeypatch.setattr(quantkey_mma, "_COMPILED", {})
+
+    def compile_kernel(source, name, *args, **kwargs):
+        if not compiles:
+            raise RuntimeError("NVRTC_ERROR_COMPILATION")
+        return object()
+
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", compile_kernel, raising=False)
+    query, codes, kmin = _Shape(2, 8, 4, 128), _Shape(2, 100, 8, 16, 32, dtype=torch.uint8), _Shape(2, 100, 8, 128)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        assert mma_supported(query, codes, kmin, 2) is expected
+    if expected:
+        assert not mma_supported(_Shape(2, 8, 4, 96), codes, kmin, 2)  # head_dim 96
+        assert not mma_supported(query, _Shape(2, 100, 8, 32, 32, dtype=torch.uint8), kmin, 2)  # 32-token blocks
