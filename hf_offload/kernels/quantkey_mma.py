@@ -15,10 +15,10 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
   register (a word of 8 codes, 4 registers), each code at bit 0. Which code lands in which k position follows
   from the packing (:func:`hf_offload.selectors.quantkey.quantize_keys`); the right-hand side is built in the same
   order, so the format of the codes is unchanged.
-* **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at position
-  ``k``, formed with one packed bfloat16 multiply per register (two channels) from the block's ``kstep`` and the
-  query scaled once per program (so the products stay inside bfloat16's range for ``|kstep * q| < 65536``). A block is one
-  ``m16n8k16`` row tile (16 tokens) times ``head_dim / 16`` k tiles, with up to 8 query heads as the 8 columns.
+* **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at
+  position ``k``, formed with one packed bfloat16 multiply per register (two channels) from the block's ``kstep``
+  and the query scaled once per program (so the products stay inside bfloat16's range for ``|kstep * q| <
+  65536``). A block is one ``m16n8k16`` row tile (16 tokens) times ``head_dim / 16`` k tiles, with up to 8 query heads as the 8 columns.
 * **The block's constant** ``q . kmin`` is itself a matrix product: 16 blocks as the rows, ``kmin`` (exact in
   bfloat16) times the query split into a bfloat16 high and low part (about 16 bits of the float32 query), two
   products per 16 blocks.
@@ -37,7 +37,8 @@ Limits: 2- or 4-bit codes, 16-token blocks, ``head_dim`` 64, 128 or 256, at most
 ``torch.cuda._compile_kernel`` (PyTorch's NVRTC wrapper). :func:`mma_supported` says whether all hold; the caller
 falls back to the Triton kernel otherwise. On an H200 (8B shape, 64K tokens, batch 12) it takes 146.2 us per call
 where the Triton kernel takes 324.9 (2-bit codes; 173.8 against 324.5 at 4 bits), about 2.3 instructions per code in
-its compiled loop; decode steps with plain ``quantkey`` go from 30.4 to 23.8 ms (``results/decode/mma_h200/``).
+its compiled loop (``results/selection/mma_h200/sass_count.txt``); decode steps with plain ``quantkey`` go from 30.4 to
+23.8 ms (``results/decode/mma_h200/``).
 """
 
 from __future__ import annotations
