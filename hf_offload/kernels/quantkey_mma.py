@@ -18,7 +18,8 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
 * **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at
   position ``k``, formed with one packed bfloat16 multiply per register (two channels) from the block's ``kstep``
   and the query scaled once per program (so the products stay inside bfloat16's range for ``|kstep * q| <
-  65536``). A block is one ``m16n8k16`` row tile (16 tokens) times ``head_dim / 16`` k tiles, with up to 8 query heads as the 8 columns.
+  65536``). A block is one ``m16n8k16`` row tile (16 tokens) times ``head_dim / 16`` k tiles, with up to 8 query
+  heads as the 8 columns.
 * **The block's constant** ``q . kmin`` is itself a matrix product: 16 blocks as the rows, ``kmin`` (exact in
   bfloat16) times the query split into a bfloat16 high and low part (about 16 bits of the float32 query), two
   products per 16 blocks.

@@ -53,7 +53,8 @@ def loop_mix(text: str) -> collections.Counter:
         target = re.search(r"BRA\s.*?0x([0-9a-f]+)", line)
         if target and int(target.group(1), 16) < at:  # the backward branch closes the main loop
             body = [x for x, a in zip(lines, addr) if int(target.group(1), 16) <= a <= at]
-            return collections.Counter(re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", "\n".join(body)))
+            ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_]+)", "\n".join(body))
+            return collections.Counter(ops)
     raise RuntimeError("no loop found")
 
 
