@@ -325,7 +325,8 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
         always = OffloadConfig(budget_tokens=args.budget, selector=selector)
         gib = suggested_device_memory_gib(shape, context, batch, always, free - transient_bytes,
                                           args.admission_margin_gib)  # fmt: skip
-    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib, **capacity)
+    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib,
+                         graph_scope=getattr(args, "graph_scope", "layer"), **capacity)  # fmt: skip
 
 
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
@@ -417,7 +418,8 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
-                            decode_capacity_blocks=capacity, decode_attention=attention), "auto"  # fmt: skip
+                            decode_capacity_blocks=capacity, decode_attention=attention,
+                            graph_scope=getattr(args, "graph_scope", "layer")), "auto"  # fmt: skip
     if method in ("solohead-auto", "quantkey-auto"):
         return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
 
@@ -700,6 +702,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-attention", choices=("auto", "paged", "pool"), default="auto",
                         help="decode_attention of the OffloadCache methods ('paged': admitted blocks read in place; "
                              "'pool': every selected block copied into the slot pool first)")
+    parser.add_argument("--graph-scope", choices=("layer", "attention"), default="layer",
+                        help="what a replayed CUDA graph covers (OffloadConfig.graph_scope)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
@@ -844,7 +848,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{bandwidth['h2d_pinned_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)  # fmt: skip
     result = {
         "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
-                                 device=str(device), quantkey_kernel=chosen_variant()),  # fmt: skip
+                                 device=str(device), quantkey_kernel=chosen_variant(),
+                                 graph_scope=args.graph_scope),  # fmt: skip
         "decode_only": DECODE_ONLY,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,

@@ -30,7 +30,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from .kernels import OnlineSoftmax
 from .kernels.paged import paged_decode
 from .kernels.tail import attention_lse, merge_attention
-from .graphs import DecodeInputs
+from .graphs import DecodeInputs, remove_layer_calls
 from .selectors.base import Selection
 
 if TYPE_CHECKING:
@@ -51,6 +51,8 @@ class Handoff:
         recent_values: the value tensor ``update`` returned.
         first_recent_pos: cache position of the first token of ``key`` (the device-resident recent tokens).
         n_blocks_before: sealed blocks before this update (the blocks this call selects from).
+        n_recent: recent tokens that may be attended; ``None``: all of ``key`` (a decode step being captured with
+            its whole decoder layer hands over the whole open block, only its first ``n_recent`` tokens filled).
     """
 
     layer: "OffloadLayer"
@@ -58,6 +60,12 @@ class Handoff:
     recent_values: torch.Tensor
     first_recent_pos: int
     n_blocks_before: int
+    n_recent: int | None = None
+
+    @property
+    def recent_tokens(self) -> int:
+        """Recent tokens that may be attended (the open block, this step's tokens included)."""
+        return self.key.shape[-2] if self.n_recent is None else self.n_recent
 
 
 _local = threading.local()
@@ -279,7 +287,7 @@ def offload_attention_forward(
 
     n = handoff.n_blocks_before
     if q_len == 1 and n and softcap is None and sink_logits is None and _plain_causal(mask):
-        k = layer.decode_blocks(n, handoff.key.shape[-2])
+        k = layer.decode_blocks(n, handoff.recent_tokens)
         if min(k, n) <= layer.pool.slots:  # the selection fits the slot pool: one fused step
             return _decode_step(handoff, query, mask, scaling, n, k)
     timer = layer.timer if q_len == 1 else None
@@ -420,8 +428,17 @@ def _decode_step(
     """
     layer = handoff.layer
     n = layer.decode_capacity(n, k)  # from here on: the blocks the step scores
+    capturing = layer._layer_capture
+    if capturing is not None:  # the whole decoder layer is being captured: its step's work, recorded as it is
+        if (n, k) != (capturing.n, capturing.k):
+            raise RuntimeError(
+                f"Layer {layer.layer_idx}: the decode step being captured scores {n} blocks and selects {k}, where "
+                f"its decoder layer's capture planned {capturing.n} and {capturing.k}."
+            )
+        return _decode_body(layer, query, capturing.inputs, n, k, scaling, None, None, False)
     inputs = layer.decode_inputs(handoff, mask, n)
     key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), layer.storage_key())
+    layer._fused_key = key
     graph = layer.captured(key) if layer.graphs else None
     body = lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False)  # noqa: E731
     warm = layer.warm_for(n, k, query, scaling)
@@ -743,3 +760,4 @@ def disable_offload_attention(model: torch.nn.Module) -> None:
     current = model.config.get_text_config(decoder=True)._attn_implementation or ""
     if current.startswith(PREFIX):
         model.set_attn_implementation(current[len(PREFIX) :])
+    remove_layer_calls(model)

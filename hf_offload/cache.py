@@ -16,17 +16,30 @@ device: their KV is bounded by the window.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import transfer
-from .attention import Handoff, enable_offload_attention, leave_handoff
+from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
 from .config import OffloadConfig
-from .graphs import CapturedDecode, DecodeInputs, capture, forced_blocks
+from .graphs import (
+    CapturedDecode,
+    CapturedLayer,
+    DecodeInputs,
+    StaticInputs,
+    call_signature,
+    capture,
+    capture_decoder_layer,
+    forced_blocks,
+    install_layer_calls,
+    replay_layer,
+)
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
@@ -69,6 +82,8 @@ class LayerStats:
         "graph_replays",  # decode steps replayed from a captured graph
         "graph_capture_us",  # host wall time of the decode steps that captured (any op-by-op run + the capture)
         "graph_capture_retries",  # captures of a warm geometry that failed; the step then ran op by op
+        "layer_graph_captures",  # decode steps of a whole decoder layer captured into a CUDA graph
+        "layer_graph_replays",  # decode steps of a whole decoder layer replayed (included in graph_replays)
         "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
         "tail_steps",  # decode steps with that estimate
     )
@@ -150,6 +165,16 @@ for _name in LayerStats.FIELDS:
     setattr(LayerStats, _name, _counter(_name))
 
 
+@dataclass
+class _LayerCapture:
+    """What a decode step of a whole decoder layer being captured uses: the step's shared inputs, the blocks it
+    scores and the blocks the budget selects."""
+
+    inputs: DecodeInputs
+    n: int
+    k: int
+
+
 class OffloadLayer(CacheLayerMixin):
     """The KV state of one full-attention layer: open block on device, sealed blocks on host, hot blocks in slots.
 
@@ -171,6 +196,8 @@ class OffloadLayer(CacheLayerMixin):
         decode_inputs: returns the cache's :class:`~hf_offload.graphs.DecodeInputs` for a device.
         capture_graph: ``(device, body, query, held) -> CapturedDecode``: captures a decode step into a CUDA graph
             in the memory pool the cache's graphs on ``device`` share (see :func:`~hf_offload.graphs.capture`).
+        capture_layer: ``(device, forward, args, kwargs, held) -> CapturedLayer``: captures a whole decoder layer's
+            decode step in that pool (see :func:`~hf_offload.graphs.capture_decoder_layer`).
 
     Attributes:
         next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
@@ -198,6 +225,7 @@ class OffloadLayer(CacheLayerMixin):
         streams=lambda device: None,
         decode_inputs: Callable[[torch.device], DecodeInputs] | None = None,
         capture_graph=None,
+        capture_layer=None,
     ):
         super().__init__()
         self.config = config
@@ -212,6 +240,12 @@ class OffloadLayer(CacheLayerMixin):
         self._own_inputs: dict[torch.device, DecodeInputs] = {}
         self.cache_decode_inputs = decode_inputs or (lambda device: self._own_inputs.setdefault(device, DecodeInputs()))
         self.cache_capture_graph = capture_graph or (lambda device, body, query, held: capture(body, query, None, held))
+        own_statics = StaticInputs()
+        self.cache_capture_layer = capture_layer or (
+            lambda device, forward, args, kwargs, held: capture_decoder_layer(forward, args, kwargs, own_statics, None, held)
+        )
+        self._layer_capture: _LayerCapture | None = None  # set while a whole decoder layer is being captured
+        self.layer_graphs = True  # False once a capture of the whole decoder layer failed
         self.graphs = False
         self.paged = False  # decided at the first update (_want_paged)
         self.capacity_blocks = 1
@@ -334,6 +368,7 @@ class OffloadLayer(CacheLayerMixin):
         self._selectable_written = None  # after the host writes of the blocks this forward may read
         self._prefetch_event = None  # after the speculative recall into this layer's slot pool
         self._prefetched_slots: torch.Tensor | None = None  # [batch, kv_heads, slots] bool: filled by that recall
+        self._fused_key: tuple | None = None  # the graph key of this layer's last fused decode step
 
     def reset(self) -> None:
         """Drop all tokens and free the pools; the next update starts afresh (any batch size)."""
@@ -377,6 +412,8 @@ class OffloadLayer(CacheLayerMixin):
                 f"Layer {self.layer_idx} holds batch {self.batch} x {self.kv_heads} KV heads but got keys of shape "
                 f"{tuple(key_states.shape)}; use a new OffloadCache for a new batch (or call cache.reset())."
             )
+        if self._layer_capture is not None:
+            return self._update_captured(key_states, value_states)
         if self.timer is not None and self.is_first_offload_layer and key_states.shape[-2] == 1:
             self.timer.step_start()
         # This forward reads only blocks sealed before it: their host writes are the ones recalls wait for.
@@ -405,6 +442,26 @@ class OffloadLayer(CacheLayerMixin):
         self.n_tokens += key_states.shape[-2]
         leave_handoff(Handoff(self, recent_k, recent_v, first_recent, n_before))
         return recent_k, recent_v
+
+    def _update_captured(self, key_states: torch.Tensor, value_states: torch.Tensor):
+        """:meth:`update` of a decode step while the whole decoder layer is captured (:meth:`run_decoder_layer`):
+        the new token goes into the open block at the position the step's shared inputs hold
+        (:attr:`DecodeInputs.open_pos <hf_offload.graphs.DecodeInputs.open_pos>`), so that every replay writes
+        where its step's token belongs; the host-side state is left alone (each replay updates it).
+
+        Returns:
+            The whole open block, ``[batch, kv_heads, block_tokens, head_dim]`` (positions past the step's token are
+            never attended: the step's shared inputs mask them).
+        """
+        if key_states.dtype != self.dtype:
+            key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
+        pos = self._layer_capture.inputs.open_pos
+        self._open_k.index_copy_(2, pos, key_states)
+        self._open_v.index_copy_(2, pos, value_states)
+        n_recent = self.keys.shape[-2] + 1
+        leave_handoff(Handoff(self, self._open_k, self._open_v, self.n_blocks * self.block_tokens, self.n_blocks,
+                              n_recent))  # fmt: skip
+        return self._open_k, self._open_v
 
     def _seal(self, recent_k: torch.Tensor, recent_v: torch.Tensor, n_new: int) -> None:
         """Write the first ``n_new`` full blocks of the recent tokens to the host, summarise and cache the newest."""
@@ -652,6 +709,111 @@ class OffloadLayer(CacheLayerMixin):
             self.graphs = False
             self._graphs.clear()
             return None
+
+    # ------------------------------------------------------------------------------------- whole decoder layers
+    def run_decoder_layer(self, forward: Callable, args: tuple, kwargs: dict):
+        """One call of the decoder layer this cache layer belongs to: replayed from a CUDA graph of the whole layer
+        (norms, projections, MLP, :meth:`update` and the offloaded attention) where the step allows it
+        (``graph_scope="layer"``, :meth:`_layer_step`), else ``forward(*args, **kwargs)`` as transformers would call
+        it.
+
+        A layer's graph is captured at the first decode step of a geometry whose attention graph already exists
+        (the attention's geometry, the buffers it reads and the call's argument shapes), so that every kernel in it
+        has run op by op before; it is replayed for the other steps of that geometry that seal no block.
+
+        Args:
+            forward: the decoder layer's own forward.
+            args, kwargs: the call's arguments (the hidden states ``[batch, 1, hidden]``, the rotary embeddings, the
+                lazy mask, this cache, ...).
+        """
+        step = self._layer_step(args, kwargs)
+        if step is None:
+            return forward(*args, **kwargs)
+        key, inputs, n, k = step
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture_layer(key, forward, args, kwargs, inputs, n, k)
+            if graph is None:
+                return forward(*args, **kwargs)
+        # What update() and the attention do on the host in a step run op by op; the graph does the rest.
+        self._selectable_written = self._last_write
+        self._wait_side_streams()
+        out = replay_layer(graph, args, kwargs)
+        left = self.keys.shape[-2] + 1
+        self.keys, self.values = self._open_k[:, :, :left], self._open_v[:, :, :left]
+        self.n_tokens += 1
+        self.stats.add(("decode_steps", "graph_replays", "layer_graph_replays"), 1)
+        self.finish_step()
+        return out
+
+    def _layer_step(self, args: tuple, kwargs: dict) -> tuple | None:
+        """``(graph key, shared inputs, blocks scored, blocks selected)`` of a decoder layer call that a graph of the
+        whole layer can serve, or ``None``: not a decode step of one token per sequence on this layer's device, a
+        step that seals a block, a mask other than plain causal, gradients on, or a geometry whose attention graph
+        does not exist (the attention was never captured for it, or runs another path: soft-capping, sink logits, a
+        selection larger than the slot pool)."""
+        if not (self.graphs and self.layer_graphs and self.config.graph_scope == "layer" and self.is_initialized):
+            return None
+        if not self.n_blocks or torch.is_grad_enabled() or len(args) > 1:
+            return None
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, 1):
+            return None
+        recent = self.keys.shape[-2] + 1
+        if recent >= self.block_tokens or hidden.device != self.device:
+            return None  # this token fills the open block: the step seals it, op by op
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (isinstance(mask, OffloadMask) and _plain_causal(mask)):
+            return None
+        last = self._fused_key
+        if last is None:
+            return None
+        n_before = self.n_blocks
+        k = self.decode_blocks(n_before, recent)
+        n = self.decode_capacity(n_before, k)
+        inputs = self.cache_decode_inputs(self.device).update(
+            self.batch, n_before, self.block_tokens, n_before * self.block_tokens, recent,
+            None if mask is None else mask.padding, self.config.sink_blocks, self.config.window_blocks, self.device,
+            step=mask, capacity=n,
+        )  # fmt: skip
+        attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), self.storage_key())
+        if attention_key != last or attention_key not in self._graphs:
+            return None
+        return (n, "layer", attention_key, call_signature(args, kwargs)), inputs, n, k
+
+    def _capture_layer(self, key: tuple, forward: Callable, args: tuple, kwargs: dict, inputs: DecodeInputs, n: int,
+                       k: int) -> CapturedLayer | None:
+        """Capture the whole decoder layer's decode step for ``key``; returns the graph, or ``None`` after warning
+        once (the layer's code could not be captured: from then on this layer replays only its attention's graph).
+        Graphs of the whole layer for other keys are dropped."""
+        self._graphs = {g: v for g, v in self._graphs.items() if g[1:2] != ("layer",)}
+        self.stats.prepare_capture(self.device)
+        self._selectable_written = self._last_write
+        self._wait_side_streams()
+        held = (
+            *self._summary_store.values(), self.block_table_dev, *self.host.chunk_tables(self.device),
+            inputs.rows, inputs.valid, inputs.forced, inputs.sequence, inputs.open_pos,
+        )  # fmt: skip
+        start = time.perf_counter()
+        self._layer_capture = _LayerCapture(inputs, n, k)
+        try:
+            graph = self.cache_capture_layer(self.device, forward, args, kwargs, held)
+        except Exception as error:
+            take_handoff()  # an update the failed capture left for an attention that never ran
+            self.layer_graphs = False
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing the whole decoder layer into a CUDA graph failed ({error}); this "
+                "layer replays only its attention's graph from now on (graph_scope='attention').",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return None
+        finally:
+            self._layer_capture = None
+        self._graphs[key] = graph
+        self.stats.add(("layer_graph_captures",), 1)
+        self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
+        return graph
 
     def plan_decode(self, query: torch.Tensor, scaling: float, n: int, k: int, inputs: DecodeInputs) -> Selection:
         """The selection of a decode step of a plain causal forward: ``k`` of ``n`` sealed blocks (all if ``k >= n``),
@@ -1099,6 +1261,7 @@ class _SharedResources:
         self.graph_pools: dict[torch.device, tuple] = {}
         self.capture_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.live_graphs: dict[torch.device, int] = {}
+        self.statics: dict[torch.device, StaticInputs] = {}
 
     def admission(self, device: torch.device) -> DeviceAdmission | None:
         """The device admission budget of ``device`` (one per device), or ``None`` unless admission is "auto"."""
@@ -1125,11 +1288,29 @@ class _SharedResources:
         so their temporaries may share memory, which needs one capture stream for all of them (the allocator reuses
         a block only on the stream that freed it). A pool lives as long as one of its graphs does; after the last
         one is dropped (a reset), the next capture starts a new pool."""
+        self._pool(device)
+        return self._count_graph(device, capture(body, query, self.graph_pools[device], held,
+                                                 self.capture_streams[device]))  # fmt: skip
+
+    def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple) -> CapturedLayer:
+        """Capture a whole decoder layer's decode step (:func:`~hf_offload.graphs.capture_decoder_layer`) into the same pool
+        and on the same stream as :meth:`capture_graph`, its tensor arguments read from :meth:`static_inputs`."""
+        self._pool(device)
+        captured = capture_decoder_layer(forward, args, kwargs, self.static_inputs(device), self.graph_pools[device], held,
+                                    self.capture_streams[device])  # fmt: skip
+        return self._count_graph(device, captured)
+
+    def static_inputs(self, device: torch.device) -> StaticInputs:
+        """The fixed-address input buffers of the decoder-layer graphs on ``device``."""
+        return self.statics.setdefault(device, StaticInputs())
+
+    def _pool(self, device: torch.device) -> None:
         if not self.live_graphs.get(device):
             self.graph_pools[device] = torch.cuda.graph_pool_handle()
         if device not in self.capture_streams:
             self.capture_streams[device] = torch.cuda.Stream(device)
-        captured = capture(body, query, self.graph_pools[device], held, self.capture_streams[device])
+
+    def _count_graph(self, device: torch.device, captured):
         self.live_graphs[device] = self.live_graphs.get(device, 0) + 1
         weakref.finalize(captured, self._graph_dropped, device)
         return captured
@@ -1238,7 +1419,7 @@ class OffloadCache(Cache):
                     OffloadLayer(
                         config, self.selector, idx, self.host_budget, id(self), text_config, self._shared.admission,
                         self._shared.timer, first, self._shared.streams, self._shared.decode_inputs,
-                        self._shared.capture_graph,
+                        self._shared.capture_graph, self._shared.capture_layer,
                     )
                 )  # fmt: skip
             else:
@@ -1249,7 +1430,18 @@ class OffloadCache(Cache):
         for layer, nxt in zip(offload, offload[1:]):
             layer.next_layer = nxt  # lookahead goes from each offloaded layer to the next one
         self.original_attn_implementation = enable_offload_attention(model)
+        install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
         self._model_ref = weakref.ref(model)
+
+    def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
+        """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
+        arguments): offloaded layers may replay it from a CUDA graph (:meth:`OffloadLayer.run_decoder_layer`); other
+        layers call ``forward``. Called by the routing :func:`~hf_offload.graphs.install_layer_calls` puts in front
+        of each decoder layer."""
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        if not isinstance(layer, OffloadLayer):
+            return forward(*args, **kwargs)
+        return layer.run_decoder_layer(forward, args, kwargs)
 
     def set_lookahead(self, lookahead: bool | None) -> None:
         """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
@@ -1257,16 +1449,16 @@ class OffloadCache(Cache):
         self.set_options(lookahead=lookahead)
 
     def set_options(self, **changes) -> None:
-        """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``timing``) on a
-        filled cache, e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
+        """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
+        ``timing``) on a filled cache, e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).
         """
-        other = set(changes) - {"lookahead", "cuda_graphs", "timing"}
+        other = set(changes) - {"lookahead", "cuda_graphs", "graph_scope", "timing"}
         if other:
             raise ValueError(
-                f"set_options() changes lookahead, cuda_graphs and timing only; {sorted(other)} fix the cache's "
+                f"set_options() changes lookahead, cuda_graphs, graph_scope and timing only; {sorted(other)} fix the cache's "
                 "layout: build a new OffloadCache for them."
             )
         config = self.config.replace(**changes)

@@ -88,6 +88,12 @@ class OffloadConfig:
             Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
             prefill, masks other than causal with padding) run op by op. ``None``: on where it can run;
             ``False``: off; ``True``: on, and an error where it cannot run.
+        graph_scope: what a replayed graph covers. ``"layer"``: the whole decoder layer of a decode step that seals
+            no block (its norms, projections and MLP, the cache update and the offloaded attention), one replay per
+            layer instead of the model's own few dozen launches around the attention's graph; the steps that seal a
+            block (one in ``block_tokens``) run the model's layer op by op around the attention's graph. A layer
+            whose code cannot be captured warns once and keeps ``"attention"``. ``"attention"``: the offloaded
+            attention only. Used only while graphs are on (``cuda_graphs``).
         decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, the blocks
             past the sealed ones masked out of the selection and the estimate, so its shapes (and its CUDA graph)
             stay the same over that many seals. Larger: fewer graph captures, a little more scoring work (at most
@@ -123,6 +129,7 @@ class OffloadConfig:
     lookahead: bool | None = False
     lookahead_blocks: int | None = None
     cuda_graphs: bool | None = False
+    graph_scope: str = "layer"
     decode_capacity_blocks: int | None = None
     decode_attention: str = "auto"
     # Fields that were None and got a value derived from the others (recomputed by replace()).
@@ -207,6 +214,11 @@ class OffloadConfig:
             raise ValueError(
                 "cuda_graphs=True cannot be combined with timing=True or lookahead=True (both run per-phase host work "
                 "inside the decode step); set cuda_graphs=None to use graphs only where neither is on."
+            )
+        if self.graph_scope not in ("layer", "attention"):
+            raise ValueError(
+                f"graph_scope must be 'layer' (the whole decoder layer) or 'attention' (the offloaded attention only), "
+                f"got {self.graph_scope!r}."
             )
         capacity = self.decode_capacity_blocks
         if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0):

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 
 def forced_blocks(valid: torch.Tensor, sink_blocks: int, window_blocks: int, n_blocks: int | None = None) -> torch.Tensor:
@@ -60,6 +61,8 @@ class DecodeInputs:
         valid: blocks with at least one token that may be attended, ``[batch, capacity]``, ``torch.bool``.
         forced: blocks every selection keeps (sink and window), ``[batch, capacity]``, ``torch.bool``.
         sequence: ``arange(batch)`` shaped ``[batch, 1, 1]``, ``torch.int64`` (row index of ``rows``).
+        open_pos: where this step's token goes in the open block, ``[1]``, ``torch.int64`` (``n_recent - 1``; what a
+            graph of a whole decoder layer writes the token at).
         capacity: blocks a step scores (the open block's row).
 
     The buffers keep their address while ``batch``, ``capacity`` and ``block_tokens`` stay the same; a step with new
@@ -70,7 +73,7 @@ class DecodeInputs:
         self._step: tuple | None = None
         self._shape: tuple | None = None
         self._plain_n: int | None = None  # sealed rows hold "every token" up to this block, nothing past it
-        self.rows = self.valid = self.forced = self.sequence = None
+        self.rows = self.valid = self.forced = self.sequence = self.open_pos = None
         self.capacity = 0
 
     @property
@@ -122,6 +125,7 @@ class DecodeInputs:
             self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
             self.forced = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
             self.sequence = torch.arange(batch, device=device)[:, None, None]
+            self.open_pos = torch.zeros(1, dtype=torch.int64, device=device)
             self.capacity = capacity
             self._shape = shape
             self._plain_n = None
@@ -140,6 +144,7 @@ class DecodeInputs:
             rows[:, C, n_recent:] = False
             self._plain_n = None
         torch.any(rows[:, :C], dim=-1, out=self.valid)
+        self.open_pos.fill_(n_recent - 1)
         self.forced.copy_(forced_blocks(self.valid, sink_blocks, window_blocks, n))
         self._step = key
         return self
@@ -162,6 +167,27 @@ class CapturedDecode:
     held: tuple
 
 
+def _capture_on(stream_device: torch.device, enqueue, pool, stream: torch.cuda.Stream | None):
+    """Capture ``enqueue()`` into a CUDA graph on ``stream`` (``None``: a new one); returns ``(graph, output)``."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(stream_device)
+    stream = stream if stream is not None else torch.cuda.Stream(stream_device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = enqueue()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except RuntimeError:
+                pass  # the capture was invalidated by the failure being raised
+            raise
+        graph.capture_end()
+    current.wait_stream(stream)
+    return graph, out
+
+
 def capture(body, query: torch.Tensor, pool, held: tuple, stream: torch.cuda.Stream | None = None) -> CapturedDecode:
     """Capture ``body(query_buffer)`` into a CUDA graph on a side stream; nothing runs on the device.
 
@@ -180,20 +206,177 @@ def capture(body, query: torch.Tensor, pool, held: tuple, stream: torch.cuda.Str
         Whatever the capture raised; the stream is out of capture mode either way.
     """
     static = query.detach().clone()
-    graph = torch.cuda.CUDAGraph()
-    current = torch.cuda.current_stream(query.device)
-    stream = stream if stream is not None else torch.cuda.Stream(query.device)
-    stream.wait_stream(current)
-    with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
-        try:
-            out = body(static)
-        except BaseException:
-            try:
-                graph.capture_end()
-            except RuntimeError:
-                pass  # the capture was invalidated by the failure being raised
-            raise
-        graph.capture_end()
-    current.wait_stream(stream)
+    graph, out = _capture_on(query.device, lambda: body(static), pool, stream)
     return CapturedDecode(graph=graph, query=static, out=out, held=held)
+
+
+# ------------------------------------------------------------------------------------------- whole decoder layers
+@dataclass
+class CapturedLayer:
+    """One decoder layer's captured decode step (``OffloadConfig.graph_scope="layer"``).
+
+    Attributes:
+        graph: the CUDA graph.
+        statics: the fixed-address input buffers it reads, one per flattened argument (``None`` for a non-tensor).
+        inputs: the :class:`StaticInputs` that owns those buffers.
+        out: its outputs (the decoder layer's return value, tensors overwritten by each replay).
+        held: tensors the graph reads that the cache may replace while the graph lives.
+    """
+
+    graph: torch.cuda.CUDAGraph
+    statics: list
+    inputs: "StaticInputs"
+    out: object
+    held: tuple
+
+
+def capture_decoder_layer(forward, args: tuple, kwargs: dict, statics: "StaticInputs", pool, held: tuple,
+                  stream: torch.cuda.Stream | None = None) -> CapturedLayer:
+    """Capture one call ``forward(*args, **kwargs)`` of a decoder layer into a CUDA graph, its tensor arguments read
+    from ``statics``' buffers (filled with this call's values first, on the current stream).
+
+    Args:
+        forward: the decoder layer's own forward.
+        args, kwargs: the call's arguments (tensors on one CUDA device; any other value is fixed in the graph).
+        statics: the fixed-address input buffers (shared by the layers of a cache on one device).
+        pool, held, stream: as for :func:`capture`.
+    """
+    buffers, static_args, static_kwargs = statics.load(args, kwargs)
+    device = next(b.device for b in buffers if b is not None)
+    graph, out = _capture_on(device, lambda: forward(*static_args, **static_kwargs), pool, stream)
+    return CapturedLayer(graph=graph, statics=buffers, inputs=statics, out=out, held=held)
+
+
+def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict):
+    """Fill the buffers ``captured`` reads with this call's tensor arguments, replay it and return fresh copies of
+    its outputs (the graph's own outputs are overwritten by its next replay)."""
+    buffers, _, _ = captured.inputs.load(args, kwargs)
+    if any(a is not b for a, b in zip(buffers, captured.statics)):
+        raise RuntimeError("replay_layer: the static input buffers changed since the capture (shapes differ?)")
+    captured.graph.replay()
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, captured.out)
+
+
+def call_signature(args: tuple, kwargs: dict) -> tuple:
+    """What a captured decoder-layer call depends on besides tensor contents: each tensor argument's position,
+    shape, dtype and device, and each other argument's type (its value, for a bool, number, string or ``None``)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            sig.append((type(leaf), leaf))
+        else:
+            sig.append(type(leaf))
+    return (str(spec), tuple(sig))
+
+
+class StaticInputs:
+    """The fixed-address input buffers of the decoder-layer graphs of one cache on one device.
+
+    A buffer belongs to an argument position (in the flattened ``(args, kwargs)``), shape and dtype, and is shared
+    by every layer: the layers replay one after the other on one stream, so the copy of layer ``i + 1``'s hidden
+    states into the buffer is ordered after layer ``i``'s replay read it. An argument whose tensor is the very
+    object copied last (the rotary embeddings, positions: one tensor per forward for every layer) is not copied
+    again.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._last: dict[tuple, torch.Tensor] = {}
+
+    def load(self, args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
+        """Copy the tensor arguments into their buffers (on the current stream).
+
+        Returns:
+            ``(buffers, static_args, static_kwargs)``: one buffer (or ``None``) per flattened argument, and the
+            arguments with every tensor replaced by its buffer.
+        """
+        leaves, spec = tree_flatten((args, kwargs))
+        buffers, static = [], []
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                buffers.append(None)
+                static.append(leaf)
+                continue
+            slot = (i, tuple(leaf.shape), leaf.dtype, leaf.device)
+            buffer = self._buffers.get(slot)
+            if buffer is None:
+                buffer = self._buffers[slot] = torch.empty_like(leaf, memory_format=torch.contiguous_format)
+                self._last.pop(slot, None)
+            if self._last.get(slot) is not leaf:
+                buffer.copy_(leaf)
+                self._last[slot] = leaf
+            buffers.append(buffer)
+            static.append(buffer)
+        static_args, static_kwargs = tree_unflatten(static, spec)
+        return buffers, static_args, static_kwargs
+
+    def clear(self) -> None:
+        """Forget the buffers (graphs that read them keep them alive)."""
+        self._buffers.clear()
+        self._last.clear()
+
+
+def decoder_layers(model: torch.nn.Module) -> list[tuple[torch.nn.Module, int]]:
+    """The model's decoder layers with their index: the members of a ``ModuleList`` that have a direct child with an
+    integer ``layer_idx`` (the attention module transformers builds per layer)."""
+    found = []
+    for module in model.modules():
+        if not isinstance(module, torch.nn.ModuleList):
+            continue
+        for member in module:
+            for child in member.children():
+                idx = getattr(child, "layer_idx", None)
+                if isinstance(idx, int) and not isinstance(idx, bool):
+                    found.append((member, idx))
+                    break
+    return found
+
+
+class DecoderLayerCall:
+    """A decoder layer's forward as installed by :func:`install_layer_calls`: hands each call to the cache it is
+    given (``cache.run_decoder_layer``, an :class:`~hf_offload.cache.OffloadCache`), which may replay it from a CUDA
+    graph; with any other cache, or none, calls the layer's own forward unchanged.
+
+    Args:
+        original: the layer's forward before (a bound method).
+        layer_idx: the layer's index (its attention's ``layer_idx``).
+    """
+
+    def __init__(self, original, layer_idx: int):
+        self.original = original
+        self.layer_idx = layer_idx
+
+    def __call__(self, *args, **kwargs):
+        cache = kwargs.get("cache")
+        if cache is None:
+            cache = kwargs.get("past_key_values")
+        run = getattr(cache, "run_decoder_layer", None)
+        if run is None:
+            return self.original(*args, **kwargs)
+        return run(self.layer_idx, self.original, args, kwargs)
+
+
+def install_layer_calls(model: torch.nn.Module) -> int:
+    """Route the forward of each decoder layer of ``model`` through a :class:`DecoderLayerCall` (idempotent);
+    returns how many layers are routed. Undone by :func:`remove_layer_calls`."""
+    routed = 0
+    for module, idx in decoder_layers(model):
+        if not isinstance(module.__dict__.get("forward"), DecoderLayerCall):
+            module.forward = DecoderLayerCall(module.forward, idx)
+        routed += 1
+    return routed
+
+
+def remove_layer_calls(model: torch.nn.Module) -> None:
+    """Give each decoder layer of ``model`` back the forward it had before :func:`install_layer_calls`."""
+    for module, _ in decoder_layers(model):
+        call = module.__dict__.get("forward")
+        if isinstance(call, DecoderLayerCall):
+            original = call.original
+            if getattr(original, "__self__", None) is module and original.__func__ is type(module).forward:
+                del module.forward  # it was the class's own forward
+            else:
+                module.forward = original

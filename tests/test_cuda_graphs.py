@@ -35,6 +35,7 @@ def _generate(model, ids, mask, steps, **options):
         # Op by op, the steps score the block capacity a graphed run scores, so that both do the same arithmetic.
         masks = get_selector(options.get("selector", DEFAULT_SELECTOR)).masks_invalid
         options["decode_capacity_blocks"] = GRAPH_CAPACITY_BLOCKS if masks else 1
+    options.setdefault("graph_scope", "attention")  # the graphs of the attention alone (whole layers: test_layer_graphs)
     cache = OffloadCache(model, **SMALL, **options)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
