@@ -719,7 +719,8 @@ class OffloadLayer(CacheLayerMixin):
 
         A layer's graph is captured at the first decode step of a geometry whose attention graph already exists
         (the attention's geometry, the buffers it reads and the call's argument shapes), so that every kernel in it
-        has run op by op before; it is replayed for the other steps of that geometry that seal no block.
+        has run op by op before; it is replayed for the other steps of that geometry, and a step whose token fills
+        the open block seals it after the replay.
 
         Args:
             forward: the decoder layer's own forward.
@@ -740,8 +741,14 @@ class OffloadLayer(CacheLayerMixin):
         self._wait_side_streams()
         out = replay_layer(graph, args, kwargs)
         left = self.keys.shape[-2] + 1
-        self.keys, self.values = self._open_k[:, :, :left], self._open_v[:, :, :left]
         self.n_tokens += 1
+        if left == self.block_tokens:
+            # The token filled the open block: seal it now. A step run op by op seals it in update(), before its
+            # attention, which still reads it as recent tokens and selects among the blocks sealed before; so the
+            # same graph serves this step, and the seal (summaries, host write, slot) follows it.
+            self._seal(self._open_k, self._open_v, 1)
+            left = 0
+        self.keys, self.values = self._open_k[:, :, :left], self._open_v[:, :, :left]
         self.stats.add(("decode_steps", "graph_replays", "layer_graph_replays"), 1)
         self.finish_step()
         return out
@@ -749,7 +756,7 @@ class OffloadLayer(CacheLayerMixin):
     def _layer_step(self, args: tuple, kwargs: dict) -> tuple | None:
         """``(graph key, shared inputs, blocks scored, blocks selected)`` of a decoder layer call that a graph of the
         whole layer can serve, or ``None``: not a decode step of one token per sequence on this layer's device, a
-        step that seals a block, a mask other than plain causal, gradients on, or a geometry whose attention graph
+        mask other than plain causal, gradients on, or a geometry whose attention graph
         does not exist (the attention was never captured for it, or runs another path: soft-capping, sink logits, a
         selection larger than the slot pool)."""
         if not (self.graphs and self.layer_graphs and self.config.graph_scope == "layer" and self.is_initialized):
@@ -759,9 +766,9 @@ class OffloadLayer(CacheLayerMixin):
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, 1):
             return None
-        recent = self.keys.shape[-2] + 1
-        if recent >= self.block_tokens or hidden.device != self.device:
-            return None  # this token fills the open block: the step seals it, op by op
+        recent = self.keys.shape[-2] + 1  # this step's token included (block_tokens: it fills the open block)
+        if hidden.device != self.device:
+            return None
         mask = kwargs.get("attention_mask")
         if mask is not None and not (isinstance(mask, OffloadMask) and _plain_causal(mask)):
             return None

@@ -88,12 +88,12 @@ class OffloadConfig:
             Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
             prefill, masks other than causal with padding) run op by op. ``None``: on where it can run;
             ``False``: off; ``True``: on, and an error where it cannot run.
-        graph_scope: what a replayed graph covers. ``"layer"``: the whole decoder layer of a decode step that seals
-            no block (its norms, projections and MLP, the cache update and the offloaded attention), one replay per
-            layer instead of the model's own few dozen launches around the attention's graph; the steps that seal a
-            block (one in ``block_tokens``) run the model's layer op by op around the attention's graph. A layer
-            whose code cannot be captured warns once and keeps ``"attention"``. ``"attention"``: the offloaded
-            attention only. Used only while graphs are on (``cuda_graphs``).
+        graph_scope: what a replayed graph covers. ``"layer"``: the whole decoder layer of a decode step (its
+            norms, projections and MLP, the cache update and the offloaded attention), one replay per layer instead
+            of the model's own few dozen launches around the attention's graph; a step whose token fills the open
+            block seals it after the replay. A layer whose code cannot be captured warns once and keeps
+            ``"attention"``. ``"attention"``: the offloaded attention only. Used only while graphs are on
+            (``cuda_graphs``).
         decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, the blocks
             past the sealed ones masked out of the selection and the estimate, so its shapes (and its CUDA graph)
             stay the same over that many seals. Larger: fewer graph captures, a little more scoring work (at most

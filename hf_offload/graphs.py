@@ -181,7 +181,10 @@ def _capture_on(stream_device: torch.device, enqueue, pool, stream: torch.cuda.S
             try:
                 graph.capture_end()
             except RuntimeError:
-                pass  # the capture was invalidated by the failure being raised
+                # The capture was invalidated by the failure being raised; capture_end stopped before handing the
+                # memory pool back, which would fail every later capture into it ("already recording").
+                index = stream_device.index if stream_device.index is not None else torch.cuda.current_device()
+                torch._C._cuda_endAllocateToPool(index, pool if pool is not None else graph.pool())
             raise
         graph.capture_end()
     current.wait_stream(stream)
