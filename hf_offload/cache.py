@@ -1296,15 +1296,23 @@ class _SharedResources:
         a block only on the stream that freed it). A pool lives as long as one of its graphs does; after the last
         one is dropped (a reset), the next capture starts a new pool."""
         self._pool(device)
-        return self._count_graph(device, capture(body, query, self.graph_pools[device], held,
-                                                 self.capture_streams[device]))  # fmt: skip
+        try:
+            captured = capture(body, query, self.graph_pools[device], held, self.capture_streams[device])
+        except Exception:
+            self._pool_failed(device)
+            raise
+        return self._count_graph(device, captured)
 
     def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple) -> CapturedLayer:
         """Capture a whole decoder layer's decode step (:func:`~hf_offload.graphs.capture_decoder_layer`) into the same pool
         and on the same stream as :meth:`capture_graph`, its tensor arguments read from :meth:`static_inputs`."""
         self._pool(device)
-        captured = capture_decoder_layer(forward, args, kwargs, self.static_inputs(device), self.graph_pools[device], held,
-                                    self.capture_streams[device])  # fmt: skip
+        try:
+            captured = capture_decoder_layer(forward, args, kwargs, self.static_inputs(device), self.graph_pools[device],
+                                             held, self.capture_streams[device])  # fmt: skip
+        except Exception:
+            self._pool_failed(device)
+            raise
         return self._count_graph(device, captured)
 
     def static_inputs(self, device: torch.device) -> StaticInputs:
@@ -1316,6 +1324,11 @@ class _SharedResources:
             self.graph_pools[device] = torch.cuda.graph_pool_handle()
         if device not in self.capture_streams:
             self.capture_streams[device] = torch.cuda.Stream(device)
+
+    def _pool_failed(self, device: torch.device) -> None:
+        """After a failed capture: later captures go to a new pool (the allocator may still count the failed
+        capture as recording into the old one, which refuses every later capture into it)."""
+        self.graph_pools[device] = torch.cuda.graph_pool_handle()
 
     def _count_graph(self, device: torch.device, captured):
         self.live_graphs[device] = self.live_graphs.get(device, 0) + 1

@@ -180,11 +180,8 @@ def _capture_on(stream_device: torch.device, enqueue, pool, stream: torch.cuda.S
         except BaseException:
             try:
                 graph.capture_end()
-            except RuntimeError:
-                # The capture was invalidated by the failure being raised; capture_end stopped before handing the
-                # memory pool back, which would fail every later capture into it ("already recording").
-                index = stream_device.index if stream_device.index is not None else torch.cuda.current_device()
-                torch._C._cuda_endAllocateToPool(index, pool if pool is not None else graph.pool())
+            except Exception:
+                pass  # the capture was invalidated by the failure being raised (the caller starts a new pool)
             raise
         graph.capture_end()
     current.wait_stream(stream)

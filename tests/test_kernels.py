@@ -27,16 +27,19 @@ def _pool(block_shape, dtype, chunk_blocks=3):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("to_host", [False, True])
-def test_copy_pieces_bit_exact_against_reference(dtype, to_host):
+@pytest.mark.parametrize("group, split", [(1, 1), (2, 1), (4, 2), (8, 1)])
+def test_copy_pieces_bit_exact_against_reference(dtype, to_host, group, split):
+    """One piece per program, or groups of pieces per program (a group of only skipped pieces, a group of skipped
+    and copied ones), each piece in one or two programs."""
     g = torch.Generator().manual_seed(0)
     host = _pool((2, 2, 8, 16), dtype)
     ids = host.allocate(8)  # three chunks
     for chunk in host.chunks:
         chunk.view(torch.int16 if dtype != torch.float32 else torch.int32).random_(generator=g)
     words = host.block_words
-    n_pieces, piece_words = 6, words // 4
-    piece_ids = torch.tensor([ids[7], -1, ids[0], ids[4], ids[4], ids[2]], dtype=torch.int64)
-    host_off = torch.tensor([0, 0, 1, 2, 3, 0], dtype=torch.int64) * piece_words
+    n_pieces, piece_words = 8, words // 4
+    piece_ids = torch.tensor([ids[7], -1, ids[0], ids[4], ids[4], ids[2], -1, -1], dtype=torch.int64)
+    host_off = torch.tensor([0, 0, 1, 2, 3, 0, 1, 2], dtype=torch.int64) * piece_words
     dev_off = torch.randperm(10, generator=g)[:n_pieces] * piece_words
     device_tensor = torch.randn(10 * piece_words * 4 // torch.empty((), dtype=dtype).element_size(), generator=g).to(dtype)
     ref_chunks = [c.clone() for c in host.chunks]
@@ -44,7 +47,7 @@ def test_copy_pieces_bit_exact_against_reference(dtype, to_host):
     got_device = device_tensor.to(DEVICE)
     copy_pieces(
         host.chunk_addrs(DEVICE), host.chunk_blocks, words, piece_ids.to(DEVICE), host_off.to(DEVICE), got_device,
-        dev_off.to(DEVICE), piece_words, to_host,
+        dev_off.to(DEVICE), piece_words, to_host, words_per_program=piece_words // split, pieces_per_program=group,
     )  # fmt: skip
     copy_pieces_reference(ref_chunks, host.chunk_blocks, piece_ids, host_off, ref_device, dev_off, piece_words, to_host)
     if DEVICE.type == "cuda":

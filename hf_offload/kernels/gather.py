@@ -63,6 +63,42 @@ if triton is not None:
                 tl.store(dev + offs, tl.load(host + offs, mask=mask), mask=mask)
 
 
+    @triton.jit
+    def _copy_piece_groups_kernel(
+        chunk_addr_ptr,  # int64 [n_chunks]: UVA addresses of the pinned host chunks
+        ids_ptr,  # int64 [n_pieces]: host block id per piece, -1 = skip
+        host_off_ptr,  # int64 [n_pieces]: word offset of the piece inside its host block
+        dev_ptr,  # int32 view of the device tensor
+        dev_off_ptr,  # int64 [n_pieces]: word offset of the piece in the device tensor
+        chunk_blocks,
+        block_words,
+        piece_words,
+        TO_HOST: tl.constexpr,
+        PIECES: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        # PIECES consecutive pieces per program, moved as one [PIECES, BLOCK] tile: a program whose pieces are all
+        # skipped only reads their ids, and the loads of a group's pieces are all issued before its stores.
+        group = tl.program_id(0)
+        part = tl.program_id(1)
+        pieces = group * PIECES + tl.arange(0, PIECES)
+        block_id = tl.load(ids_ptr + pieces)
+        if tl.max(block_id, axis=0) >= 0:
+            live = block_id >= 0
+            safe = tl.where(live, block_id, 0)
+            base = tl.load(chunk_addr_ptr + safe // chunk_blocks, mask=live, other=0)
+            host_word = (safe % chunk_blocks) * block_words + tl.load(host_off_ptr + pieces, mask=live, other=0)
+            dev_word = tl.load(dev_off_ptr + pieces, mask=live, other=0)
+            offs = part * BLOCK + tl.arange(0, BLOCK)
+            mask = live[:, None] & (offs < piece_words)[None, :]
+            host = (base + host_word * 4)[:, None].to(tl.pointer_type(tl.int32)) + offs[None, :]
+            dev = dev_ptr + dev_word[:, None] + offs[None, :]
+            if TO_HOST:
+                tl.store(host, tl.load(dev, mask=mask), mask=mask)
+            else:
+                tl.store(dev, tl.load(host, mask=mask), mask=mask)
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("the device tensor of a block copy must be contiguous")
@@ -83,6 +119,7 @@ def copy_pieces(
     to_host: bool,
     words_per_program: int | None = None,
     num_warps: int = 4,
+    pieces_per_program: int = 1,
 ) -> None:
     """Copy equal-sized pieces between host blocks and a device tensor in one launch, on the current stream.
 
@@ -98,8 +135,12 @@ def copy_pieces(
             ``torch.int64``, device.
         piece_words: 32-bit words per piece.
         to_host: copy device -> host if true, else host -> device.
-        words_per_program: 32-bit words one program moves (a power of two); ``None``: up to 4096.
+        words_per_program: 32-bit words one program moves of each of its pieces (a power of two); ``None``: up to
+            4096.
         num_warps: warps per program.
+        pieces_per_program: consecutive pieces one program moves together (a power of two; the group of a
+            program is skipped at the cost of reading its ids when all of them are ``-1``). Where ``n`` is not a
+            multiple of it, one piece per program.
     """
     n = ids.numel()
     if n == 0:
@@ -110,6 +151,16 @@ def copy_pieces(
         t.reshape(-1).contiguous() for t in (ids, host_word_offsets, device_word_offsets)
     )
     block = min(words_per_program or 4096, triton.next_power_of_2(piece_words))
+    group = pieces_per_program
+    if group & (group - 1) or group < 1:
+        raise ValueError(f"pieces_per_program must be a power of two, got {group}")
+    if group > 1 and n % group == 0:
+        grid = (n // group, triton.cdiv(piece_words, block))
+        _copy_piece_groups_kernel[grid](
+            chunk_addrs, ids, host_word_offsets, _words(device_tensor), device_word_offsets,
+            chunk_blocks, block_words, piece_words, TO_HOST=to_host, PIECES=group, BLOCK=block, num_warps=num_warps,
+        )  # fmt: skip
+        return
     grid = (n, triton.cdiv(piece_words, block))
     _copy_pieces_kernel[grid](
         chunk_addrs, ids, host_word_offsets, _words(device_tensor), device_word_offsets,
