@@ -6,8 +6,9 @@ of 16 pieces (one head's K or V, 4 KiB each) with about 3% misses, and the launc
 missed bytes alone need about 55 us at the PCIe limit (``results/decode/layer_graphs_h200/``). This benchmark times,
 in one run, the launch settings of :func:`hf_offload.transfer.recall_blocks_kernel` (words per program, warps,
 pieces per program) at several miss shares, and the same misses alone (a compacted list: the floor), through the
-library's own recall call into a real slot pool from a pinned host pool. Every setting is checked bit-exact against
-the host blocks once per miss share.
+library's own recall call into a real slot pool from a pinned host pool, captured into a CUDA graph as a decode step
+runs it (replays back to back, so only device time is timed). Every setting is checked bit-exact against the host
+blocks once per miss share.
 
     python benchmarks/bench_recall_sparse.py --out results/recall/bench_recall_sparse.json
 """
@@ -50,7 +51,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--host-blocks", type=int, default=8192)
     parser.add_argument("--miss", type=float, nargs="+", default=[0.0, 0.03, 0.1, 1.0])
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
-    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--reps", type=int, default=15)
+    parser.add_argument("--replays", type=int, default=20, help="graph replays per timed repetition")
     parser.add_argument("--out", default="results/recall/bench_recall_sparse.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -86,8 +88,8 @@ def main(argv=None) -> dict:
                     transfer.recall_blocks_kernel(host, pool, i, b, s, offsets=offsets)
                     torch.cuda.synchronize()
                     exact = _check(host, pool, i.cpu(), b.cpu(), s.cpu())
-                    ms = cuda_event_ms(lambda: transfer.recall_blocks_kernel(host, pool, i, b, s, offsets=offsets),
-                                       warmup=3, reps=args.reps)  # fmt: skip
+                    ms = _graph_ms(lambda: transfer.recall_blocks_kernel(host, pool, i, b, s, offsets=offsets),
+                                   args.reps, args.replays)  # fmt: skip
                     us = statistics.median(ms) * 1000
                     gbps = n_miss * block_bytes / (us * 1e-6) / 1e9 if n_miss else None
                     rows.append({"miss_share": share, "misses": n_miss, "entries": len(i), "setting": name,
@@ -101,6 +103,20 @@ def main(argv=None) -> dict:
     result = {"metadata": run_metadata(args, block_bytes=block_bytes), "rows": rows}
     write_results(args.out, result)
     return result
+
+
+def _graph_ms(fn, reps: int, replays: int) -> list[float]:
+    """Device milliseconds per call of ``fn``: captured into a CUDA graph (as a decode step runs it) and replayed
+    ``replays`` times back to back between two events, ``reps`` times (so the host's launch work is not timed)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on the capture stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return [t / replays for t in cuda_event_ms(lambda: [graph.replay() for _ in range(replays)], 3, reps)]
 
 
 def _check(host: HostBlockPool, pool: DeviceSlotPool, ids, batch_idx, slot_idx) -> bool:
