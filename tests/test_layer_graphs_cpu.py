@@ -1,0 +1,198 @@
+"""The routing of decoder-layer calls through the cache (``graph_scope="layer"``), on the CPU.
+
+CUDA graphs need a GPU (``tests/test_layer_graphs.py``). Here a stand-in "graph" records the call at capture time and
+runs it again at each replay, in the mode a capture records (the token written at the step's ``open_pos``, the
+attention's fused step with the planned geometry), so that everything the host does around a replay is exercised:
+which calls are served, the static input buffers, the host-side state after a replay (token count, open block, a
+seal after the replay), the counters, and the fallback when a capture fails.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache, disable_offload_attention
+from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
+from hf_offload.graphs import (
+    CapturedDecode,
+    CapturedLayer,
+    DecoderLayerCall,
+    StaticInputs,
+    call_signature,
+    decoder_layers,
+    install_layer_calls,
+    remove_layer_calls,
+)
+
+from .conftest import build_model, left_padded
+
+SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48,
+             decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
+COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "offloaded_bytes", "decode_steps",
+            "hit_rate", "host_kv_bytes", "device_kv_bytes")  # fmt: skip
+
+
+class _Replay:
+    def __init__(self, run):
+        self.run = run
+
+    def replay(self):
+        self.run()
+
+
+def _stand_in_attention(device, body, query, held):
+    static = query.clone()
+    captured = CapturedDecode(graph=None, query=static, out=None, held=held)
+
+    def run():
+        captured.out = body(static)
+
+    captured.graph = _Replay(run)
+    return captured
+
+
+def _stand_in_layer(layer, fail_layers=()):
+    statics = StaticInputs()
+
+    def capture(device, forward, args, kwargs, held):
+        if layer.layer_idx in fail_layers:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        buffers, static_args, static_kwargs = statics.load(args, kwargs)
+        mode = layer._layer_capture  # what the capture records: run again in that mode at each replay
+        captured = CapturedLayer(graph=None, statics=buffers, inputs=statics, out=None, held=held)
+
+        def run():
+            layer._layer_capture = mode
+            try:
+                captured.out = forward(*static_args, **static_kwargs)
+            finally:
+                layer._layer_capture = None
+
+        captured.graph = _Replay(run)
+        return captured
+
+    return capture
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """Offloaded layers on the CPU replay stand-in graphs; returns the set of layer indices whose whole-layer capture
+    fails."""
+    fail: set[int] = set()
+    resolve = OffloadLayer.resolve_lookahead
+
+    def resolve_with_graphs(self):
+        resolve(self)
+        if self.config.cuda_graphs is not False:
+            self.graphs = True
+            if not hasattr(self, "block_table_dev"):  # the torch transfer path keeps no device block table
+                self.block_table_dev = None
+            self.capacity_blocks = self.config.decode_capacity_blocks
+            self.cache_capture_graph = _stand_in_attention
+            self.cache_capture_layer = _stand_in_layer(self, fail)
+
+    monkeypatch.setattr(OffloadLayer, "resolve_lookahead", resolve_with_graphs)
+    return fail
+
+
+def _generate(model, steps, seed=3, **options):
+    ids, mask = left_padded([70, 53, 31], seed=seed)
+    cache = OffloadCache(model, **SMALL, **options)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False)  # fmt: skip
+    return out, cache
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("selector", ["quantkey", "solohead"])
+def test_replayed_layers_give_the_tokens_and_counters_of_op_by_op(arch, selector, stand_in_graphs):
+    model = build_model(arch)
+    steps = 40  # five seals of 8-token blocks
+    expected, eager = _generate(model, steps, selector=selector, cuda_graphs=False)
+    got, graphed = _generate(model, steps, selector=selector, cuda_graphs=None)
+    assert torch.equal(got, expected)
+    a, b = eager.stats(), graphed.stats()
+    for name in COUNTERS:
+        assert a[name] == b[name], name
+    for layer in graphed.offload_layers:
+        # Step 1 op by op (captures the attention), step 2 captures the layer; every later step replays it, the
+        # steps that seal a block included, except where a seal gave the host pool a new chunk (the buffers the
+        # graphs read changed: the attention is captured again, then the layer).
+        captures = int(layer.stats.layer_graph_captures)
+        assert 1 <= captures <= 2
+        assert int(layer.stats.layer_graph_replays) == steps - 1 - 2 * captures
+        assert layer.n_tokens == eager.layers[layer.layer_idx].n_tokens
+        assert layer.n_blocks == eager.layers[layer.layer_idx].n_blocks
+        torch.testing.assert_close(layer.keys, eager.layers[layer.layer_idx].keys, rtol=0, atol=0)
+
+
+def test_attention_scope_replays_no_layer(stand_in_graphs):
+    model = build_model("llama")
+    expected, _ = _generate(model, 20, cuda_graphs=False)
+    got, cache = _generate(model, 20, cuda_graphs=None, graph_scope="attention")
+    assert torch.equal(got, expected)
+    assert all(int(layer.stats.layer_graph_replays) == 0 for layer in cache.offload_layers)
+    assert all(int(layer.stats.graph_replays) > 0 for layer in cache.offload_layers)
+
+
+def test_a_layer_that_cannot_be_captured_warns_once_and_keeps_its_attention_graph(stand_in_graphs):
+    model = build_model("llama")
+    expected, _ = _generate(model, 24, cuda_graphs=False)
+    stand_in_graphs.add(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cache = _generate(model, 24, cuda_graphs=None)
+    assert torch.equal(got, expected)
+    assert sum("capturing the whole decoder layer" in str(w.message) for w in caught) == 1
+    first, second = cache.offload_layers
+    assert first.layer_graphs and not second.layer_graphs
+    assert int(second.stats.layer_graph_replays) == 0 and int(second.stats.graph_replays) > 0
+    assert int(first.stats.layer_graph_replays) > 0
+
+
+def test_replayed_outputs_are_copies_and_inputs_are_copied_once_per_object():
+    statics = StaticInputs()
+    x, cos = torch.randn(2, 1, 4), torch.randn(2, 1, 8)
+    buffers, args, kwargs = statics.load((x,), {"position_embeddings": (cos, cos), "flag": True})
+    assert args[0] is buffers[0] and torch.equal(args[0], x) and kwargs["flag"] is True
+    assert kwargs["position_embeddings"][0] is not cos and torch.equal(kwargs["position_embeddings"][0], cos)
+    cos.add_(1)  # the same object again is not copied again (one tensor per forward serves every layer)
+    again, _, kwargs2 = statics.load((torch.randn(2, 1, 4),), {"position_embeddings": (cos, cos), "flag": True})
+    assert all(b is a for a, b in zip(buffers[:3], again[:3])) and again[3] is None  # same buffers; no tensor
+    assert not torch.equal(kwargs2["position_embeddings"][0], cos)
+    fresh = cos.clone()
+    statics.load((x,), {"position_embeddings": (fresh, fresh), "flag": True})
+    assert torch.equal(kwargs2["position_embeddings"][0], fresh)  # a new object is copied into the same buffer
+    base = call_signature((x,), {"flag": True})
+    assert call_signature((x,), {"flag": True}) == base
+    assert call_signature((torch.randn(3, 1, 4),), {"flag": True}) != base
+    assert call_signature((x,), {"flag": False}) != base
+    assert call_signature((x.double(),), {"flag": True}) != base
+
+
+def test_routing_is_installed_once_and_removed_with_the_offload_attention():
+    model = build_model("qwen2")
+    n = model.config.num_hidden_layers
+    OffloadCache(model, **SMALL)
+    OffloadCache(model, **SMALL)
+    layers = decoder_layers(model)
+    assert [idx for _, idx in layers] == list(range(n))
+    calls = [module.__dict__.get("forward") for module, _ in layers]
+    assert all(isinstance(call, DecoderLayerCall) for call in calls)
+    assert all(not isinstance(call.original, DecoderLayerCall) for call in calls)  # not wrapped twice
+    ids, mask = left_padded([12, 9], seed=1)
+    with torch.no_grad():
+        dense = model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+    disable_offload_attention(model)
+    assert all("forward" not in module.__dict__ for module, _ in layers)
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config)).logits
+    assert torch.equal(dense, plain)  # with another cache the routed layers ran their own forward
+    assert install_layer_calls(model) == n
+    remove_layer_calls(model)
+    assert all("forward" not in module.__dict__ for module, _ in layers)
