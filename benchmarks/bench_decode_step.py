@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import statistics
 import sys
 import time
@@ -88,21 +89,73 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool) -> tuple[tor
     return out, time.perf_counter() - t0
 
 
-def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: Path, host: bool = False) -> None:
+def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: Path, host: bool = False,
+                  trace_anchor: str | None = None) -> None:
     """Profile ``steps`` decode steps on ``cache`` (after the timed ones; their counts are not reported) and write
     the operators and kernels by total device time to ``out``; with ``host``, by host time (self CPU time), after
-    dropping the captured graphs, so that the profiled steps start with a capture round."""
+    dropping the captured graphs, so that the profiled steps start with a capture round.
+
+    With ``trace_anchor`` (CUDA only), also write ``out`` with the suffix ``.trace.json``: every device kernel of
+    the profiled steps in launch order (name, start and duration in us, the operator that launched it and the
+    innermost frame of this library or of transformers), and the kernels of one period between two consecutive
+    kernels whose name contains ``trace_anchor`` (one layer's worth when the anchor runs once per layer), each
+    with its median duration over all such periods."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if host:
         cache.drop_graphs()
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=bool(trace_anchor and cuda)) as prof:
         decode(model, cache, ids, steps, cuda)
     sort = "self_cpu_time_total" if host or not cuda else "cuda_time_total"
     what = "host time, starting with a capture round" if host else "device time" if cuda else "host time"
     out.write_text(f"{steps} decode steps, by {what}\n" + prof.key_averages().table(sort_by=sort, row_limit=40))
     print(f"wrote {out}")
+    if trace_anchor and cuda:
+        trace = kernel_trace(prof.events(), trace_anchor)
+        path = out.with_suffix(".trace.json")
+        path.write_text(json.dumps(trace, indent=1))
+        print(f"wrote {path}: {len(trace['period'])} kernels per period, {trace['period_us']:.1f} us "
+              f"(median of {trace['periods']} periods)")
+        for k in trace["period"]:
+            print(f"  {k['us']:8.1f} us  {k['name'][:60]:60s} {k['op'][:28]:28s} {k['frame'][:90]}")
+
+
+def kernel_trace(events, anchor: str) -> dict:
+    """Device kernels of profiler ``events`` in launch order, and one period between two ``anchor`` kernels.
+
+    Returns a dict: ``kernels`` (a list of ``{"name", "start_us", "us", "op", "frame"}``), ``periods`` (how many
+    complete periods there were), ``period`` (the kernels of the last complete period, each with ``us`` the median
+    over the periods of the same length) and ``period_us`` (their sum)."""
+    from torch.autograd import DeviceType
+
+    def frame(e) -> str:
+        while e is not None:  # the stack of an operator, or the enclosing Python functions' events
+            for f in [*(e.stack or ()), e.name]:
+                if ".py(" in f and ("hf_offload" in f or "transformers" in f):
+                    return f.split("site-packages/")[-1]
+            e = e.cpu_parent
+        return ""
+
+    def op(e) -> str:
+        p = getattr(e, "cpu_parent", None)
+        while p is not None and p.cpu_parent is not None and p.cpu_parent.name.startswith("aten::"):
+            p = p.cpu_parent
+        return p.name if p is not None else ""
+
+    kernels = sorted(
+        ({"name": e.name, "start_us": e.time_range.start, "us": e.time_range.elapsed_us(), "op": op(e),
+          "frame": frame(e)} for e in events if e.device_type == DeviceType.CUDA),
+        key=lambda k: k["start_us"],
+    )  # fmt: skip
+    marks = [i for i, k in enumerate(kernels) if anchor in k["name"]]
+    spans = [kernels[a:b] for a, b in zip(marks, marks[1:])]
+    if not spans:
+        return {"kernels": kernels, "periods": 0, "period": [], "period_us": 0.0}
+    last = spans[-1]
+    same = [s for s in spans if [k["name"] for k in s] == [k["name"] for k in last]]
+    period = [{**k, "us": statistics.median(s[i]["us"] for s in same)} for i, k in enumerate(last)]
+    return {"kernels": kernels, "periods": len(same), "period": period, "period_us": sum(k["us"] for k in period)}
 
 
 def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, seed: int = 0) -> float | None:
@@ -195,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-host", action="store_true",
                         help="with --profile: sort by host time, and drop the captured graphs first so that the "
                         "profiled steps start with a capture round (where a graph step's host time goes)")  # fmt: skip
+    parser.add_argument("--profile-trace", default=None, metavar="ANCHOR",
+                        help="with --profile on CUDA: also write every kernel in launch order and one period between "
+                        "two kernels whose name contains ANCHOR (e.g. quantkey: one layer) to a .trace.json")  # fmt: skip
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--out", default="results/decode/decode_step.json")
     args = parser.parse_args(argv)
@@ -260,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
                 if args.profile and not skip:
                     profile_steps(model, cache, ids, args.profile, cuda,
                                   Path(args.out).with_suffix(f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"),
-                                  host=args.profile_host)  # fmt: skip
+                                  host=args.profile_host, trace_anchor=args.profile_trace)  # fmt: skip
                 cache.drop_graphs()
                 stats.pop("layers")
                 steps = max(stats["decode_steps"], 1)
