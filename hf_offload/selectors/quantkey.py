@@ -32,7 +32,6 @@ bounded number of blocks per step, like the recall, instead of every block.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -346,16 +345,18 @@ class QuantKeySelector(Selector):
         also carries the block log-sum-exps its scores came from (``Selection.block_lse``)."""
         if not self.masks_invalid:  # a subclass with its own score()
             return super().select(query, summaries, scaling, k, forced, valid)
-        lse = self.block_lse(query, summaries, scaling).masked_fill(~valid[:, None, None, :], float("-inf"))
-        if not self.tail_near:
-            return self.choose(_block_mass(lse), k, forced, valid)
+        from ..kernels.mass import block_scores
+
+        lse = self.block_lse(query, summaries, scaling)
+        # The masses, forced and invalid blocks in two launches where Triton runs (kernels/mass.py).
+        scores = block_scores(lse, valid, forced)
         n = valid.shape[-1]
-        ranked = min(n, k + math.ceil(self.tail_near * k))
-        if ranked <= k:
-            return dataclasses.replace(self.choose(_block_mass(lse), k, forced, valid), block_lse=lse)
+        ranked = min(n, k + math.ceil(self.tail_near * k)) if self.tail_near else k
         # One top-k serves the selection (its first k) and the bounded estimate's near blocks (the rest).
-        scores = _block_mass(lse).masked_fill(forced[:, None, :], float("inf"))
-        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
         top = scores.topk(ranked, dim=-1)
-        return Selection(blocks=top.indices[..., :k], keep=top.values[..., :k] > float("-inf"), scores=scores,
-                         block_lse=lse, ranked=top.indices)  # fmt: skip
+        blocks, keep = top.indices[..., :k], top.values[..., :k] > float("-inf")
+        if not self.tail_near:
+            return Selection(blocks=blocks, keep=keep, scores=scores)
+        lse = lse.masked_fill(~valid[:, None, None, :], float("-inf"))  # the estimate's far blocks: valid ones only
+        return Selection(blocks=blocks, keep=keep, scores=scores, block_lse=lse,
+                         ranked=top.indices if ranked > k else None)  # fmt: skip

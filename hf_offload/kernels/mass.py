@@ -1,0 +1,151 @@
+"""Block scores of a shared selection from per-head block log-sum-exps, in three small launches.
+
+``quantkey`` scores a block by its attention mass summed over heads: per query head the softmax over blocks of the
+block log-sum-exps, summed over the query heads, with blocks that may not be attended left out of every softmax,
+then sink and window blocks forced in (``+inf``) and blocks that may not be attended kept out (``-inf``). In torch
+that is about nine operations (the masks, two masked fills, the softmax, the sum over heads, two more masked fills),
+each a kernel of 1-7 us inside a decode step's CUDA graph: 30.5 us per layer at 64K tokens, batch 12 on an H200
+(``results/decode/layer_graphs_h200/``, the kernel trace of one layer). The result is the torch code's
+(:func:`block_scores_reference`) up to float32 rounding (the sums run in another order), with the same ``+inf`` and
+``-inf`` entries; the tests compare the two on the CPU under Triton's interpreter and on CUDA.
+
+Three launches, no loop: per sequence, head and chunk of ``BLOCK_N`` blocks the maximum and sum of exponentials
+over its valid blocks; per sequence and head those combined (a fixed ``MAX_CHUNKS``-wide load); per sequence and
+chunk the masses summed over heads and the final scores.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .gather import kernels_available, tl, triton
+
+BLOCK_N = 128
+"""Blocks per program of the first and third launches."""
+
+MAX_CHUNKS = 1024
+"""Most ``BLOCK_N``-block chunks per sequence the kernels take (131,072 blocks, 2M tokens at 16-token blocks);
+above it the torch code runs. A fixed bound keeps the compiled kernels the same whatever the block count (no
+runtime loop, no new specialisation when a decode step's capacity grows)."""
+
+
+def block_scores_reference(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """Scores of a shared selection in torch: the softmax over valid blocks per head, summed over heads, forced
+    blocks ``+inf``, blocks that are not valid ``-inf`` (not valid wins).
+
+    Args:
+        lse: block log-sum-exps, ``[batch, kv_heads, group, n_blocks]``, float32, any device.
+        valid: blocks that may be attended, ``[batch, n_blocks]``, ``torch.bool``, same device.
+        forced: blocks always selected (sink and window), same shape, dtype and device.
+
+    Returns:
+        ``[batch, 1, n_blocks]``, float32.
+    """
+    masked = lse.masked_fill(~valid[:, None, None, :], float("-inf"))
+    scores = torch.softmax(masked, dim=-1).sum(dim=(1, 2))[:, None, :]
+    scores = scores.masked_fill(forced[:, None, :], float("inf"))
+    return scores.masked_fill(~valid[:, None, :], float("-inf"))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _chunk_stats_kernel(
+        lse_ptr,  # float32 [B, R, N]
+        valid_ptr,  # bool as uint8 [B, N]
+        part_ptr,  # float32 [B, R, C, 2]: per chunk, max and sum of exp(lse - max) over its valid blocks
+        rows,
+        n_blocks,
+        chunks,
+        BLOCK: tl.constexpr,
+    ):
+        br = tl.program_id(0).to(tl.int64)
+        c = tl.program_id(1).to(tl.int64)
+        b = br // rows
+        n = c * BLOCK + tl.arange(0, BLOCK)
+        live = n < n_blocks
+        ok = tl.load(valid_ptr + b * n_blocks + n, mask=live, other=0) != 0
+        x = tl.load(lse_ptr + br * n_blocks + n, mask=live & ok, other=float("-inf"))
+        top = tl.max(x, axis=0)
+        total = tl.sum(tl.where(x == float("-inf"), 0.0, tl.exp(x - top)), axis=0)
+        tl.store(part_ptr + (br * chunks + c) * 2, top)
+        tl.store(part_ptr + (br * chunks + c) * 2 + 1, total)
+
+    @triton.jit
+    def _row_stats_kernel(
+        part_ptr,  # float32 [B, R, C, 2]
+        stats_ptr,  # float32 [B, R, 2]: max and sum of exp(lse - max) over the row's valid blocks
+        chunks,
+        MAX_C: tl.constexpr,
+    ):
+        br = tl.program_id(0).to(tl.int64)
+        c = tl.arange(0, MAX_C)
+        live = c < chunks
+        tops = tl.load(part_ptr + (br * chunks + c) * 2, mask=live, other=float("-inf"))
+        sums = tl.load(part_ptr + (br * chunks + c) * 2 + 1, mask=live, other=0.0)
+        top = tl.max(tops, axis=0)
+        total = tl.sum(tl.where(tops == float("-inf"), 0.0, sums * tl.exp(tops - top)), axis=0)
+        tl.store(stats_ptr + br * 2, top)
+        tl.store(stats_ptr + br * 2 + 1, total)
+
+    @triton.jit
+    def _scores_kernel(
+        lse_ptr,  # float32 [B, R, N]
+        valid_ptr,  # uint8 [B, N]
+        forced_ptr,  # uint8 [B, N]
+        stats_ptr,  # float32 [B, R, 2]
+        out_ptr,  # float32 [B, N]
+        rows,
+        n_blocks,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        r = tl.arange(0, ROWS)
+        live = n < n_blocks
+        ok = tl.load(valid_ptr + b * n_blocks + n, mask=live, other=0) != 0
+        row_live = r < rows
+        top = tl.load(stats_ptr + (b * rows + r) * 2, mask=row_live, other=float("-inf"))
+        total = tl.load(stats_ptr + (b * rows + r) * 2 + 1, mask=row_live, other=1.0)
+        x = tl.load(lse_ptr + (b * rows + r[:, None]) * n_blocks + n[None, :],
+                    mask=row_live[:, None] & (live & ok)[None, :], other=float("-inf"))  # fmt: skip
+        # A row whose valid blocks are all -inf (top -inf) adds nothing.
+        p = tl.where(x == float("-inf"), 0.0, tl.exp(x - top[:, None]) / total[:, None])
+        acc = tl.sum(p, axis=0)
+        forced = tl.load(forced_ptr + b * n_blocks + n, mask=live, other=0) != 0
+        acc = tl.where(forced, float("inf"), acc)
+        acc = tl.where(ok, acc, float("-inf"))
+        tl.store(out_ptr + b * n_blocks + n, acc, mask=live)
+
+
+def block_scores_supported(lse: torch.Tensor) -> bool:
+    """Whether :func:`block_scores` runs the kernels for ``lse`` (Triton on its device, float32, at most
+    ``MAX_CHUNKS * BLOCK_N`` blocks and 128 heads)."""
+    batch, heads, group, n = lse.shape
+    return (kernels_available(lse.device) and lse.dtype == torch.float32 and 0 < n <= MAX_CHUNKS * BLOCK_N
+            and heads * group <= 128)  # fmt: skip
+
+
+def block_scores(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+    """:func:`block_scores_reference` in three launches where :func:`block_scores_supported`, else the reference.
+
+    Allocates only its result and two small float32 temporaries and never waits for the
+    device, so it can be captured in a CUDA graph once it has run outside one. Arguments and result as the
+    reference's.
+    """
+    if not block_scores_supported(lse):
+        return block_scores_reference(lse, valid, forced)
+    batch, heads, group, n = lse.shape
+    rows, chunks = heads * group, triton.cdiv(n, BLOCK_N)
+    lse = lse.contiguous()
+    valid_u8 = valid.contiguous().view(torch.uint8)
+    forced_u8 = forced.contiguous().view(torch.uint8)
+    part = torch.empty((batch, rows, chunks, 2), dtype=torch.float32, device=lse.device)
+    stats = torch.empty((batch, rows, 2), dtype=torch.float32, device=lse.device)
+    out = torch.empty((batch, 1, n), dtype=torch.float32, device=lse.device)
+    _chunk_stats_kernel[(batch * rows, chunks)](lse, valid_u8, part, rows, n, chunks, BLOCK=BLOCK_N)
+    _row_stats_kernel[(batch * rows,)](part, stats, chunks, MAX_C=MAX_CHUNKS)
+    _scores_kernel[(batch, chunks)](lse, valid_u8, forced_u8, stats, out, rows, n,
+                                    ROWS=triton.next_power_of_2(rows), BLOCK=BLOCK_N)  # fmt: skip
+    return out
