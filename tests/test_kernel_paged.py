@@ -14,6 +14,7 @@ import hf_offload.kernels.quantkey as quantkey_kernels
 import hf_offload.kernels.tail as tail_kernels
 from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.paged import paged_decode, paged_decode_reference, paged_decode_supported
+from hf_offload.store.device import DeviceSlotPool
 from .conftest import build_model, left_padded
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -148,3 +149,52 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, lookahead, monkeypa
     assert results["paged"][1]["recalled_bytes"] < results["pool"][1]["recalled_bytes"]
     if lookahead:
         assert results["paged"][1]["prefetched_blocks"] > 0
+
+
+@pytest.mark.parametrize("selector", ["solohead", "quantkey[bits=4,tail_bits=2,tail_near=3]"])
+def test_a_layer_with_every_chunk_admitted_skips_the_slot_pool(selector, monkeypatch):
+    """While every chunk of a layer lies in device memory, its decode steps take no slots and recall nothing (the
+    paged kernel reads every block in place), and give the slot-pool path's tokens and lookup counts; once a chunk
+    goes to host memory, recall resumes and the tokens still agree."""
+    if DEVICE.type == "cpu":
+        monkeypatch.setattr(quantkey_kernels, "block_lse_supported", lambda *args: False)
+        monkeypatch.setattr(tail_kernels, "tail_kernel_supported", lambda *args: False)
+    model = build_model("llama").to(DEVICE)
+    ids, mask = left_padded([120, 97], seed=4)
+    ids, mask = ids.to(DEVICE), mask.to(DEVICE)
+    block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
+    assigned = []  # decode steps' slot assignments: the paged run's first turn makes none
+    original_assign = DeviceSlotPool.assign
+
+    def counted_assign(pool, *args, **kwargs):
+        assigned.append(1)
+        return original_assign(pool, *args, **kwargs)
+
+    monkeypatch.setattr(DeviceSlotPool, "assign", counted_assign)
+    results = {}
+    for attention in ("pool", "paged"):
+        assigned.clear()
+        # Chunks of 4 blocks; the first turn's 15 blocks per sequence fill 8 chunks per layer (16 in all: the
+        # admission limit); the second turn's blocks need more chunks, which go to host memory.
+        cache = OffloadCache(model, budget_tokens=48, block_tokens=8, selector=selector, transfer="kernel",
+                             admission="auto", device_memory_gib=16 * 4 * block_bytes / 2**30,
+                             host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention)  # fmt: skip
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
+        layers = cache.offload_layers
+        assert all(layer.host.all_admitted for layer in layers)
+        assert (len(assigned) == 0) == (attention == "paged")
+        first = cache.stats()
+        more = torch.cat([out, torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(2)).to(DEVICE)], 1)
+        mask2 = torch.cat([mask, torch.ones_like(more[:, mask.shape[1]:])], 1)
+        out2 = model.generate(more, attention_mask=mask2, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        assert not any(layer.host.all_admitted for layer in layers)
+        assert all(0 < layer.host.admitted_chunks < len(layer.host.chunks) for layer in layers)
+        results[attention] = (out, first, out2, cache.stats())
+    (out_pool, first_pool, out2_pool, _), (out_paged, first_paged, out2_paged, last_paged) = results.values()
+    assert torch.equal(out_paged, out_pool) and torch.equal(out2_paged, out2_pool)
+    assert first_paged["decode_recalled_bytes"] == 0 < first_pool["decode_recalled_bytes"]
+    assert first_paged["hit_rate"] == 1.0
+    lookups = {name: [layer["lookups"] for layer in stats["layers"].values()]
+               for name, stats in (("pool", first_pool), ("paged", first_paged))}  # fmt: skip
+    assert lookups["paged"] == lookups["pool"] and min(lookups["paged"]) > 0
+    assert last_paged["decode_host_bytes"] > 0  # the host chunks' blocks were recalled in the second turn

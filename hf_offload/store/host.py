@@ -195,6 +195,12 @@ class HostBlockPool:
         return int(found) if ids.device.type == "cpu" else found
 
     @property
+    def all_admitted(self) -> bool:
+        """Whether every chunk lies in device memory (admission) and there is at least one: then no block of this
+        pool is in host memory, and a decode step whose attention reads blocks in place recalls nothing."""
+        return bool(self.chunks) and self.admitted_chunks == len(self.chunks)
+
+    @property
     def used_blocks(self) -> int:
         """Blocks holding data."""
         return self._next_id - len(self._free)
