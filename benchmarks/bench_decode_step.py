@@ -62,8 +62,8 @@ def copies_skipped():
     portable path copies nothing; every other part of a decode step runs as usual."""
     kernel, portable = transfer.recall_blocks_kernel, transfer.recall_blocks
 
-    def kernel_skipping(host, pool, ids, batch_idx, slot_idx, head_idx=None):
-        kernel(host, pool, torch.full_like(ids, -1), batch_idx, slot_idx, head_idx)
+    def kernel_skipping(host, pool, ids, batch_idx, slot_idx, head_idx=None, offsets=None):
+        kernel(host, pool, torch.full_like(ids, -1), batch_idx, slot_idx, head_idx, offsets)
 
     def portable_skipping(host, pool, ids, batch_idx, slot_idx, head_idx=None):
         unit = host.block_bytes if head_idx is None else host.block_bytes // pool.kv_heads

@@ -54,3 +54,31 @@ def test_profile_host_writes_operators_by_host_time(tmp_path):
     text = profiles[0].read_text()
     assert text.startswith("2 decode steps, by host time, starting with a capture round")
     assert "Self CPU" in text
+
+
+def test_copies_skipped_takes_the_kernel_path_arguments(monkeypatch):
+    """The no-bytes mode of --hidden-share forwards every argument of the kernel path's recall (the cache passes
+    precomputed piece offsets) with each entry's id set to -1, and restores the function afterwards."""
+    import inspect
+
+    import torch
+
+    from benchmarks import bench_decode_step
+    from hf_offload import transfer
+
+    calls = []
+
+    def recorder(host, pool, ids, batch_idx, slot_idx, head_idx=None, offsets=None):
+        calls.append((ids.clone(), batch_idx, slot_idx, head_idx, offsets))
+
+    # The stand-in takes what the real function takes (a new argument must reach the no-bytes mode too).
+    assert list(inspect.signature(transfer.recall_blocks_kernel).parameters) == list(
+        inspect.signature(recorder).parameters)  # fmt: skip
+    monkeypatch.setattr(transfer, "recall_blocks_kernel", recorder)
+    ids, b, s, offsets = torch.tensor([3, -1, 7]), torch.zeros(3, dtype=torch.long), torch.arange(3), ("o", "d")
+    with bench_decode_step.copies_skipped():
+        transfer.recall_blocks_kernel("host", "pool", ids, b, s, None, offsets)
+    assert transfer.recall_blocks_kernel is recorder
+    (got_ids, got_b, got_s, got_h, got_offsets), = calls
+    assert torch.equal(got_ids, torch.full((3,), -1)) and got_b is b and got_s is s and got_h is None
+    assert got_offsets == offsets
