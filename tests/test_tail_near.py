@@ -121,7 +121,12 @@ def test_one_ranking_serves_the_selection_and_the_near_blocks(near):
     forced[:, :2] = forced[:, -3:] = True
     plain = selector.choose(selector.score(query, summaries, 0.125), k, forced, torch.ones(B, N, dtype=torch.bool))
     assert torch.equal(selection.blocks.sort(-1).values, plain.blocks.sort(-1).values)
-    assert torch.equal(selection.scores, plain.scores)
+    # The same scores: where Triton runs, the selection's come from the block-scores kernel (kernels/mass.py), whose
+    # sums run in another order than torch's.
+    for inf in (float("inf"), float("-inf")):
+        assert torch.equal(selection.scores == inf, plain.scores == inf)
+    finite = torch.isfinite(plain.scores)
+    torch.testing.assert_close(selection.scores[finite], plain.scores[finite], rtol=1e-5, atol=1e-7)
     index = selector.near_index(tokens_ok, selection)[1]
     unranked = dataclasses.replace(selection, ranked=None)  # the second top-k
     index_b = selector.near_index(tokens_ok, unranked)[1]
