@@ -157,3 +157,27 @@ def test_benchmark_candidates_for_the_tensor_core_rounding_select_the_planted_bl
     assert torch.allclose(outs[1]["coverage"], outs[2]["coverage"], atol=1e-3)
     with pytest.raises(ValueError, match="2- or 4-bit codes"):
         MmaQuantKeySelector(bits=1).block_lse(query, {"codes": None, "kmin": None, "kstep": None}, 1.0)
+
+
+def test_fp8_grid_covers_each_range_with_8_bit_float_parameters():
+    """The quantkey-fp8 candidate's grid: minimum and step are exact e4m3 values, the minimum at or below each
+    range's, the top of the grid at or above its maximum, so every key is within half a step of its code."""
+    from benchmarks.selection_recall import Fp8QuantKeySelector, fp8_covering
+    from hf_offload.selectors.quantkey import dequantize_keys
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.tensor([1e-3, 0.05, 1.0, 30.0])[torch.randint(0, 4, (2, 6, 2, 32), generator=g)]
+    kmin = torch.randn(2, 6, 2, 32, generator=g) * scale
+    kmax = kmin + torch.rand(2, 6, 2, 32, generator=g) * scale
+    kmin[0, 0, 0, :4] = kmax[0, 0, 0, :4] = 0.0  # a channel of zeros
+    for levels in (3, 15):
+        kmin8, step8 = fp8_covering(kmin, kmax, levels)
+        for t in (kmin8, step8):
+            assert torch.equal(t.to(torch.float8_e4m3fn).float(), t)
+        assert bool((kmin8 <= kmin).all()) and bool((kmin8 + levels * step8 >= kmax).all()) and bool((step8 >= 0).all())
+    keys = torch.randn(2, 5, 2, 16, 32, generator=g) * torch.tensor([0.1, 1.0, 20.0]).repeat(11)[:32]
+    for bits in (2, 4):
+        q = Fp8QuantKeySelector(bits=bits).summarize(keys)
+        back = dequantize_keys(q["codes"], q["kmin"], q["kstep"], bits)
+        exact = keys.to(torch.bfloat16).float()
+        assert bool(((back - exact).abs() <= q["kstep"][:, :, :, None] / 2 + 1e-6).all())
