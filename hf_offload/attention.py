@@ -491,8 +491,9 @@ def _decode_body(
     selection = layer.plan_decode(q, scaling, n, k, inputs)
     if timer is not None:
         timer.add("select", t_start, t_select := timer.mark())
-    if layer.lookahead and count_step:
-        # Lookahead: the next offloaded layer's likely blocks start moving now, behind this layer's work.
+    if layer.lookahead and count_step and not layer._prefetched_ahead:
+        # Lookahead: the next offloaded layer's likely blocks start moving now, behind this layer's work (unless
+        # they started before this layer, from the next layer's predicted query: lookahead_query="next").
         layer.lookahead_next(q, mask, scaling)
         if timer is not None:
             timer.add("prefetch", t_select, t_select := timer.mark())

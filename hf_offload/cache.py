@@ -36,6 +36,7 @@ from .graphs import (
     call_signature,
     capture,
     capture_decoder_layer,
+    decoder_layers,
     forced_blocks,
     install_layer_calls,
     replay_layer,
@@ -201,6 +202,8 @@ class OffloadLayer(CacheLayerMixin):
 
     Attributes:
         next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
+        next_decoder: the next offloaded layer's decoder layer module where it is the adjacent one (the source of
+            the predicted query of ``lookahead_query="next"``), or ``None``.
         lookahead: whether decode steps of this layer prefetch for ``next_layer`` (resolved from the config).
         graphs: whether decode steps of this layer replay captured CUDA graphs (resolved from the config).
         capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this (resolved from
@@ -253,6 +256,8 @@ class OffloadLayer(CacheLayerMixin):
         self._graphs: dict[tuple, CapturedDecode] = {}
         self.warm_geometries: set[tuple] = set()  # warm_for() values of the decode steps run op by op
         self.next_layer: OffloadLayer | None = None
+        self.next_decoder: torch.nn.Module | None = None
+        self._prefetched_ahead = False  # this step's lookahead ran before the layer (lookahead_query="next")
         self.lookahead = False
         self.streams = None
         self._clear_transfer_state()
@@ -732,7 +737,11 @@ class OffloadLayer(CacheLayerMixin):
         """
         step = self._layer_step(args, kwargs)
         if step is None:
-            return forward(*args, **kwargs)
+            self._prefetched_ahead = self._lookahead_from_input(args, kwargs)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self._prefetched_ahead = False
         key, inputs, n, k = step
         graph = self._graphs.get(key)
         if graph is None:
@@ -1114,6 +1123,37 @@ class OffloadLayer(CacheLayerMixin):
         return self._entry_index_memo[key]
 
     # -------------------------------------------------------------------------------------------------- lookahead
+    def _lookahead_from_input(self, args: tuple, kwargs: dict) -> bool:
+        """Before this layer's decode step (``lookahead_query="next"``): plan :attr:`next_layer` with its own query
+        predicted from this layer's input (:func:`~hf_offload.lookahead.speculative_query`) and start recalling its
+        misses (:meth:`prefetch`). Returns whether it did; where it cannot (not a one-token decode step, lookahead
+        off, no adjacent next decoder layer of the supported form), the step plans with its own query after its
+        plan as before."""
+        nxt, module = self.next_layer, self.next_decoder
+        if not self.lookahead or self.config.lookahead_query != "next" or module is None or nxt is None:
+            return False
+        if not (self.is_initialized and nxt.is_initialized and nxt.n_blocks and nxt.device == self.device):
+            return False
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, 1):
+            return False
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not isinstance(mask, OffloadMask):
+            return False
+        from .lookahead import speculative_query
+
+        timer = self.timer
+        start = timer.mark() if timer is not None else None
+        query = speculative_query(module, hidden, kwargs.get("position_embeddings"))
+        scaling = getattr(getattr(module, "self_attn", None), "scaling", None)
+        if query is None or scaling is None or query.shape[1] % nxt.kv_heads or query.shape[-1] != nxt.head_dim:
+            return False
+        batch, q_heads, _, head_dim = query.shape
+        nxt.prefetch(query.view(batch, nxt.kv_heads, q_heads // nxt.kv_heads, head_dim), mask, scaling)
+        if timer is not None:
+            timer.add("prefetch", start, timer.mark())
+        return True
+
     def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:
         """After this layer's decode plan: speculatively plan :attr:`next_layer` with this layer's query and start
         recalling its misses (see :meth:`prefetch`). A no-op unless :attr:`lookahead` is on and the next layer has
@@ -1469,8 +1509,11 @@ class OffloadCache(Cache):
                 layers.append(DynamicSlidingWindowLayer(sliding_window=window))
         super().__init__(layers=layers)
         offload = self.offload_layers
+        modules = dict((idx, module) for module, idx in decoder_layers(model))
         for layer, nxt in zip(offload, offload[1:]):
             layer.next_layer = nxt  # lookahead goes from each offloaded layer to the next one
+            if nxt.layer_idx == layer.layer_idx + 1:  # its query predicted from this layer's input (same layer type)
+                layer.next_decoder = modules.get(nxt.layer_idx)
         self.original_attn_implementation = enable_offload_attention(model)
         install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
         self._model_ref = weakref.ref(model)

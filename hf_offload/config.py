@@ -77,6 +77,12 @@ class OffloadConfig:
             batch 8 on an H200: 95 vs 148 ms per step, ``docs/results/decode.md``); ``None``: on where blocks move
             through the copy kernels on CUDA, off elsewhere; ``True``: on everywhere (elsewhere the same
             speculative plan and recall run synchronously, for tests; no overlap).
+        lookahead_query: what the speculative plan of the next layer scores with. ``"next"`` (default): the next
+            layer's own query predicted from this layer's input (its input norm, query projection and rotary
+            embedding applied to this layer's input hidden states, after InfiniGen; ``hf_offload.lookahead``),
+            planned before this layer runs, for decoder layers of the Llama / Mistral / Qwen form whose next
+            offloaded layer is the adjacent one; elsewhere ``"same"``. ``"same"``: this layer's own query, planned
+            right after this layer's plan.
         lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one speculative plan
             selects besides the sink and window blocks, which bounds the bytes a wrong guess costs. ``None``: as
             many as the budget selects.
@@ -127,6 +133,7 @@ class OffloadConfig:
     transfer_cap_margin: float = 0.1
     timing: bool = False
     lookahead: bool | None = False
+    lookahead_query: str = "next"
     lookahead_blocks: int | None = None
     cuda_graphs: bool | None = False
     graph_scope: str = "layer"
@@ -199,6 +206,11 @@ class OffloadConfig:
             raise ValueError(
                 f"lookahead must be True, False or None (None: on where blocks move through the copy kernels on "
                 f"CUDA), got {self.lookahead!r}."
+            )
+        if self.lookahead_query not in ("next", "same"):
+            raise ValueError(
+                f"lookahead_query must be 'next' (the next layer's query predicted from this layer's input) or 'same' "
+                f"(this layer's query), got {self.lookahead_query!r}."
             )
         ahead = self.lookahead_blocks
         if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):
