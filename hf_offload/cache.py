@@ -7,8 +7,9 @@ Per full-attention layer (:class:`OffloadLayer`):
   summarised on the device for scoring;
 * a device slot pool keeps recently used blocks across decode steps; decode recalls only the selected blocks that
   are not resident;
-* with lookahead, a decode step scores the next offloaded layer's blocks with this layer's query and starts their
-  recall early (on a side stream on CUDA); the next layer's own plan then finds them resident.
+* with lookahead, a decode step scores the next offloaded layer's blocks with that layer's query predicted from this
+  layer's input (or with this layer's query) and starts their recall early (on a side stream on CUDA); the next
+  layer's own plan then finds them resident.
 
 Sliding-window layers of hybrid models (e.g. Gemma 3) keep transformers' own dense sliding-window layer on the
 device: their KV is bounded by the window.

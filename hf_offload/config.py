@@ -68,9 +68,9 @@ class OffloadConfig:
         transfer_cap_margin: relative score margin of the transfer cap.
         timing: record per-phase times of decode steps (select, prefetch, recall, attention, rest; ms per step)
             into ``cache.stats()["timing"]``.
-        lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): right after a layer's
-            plan, the same query is scored against the next offloaded layer's block summaries and that layer's
-            likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
+        lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): a speculative plan of
+            the next offloaded layer (with the query ``lookahead_query`` says) scores that layer's block summaries
+            and its likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
             early: what is attended is decided by each layer's exact plan, so outputs do not change. ``False``
             (default): off: with the decode step bound by host-side launch work, the recall already runs in the
             device's idle gaps, and the speculative plan adds about 50 ms per step of such work (8B shape, 32K,

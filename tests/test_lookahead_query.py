@@ -123,3 +123,10 @@ def test_the_predicted_query_prefetches_what_the_next_layer_attends():
         stats = cache.stats()
         used[query] = stats["prefetch_used_blocks"] / max(stats["prefetched_blocks"], 1)
     assert used["next"] > used["same"]
+
+
+def test_an_unknown_query_source_is_refused():
+    from hf_offload.config import OffloadConfig
+
+    with pytest.raises(ValueError, match="lookahead_query must be 'next'"):
+        OffloadConfig(budget_tokens=64, lookahead_query="previous")
