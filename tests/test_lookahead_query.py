@@ -130,3 +130,19 @@ def test_an_unknown_query_source_is_refused():
 
     with pytest.raises(ValueError, match="lookahead_query must be 'next'"):
         OffloadConfig(budget_tokens=64, lookahead_query="previous")
+
+
+def test_interleaved_sliding_layers_plan_with_the_layers_own_query():
+    """Gemma 3's offloaded layers are not adjacent (sliding layers between them): no predicted query, so lookahead
+    plans with the layer's own query after its plan, and the tokens stay those without lookahead."""
+    model = build_model("gemma3")
+    ids = torch.randint(3, 90, (1, 200), generator=torch.Generator().manual_seed(3))
+    outs, caches = {}, {}
+    for lookahead in (False, True):
+        cache = OffloadCache(model, budget_tokens=64, block_tokens=8, lookahead=lookahead)
+        outs[lookahead] = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
+        caches[lookahead] = cache
+    layers = caches[True].offload_layers
+    assert len(layers) == 2 and all(layer.next_decoder is None for layer in layers)
+    assert caches[True].stats()["prefetched_blocks"] > 0  # planned with the layer's own query
+    assert torch.equal(outs[True], outs[False])
