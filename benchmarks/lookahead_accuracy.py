@@ -36,7 +36,8 @@ def _random_llama(layers: int):
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=16384)  # fmt: skip
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                         max_position_embeddings=16384)  # fmt: skip
     return LlamaForCausalLM(config).eval()
 
 

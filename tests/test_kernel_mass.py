@@ -27,7 +27,8 @@ def _inputs(batch, heads, group, n, seed, spread=8.0):
     return lse.to(DEVICE), valid.to(DEVICE), forced.to(DEVICE)
 
 
-@pytest.mark.parametrize("batch,heads,group,n", [(3, 2, 4, 37), (2, 8, 4, BLOCK_N), (1, 4, 1, 3 * BLOCK_N + 5), (2, 2, 3, 40 * BLOCK_N), (4, 1, 7, 1)])
+@pytest.mark.parametrize("batch,heads,group,n", [(3, 2, 4, 37), (2, 8, 4, BLOCK_N), (1, 4, 1, 3 * BLOCK_N + 5),
+                                                 (2, 2, 3, 40 * BLOCK_N), (4, 1, 7, 1)])  # fmt: skip
 def test_block_scores_match_the_torch_code(batch, heads, group, n):
     lse, valid, forced = _inputs(batch, heads, group, n, seed=n)
     assert block_scores_supported(lse)

@@ -75,7 +75,8 @@ def _deep_llama(layers=6):
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=layers,
-                         num_attention_heads=8, num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)  # fmt: skip
+                         num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=1024)  # fmt: skip
     return LlamaForCausalLM(config).eval()
 
 
