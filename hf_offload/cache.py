@@ -29,6 +29,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import transfer
 from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
 from .config import OffloadConfig
+from .lookahead import speculative_query
 from .graphs import (
     CapturedDecode,
     CapturedLayer,
@@ -1141,8 +1142,6 @@ class OffloadLayer(CacheLayerMixin):
         mask = kwargs.get("attention_mask")
         if mask is not None and not isinstance(mask, OffloadMask):
             return False
-        from .lookahead import speculative_query
-
         timer = self.timer
         start = timer.mark() if timer is not None else None
         query = speculative_query(module, hidden, kwargs.get("position_embeddings"))
