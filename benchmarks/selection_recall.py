@@ -33,7 +33,7 @@ from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import SELECTORS, get_selector  # noqa: E402
 from hf_offload.selectors.quality import block_keys, evaluate_selector  # noqa: E402
 from hf_offload.kernels.quantkey_mma import block_lse_emulated  # noqa: E402
-from hf_offload.selectors.quantkey import QuantKeySelector  # noqa: E402
+from hf_offload.selectors.quantkey import QuantKeySelector, grid_codes, padded_channels  # noqa: E402
 from hf_offload.selectors.roundrobin import RoundRobinSelector  # noqa: E402
 from hf_offload.selectors.tempered import TemperedVoteSelector  # noqa: E402
 
@@ -104,18 +104,9 @@ class Fp8QuantKeySelector(BF16QuantKeySelector):
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """Codes against the 8-bit-float grid of the keys rounded to bfloat16; ``kmin`` and ``kstep`` float32
         values that an 8-bit float holds exactly."""
-        levels = (1 << self.bits) - 1
-        per = 8 // self.bits
-        k = keys.to(torch.bfloat16).float()
-        if k.shape[-1] % per:
-            k = torch.nn.functional.pad(k, (0, -k.shape[-1] % per))
-        kmin8, step8 = fp8_covering(k.amin(dim=3), k.amax(dim=3), levels)
-        safe = torch.where(step8 > 0, step8, torch.ones_like(step8))
-        codes = ((k - kmin8[:, :, :, None]) / safe[:, :, :, None]).round_().clamp_(0, levels).to(torch.uint8)
-        if per > 1:
-            shifts = torch.arange(0, 8, self.bits, dtype=torch.uint8, device=keys.device)
-            codes = (codes.unflatten(-1, (-1, per)) << shifts).sum(dim=-1, dtype=torch.uint8)
-        return {"codes": codes, "kmin": kmin8, "kstep": step8}
+        k = padded_channels(keys.to(torch.bfloat16).float(), self.bits)
+        kmin8, step8 = fp8_covering(k.amin(dim=3), k.amax(dim=3), (1 << self.bits) - 1)
+        return {"codes": grid_codes(k, kmin8, step8, self.bits), "kmin": kmin8, "kstep": step8}
 
 
 # Unregistered candidates the benchmark can still measure by name.

@@ -53,19 +53,41 @@ def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
         is ``head_dim`` rounded up to a multiple of ``8 // bits`` (padding channels are zero).
     """
     levels = (1 << bits) - 1
-    per = 8 // bits
-    k = keys.float()
-    if k.shape[-1] % per:  # pad the channels to whole bytes; a zero channel meets a zero query channel
-        k = torch.nn.functional.pad(k, (0, -k.shape[-1] % per))
+    k = padded_channels(keys.float(), bits)
     kmin, kmax = k.amin(dim=3), k.amax(dim=3)
     step = (kmax - kmin) / levels
     kmin, step = kmin.to(keys.dtype), step.to(keys.dtype)  # quantize against the stored (rounded) parameters
-    safe = torch.where(step.float() > 0, step.float(), torch.ones_like(step, dtype=torch.float32))
-    codes = ((k - kmin.float()[:, :, :, None]) / safe[:, :, :, None]).round_().clamp_(0, levels).to(torch.uint8)
+    return {"codes": grid_codes(k, kmin, step, bits), "kmin": kmin, "kstep": step}
+
+
+def padded_channels(keys: torch.Tensor, bits: int) -> torch.Tensor:
+    """``keys`` (``[..., head_dim]``, any float dtype) with the channels zero-padded to a multiple of ``8 // bits``
+    (whole bytes of codes; a zero channel meets a zero query channel)."""
+    per = 8 // bits
+    return torch.nn.functional.pad(keys, (0, -keys.shape[-1] % per)) if keys.shape[-1] % per else keys
+
+
+def grid_codes(keys: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes of ``keys`` on the grid ``kmin + code * kstep``, rounded to the nearest level, packed ``8 // bits``
+    per byte.
+
+    Args:
+        keys: ``[batch, n, kv_heads, block_tokens, channels]`` (channels padded: :func:`padded_channels`), float.
+        kmin, kstep: ``[batch, n, kv_heads, channels]``, any float dtype, same device.
+        bits: 1, 2, 4 or 8.
+
+    Returns:
+        ``[batch, n, kv_heads, block_tokens, channels * bits // 8]``, ``torch.uint8``.
+    """
+    levels, per = (1 << bits) - 1, 8 // bits
+    step = kstep.float()
+    safe = torch.where(step > 0, step, torch.ones_like(step))
+    codes = ((keys.float() - kmin.float()[:, :, :, None]) / safe[:, :, :, None]).round_().clamp_(0, levels)
+    codes = codes.to(torch.uint8)
     if per > 1:
         shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=keys.device)
         codes = (codes.unflatten(-1, (-1, per)) << shifts).sum(dim=-1, dtype=torch.uint8)
-    return {"codes": codes, "kmin": kmin, "kstep": step}
+    return codes
 
 
 def dequantize_keys(codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int) -> torch.Tensor:
