@@ -15,6 +15,9 @@ rest, tokens per second, hit rate and recalled bytes per step, for each transfer
   with the recall copies emptied, so no byte moves: the copy kernel is launched with every entry skipped (the
   launch a step whose blocks are all resident makes), the portable path copies nothing. The pool, the hit rate and
   all other work stay those of the real run, which a larger pool (or a replayed step) would change.
+* ``--rounds R``: each setting decodes ``R`` times per mode, the modes alternating (moved, none, moved, ...), and
+  the step times are the medians over rounds, so that a slow phase of the host falls on both modes; the spread of
+  the per-round shares is reported too. Every setting first decodes ``--warmup`` untimed steps.
 * "recall ms alone": the copies of that step's missed bytes in isolation, measured in the same run: per offloaded
   layer one recall of as many random blocks (pieces for per-head selectors) of that layer's host pool as the exact
   plans of the lookahead-off run missed per layer and step, into a scratch slot pool, on an idle device; median of
@@ -242,6 +245,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden-share", action="store_true", help="also time every setting with no bytes moved "
                         "and the recall alone, and report the share of recall hidden behind compute")  # fmt: skip
     parser.add_argument("--alone-repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="timed runs of --steps steps per setting and mode; with --hidden-share the modes "
+                        "alternate (moved, none, moved, ...), so that a slow phase of the host or device falls on both, "
+                        "and the share is computed from the medians over rounds")  # fmt: skip
     parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
                         help="after each setting's timed run, profile this many more decode steps (torch.profiler) "
                         "and write the kernels by device time next to --out")  # fmt: skip
@@ -256,6 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps < 2:
         parser.error("--steps must be at least 2 (step times are measured from one step's start to the next)")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = SHAPES[args.shape]
@@ -263,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = [(False, la) for la in LOOKAHEAD[args.lookahead]] * (False in GRAPHS[args.graphs])
     settings += [(True, False)] * (True in GRAPHS[args.graphs])
     modes = [False, True] if args.hidden_share else [False]  # copies skipped?
-    total_steps = args.warmup + args.steps * len(settings) * len(modes)
+    total_steps = args.warmup * (1 + len(settings)) + args.steps * len(settings) * len(modes) * args.rounds
     config = LlamaConfig(**shape, max_position_embeddings=args.context + total_steps + 16)
     torch.manual_seed(0)
     t0 = time.perf_counter()
@@ -305,7 +314,9 @@ def main(argv: list[str] | None = None) -> int:
         # which changes the tokens that follow but no timing (decode cost does not depend on the values).
         for graphs, lookahead in settings:
             cache.set_options(cuda_graphs=graphs, timing=not graphs, lookahead=lookahead)
-            for skip in modes:
+            if args.warmup:  # the setting's own kernels compile and its graphs are captured before any timed step
+                ids, _ = decode(model, cache, ids, args.warmup, cuda)
+            for round_idx, skip in ((r, skip) for r in range(args.rounds) for skip in modes):
                 cache.reset_stats()
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
@@ -313,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
                 with copies_skipped() if skip else contextlib.nullcontext():
                     ids, generate_s = decode(model, cache, ids, args.steps, cuda)
                 stats = cache.stats()
-                if args.profile and not skip:
+                if args.profile and not skip and round_idx == args.rounds - 1:
                     profile_steps(model, cache, ids, args.profile, cuda,
                                   Path(args.out).with_suffix(f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"),
                                   host=args.profile_host, trace_anchor=args.profile_trace)  # fmt: skip
@@ -327,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cuda_graphs": graphs,
                     "lookahead": lookahead,
                     "bytes_moved": not skip,
+                    "round": round_idx,
                     "fill_s": fill_s,
                     "generate_s": generate_s,
                     "wall_ms_per_step": wall_ms,
@@ -346,7 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                     "stats": stats,
                 }  # fmt: skip
                 runs.append(run)
-                measured[(graphs, lookahead, skip)] = run
+                measured.setdefault((graphs, lookahead, skip), []).append(run)
                 used = "-" if run["prefetch_used_share"] is None else f"{run['prefetch_used_share']:.2f}"
                 phases = " ".join(f"{timing.get(k + '_ms', float('nan')):{w}.2f}" for k, w in
                                   (("select", 7), ("prefetch", 8), ("recall", 7), ("attention", 7), ("rest", 7)))
@@ -360,30 +372,40 @@ def main(argv: list[str] | None = None) -> int:
             # The bytes a step must move to be exact: the misses of the plans without lookahead.
             base = next(measured[key] for key in ((False, False, False), (True, False, False), (False, True, False))
                         if key in measured)  # fmt: skip
-            alone = recall_alone_ms(cache, base["exact_recalled_blocks_per_layer_step"], path, args.alone_repeats)
+            missed = statistics.mean(r["exact_recalled_blocks_per_layer_step"] for r in base)
+            alone = recall_alone_ms(cache, missed, path, args.alone_repeats)
             for graphs, lookahead in settings:
-                real, resident = measured[(graphs, lookahead, False)], measured[(graphs, lookahead, True)]
-                own = recall_alone_ms(cache, real["decode_recalled_blocks_per_layer_step"], path, args.alone_repeats)
-                exposed = real["step_ms"] - resident["step_ms"]
+                reals, residents = measured[(graphs, lookahead, False)], measured[(graphs, lookahead, True)]
+                step = statistics.median(r["step_ms"] for r in reals)
+                resident = statistics.median(r["step_ms"] for r in residents)
+                moved_blocks = statistics.mean(r["decode_recalled_blocks_per_layer_step"] for r in reals)
+                own = recall_alone_ms(cache, moved_blocks, path, args.alone_repeats)
+                exposed = step - resident
+                # Each round's own pair (its moved run and the resident run right after it): the spread of the share.
+                paired = [1 - (a["step_ms"] - b["step_ms"]) / alone for a, b in zip(reals, residents)] if alone else []
                 share = {
                     "transfer": path,
                     "cuda_graphs": graphs,
                     "lookahead": lookahead,
-                    "step_ms": real["step_ms"],
-                    "resident_step_ms": resident["step_ms"],
+                    "rounds": len(reals),
+                    "step_ms": step,
+                    "resident_step_ms": resident,
                     "exposed_recall_ms": exposed,
                     "recall_alone_ms": alone,
-                    "recall_alone_blocks_per_layer": base["exact_recalled_blocks_per_layer_step"],
+                    "recall_alone_blocks_per_layer": missed,
                     "hidden_share": 1 - exposed / alone if alone else None,
+                    "hidden_share_per_round": paired,
                     "recall_alone_own_ms": own,
-                    "recall_alone_own_blocks_per_layer": real["decode_recalled_blocks_per_layer_step"],
+                    "recall_alone_own_blocks_per_layer": moved_blocks,
                 }
                 shares.append(share)
                 hidden = "-" if share["hidden_share"] is None else f"{share['hidden_share']:.2f}"
                 print(f"{path:8s} graphs {'on ' if graphs else 'off'} lookahead {'on ' if lookahead else 'off'}: step {share['step_ms']:.2f} ms, all "
                       f"resident {share['resident_step_ms']:.2f} ms, exposed recall {exposed:.2f} ms, recall alone "
                       f"{alone:.2f} ms ({share['recall_alone_blocks_per_layer']:.1f} blocks x {layers} layers; own "
-                      f"bytes {own:.2f} ms) -> hidden share {hidden}", flush=True)  # fmt: skip
+                      f"bytes {own:.2f} ms) -> hidden share {hidden}"
+                      + (f" (rounds {min(paired):.2f}..{max(paired):.2f})" if len(paired) > 1 else ""),
+                      flush=True)  # fmt: skip
         del cache
         if cuda:
             torch.cuda.empty_cache()

@@ -31,6 +31,7 @@ from .kernels import OnlineSoftmax
 from .kernels.paged import paged_decode
 from .kernels.tail import attention_lse, merge_attention
 from .graphs import DecodeInputs, remove_layer_calls
+from .norms import remove_fused_norms
 from .selectors.base import Selection
 
 if TYPE_CHECKING:
@@ -762,3 +763,4 @@ def disable_offload_attention(model: torch.nn.Module) -> None:
     if current.startswith(PREFIX):
         model.set_attn_implementation(current[len(PREFIX) :])
     remove_layer_calls(model)
+    remove_fused_norms(model)

@@ -30,6 +30,7 @@ from . import transfer
 from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
 from .config import OffloadConfig
 from .lookahead import speculative_query
+from .norms import fused_norms_active, install_fused_norms
 from .graphs import (
     CapturedDecode,
     CapturedLayer,
@@ -363,6 +364,16 @@ class OffloadLayer(CacheLayerMixin):
                 "use cuda_graphs=None (on where it can run) or False."
             )
         self.graphs = bool(kernels_on_cuda and graphs is not False and not self.lookahead and not self.config.timing)
+        from .kernels.gather import kernels_available  # looked up at call time (benchmarks stand in for it)
+
+        norms = self.config.fused_norms
+        triton_here = device is not None and kernels_available(device)
+        if norms and device is not None and not triton_here:
+            raise RuntimeError(
+                f"fused_norms=True needs Triton on the layer's device ({device}); use fused_norms=None (on where "
+                "Triton runs on CUDA) or False."
+            )
+        self.fused_norms = bool(triton_here and (device.type == "cuda" if norms is None else norms))
         capacity = self.config.decode_capacity_blocks
         if capacity is None:
             capacity = GRAPH_CAPACITY_BLOCKS if self.graphs and self.selector.masks_invalid else 1
@@ -737,6 +748,10 @@ class OffloadLayer(CacheLayerMixin):
             args, kwargs: the call's arguments (the hidden states ``[batch, 1, hidden]``, the rotary embeddings, the
                 lazy mask, this cache, ...).
         """
+        with fused_norms_active(getattr(self, "fused_norms", False)):
+            return self._run_decoder_layer(forward, args, kwargs)
+
+    def _run_decoder_layer(self, forward: Callable, args: tuple, kwargs: dict):
         step = self._layer_step(args, kwargs)
         if step is None:
             self._prefetched_ahead = self._lookahead_from_input(args, kwargs)
@@ -1516,6 +1531,7 @@ class OffloadCache(Cache):
                 layer.next_decoder = modules.get(nxt.layer_idx)
         self.original_attn_implementation = enable_offload_attention(model)
         install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
+        install_fused_norms(model)  # their norms run one kernel inside those calls where fused_norms is on
         self._model_ref = weakref.ref(model)
 
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
@@ -1535,16 +1551,17 @@ class OffloadCache(Cache):
 
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
-        ``timing``) on a filled cache, e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
+        ``timing``, ``fused_norms``) on a filled cache, e.g. to compare them on one cache. Captured decode graphs are
+        dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).
         """
-        other = set(changes) - {"lookahead", "cuda_graphs", "graph_scope", "timing"}
+        other = set(changes) - {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms"}
         if other:
             raise ValueError(
-                f"set_options() changes lookahead, cuda_graphs, graph_scope and timing only; {sorted(other)} fix the cache's "
-                "layout: build a new OffloadCache for them."
+                f"set_options() changes lookahead, cuda_graphs, graph_scope, timing and fused_norms only; "
+                f"{sorted(other)} fix the cache's layout: build a new OffloadCache for them."
             )
         config = self.config.replace(**changes)
         self.config = config

@@ -107,6 +107,12 @@ class OffloadConfig:
             graphs and the selector leaves blocks it may not attend out of every block's score
             (``Selector.masks_invalid``: every built-in selector), else 1 (the sealed blocks).
             Other values need such a selector.
+        fused_norms: compute the RMS norms of the decoder layer calls this cache runs (its norms before attention
+            and MLP, and query / key norms) with one Triton launch each (:mod:`hf_offload.norms`) instead of
+            transformers' nine small kernels; the same roundings, only the float32 sum of squares added in another
+            order (an output element can move by one unit in the last place). ``None`` (default): on where Triton
+            runs on the layer's CUDA device; ``True``: on wherever Triton runs (also its CPU interpreter), an error
+            elsewhere; ``False``: off, transformers' own norms, bit for bit.
         decode_attention: how a decode step attends its selected blocks. ``"paged"``: one Triton kernel reads each
             block where it lies: blocks of admitted chunks (``admission="auto"``) in place, blocks in host memory
             from the slot pool after their recall, so only those are ever copied (needs the kernel transfer path).
@@ -139,6 +145,7 @@ class OffloadConfig:
     graph_scope: str = "layer"
     decode_capacity_blocks: int | None = None
     decode_attention: str = "auto"
+    fused_norms: bool | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -237,6 +244,11 @@ class OffloadConfig:
             raise ValueError(
                 f"decode_capacity_blocks must be a positive integer (blocks a decode step's scored blocks are rounded "
                 f"up to) or None (64 with CUDA graphs, else 1), got {capacity!r}."
+            )
+        if self.fused_norms is not None and not isinstance(self.fused_norms, bool):
+            raise ValueError(
+                f"fused_norms must be True, False or None (None: on where Triton runs on CUDA), got "
+                f"{self.fused_norms!r}."
             )
         if self.decode_attention not in ("auto", "paged", "pool"):
             raise ValueError(f"decode_attention must be 'auto', 'paged' or 'pool', got {self.decode_attention!r}.")

@@ -13,7 +13,7 @@ from hf_offload.kernels.gather import kernels_available
 
 def test_lookahead_both_with_hidden_share(tmp_path, capsys):
     out = tmp_path / "decode_step.json"
-    argv = ["--shape", "tiny", "--context", "256", "--batch", "2", "--budget", "64", "--steps", "3", "--warmup", "1",
+    argv = ["--shape", "tiny", "--context", "1024", "--batch", "2", "--budget", "64", "--steps", "3", "--warmup", "1",
             "--transfers", "kernel", "torch", "--lookahead", "both", "--hidden-share", "--alone-repeats", "2",
             "--device", "cpu", "--out", str(out)]  # fmt: skip
     assert bench_decode_step.main(argv) == 0
@@ -82,3 +82,22 @@ def test_copies_skipped_takes_the_kernel_path_arguments(monkeypatch):
     (got_ids, got_b, got_s, got_h, got_offsets), = calls
     assert torch.equal(got_ids, torch.full((3,), -1)) and got_b is b and got_s is s and got_h is None
     assert got_offsets == offsets
+
+
+def test_rounds_alternate_the_modes_and_share_uses_medians(tmp_path):
+    out = tmp_path / "decode_step.json"
+    argv = ["--shape", "tiny", "--context", "1024", "--batch", "2", "--budget", "64", "--steps", "2", "--warmup", "1",
+            "--transfers", "torch", "--lookahead", "off", "--hidden-share", "--alone-repeats", "2", "--rounds", "3",
+            "--device", "cpu", "--out", str(out)]  # fmt: skip
+    assert bench_decode_step.main(argv) == 0
+    data = json.loads(out.read_text())
+    runs = data["runs"]
+    assert [(r["round"], r["bytes_moved"]) for r in runs] == [(i, moved) for i in range(3) for moved in (True, False)]
+    (share,) = data["hidden_share"]
+    moved = sorted(r["step_ms"] for r in runs if r["bytes_moved"])
+    resident = sorted(r["step_ms"] for r in runs if not r["bytes_moved"])
+    assert share["rounds"] == 3
+    assert share["step_ms"] == moved[1] and share["resident_step_ms"] == resident[1]
+    assert share["hidden_share"] == 1 - (moved[1] - resident[1]) / share["recall_alone_ms"]
+    pairs = [(a["step_ms"], b["step_ms"]) for a, b in zip(runs[::2], runs[1::2])]
+    assert share["hidden_share_per_round"] == [1 - (a - b) / share["recall_alone_ms"] for a, b in pairs]
