@@ -72,9 +72,10 @@ class OffloadConfig:
             the next offloaded layer (with the query ``lookahead_query`` says) scores that layer's block summaries
             and its likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
             early: what is attended is decided by each layer's exact plan, so outputs do not change. ``False``
-            (default): off: with the decode step bound by host-side launch work, the recall already runs in the
-            device's idle gaps, and the speculative plan adds about 50 ms per step of such work (8B shape, 32K,
-            batch 8 on an H200: 95 vs 148 ms per step, ``docs/results/decode.md``); ``None``: on where blocks move
+            (default): off: lookahead runs op by op (it excludes CUDA graphs), and there the step is bound by
+            host-side launch work: 8B shape, 32K, batch 8, every block offloaded, on an H200, it hid 0.78-1.11 of
+            the recall but took 166-192 ms per step, against 61-73 ms from the layer graphs without it
+            (``results/recall/lookahead_next_h200/``); ``None``: on where blocks move
             through the copy kernels on CUDA, off elsewhere; ``True``: on everywhere (elsewhere the same
             speculative plan and recall run synchronously, for tests; no overlap).
         lookahead_query: what the speculative plan of the next layer scores with. ``"next"`` (default): the next
