@@ -77,8 +77,8 @@ def norm_form(module: torch.nn.Module) -> tuple[bool, float] | None:
 
 class FusedNorm:
     """The forward :func:`install_fused_norms` gives an RMS norm module: the kernel while :func:`fused_norms_active`
-    is on and :func:`~hf_offload.kernels.norm.rms_norm_supported` holds for the input, else the module's own
-    forward.
+    is on, autograd would not record the call and :func:`~hf_offload.kernels.norm.rms_norm_supported` holds for the
+    input, else the module's own forward.
 
     Args:
         module: the norm module.
@@ -93,7 +93,9 @@ class FusedNorm:
 
     def __call__(self, hidden_states: torch.Tensor) -> torch.Tensor:
         weight = self.module.weight
-        if _ACTIVE.get() and rms_norm_supported(hidden_states, weight):
+        # The kernel has no backward: where autograd would record the norm, the module's own forward runs.
+        grad = torch.is_grad_enabled() and (hidden_states.requires_grad or weight.requires_grad)
+        if _ACTIVE.get() and not grad and rms_norm_supported(hidden_states, weight):
             self.calls += 1
             return rms_norm(hidden_states, weight, self.eps, unit_offset=self.unit_offset)
         return self.original(hidden_states)

@@ -83,7 +83,7 @@ def test_inside_the_active_context_the_kernel_runs(arch):
     x = torch.randn(4, 1, model.config.hidden_size, dtype=torch.bfloat16)
     want = type(norm).forward(norm, x)
     install_fused_norms(model)
-    with fused_norms_active(True):
+    with fused_norms_active(True), torch.no_grad():
         got = norm(x)
     assert norm.forward.calls == 1 and got.dtype == want.dtype and got.shape == want.shape
     ulp = torch.finfo(torch.bfloat16).eps * want.float().abs().clamp_min(1e-30)
@@ -154,3 +154,18 @@ def test_cuda_fused_norms_by_default_in_graphs_give_the_tokens_of_the_models_own
     for a, b in zip(runs[None].logits, runs[False].logits):
         torch.testing.assert_close(a.float(), b.float(), atol=0.05, rtol=0.02)
     disable_offload_attention(model)
+
+
+@needs_triton
+def test_calls_that_autograd_records_keep_the_modules_own_forward():
+    """The kernel has no backward: with gradients on, the norm runs transformers' code and its gradient flows."""
+    model = build_model("llama")
+    norm = model.model.layers[0].input_layernorm
+    install_fused_norms(model)
+    x = torch.randn(2, 1, model.config.hidden_size, requires_grad=True)
+    with fused_norms_active(True):
+        norm(x).sum().backward()
+        assert norm.forward.calls == 0 and x.grad is not None and norm.weight.grad is not None
+        with torch.no_grad():
+            norm(x)
+    assert norm.forward.calls == 1
