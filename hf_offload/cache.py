@@ -179,6 +179,24 @@ class _LayerCapture:
     k: int
 
 
+def fused_norms_on(config: OffloadConfig, device: torch.device) -> bool:
+    """Whether decoder layer calls on ``device`` run their RMS norms with the kernel (``config.fused_norms``).
+
+    Raises:
+        RuntimeError: ``fused_norms=True`` where Triton cannot run.
+    """
+    from .kernels.gather import kernels_available  # looked up at call time (benchmarks stand in for it)
+
+    norms = config.fused_norms
+    triton_here = kernels_available(device)
+    if norms and not triton_here:
+        raise RuntimeError(
+            f"fused_norms=True needs Triton on the layer's device ({device}); use fused_norms=None (on where Triton "
+            "runs on CUDA) or False."
+        )
+    return bool(triton_here and (device.type == "cuda" if norms is None else norms))
+
+
 class OffloadLayer(CacheLayerMixin):
     """The KV state of one full-attention layer: open block on device, sealed blocks on host, hot blocks in slots.
 
@@ -364,21 +382,16 @@ class OffloadLayer(CacheLayerMixin):
                 "use cuda_graphs=None (on where it can run) or False."
             )
         self.graphs = bool(kernels_on_cuda and graphs is not False and not self.lookahead and not self.config.timing)
-        from .kernels.gather import kernels_available  # looked up at call time (benchmarks stand in for it)
-
-        norms = self.config.fused_norms
-        triton_here = device is not None and kernels_available(device)
-        if norms and device is not None and not triton_here:
-            raise RuntimeError(
-                f"fused_norms=True needs Triton on the layer's device ({device}); use fused_norms=None (on where "
-                "Triton runs on CUDA) or False."
-            )
-        self.fused_norms = bool(triton_here and (device.type == "cuda" if norms is None else norms))
+        # Before the first update fixes the device, each layer call decides from its hidden states' device.
+        self.fused_norms = None if device is None else self._fused_norms_on(device)
         capacity = self.config.decode_capacity_blocks
         if capacity is None:
             capacity = GRAPH_CAPACITY_BLOCKS if self.graphs and self.selector.masks_invalid else 1
         self.capacity_blocks = capacity
         self._graphs.clear()
+
+    def _fused_norms_on(self, device: torch.device) -> bool:
+        return fused_norms_on(self.config, device)
 
     def _clear_transfer_state(self) -> None:
         # Events of the side streams (None: nothing pending, or no side streams).
@@ -748,7 +761,11 @@ class OffloadLayer(CacheLayerMixin):
             args, kwargs: the call's arguments (the hidden states ``[batch, 1, hidden]``, the rotary embeddings, the
                 lazy mask, this cache, ...).
         """
-        with fused_norms_active(getattr(self, "fused_norms", False)):
+        fused = getattr(self, "fused_norms", None)
+        if fused is None:  # the layer's first call: its device is the hidden states'
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            fused = isinstance(hidden, torch.Tensor) and self._fused_norms_on(hidden.device)
+        with fused_norms_active(fused):
             return self._run_decoder_layer(forward, args, kwargs)
 
     def _run_decoder_layer(self, forward: Callable, args: tuple, kwargs: dict):
@@ -1540,8 +1557,11 @@ class OffloadCache(Cache):
         layers call ``forward``. Called by the routing :func:`~hf_offload.graphs.install_layer_calls` puts in front
         of each decoder layer."""
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
-        if not isinstance(layer, OffloadLayer):
-            return forward(*args, **kwargs)
+        if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
+            hidden = args[0] if args else kwargs.get("hidden_states")
+            fused = isinstance(hidden, torch.Tensor) and fused_norms_on(self.config, hidden.device)
+            with fused_norms_active(fused):
+                return forward(*args, **kwargs)
         return layer.run_decoder_layer(forward, args, kwargs)
 
     def set_lookahead(self, lookahead: bool | None) -> None:
