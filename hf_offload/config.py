@@ -108,8 +108,9 @@ class OffloadConfig:
             graphs and the selector leaves blocks it may not attend out of every block's score
             (``Selector.masks_invalid``: every built-in selector), else 1 (the sealed blocks).
             Other values need such a selector.
-        fused_norms: compute the RMS norms of the decoder layer calls this cache runs (its norms before attention
-            and MLP, and query / key norms) with one Triton launch each (:mod:`hf_offload.norms`) instead of
+        fused_norms: compute the RMS norms of the decoder layer calls this cache runs (offloaded and sliding-window
+            layers, prefill and decode: the norms before attention and MLP, and query / key norms) with one Triton
+            launch each (:mod:`hf_offload.norms`) instead of
             transformers' nine small kernels; the same roundings, only the float32 sum of squares added in another
             order (an output element can move by one unit in the last place). ``None`` (default): on where Triton
             runs on the layer's CUDA device; ``True``: on wherever Triton runs (also its CPU interpreter), an error
