@@ -179,6 +179,18 @@ class _LayerCapture:
     k: int
 
 
+def _hidden_states(args: tuple, kwargs: dict):
+    """The hidden states of a decoder layer call (its first positional argument or ``hidden_states``)."""
+    return args[0] if args else kwargs.get("hidden_states")
+
+
+def call_fuses_norms(config: OffloadConfig, args: tuple, kwargs: dict) -> bool:
+    """Whether a decoder layer call runs its RMS norms with the kernel: :func:`fused_norms_on` for the device of
+    its hidden states."""
+    hidden = _hidden_states(args, kwargs)
+    return isinstance(hidden, torch.Tensor) and fused_norms_on(config, hidden.device)
+
+
 def fused_norms_on(config: OffloadConfig, device: torch.device) -> bool:
     """Whether decoder layer calls on ``device`` run their RMS norms with the kernel (``config.fused_norms``).
 
@@ -383,15 +395,12 @@ class OffloadLayer(CacheLayerMixin):
             )
         self.graphs = bool(kernels_on_cuda and graphs is not False and not self.lookahead and not self.config.timing)
         # Before the first update fixes the device, each layer call decides from its hidden states' device.
-        self.fused_norms = None if device is None else self._fused_norms_on(device)
+        self.fused_norms = None if device is None else fused_norms_on(self.config, device)
         capacity = self.config.decode_capacity_blocks
         if capacity is None:
             capacity = GRAPH_CAPACITY_BLOCKS if self.graphs and self.selector.masks_invalid else 1
         self.capacity_blocks = capacity
         self._graphs.clear()
-
-    def _fused_norms_on(self, device: torch.device) -> bool:
-        return fused_norms_on(self.config, device)
 
     def _clear_transfer_state(self) -> None:
         # Events of the side streams (None: nothing pending, or no side streams).
@@ -763,8 +772,7 @@ class OffloadLayer(CacheLayerMixin):
         """
         fused = getattr(self, "fused_norms", None)
         if fused is None:  # the layer's first call: its device is the hidden states'
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            fused = isinstance(hidden, torch.Tensor) and self._fused_norms_on(hidden.device)
+            fused = call_fuses_norms(self.config, args, kwargs)
         with fused_norms_active(fused):
             return self._run_decoder_layer(forward, args, kwargs)
 
@@ -809,7 +817,7 @@ class OffloadLayer(CacheLayerMixin):
             return None
         if not self.n_blocks or torch.is_grad_enabled() or len(args) > 1:
             return None
-        hidden = args[0] if args else kwargs.get("hidden_states")
+        hidden = _hidden_states(args, kwargs)
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, 1):
             return None
         recent = self.keys.shape[-2] + 1  # this step's token included (block_tokens: it fills the open block)
@@ -1168,7 +1176,7 @@ class OffloadLayer(CacheLayerMixin):
             return False
         if not (self.is_initialized and nxt.is_initialized and nxt.n_blocks and nxt.device == self.device):
             return False
-        hidden = args[0] if args else kwargs.get("hidden_states")
+        hidden = _hidden_states(args, kwargs)
         if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (self.batch, 1):
             return False
         mask = kwargs.get("attention_mask")
@@ -1558,9 +1566,7 @@ class OffloadCache(Cache):
         of each decoder layer."""
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
         if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
-            hidden = args[0] if args else kwargs.get("hidden_states")
-            fused = isinstance(hidden, torch.Tensor) and fused_norms_on(self.config, hidden.device)
-            with fused_norms_active(fused):
+            with fused_norms_active(call_fuses_norms(self.config, args, kwargs)):
                 return forward(*args, **kwargs)
         return layer.run_decoder_layer(forward, args, kwargs)
 
