@@ -10,8 +10,9 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   marked ``*`` (and timed even where the grid leaves it out);
 * ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
   of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
-  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with two blocks per loop iteration (``-u2``) and
-  with 8 warps per program; their error is also given against
+  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with two blocks per loop iteration (``-u2``),
+  with 8 warps per program and with a ring of ``S`` blocks in flight through asynchronous copies (``-sS``,
+  :data:`~hf_offload.kernels.quantkey_mma.STAGES`); their error is also given against
   ``block_lse_emulated``, the rounding they are meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
@@ -138,9 +139,11 @@ def settings(args, bits: int) -> list[dict]:
         chosen.append(mine)
     # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): its default, then one change at a
     # time (loading the next block ahead, two blocks per loop iteration, 8 warps per program), and the other decode.
-    base = {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False, "unroll": 1}
+    base = {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False, "unroll": 1,
+            "stages": 0}  # fmt: skip
     for change in ({}, {"prefetch": True}, {"unroll": 2}, {"num_warps": 8}, {"unroll": 2, "num_warps": 8},
-                   {"variant": "mma-magic"}):  # fmt: skip
+                   {"stages": 2}, {"stages": 3}, {"stages": 4}, {"stages": 6}, {"stages": 3, "num_warps": 8},
+                   {"stages": 4, "num_warps": 8}, {"stages": 3, "unroll": 2}, {"variant": "mma-magic"}):  # fmt: skip
         chosen.append({**base, **change})
     return chosen
 
@@ -163,15 +166,16 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     default = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if quantkey_mma.mma_supported(first["query"], first["codes"], first["kmin"], bits):  # what block_lse runs
         default = {"variant": "mma", "block_n": None, "num_warps": quantkey_mma.WARPS, "rows_per_thread": None,
-                   "prefetch": quantkey_mma.PREFETCH, "unroll": quantkey_mma.UNROLL}  # fmt: skip
+                   "prefetch": quantkey_mma.PREFETCH, "unroll": quantkey_mma.UNROLL,
+                   "stages": quantkey_mma.STAGES}  # fmt: skip
     rows = []
     for setting in settings(args, bits):
 
         def launch(s, o, setting=setting):
             if setting["variant"].startswith("mma"):  # compile-time settings of the CUDA kernel
                 quantkey_mma.PREFETCH, quantkey_mma.UNROLL = setting["prefetch"], setting["unroll"]
-                quantkey_mma.WARPS = setting["num_warps"]
-            options = {k: v for k, v in setting.items() if k not in ("prefetch", "unroll")}
+                quantkey_mma.WARPS, quantkey_mma.STAGES = setting["num_warps"], setting["stages"]
+            options = {k: v for k, v in setting.items() if k not in ("prefetch", "unroll", "stages")}
             _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **options)
 
         row = {**setting, "default": setting == default}
@@ -208,6 +212,7 @@ def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | 
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
     name = row["variant"] + ("*" if row.get("default") else "") + ("-pf" if row.get("prefetch") else "")
     name += f"-u{row['unroll']}" if row.get("unroll", 1) > 1 else ""
+    name += f"-s{row['stages']}" if row.get("stages") else ""
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"

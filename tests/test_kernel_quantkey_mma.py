@@ -142,15 +142,23 @@ def test_extreme_steps_and_zero_ranges():
 
 @needs_mma
 @pytest.mark.cuda
-@pytest.mark.parametrize("prefetch, unroll, warps", [(True, 1, 4), (False, 2, 4), (False, 1, 8), (True, 2, 8)])
-def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps):
+@pytest.mark.parametrize(
+    "prefetch, unroll, warps, stages",
+    [(True, 1, 4, 0), (False, 2, 4, 0), (False, 1, 8, 0), (True, 2, 8, 0), (False, 1, 4, 0), (False, 1, 4, 2),
+     (False, 1, 4, 3), (False, 1, 4, 4), (False, 1, 8, 4), (False, 2, 4, 3), (False, 1, 4, 6)],
+)  # fmt: skip
+@pytest.mark.parametrize("bits, head_dim", [(2, 128), (4, 128), (2, 64), (4, 256)])
+def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps, stages, bits, head_dim):
     monkeypatch.setattr(quantkey_mma, "PREFETCH", prefetch)
     monkeypatch.setattr(quantkey_mma, "UNROLL", unroll)
     monkeypatch.setattr(quantkey_mma, "WARPS", warps)
-    query, s, _ = _inputs(2, 157, 2, 4, 128, device="cuda", seed=11)  # 157: neither 16 nor 64 blocks divide it
+    monkeypatch.setattr(quantkey_mma, "STAGES", stages)
+    # 157 of 180 blocks (a buffer with room to grow): 16 and 64 blocks per program leave rests
+    query, full, _ = _inputs(2, 180, 2, 4, head_dim, bits=bits, device="cuda", seed=11)
+    stride, s = 180, {k: v[:, :157] for k, v in full.items()}
     out = torch.full((2, 2, 4, 157), float("nan"), device="cuda")
-    got = quantkey_mma.launch(query, s["codes"], s["kmin"], s["kstep"], out, block_stride=157)
-    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"])
+    got = quantkey_mma.launch(query, s["codes"], s["kmin"], s["kstep"], out, block_stride=stride, bits=bits)
+    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"], bits)
     assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()
 
 
@@ -203,3 +211,20 @@ def test_dispatch_on_the_device_and_the_toolkit(monkeypatch, capability, hip, co
     if expected:
         assert not mma_supported(_Shape(2, 8, 4, 96), codes, kmin, 2)  # head_dim 96
         assert not mma_supported(query, _Shape(2, 100, 8, 32, 32, dtype=torch.uint8), kmin, 2)  # 32-token blocks
+
+
+@pytest.mark.parametrize("warps", [4, 8])
+def test_ring_depth_fits_static_shared_memory(monkeypatch, warps):
+    monkeypatch.setattr(quantkey_mma, "WARPS", warps)
+    for stages in (0, 1, 2, 3, 4, 6, 16):
+        monkeypatch.setattr(quantkey_mma, "STAGES", stages)
+        for head_dim in (64, 128, 256):
+            for bits in (2, 4):
+                depth = quantkey_mma.stages(head_dim, bits)
+                assert depth == 0 or 2 <= depth <= stages
+                ring = warps * depth * (2 * head_dim * bits + 2 * head_dim)
+                assert ring + 2 * warps * 16 * 9 * 4 <= quantkey_mma.SHARED_BYTES
+    monkeypatch.setattr(quantkey_mma, "STAGES", 3)
+    assert quantkey_mma.stages(128, 2) == 3  # 4 warps: 3 x 768 bytes each
+    monkeypatch.setattr(quantkey_mma, "STAGES", 1)
+    assert quantkey_mma.stages(128, 2) == 0  # a ring of one would only serialise the copies

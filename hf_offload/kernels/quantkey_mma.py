@@ -97,6 +97,14 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+#if STAGES  // asynchronous copies global -> shared (sm_80+), 16 bytes each, waited for in groups
+__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
+    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory"); }
+#endif
 constexpr int PER = 8 / BITS;         // codes per byte
 constexpr int CPW = 4 * PER;          // channels per 32-bit word of codes
 // Fragment register (p, s) of a word of packed codes (byte j holds channels PER j .. PER j + PER - 1, code p at bit
@@ -143,6 +151,22 @@ __device__ __forceinline__ void load_block(const unsigned char* __restrict__ cod
     }
 }
 
+#if STAGES
+constexpr int CODE_BYTES = 2 * D * BITS;           // one block's codes: 16 token rows of D * BITS / 8 bytes
+constexpr int RING_BYTES = CODE_BYTES + 2 * D;     // and its kstep (D bfloat16 values), one ring slot
+// Start copying block `row`'s codes and kstep into the ring slot `dst` (every lane of the warp takes part).
+__device__ __forceinline__ void issue_block(const unsigned char* __restrict__ codes,
+                                            const unsigned short* __restrict__ kstep, long long row,
+                                            unsigned char* dst, int lane) {
+    const unsigned char* c = codes + row * CODE_BYTES;
+    const unsigned char* k = reinterpret_cast<const unsigned char*>(kstep + row * D);
+#pragma unroll
+    for (int i = 16 * lane; i < CODE_BYTES; i += 512) cp_async16(dst + i, c + i);
+#pragma unroll
+    for (int i = 16 * lane; i < 2 * D; i += 512) cp_async16(dst + CODE_BYTES + i, k + i);
+}
+#endif
+
 // One program: one (sequence, KV head) and WARPS * 16 blocks; one warp: 16 blocks.
 // q: float32 [B, H, G, D] (scaled); codes: u8 [B, cap, H, 16, D/4]; kmin, kstep: bf16 [B, cap, H, D];
 // out: float32 [B, H, G, N].
@@ -161,6 +185,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
     const int first = (blockIdx.y * WARPS + warp) * 16;
     if (first >= n_blocks) return;
     const int c0 = CH * t;               // this thread's channels: c0 .. c0 + CH - 1
+    const int count = min(16, n_blocks - first);
+    const long long row0 = (b * stride + first) * heads + h;  // block first + j is row row0 + j * heads
+#if STAGES  // the first STAGES - 1 blocks' copies run while the query and the constants are prepared
+    __shared__ __align__(16) unsigned char ring[WARPS][STAGES][RING_BYTES];
+#pragma unroll
+    for (int j = 0; j < STAGES - 1; ++j) {
+        if (j < count) issue_block(codes, kstep, row0 + j * heads, ring[warp][j], lane);
+        cp_commit();
+    }
+#endif
 
     // The query of head g over this thread's channels, in the two orders the products need.
     float qv[CH];
@@ -216,14 +250,25 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
 
     const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
     const float to_exp2 = scale * 1.4426950408889634f;
-    const int count = min(16, n_blocks - first);
     u32 x0[W], x1[W], ks[CH / 2];  // block j: code words of token rows g and g + 8; kstep of this thread's channels
-    load_block(codes, kstep, (b * stride + first) * heads + h, g, t, x0, x1, ks);
+#if !STAGES
+    load_block(codes, kstep, row0, g, t, x0, x1, ks);
+#endif
     PRAGMA(unroll UNROLL)
     for (int j = 0; j < count; ++j) {
-#if PREFETCH  // the next block's loads are in flight while this one is scored
+#if STAGES  // block j + STAGES - 1 starts copying into the slot block j - 1 left; block j's copies are waited for
+        __syncwarp();  // every lane has read block j - 1 from its slot
+        if (j + STAGES - 1 < count)
+            issue_block(codes, kstep, row0 + (j + STAGES - 1) * heads, ring[warp][(j + STAGES - 1) % STAGES], lane);
+        cp_commit();
+        cp_wait();
+        __syncwarp();  // and every lane's copies of block j are visible to the others
+        load_block(ring[warp][j % STAGES], reinterpret_cast<const unsigned short*>(ring[warp][j % STAGES] + CODE_BYTES),
+                   0, g, t, x0, x1, ks);
+#endif
+#if PREFETCH && !STAGES  // the next block's loads are in flight while this one is scored
         u32 nx0[W], nx1[W], nks[CH / 2];
-        if (j + 1 < count) load_block(codes, kstep, (b * stride + first + j + 1) * heads + h, g, t, nx0, nx1, nks);
+        if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, nx0, nx1, nks);
 #endif
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -260,13 +305,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
             sums[warp][j][2 * t] = s0;
             sums[warp][j][2 * t + 1] = s1;
         }
-#if PREFETCH
+#if STAGES
+#elif PREFETCH
 #pragma unroll
         for (int i = 0; i < W; ++i) { x0[i] = nx0[i]; x1[i] = nx1[i]; }
 #pragma unroll
         for (int i = 0; i < CH / 2; ++i) ks[i] = nks[i];
 #else
-        if (j + 1 < count) load_block(codes, kstep, (b * stride + first + j + 1) * heads + h, g, t, x0, x1, ks);
+        if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, x0, x1, ks);
 #endif
     }
     __syncwarp();
@@ -297,14 +343,35 @@ compiled; ``benchmarks/bench_quantkey_kernel.py`` times both). Off: on an H200 a
 the prefetching kernel took 154.2 us per call and the plain one 146.4 (``results/selection/mma_h200/``), the extra
 registers costing more than the hidden latency gains."""
 
+STAGES = 0
+"""Blocks a warp keeps in flight through asynchronous copies into a ring in shared memory (``cp.async``; read when a
+kernel is compiled; ``benchmarks/bench_quantkey_kernel.py`` times several): block ``j + STAGES - 1``'s codes and
+steps are copied while block ``j`` is scored, without holding registers as :data:`PREFETCH` does. 0: each block is
+loaded straight into registers when the previous one is done. Capped where the ring would not fit the 48 KiB of
+static shared memory (:func:`stages`)."""
+
+SHARED_BYTES = 48 * 1024
+"""Static shared memory a kernel may declare."""
+
+
+def stages(head_dim: int, bits: int) -> int:
+    """The ring depth compiled for ``head_dim`` and ``bits``: :data:`STAGES`, lowered until the ring (``WARPS *
+    stages * (2 * head_dim * bits + 2 * head_dim)`` bytes) and the per-block staging arrays (``2 * WARPS * 16 * 9``
+    floats) fit :data:`SHARED_BYTES`; 0 or 1 mean no ring (a ring of one block would only serialise the copies)."""
+    ring = WARPS * (2 * head_dim * bits + 2 * head_dim)
+    fits = (SHARED_BYTES - 2 * WARPS * 16 * 9 * 4) // ring
+    depth = min(STAGES, fits)
+    return depth if depth >= 2 else 0
+
+
 _COMPILED: dict[tuple, object] = {}
 _FAILED: str | None = None  # why compiling failed, once it has (then the kernel is not offered again)
 
 
 def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
-    """The compiled kernel for ``head_dim``, ``bits``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS`
-    and :data:`UNROLL` (compiled once per process each)."""
-    key = (head_dim, bits, decode, PREFETCH, WARPS, UNROLL)
+    """The compiled kernel for ``head_dim``, ``bits``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS`,
+    :data:`UNROLL` and :func:`stages` (compiled once per process each)."""
+    key = (head_dim, bits, decode, PREFETCH, WARPS, UNROLL, stages(head_dim, bits))
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -312,7 +379,7 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
-                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL}  # fmt: skip
+                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "STAGES": key[-1]}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
