@@ -3,8 +3,8 @@
 # and 2; the second launch of each setting. Usage: bash results/selection/ring_h200/run2.sh
 set -u
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
-timeout 300 ncu --clock-control none --kernel-name quantkey_mma --launch-skip 1 --launch-skip-before-match 0 \
-  --launch-count 1000 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
+timeout 300 ncu --clock-control none --kernel-name quantkey_mma \
+  --launch-count 8 --section SpeedOfLight --section Occupancy --section WarpStateStats --section SchedulerStats \
   --section LaunchStats --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
   python3 results/selection/ring_h200/ncu_quantkey.py > $OUT/ncu_quantkey.txt 2>&1
 echo "ncu rc=$?"
