@@ -11,8 +11,9 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
 * ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
   of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
   9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with two blocks per loop iteration (``-u2``),
-  with 8 warps per program and with a ring of ``S`` blocks in flight through asynchronous copies (``-sS``,
-  :data:`~hf_offload.kernels.quantkey_mma.STAGES`); their error is also given against
+  with 8 warps per program, with a ring of ``S`` blocks in flight through asynchronous copies (``-sS``,
+  :data:`~hf_offload.kernels.quantkey_mma.STAGES`), with two accumulators (``-c2``, ``CHAINS``) and with registers
+  capped for ``B`` programs per multiprocessor (``-bB``, ``MIN_BLOCKS``); their error is also given against
   ``block_lse_emulated``, the rounding they are meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
@@ -140,10 +141,12 @@ def settings(args, bits: int) -> list[dict]:
     # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): its default, then one change at a
     # time (loading the next block ahead, two blocks per loop iteration, 8 warps per program), and the other decode.
     base = {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False, "unroll": 1,
-            "stages": 0}  # fmt: skip
-    for change in ({}, {"prefetch": True}, {"unroll": 2}, {"num_warps": 8}, {"unroll": 2, "num_warps": 8},
-                   {"stages": 2}, {"stages": 3}, {"stages": 4}, {"stages": 6}, {"stages": 3, "num_warps": 8},
-                   {"stages": 4, "num_warps": 8}, {"stages": 3, "unroll": 2}, {"variant": "mma-magic"}):  # fmt: skip
+            "stages": 0, "chains": 1, "min_blocks": 0}  # fmt: skip
+    for change in ({}, {"prefetch": True}, {"unroll": 2}, {"num_warps": 8}, {"stages": 2}, {"stages": 3},
+                   {"stages": 4}, {"chains": 2}, {"min_blocks": 8}, {"stages": 2, "min_blocks": 8},
+                   {"stages": 2, "chains": 2, "min_blocks": 8}, {"stages": 3, "chains": 2, "min_blocks": 8},
+                   {"stages": 2, "chains": 2, "min_blocks": 9}, {"stages": 2, "chains": 2},
+                   {"variant": "mma-magic"}):  # fmt: skip
         chosen.append({**base, **change})
     return chosen
 
@@ -166,8 +169,8 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     default = {"variant": "v2", **_default_config(args.tokens, args.head_dim, bits, args.group)}
     if quantkey_mma.mma_supported(first["query"], first["codes"], first["kmin"], bits):  # what block_lse runs
         default = {"variant": "mma", "block_n": None, "num_warps": quantkey_mma.WARPS, "rows_per_thread": None,
-                   "prefetch": quantkey_mma.PREFETCH, "unroll": quantkey_mma.UNROLL,
-                   "stages": quantkey_mma.STAGES}  # fmt: skip
+                   "prefetch": quantkey_mma.PREFETCH, "unroll": quantkey_mma.UNROLL, "stages": quantkey_mma.STAGES,
+                   "chains": quantkey_mma.CHAINS, "min_blocks": quantkey_mma.MIN_BLOCKS}  # fmt: skip
     rows = []
     for setting in settings(args, bits):
 
@@ -175,7 +178,9 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             if setting["variant"].startswith("mma"):  # compile-time settings of the CUDA kernel
                 quantkey_mma.PREFETCH, quantkey_mma.UNROLL = setting["prefetch"], setting["unroll"]
                 quantkey_mma.WARPS, quantkey_mma.STAGES = setting["num_warps"], setting["stages"]
-            options = {k: v for k, v in setting.items() if k not in ("prefetch", "unroll", "stages")}
+                quantkey_mma.CHAINS, quantkey_mma.MIN_BLOCKS = setting["chains"], setting["min_blocks"]
+            compile_time = ("prefetch", "unroll", "stages", "chains", "min_blocks")
+            options = {k: v for k, v in setting.items() if k not in compile_time}
             _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **options)
 
         row = {**setting, "default": setting == default}
@@ -213,6 +218,8 @@ def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | 
     name = row["variant"] + ("*" if row.get("default") else "") + ("-pf" if row.get("prefetch") else "")
     name += f"-u{row['unroll']}" if row.get("unroll", 1) > 1 else ""
     name += f"-s{row['stages']}" if row.get("stages") else ""
+    name += "-c2" if row.get("chains", 1) > 1 else ""
+    name += f"-b{row['min_blocks']}" if row.get("min_blocks") else ""
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"

@@ -12,12 +12,13 @@ def test_settings_time_v1_then_the_v2_grid_then_the_tensor_core_kernel():
     triton = [s for s in chosen[1:] if s["variant"] == "v2"]
     assert len(triton) == 4 and chosen[1:5] == triton  # 2 warps x 2 rows (the default among them)
     cuda = chosen[5:]
-    assert [s["variant"] for s in cuda] == ["mma"] * 12 + ["mma-magic"]  # the default, then one change at a time
+    assert [s["variant"] for s in cuda] == ["mma"] * 14 + ["mma-magic"]  # the default, then one change at a time
     assert cuda[0] == {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False,
-                       "unroll": 1, "stages": 0}  # fmt: skip
-    assert {(s["prefetch"], s["unroll"], s["num_warps"], s["stages"]) for s in cuda[1:12]} == {
-        (True, 1, 4, 0), (False, 2, 4, 0), (False, 1, 8, 0), (False, 2, 8, 0), (False, 1, 4, 2), (False, 1, 4, 3),
-        (False, 1, 4, 4), (False, 1, 4, 6), (False, 1, 8, 3), (False, 1, 8, 4), (False, 2, 4, 3)}  # fmt: skip
+                       "unroll": 1, "stages": 0, "chains": 1, "min_blocks": 0}  # fmt: skip
+    changed = [{k: v for k, v in s.items() if v != cuda[0][k]} for s in cuda[1:14]]
+    assert {"prefetch": True} in changed and {"num_warps": 8} in changed and {"stages": 3} in changed
+    assert {"stages": 2, "chains": 2, "min_blocks": 8} in changed
+    assert len({tuple(sorted(c.items())) for c in changed}) == 13  # no setting twice
     narrow = bench_quantkey_kernel.parse_args(["--head-dim", "32", "--warps", "1"])
     chosen = bench_quantkey_kernel.settings(narrow, 2)
     triton = [s for s in chosen if s["variant"] in ("v1", "v2")]
@@ -34,3 +35,5 @@ def test_table_line_marks_the_default():
     assert bench_quantkey_kernel.table_line(mma, 10**8, 2 * 10**8, 2e-4).startswith("mma-pf-u2")
     ring = {**mma, "prefetch": False, "unroll": 1, "stages": 3}
     assert bench_quantkey_kernel.table_line(ring, 10**8, 2 * 10**8, 2e-4).startswith("mma-s3 ")
+    capped = {**ring, "chains": 2, "min_blocks": 8}
+    assert bench_quantkey_kernel.table_line(capped, 10**8, 2 * 10**8, 2e-4).startswith("mma-s3-c2-b8 ")

@@ -143,16 +143,21 @@ def test_extreme_steps_and_zero_ranges():
 @needs_mma
 @pytest.mark.cuda
 @pytest.mark.parametrize(
-    "prefetch, unroll, warps, stages",
-    [(True, 1, 4, 0), (False, 2, 4, 0), (False, 1, 8, 0), (True, 2, 8, 0), (False, 1, 4, 0), (False, 1, 4, 2),
-     (False, 1, 4, 3), (False, 1, 4, 4), (False, 1, 8, 4), (False, 2, 4, 3), (False, 1, 4, 6)],
+    "prefetch, unroll, warps, stages, chains, min_blocks",
+    [(True, 1, 4, 0, 1, 0), (False, 2, 4, 0, 1, 0), (False, 1, 8, 0, 1, 0), (True, 2, 8, 0, 1, 0), (False, 1, 4, 0, 1, 0),
+     (False, 1, 4, 2, 1, 0), (False, 1, 4, 3, 1, 0), (False, 1, 4, 4, 1, 0), (False, 1, 8, 4, 1, 0),
+     (False, 2, 4, 3, 1, 0), (False, 1, 4, 6, 1, 0), (False, 1, 4, 0, 2, 0), (False, 1, 4, 2, 2, 8),
+     (False, 1, 4, 0, 1, 8), (False, 2, 4, 3, 2, 9)],
 )  # fmt: skip
 @pytest.mark.parametrize("bits, head_dim", [(2, 128), (4, 128), (2, 64), (4, 256)])
-def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps, stages, bits, head_dim):
+def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps, stages, chains, min_blocks, bits,
+                                           head_dim):  # fmt: skip
     monkeypatch.setattr(quantkey_mma, "PREFETCH", prefetch)
     monkeypatch.setattr(quantkey_mma, "UNROLL", unroll)
     monkeypatch.setattr(quantkey_mma, "WARPS", warps)
     monkeypatch.setattr(quantkey_mma, "STAGES", stages)
+    monkeypatch.setattr(quantkey_mma, "CHAINS", chains)
+    monkeypatch.setattr(quantkey_mma, "MIN_BLOCKS", min_blocks)
     # 157 of 180 blocks (a buffer with room to grow): 16 and 64 blocks per program leave rests
     query, full, _ = _inputs(2, 180, 2, 4, head_dim, bits=bits, device="cuda", seed=11)
     stride, s = 180, {k: v[:, :157] for k, v in full.items()}

@@ -170,7 +170,12 @@ __device__ __forceinline__ void issue_block(const unsigned char* __restrict__ co
 // One program: one (sequence, KV head) and WARPS * 16 blocks; one warp: 16 blocks.
 // q: float32 [B, H, G, D] (scaled); codes: u8 [B, cap, H, 16, D/4]; kmin, kstep: bf16 [B, cap, H, D];
 // out: float32 [B, H, G, N].
-extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
+#if MINBLOCKS
+#define BOUNDS __launch_bounds__(32 * WARPS, MINBLOCKS)
+#else
+#define BOUNDS __launch_bounds__(32 * WARPS)
+#endif
+extern "C" __global__ void BOUNDS quantkey_mma(
     const float* __restrict__ q, const unsigned char* __restrict__ codes, const unsigned short* __restrict__ kmin,
     const unsigned short* __restrict__ kstep, float* __restrict__ out, int n_blocks, int heads, int stride, int group) {
     constexpr int W = D * BITS / 128;    // code words per token row and thread
@@ -271,6 +276,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
         if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, nx0, nx1, nks);
 #endif
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if CHAINS == 2  // odd products accumulate apart, halving the chain of dependent mma instructions
+        float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+#endif
 #pragma unroll
         for (int wi = 0; wi < W; ++wi)
 #pragma unroll
@@ -282,8 +290,17 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) quantkey_mma(
                     const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
                     bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
                 }
+#if CHAINS == 2
+                mma((PER * wi + p) & 1 ? acc2 : acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1),
+                    take(x1[wi], p, 1), bb[0], bb[1]);
+#else
                 mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0], bb[1]);
+#endif
             }
+#if CHAINS == 2
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
+#endif
         // Log-sum-exp over the 16 tokens (rows g and g + 8 of the 8 lanes sharing t) of heads 2t and 2t + 1.
         float m0 = fmaxf(acc[0], acc[2]), m1 = fmaxf(acc[1], acc[3]);
 #pragma unroll
@@ -343,6 +360,16 @@ compiled; ``benchmarks/bench_quantkey_kernel.py`` times both). Off: on an H200 a
 the prefetching kernel took 154.2 us per call and the plain one 146.4 (``results/selection/mma_h200/``), the extra
 registers costing more than the hidden latency gains."""
 
+CHAINS = 1
+"""Accumulators per block (read when a kernel is compiled): 1, or 2 (the products of odd register pairs go to a
+second accumulator, summed at the end: half as long a chain of dependent ``mma`` instructions, 4 more registers;
+the float32 sum runs in another order)."""
+
+MIN_BLOCKS = 0
+"""Programs per multiprocessor the compiler is asked to fit (``__launch_bounds__``' second argument; read when a
+kernel is compiled): 0 leaves the registers to the compiler (72 per thread at 2 bits, head_dim 128: 7 programs of 4
+warps), 8 caps them at 64 per thread."""
+
 STAGES = 0
 """Blocks a warp keeps in flight through asynchronous copies into a ring in shared memory (``cp.async``; read when a
 kernel is compiled; ``benchmarks/bench_quantkey_kernel.py`` times several): block ``j + STAGES - 1``'s codes and
@@ -370,8 +397,8 @@ _FAILED: str | None = None  # why compiling failed, once it has (then the kernel
 
 def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
     """The compiled kernel for ``head_dim``, ``bits``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS`,
-    :data:`UNROLL` and :func:`stages` (compiled once per process each)."""
-    key = (head_dim, bits, decode, PREFETCH, WARPS, UNROLL, stages(head_dim, bits))
+    :data:`UNROLL`, :data:`CHAINS`, :data:`MIN_BLOCKS` and :func:`stages` (compiled once per process each)."""
+    key = (head_dim, bits, decode, PREFETCH, WARPS, UNROLL, CHAINS, MIN_BLOCKS, stages(head_dim, bits))
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -379,7 +406,8 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
-                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "STAGES": key[-1]}  # fmt: skip
+                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": MIN_BLOCKS,
+                   "STAGES": key[-1]}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
