@@ -21,7 +21,7 @@ bench 64k_b10_default_ring 2 10 "quantkey[bits=4,tail_bits=2,tail_near=3]" 80
 for f in $OUT/bench_decode_*.json; do python3 -c "
 import json,statistics as st; r=json.load(open('$f'))['runs'][0]; e=r['step_ms_each']; h=r['host_ms_each']; s=[x for i,x in enumerate(e) if i%16 not in (0,15)]; print('$f'.split('/')[-1], r['steps'], round(r['tokens_per_s'],1), 'steady', round(st.mean(s),2), 'host med', round(st.median(h),2), 'hit', round(r['hit_rate'] or 0,3), 'peak', round(r['peak_device_bytes']/2**30,1))"; done
 timeout -s TERM 120 python3 benchmarks/bench_decode_step.py --context 65536 --batch 12 --transfers kernel --graphs on \
-  --lookahead off --selector quantkey --admission auto --steps 3 --warmup 2 --profile 3 \
+  --lookahead off --selector quantkey --admission auto --device-memory-gib 114 --steps 3 --warmup 2 --profile 3 \
   --profile-trace quantkey_mma --out $OUT/decode_step_64k_b12_graphs.json > /tmp/l_trace.txt 2>&1; echo "trace rc=$?"
 tail -3 /tmp/l_trace.txt | cut -c1-300; grep -A70 "kernels per period" /tmp/l_trace.txt | cut -c1-160
 ls $OUT
