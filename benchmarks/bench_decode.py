@@ -318,7 +318,7 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
     capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None),
                     decode_attention=getattr(args, "decode_attention", "auto"))  # fmt: skip
     if not method.endswith("-auto"):
-        return OffloadConfig(budget_tokens=args.budget, selector=selector, fused_norms=fused_norms_of(args), **capacity)
+        return OffloadConfig(budget_tokens=args.budget, selector=selector, **fusions_of(args), **capacity)
     gib = args.admission_gib
     if gib is None:
         free = torch.cuda.mem_get_info(device)[0] if device is not None and device.type == "cuda" else 0
@@ -326,13 +326,15 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
         gib = suggested_device_memory_gib(shape, context, batch, always, free - transient_bytes,
                                           args.admission_margin_gib)  # fmt: skip
     return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib,
-                         graph_scope=getattr(args, "graph_scope", "layer"), fused_norms=fused_norms_of(args),
+                         graph_scope=getattr(args, "graph_scope", "layer"), **fusions_of(args),
                          **capacity)  # fmt: skip
 
 
-def fused_norms_of(args) -> bool | None:
-    """OffloadConfig.fused_norms for ``--fused-norms`` (auto: None, on: True, off: False)."""
-    return {"auto": None, "on": True, "off": False}[getattr(args, "fused_norms", "auto")]
+def fusions_of(args) -> dict:
+    """OffloadConfig.fused_norms and fused_rotary for ``--fused-norms`` and ``--fused-rotary`` (auto: None, on: True,
+    off: False)."""
+    setting = {"auto": None, "on": True, "off": False}
+    return {name: setting[getattr(args, name, "auto")] for name in ("fused_norms", "fused_rotary")}
 
 
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
@@ -421,13 +423,13 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     if method in ("solohead", "quantkey"):
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
                             decode_capacity_blocks=capacity, decode_attention=attention,
-                            fused_norms=fused_norms_of(args)), "auto"  # fmt: skip
+                            **fusions_of(args)), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
                             decode_capacity_blocks=capacity, decode_attention=attention,
                             graph_scope=getattr(args, "graph_scope", "layer"),
-                            fused_norms=fused_norms_of(args)), "auto"  # fmt: skip
+                            **fusions_of(args)), "auto"  # fmt: skip
     if method in ("solohead-auto", "quantkey-auto"):
         return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
 
@@ -714,6 +716,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="what a replayed CUDA graph covers (OffloadConfig.graph_scope)")
     parser.add_argument("--fused-norms", choices=("auto", "on", "off"), default="auto",
                         help="OffloadConfig.fused_norms (auto: on where Triton runs on CUDA)")
+    parser.add_argument("--fused-rotary", choices=("auto", "on", "off"), default="auto",
+                        help="OffloadConfig.fused_rotary (auto: on where Triton runs on CUDA)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
@@ -859,7 +863,8 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
                                  device=str(device), quantkey_kernel=chosen_variant(),
-                                 graph_scope=args.graph_scope, fused_norms=args.fused_norms),  # fmt: skip
+                                 graph_scope=args.graph_scope, fused_norms=args.fused_norms,
+                                 fused_rotary=args.fused_rotary),  # fmt: skip
         "decode_only": DECODE_ONLY,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,

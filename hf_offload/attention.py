@@ -32,6 +32,7 @@ from .kernels.paged import paged_decode
 from .kernels.tail import attention_lse, merge_attention
 from .graphs import DecodeInputs, remove_layer_calls
 from .norms import remove_fused_norms
+from .rotary import remove_fused_rotary
 from .selectors.base import Selection
 
 if TYPE_CHECKING:
@@ -764,3 +765,4 @@ def disable_offload_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(current[len(PREFIX) :])
     remove_layer_calls(model)
     remove_fused_norms(model)
+    remove_fused_rotary(model)

@@ -17,6 +17,7 @@ device: their KV is bounded by the window.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 import weakref
@@ -31,6 +32,7 @@ from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_atten
 from .config import OffloadConfig
 from .lookahead import speculative_query
 from .norms import fused_norms_active, install_fused_norms
+from .rotary import fused_rotary_active, install_fused_rotary
 from .graphs import (
     CapturedDecode,
     CapturedLayer,
@@ -184,29 +186,41 @@ def _hidden_states(args: tuple, kwargs: dict):
     return args[0] if args else kwargs.get("hidden_states")
 
 
-def call_fuses_norms(config: OffloadConfig, args: tuple, kwargs: dict) -> bool:
-    """Whether a decoder layer call runs its RMS norms with the kernel: :func:`fused_norms_on` for the device of
-    its hidden states."""
+def call_fusions(config: OffloadConfig, args: tuple, kwargs: dict) -> tuple[bool, bool]:
+    """Whether a decoder layer call runs its RMS norms and its rotary embedding with the kernels: :func:`fusions_on`
+    for the device of its hidden states."""
     hidden = _hidden_states(args, kwargs)
-    return isinstance(hidden, torch.Tensor) and fused_norms_on(config, hidden.device)
+    return fusions_on(config, hidden.device) if isinstance(hidden, torch.Tensor) else (False, False)
 
 
-def fused_norms_on(config: OffloadConfig, device: torch.device) -> bool:
-    """Whether decoder layer calls on ``device`` run their RMS norms with the kernel (``config.fused_norms``).
+def fusions_on(config: OffloadConfig, device: torch.device) -> tuple[bool, bool]:
+    """Whether decoder layer calls on ``device`` run their RMS norms (``config.fused_norms``) and their rotary
+    embedding (``config.fused_rotary``) with the kernels.
 
     Raises:
-        RuntimeError: ``fused_norms=True`` where Triton cannot run.
+        RuntimeError: either set to ``True`` where Triton cannot run.
     """
     from .kernels.gather import kernels_available  # looked up at call time (benchmarks stand in for it)
 
-    norms = config.fused_norms
     triton_here = kernels_available(device)
-    if norms and not triton_here:
-        raise RuntimeError(
-            f"fused_norms=True needs Triton on the layer's device ({device}); use fused_norms=None (on where Triton "
-            "runs on CUDA) or False."
-        )
-    return bool(triton_here and (device.type == "cuda" if norms is None else norms))
+    on = []
+    for name in ("fused_norms", "fused_rotary"):
+        setting = getattr(config, name)
+        if setting and not triton_here:
+            raise RuntimeError(
+                f"{name}=True needs Triton on the layer's device ({device}); use {name}=None (on where Triton runs on "
+                "CUDA) or False."
+            )
+        on.append(bool(triton_here and (device.type == "cuda" if setting is None else setting)))
+    return on[0], on[1]
+
+
+@contextlib.contextmanager
+def fused(fusions: tuple[bool, bool]):
+    """Run the enclosed decoder layer call with its norms and rotary embedding fused as ``fusions`` says
+    (:func:`fusions_on`)."""
+    with fused_norms_active(fusions[0]), fused_rotary_active(fusions[1]):
+        yield
 
 
 class OffloadLayer(CacheLayerMixin):
@@ -395,7 +409,7 @@ class OffloadLayer(CacheLayerMixin):
             )
         self.graphs = bool(kernels_on_cuda and graphs is not False and not self.lookahead and not self.config.timing)
         # Before the first update fixes the device, each layer call decides from its hidden states' device.
-        self.fused_norms = None if device is None else fused_norms_on(self.config, device)
+        self.fusions = None if device is None else fusions_on(self.config, device)
         capacity = self.config.decode_capacity_blocks
         if capacity is None:
             capacity = GRAPH_CAPACITY_BLOCKS if self.graphs and self.selector.masks_invalid else 1
@@ -770,10 +784,10 @@ class OffloadLayer(CacheLayerMixin):
             args, kwargs: the call's arguments (the hidden states ``[batch, 1, hidden]``, the rotary embeddings, the
                 lazy mask, this cache, ...).
         """
-        fused = getattr(self, "fused_norms", None)
-        if fused is None:  # the layer's first call: its device is the hidden states'
-            fused = call_fuses_norms(self.config, args, kwargs)
-        with fused_norms_active(fused):
+        fusions = getattr(self, "fusions", None)
+        if fusions is None:  # the layer's first call: its device is the hidden states'
+            fusions = call_fusions(self.config, args, kwargs)
+        with fused(fusions):
             return self._run_decoder_layer(forward, args, kwargs)
 
     def _run_decoder_layer(self, forward: Callable, args: tuple, kwargs: dict):
@@ -1557,6 +1571,7 @@ class OffloadCache(Cache):
         self.original_attn_implementation = enable_offload_attention(model)
         install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
         install_fused_norms(model)  # their norms run one kernel inside those calls where fused_norms is on
+        install_fused_rotary(model)  # and their rotary embedding where fused_rotary is on
         self._model_ref = weakref.ref(model)
 
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
@@ -1566,7 +1581,7 @@ class OffloadCache(Cache):
         of each decoder layer."""
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
         if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
-            with fused_norms_active(call_fuses_norms(self.config, args, kwargs)):
+            with fused(call_fusions(self.config, args, kwargs)):
                 return forward(*args, **kwargs)
         return layer.run_decoder_layer(forward, args, kwargs)
 
@@ -1577,16 +1592,17 @@ class OffloadCache(Cache):
 
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
-        ``timing``, ``fused_norms``) on a filled cache, e.g. to compare them on one cache. Captured decode graphs are
+        ``timing``, ``fused_norms``, ``fused_rotary``) on a filled cache, e.g. to compare them on one cache. Captured
+        decode graphs are
         dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).
         """
-        other = set(changes) - {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms"}
+        other = set(changes) - {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms", "fused_rotary"}
         if other:
             raise ValueError(
-                f"set_options() changes lookahead, cuda_graphs, graph_scope, timing and fused_norms only; "
+                f"set_options() changes lookahead, cuda_graphs, graph_scope, timing, fused_norms and fused_rotary only; "
                 f"{sorted(other)} fix the cache's layout: build a new OffloadCache for them."
             )
         config = self.config.replace(**changes)

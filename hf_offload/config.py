@@ -115,6 +115,12 @@ class OffloadConfig:
             order (an output element can move by one unit in the last place). ``None`` (default): on where Triton
             runs on the layer's CUDA device; ``True``: on wherever Triton runs (also its CPU interpreter), an error
             elsewhere; ``False``: off, transformers' own norms, bit for bit.
+        fused_rotary: compute the rotary embedding of the query and key states in the decoder layer calls this
+            cache runs with one Triton launch (:mod:`hf_offload.rotary`) instead of transformers' ten small kernels,
+            bit for bit (for attention modules that call Llama's ``apply_rotary_pos_emb``: Llama, Mistral, Qwen2,
+            Qwen3, Gemma 3, ...; others keep theirs). ``None`` (default): on where Triton runs on the layer's CUDA
+            device; ``True``: on wherever Triton runs (also its CPU interpreter), an error elsewhere; ``False``:
+            off, transformers' own function.
         decode_attention: how a decode step attends its selected blocks. ``"paged"``: one Triton kernel reads each
             block where it lies: blocks of admitted chunks (``admission="auto"``) in place, blocks in host memory
             from the slot pool after their recall, so only those are ever copied (needs the kernel transfer path).
@@ -148,6 +154,7 @@ class OffloadConfig:
     decode_capacity_blocks: int | None = None
     decode_attention: str = "auto"
     fused_norms: bool | None = None
+    fused_rotary: bool | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -247,11 +254,10 @@ class OffloadConfig:
                 f"decode_capacity_blocks must be a positive integer (blocks a decode step's scored blocks are rounded "
                 f"up to) or None (64 with CUDA graphs, else 1), got {capacity!r}."
             )
-        if self.fused_norms is not None and not isinstance(self.fused_norms, bool):
-            raise ValueError(
-                f"fused_norms must be True, False or None (None: on where Triton runs on CUDA), got "
-                f"{self.fused_norms!r}."
-            )
+        for name in ("fused_norms", "fused_rotary"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name} must be True, False or None (None: on where Triton runs on CUDA), got {value!r}.")
         if self.decode_attention not in ("auto", "paged", "pool"):
             raise ValueError(f"decode_attention must be 'auto', 'paged' or 'pool', got {self.decode_attention!r}.")
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):
