@@ -20,7 +20,7 @@ grep -E "^E |FAILED|passed|failed" $OUT/pytest_rotary.txt | tail -6 | cut -c1-30
 bench 64k_b12_default 2 12 quantkey auto 72
 bench 64k_b12_noring 0 12 quantkey auto 72
 bench 64k_b12_torchrotary 2 12 quantkey off 72
-bench 64k_b10_default_sel 2 10 "quantkey[bits=4,tail_bits=2,tail_near=3]" 78
+bench 64k_b10_default_sel 2 10 "quantkey[bits=4,tail_bits=2,tail_near=3]" auto 78
 for f in $OUT/bench_decode_*.json; do python3 -c "
 import json,statistics as st; r=json.load(open('$f'))['runs'][0]; e=r['step_ms_each']; h=r['host_ms_each']; s=[x for i,x in enumerate(e) if i%16 not in (0,15)]; print('$f'.split('/')[-1], r['steps'], round(r['tokens_per_s'],1), 'steady', round(st.mean(s),2), 'host med', round(st.median(h),2), 'hit', round(r['hit_rate'] or 0,3), 'peak', round(r['peak_device_bytes']/2**30,1))"; done
 timeout -s TERM 100 python3 benchmarks/bench_decode_step.py --context 65536 --batch 12 --transfers kernel --graphs on \
