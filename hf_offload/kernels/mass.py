@@ -9,9 +9,9 @@ each a kernel of 1-7 us inside a decode step's CUDA graph: 30.5 us per layer at 
 (:func:`block_scores_reference`) up to float32 rounding (the sums run in another order), with the same ``+inf`` and
 ``-inf`` entries; the tests compare the two on the CPU under Triton's interpreter and on CUDA.
 
-Three launches, no loop: per sequence, head and chunk of ``BLOCK_N`` blocks the maximum and sum of exponentials
-over its valid blocks; per sequence and head those combined (a fixed ``MAX_CHUNKS``-wide load); per sequence and
-chunk the masses summed over heads and the final scores.
+Three launches, no loop: per sequence, head and chunk of ``STATS_BLOCK_N`` blocks the maximum and sum of
+exponentials over its valid blocks; per sequence and head those combined (a fixed ``MAX_STATS_CHUNKS``-wide load);
+per sequence and chunk of ``BLOCK_N`` blocks the masses summed over heads and the final scores.
 """
 
 from __future__ import annotations
@@ -21,12 +21,20 @@ import torch
 from .gather import kernels_available, tl, triton
 
 BLOCK_N = 128
-"""Blocks per program of the first and third launches."""
+"""Blocks per program of the third launch (the scores)."""
+
+STATS_BLOCK_N = 1024
+"""Blocks per program of the first launch (the chunk statistics): one program per sequence, head and 1,024 blocks.
+At 128 (the scores' chunk) that launch ran 12,288 programs of 128 values at 64K tokens, batch 12 and took 10.8 us per
+layer on an H200 (``results/decode/ring_h200/``), more than its 6 MB of reads need."""
 
 MAX_CHUNKS = 1024
 """Most ``BLOCK_N``-block chunks per sequence the kernels take (131,072 blocks, 2M tokens at 16-token blocks);
 above it the torch code runs. A fixed bound keeps the compiled kernels the same whatever the block count (no
 runtime loop, no new specialisation when a decode step's capacity grows)."""
+
+MAX_STATS_CHUNKS = MAX_CHUNKS * BLOCK_N // STATS_BLOCK_N
+"""The same bound in ``STATS_BLOCK_N``-block chunks (the second launch's fixed-width load)."""
 
 
 def block_scores_reference(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
@@ -137,15 +145,16 @@ def block_scores(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -
     if not block_scores_supported(lse):
         return block_scores_reference(lse, valid, forced)
     batch, heads, group, n = lse.shape
-    rows, chunks = heads * group, triton.cdiv(n, BLOCK_N)
+    rows, chunks, stat_chunks = heads * group, triton.cdiv(n, BLOCK_N), triton.cdiv(n, STATS_BLOCK_N)
     lse = lse.contiguous()
     valid_u8 = valid.contiguous().view(torch.uint8)
     forced_u8 = forced.contiguous().view(torch.uint8)
-    part = torch.empty((batch, rows, chunks, 2), dtype=torch.float32, device=lse.device)
+    part = torch.empty((batch, rows, stat_chunks, 2), dtype=torch.float32, device=lse.device)
     stats = torch.empty((batch, rows, 2), dtype=torch.float32, device=lse.device)
     out = torch.empty((batch, 1, n), dtype=torch.float32, device=lse.device)
-    _chunk_stats_kernel[(batch * rows, chunks)](lse, valid_u8, part, rows, n, chunks, BLOCK=BLOCK_N)
-    _row_stats_kernel[(batch * rows,)](part, stats, chunks, MAX_C=MAX_CHUNKS)
+    _chunk_stats_kernel[(batch * rows, stat_chunks)](lse, valid_u8, part, rows, n, stat_chunks, BLOCK=STATS_BLOCK_N,
+                                                     num_warps=4)  # fmt: skip
+    _row_stats_kernel[(batch * rows,)](part, stats, stat_chunks, MAX_C=MAX_STATS_CHUNKS)
     _scores_kernel[(batch, chunks)](lse, valid_u8, forced_u8, stats, out, rows, n,
                                     ROWS=triton.next_power_of_2(rows), BLOCK=BLOCK_N)  # fmt: skip
     return out
