@@ -21,7 +21,9 @@ bench 128k_b6 1024 131072 6 85
 for f in $OUT/bench_decode_*.json; do python3 -c "
 import json,statistics as st; r=json.load(open('$f'))['runs'][0]; e=r['step_ms_each']; h=r['host_ms_each']; s=[x for i,x in enumerate(e) if i%16 not in (0,15)]; print('$f'.split('/')[-1], r['steps'], round(r['tokens_per_s'],1), 'steady', round(st.mean(s),2), 'host med', round(st.median(h),2), 'hit', round(r['hit_rate'] or 0,3), 'peak', round(r['peak_device_bytes']/2**30,1))"; done
 timeout 230 python3 -m pytest -q -rfEs -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_cuda_lookahead.py \
-  tests/test_tail.py tests/test_kernel_paged.py tests/test_kernel_quantkey_mma.py tests/test_kernel_mass.py \
-  tests/test_bench_recall_batch.py > $OUT/pytest_cuda_rest.txt 2>&1; echo "pytest rc=$?"
+  tests/test_tail.py tests/test_kernel_paged.py tests/test_kernel_quantkey_mma.py tests/test_bench_recall_batch.py \
+  > $OUT/pytest_cuda_rest.txt 2>&1; echo "pytest rc=$?"
+timeout 60 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_kernel_mass.py > $OUT/pytest_mass.txt 2>&1
+echo "pytest mass (on CUDA) rc=$?"
 grep -E "^E |FAILED|passed|failed" $OUT/pytest_cuda_rest.txt | tail -8 | cut -c1-300
 date +%T
