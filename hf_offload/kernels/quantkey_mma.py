@@ -25,6 +25,9 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
   products per 16 blocks.
 * Each block's log-sum-exp per query head is reduced over its 16 tokens with warp shuffles, offset by the constant,
   and written to ``[batch, kv_heads, group, n_blocks]``, float32, as the Triton kernel writes it.
+* **Loads ahead through shared memory.** Each warp copies its next blocks' codes and steps into a small ring in
+  shared memory with ``cp.async`` (:data:`STAGES` blocks) while it scores the current one, so the loads in flight
+  hold no registers.
 
 The only rounding beyond float32 is of ``kstep * q`` to bfloat16 (twice: the scaled query, then the product; relative
 error under 2**-8 per channel), small against the error of the codes themselves (in the tests a twentieth of it at 2
@@ -39,7 +42,10 @@ Limits: 2- or 4-bit codes, 16-token blocks, ``head_dim`` 64, 128 or 256, at most
 falls back to the Triton kernel otherwise. On an H200 (8B shape, 64K tokens, batch 12) it takes 146.2 us per call
 where the Triton kernel takes 324.9 (2-bit codes; 173.8 against 324.5 at 4 bits), about 2.3 instructions per code in
 its compiled loop (``results/selection/mma_h200/sass_count.txt``); decode steps with plain ``quantkey`` go from 30.4 to
-23.8 ms (``results/decode/mma_h200/``).
+23.8 ms (``results/decode/mma_h200/``). With the ring of 2, 152.7-153.2 us against 158.0-158.8 without in the same
+runs at 2 bits and 167.0-167.6 against 193.2-193.8 at 4 (``results/selection/ring_h200/``). At 2 bits the kernel is
+bound by its chain of dependent instructions at the occupancy its 72 registers allow, not by its reads (52% of DRAM
+bandwidth, 51% of issue slots under Nsight Compute).
 """
 
 from __future__ import annotations
