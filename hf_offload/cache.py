@@ -30,9 +30,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import transfer
 from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
 from .config import OffloadConfig
-from .lookahead import speculative_query
-from .norms import fused_norms_active, install_fused_norms
-from .rotary import fused_rotary_active, install_fused_rotary
 from .graphs import (
     CapturedDecode,
     CapturedLayer,
@@ -46,6 +43,9 @@ from .graphs import (
     install_layer_calls,
     replay_layer,
 )
+from .lookahead import speculative_query
+from .norms import fused_norms_active, install_fused_norms
+from .rotary import fused_rotary_active, install_fused_rotary
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
@@ -359,7 +359,7 @@ class OffloadLayer(CacheLayerMixin):
         # SUMMARY_CHUNK_BLOCKS at a time, so that a seal writes in place instead of re-allocating every summary.
         self.summaries: dict[str, torch.Tensor] = {}
         self._summary_store: dict[str, torch.Tensor] = {}
-        self._entry_index_memo: dict[tuple[int, object], Any] = {}
+        self._entry_index_memo: dict[tuple[int, object], object] = {}
         # The open block lives in the slot pool's open slot (one block; positions past the filled ones are never
         # attended), so that decode attention reads it with the selected slots in one call.
         self._open_k, self._open_v = self.pool.open_keys, self.pool.open_values

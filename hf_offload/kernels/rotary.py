@@ -31,6 +31,9 @@ import torch
 from .gather import kernels_available, tl, triton
 from .norm import _as_bits
 
+if triton is not None:
+    from .norm import _bf16_bits, _load_f32, _round  # the same loads and roundings as the norm kernel
+
 MAX_HEAD_DIM = 1024
 """Largest ``head_dim`` the kernel takes (one program holds a head's row in registers)."""
 
@@ -71,34 +74,6 @@ def rotary_reference(
 
 if triton is not None:
 
-    @triton.jit
-    def _load_f32(ptr, mask, KIND: tl.constexpr):
-        # Values of KIND (0 float32, 1 float16, 2 bfloat16 as int16 patterns) in float32; exact.
-        if KIND == 2:
-            bits = tl.load(ptr, mask=mask, other=0).to(tl.int32) << 16
-            return bits.to(tl.float32, bitcast=True)
-        else:
-            return tl.load(ptr, mask=mask, other=0.0).to(tl.float32)
-
-    @triton.jit
-    def _bf16_bits(v):
-        # float32 -> int32 whose upper 16 bits are the nearest bfloat16 (ties to even, NaN to the quiet NaN), as
-        # torch rounds.
-        u = v.to(tl.int32, bitcast=True)
-        nan = (u & 0x7FFFFFFF) > 0x7F800000
-        u = (u + 0x7FFF + ((u >> 16) & 1)) & -65536
-        return tl.where(nan, 0x7FC00000, u)
-
-    @triton.jit
-    def _round(v, KIND: tl.constexpr):
-        # float32 -> the float32 value of its rounding to KIND.
-        if KIND == 2:
-            return _bf16_bits(v).to(tl.float32, bitcast=True)
-        elif KIND == 1:
-            return v.to(tl.float16).to(tl.float32)
-        else:
-            return v
-
     @triton.jit(do_not_specialize=["seq", "q_heads", "heads", "sq_b", "sq_h", "sq_t", "sk_b", "sk_h", "sk_t",
                                    "oq_b", "oq_h", "oq_t", "ok_b", "ok_h", "ok_t", "sc_b", "sc_t", "ss_b", "ss_t"])
     def _rotary_kernel(
@@ -125,12 +100,12 @@ if triton is not None:
         c_row, s_row = cos_ptr + b * sc_b + t * sc_t, sin_ptr + b * ss_b + t * ss_t
         ci = tl.arange(0, BLOCK_HALF)
         c_live = ci < HALF
-        c1 = _load_f32(c_row + ci, c_live, KIND)[None, :]
-        c2 = _load_f32(c_row + HALF + ci, c_live, KIND)[None, :]
-        s1 = _load_f32(s_row + ci, c_live, KIND)[None, :]
-        s2 = _load_f32(s_row + HALF + ci, c_live, KIND)[None, :]
-        x1 = _load_f32(src + i, live, KIND)
-        x2 = _load_f32(src + HALF + i, live, KIND)
+        c1 = _load_f32(c_row, ci, c_live, KIND)[None, :]
+        c2 = _load_f32(c_row + HALF, ci, c_live, KIND)[None, :]
+        s1 = _load_f32(s_row, ci, c_live, KIND)[None, :]
+        s2 = _load_f32(s_row + HALF, ci, c_live, KIND)[None, :]
+        x1 = _load_f32(src, i, live, KIND)
+        x2 = _load_f32(src + HALF, i, live, KIND)
         # rotate_half: -x2 in the first half, x1 in the second; each product and the sum rounded as torch rounds.
         y1 = _round(_round(x1 * c1, KIND) + _round(-x2 * s1, KIND), KIND)
         y2 = _round(_round(x2 * c2, KIND) + _round(x1 * s2, KIND), KIND)
