@@ -44,8 +44,8 @@ from .graphs import (
     replay_layer,
 )
 from .lookahead import speculative_query
-from .norms import fused_norms_active, install_fused_norms
-from .rotary import fused_rotary_active, install_fused_rotary
+from .norms import FusedNorm, fused_norms_active, install_fused_norms
+from .rotary import RotaryForward, fused_rotary_active, install_fused_rotary
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
@@ -1652,7 +1652,11 @@ class OffloadCache(Cache):
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
             blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
             decode steps, sequences and query heads; else ``None``), ``decode_steps`` and ``layers`` (the same counters per
-            offloaded layer, keyed by layer index). Blocks are counted per KV head for per-head selectors.
+            offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
+            model's RMS norm and attention modules that run one kernel where ``fused_norms`` / ``fused_rotary`` are
+            on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``norms`` and ``rotary``: whether the
+            offloaded layers' calls run them, ``None`` before the first call). Blocks are counted per KV head for
+            per-head selectors.
         """
         per_layer = {}
         device = summaries = host = reserved = 0
@@ -1708,6 +1712,20 @@ class OffloadCache(Cache):
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
             "timing": self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None,
+            "fusions": self._fusions(),
+        }
+
+    def _fusions(self) -> dict:
+        """``stats()["fusions"]``: how many of the model's modules have a fused forward, and whether the offloaded
+        layers' calls run them."""
+        model = self._model_ref()
+        modules = list(model.modules()) if model is not None else []
+        on = next((f for layer in self.offload_layers if (f := getattr(layer, "fusions", None)) is not None), None)
+        return {
+            "norm_modules": sum(isinstance(m.__dict__.get("forward"), FusedNorm) for m in modules),
+            "rotary_modules": sum(isinstance(m.__dict__.get("forward"), RotaryForward) for m in modules),
+            "norms": None if on is None else on[0],
+            "rotary": None if on is None else on[1],
         }
 
     def reserve(self, tokens: int) -> None:

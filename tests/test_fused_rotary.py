@@ -193,3 +193,26 @@ def test_cuda_fused_rotary_by_default_in_graphs_gives_the_outputs_of_transformer
     for a, b in zip(runs[None].logits, runs[False].logits):
         assert torch.equal(a, b)
     disable_offload_attention(model)
+
+
+@needs_triton
+def test_stats_say_which_modules_are_fused_and_whether_the_calls_run_them():
+    model = build_model("qwen3")  # q / k norms besides the two per layer
+    layers = model.config.num_hidden_layers
+    ids, mask = left_padded([20])
+    cache = OffloadCache(model, fused_rotary=True, fused_norms=False, **SMALL)
+    before = cache.stats()["fusions"]
+    assert before["rotary_modules"] == layers and before["norm_modules"] == 4 * layers
+    assert before["norms"] is None and before["rotary"] is None  # no layer call yet
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
+    after = cache.stats()["fusions"]
+    assert after["rotary"] is True and after["norms"] is False
+    disable_offload_attention(model)
+    assert cache.stats()["fusions"]["rotary_modules"] == 0
+
+
+def test_stats_report_no_fused_rotary_for_a_form_it_does_not_know():
+    model = build_model("phi3")
+    cache = OffloadCache(model, **SMALL)
+    assert cache.stats()["fusions"]["rotary_modules"] == 0
+    disable_offload_attention(model)
