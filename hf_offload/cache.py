@@ -1593,8 +1593,7 @@ class OffloadCache(Cache):
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
         ``timing``, ``fused_norms``, ``fused_rotary``) on a filled cache, e.g. to compare them on one cache. Captured
-        decode graphs are
-        dropped (captured again).
+        decode graphs are dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).

@@ -380,3 +380,28 @@ def remove_layer_calls(model: torch.nn.Module) -> None:
                 del module.forward  # it was the class's own forward
             else:
                 module.forward = original
+
+
+def install_module_forwards(model: torch.nn.Module, kind: type, make) -> int:
+    """Give every module inside the decoder layers of ``model`` a forward ``make(module)`` of type ``kind``
+    (idempotent); ``make`` returns ``None`` for modules it does not take, and a module that already has an instance
+    forward of another kind (accelerate's hooks, another fusion) is left alone. Returns how many modules have a
+    ``kind`` forward. Undone by :func:`remove_module_forwards`."""
+    installed = 0
+    for layer, _ in decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module.__dict__.get("forward"), kind):
+                installed += 1
+            elif "forward" not in module.__dict__ and (forward := make(module)) is not None:
+                module.forward = forward
+                installed += 1
+    return installed
+
+
+def remove_module_forwards(model: torch.nn.Module, kind: type) -> None:
+    """Give each module of ``model``'s decoder layers whose instance forward is of type ``kind`` its class's forward
+    back."""
+    for layer, _ in decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module.__dict__.get("forward"), kind):
+                del module.forward

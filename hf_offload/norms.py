@@ -24,7 +24,7 @@ import types
 
 import torch
 
-from .graphs import decoder_layers
+from .graphs import install_module_forwards, remove_module_forwards
 from .kernels.norm import rms_norm, rms_norm_supported
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_norms", default=False)
@@ -105,24 +105,14 @@ def install_fused_norms(model: torch.nn.Module) -> int:
     """Give every RMS norm module inside the decoder layers of ``model`` whose form :func:`norm_form` knows a
     :class:`FusedNorm` forward (idempotent); returns how many modules have one. Undone by
     :func:`remove_fused_norms`."""
-    installed = 0
-    for layer, _ in decoder_layers(model):
-        for module in layer.modules():
-            if isinstance(module.__dict__.get("forward"), FusedNorm):
-                installed += 1
-                continue
-            if "forward" in module.__dict__:
-                continue  # someone else's instance forward: leave it alone
-            form = norm_form(module)
-            if form is not None:
-                module.forward = FusedNorm(module, module.forward, *form)
-                installed += 1
-    return installed
+
+    def make(module):
+        form = norm_form(module)
+        return None if form is None else FusedNorm(module, module.forward, *form)
+
+    return install_module_forwards(model, FusedNorm, make)
 
 
 def remove_fused_norms(model: torch.nn.Module) -> None:
     """Give each norm module of ``model`` that :func:`install_fused_norms` changed its class's forward back."""
-    for layer, _ in decoder_layers(model):
-        for module in layer.modules():
-            if isinstance(module.__dict__.get("forward"), FusedNorm):
-                del module.forward
+    remove_module_forwards(model, FusedNorm)

@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from .graphs import decoder_layers
+from .graphs import install_module_forwards, remove_module_forwards
 from .kernels.rotary import rotary, rotary_supported
 from .norms import _same_code
 
@@ -154,28 +154,18 @@ def install_fused_rotary(model: torch.nn.Module) -> int:
     """Give every attention module inside the decoder layers of ``model`` whose rotary embedding
     :func:`rotary_function` knows a :class:`RotaryForward` (idempotent); returns how many modules have one. Undone
     by :func:`remove_fused_rotary`."""
-    installed = 0
-    for layer, _ in decoder_layers(model):
-        for module in layer.modules():
-            if isinstance(module.__dict__.get("forward"), RotaryForward):
-                installed += 1
-                continue
-            if "forward" in module.__dict__:
-                continue  # someone else's instance forward (accelerate's hooks, a fused norm): leave it alone
-            function = rotary_function(module)
-            if function is None:
-                continue
-            fused = FusedRotary(function)
-            forward = _with_global(type(module).forward, _NAME, fused)
-            if forward is not None:
-                module.forward = RotaryForward(module, forward, fused)
-                installed += 1
-    return installed
+
+    def make(module):
+        function = rotary_function(module)
+        if function is None:
+            return None
+        fused = FusedRotary(function)
+        forward = _with_global(type(module).forward, _NAME, fused)
+        return None if forward is None else RotaryForward(module, forward, fused)
+
+    return install_module_forwards(model, RotaryForward, make)
 
 
 def remove_fused_rotary(model: torch.nn.Module) -> None:
     """Give each attention module of ``model`` that :func:`install_fused_rotary` changed its class's forward back."""
-    for layer, _ in decoder_layers(model):
-        for module in layer.modules():
-            if isinstance(module.__dict__.get("forward"), RotaryForward):
-                del module.forward
+    remove_module_forwards(model, RotaryForward)
