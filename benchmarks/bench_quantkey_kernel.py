@@ -10,10 +10,10 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   marked ``*`` (and timed even where the grid leaves it out);
 * ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
   of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
-  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with two blocks per loop iteration (``-u2``),
-  with 8 warps per program, with a ring of ``S`` blocks in flight through asynchronous copies (``-sS``,
+  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with 8 warps per program, with a ring of ``S`` blocks in flight through asynchronous copies (``-sS``,
   :data:`~hf_offload.kernels.quantkey_mma.STAGES`), with two accumulators (``-c2``, ``CHAINS``) and with registers
-  capped for ``B`` programs per multiprocessor (``-bB``, ``MIN_BLOCKS``); their error is also given against
+  capped for ``B`` programs per multiprocessor (``-bB``, ``MIN_BLOCKS``), and with each block's log-sum-exp
+  reduced through a tile in shared memory instead of warp shuffles (``-t``, ``TRANSPOSE``); their error is also given against
   ``block_lse_emulated``, the rounding they are meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
@@ -141,11 +141,12 @@ def settings(args, bits: int) -> list[dict]:
     # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): its default, then one change at a
     # time (loading the next block ahead, two blocks per loop iteration, 8 warps per program), and the other decode.
     base = {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False, "unroll": 1,
-            "stages": 0, "chains": 1, "min_blocks": 0}  # fmt: skip
-    for change in ({}, {"prefetch": True}, {"unroll": 2}, {"num_warps": 8}, {"stages": 2}, {"stages": 3},
-                   {"stages": 4}, {"chains": 2}, {"min_blocks": 8}, {"stages": 2, "min_blocks": 8},
-                   {"stages": 2, "chains": 2, "min_blocks": 8}, {"stages": 3, "chains": 2, "min_blocks": 8},
-                   {"stages": 2, "chains": 2, "min_blocks": 9}, {"stages": 2, "chains": 2},
+            "stages": 0, "chains": 1, "min_blocks": 0, "transpose": False}  # fmt: skip
+    for change in ({}, {"prefetch": True}, {"num_warps": 8}, {"stages": 2}, {"stages": 3}, {"stages": 4},
+                   {"chains": 2}, {"stages": 2, "min_blocks": 8}, {"stages": 2, "chains": 2},
+                   {"transpose": True}, {"stages": 2, "transpose": True}, {"stages": 3, "transpose": True},
+                   {"stages": 4, "transpose": True}, {"stages": 2, "transpose": True, "num_warps": 8},
+                   {"stages": 2, "transpose": True, "min_blocks": 8}, {"stages": 2, "transpose": True, "chains": 2},
                    {"variant": "mma-magic"}):  # fmt: skip
         chosen.append({**base, **change})
     return chosen
@@ -170,7 +171,8 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     if quantkey_mma.mma_supported(first["query"], first["codes"], first["kmin"], bits):  # what block_lse runs
         default = {"variant": "mma", "block_n": None, "num_warps": quantkey_mma.WARPS, "rows_per_thread": None,
                    "prefetch": quantkey_mma.PREFETCH, "unroll": quantkey_mma.UNROLL, "stages": quantkey_mma.STAGES,
-                   "chains": quantkey_mma.CHAINS, "min_blocks": quantkey_mma.MIN_BLOCKS}  # fmt: skip
+                   "chains": quantkey_mma.CHAINS, "min_blocks": quantkey_mma.MIN_BLOCKS,
+                   "transpose": quantkey_mma.TRANSPOSE}  # fmt: skip
     rows = []
     for setting in settings(args, bits):
 
@@ -179,7 +181,8 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
                 quantkey_mma.PREFETCH, quantkey_mma.UNROLL = setting["prefetch"], setting["unroll"]
                 quantkey_mma.WARPS, quantkey_mma.STAGES = setting["num_warps"], setting["stages"]
                 quantkey_mma.CHAINS, quantkey_mma.MIN_BLOCKS = setting["chains"], setting["min_blocks"]
-            compile_time = ("prefetch", "unroll", "stages", "chains", "min_blocks")
+                quantkey_mma.TRANSPOSE = setting["transpose"]
+            compile_time = ("prefetch", "unroll", "stages", "chains", "min_blocks", "transpose")
             options = {k: v for k, v in setting.items() if k not in compile_time}
             _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **options)
 
@@ -220,6 +223,7 @@ def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | 
     name += f"-s{row['stages']}" if row.get("stages") else ""
     name += "-c2" if row.get("chains", 1) > 1 else ""
     name += f"-b{row['min_blocks']}" if row.get("min_blocks") else ""
+    name += "-t" if row.get("transpose") else ""
     head = f"{name:<9} {row['block_n'] or '-':>4} {row['num_warps'] or '-':>5} {row['rows_per_thread'] or '-':>4}"
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"

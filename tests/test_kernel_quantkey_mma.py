@@ -92,8 +92,11 @@ def test_mma_is_not_taken_without_its_requirements():
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("decode", ["subnormal", "magic"])
-@pytest.mark.parametrize("shape", [(2, 70, 2, 4, 128), (1, 16, 3, 7, 64), (3, 129, 1, 8, 256), (1, 1, 2, 1, 128)])
-def test_kernel_matches_its_scheme_and_the_reference(decode, shape, bits):
+@pytest.mark.parametrize("shape", [(2, 70, 2, 4, 128), (1, 16, 3, 7, 64), (3, 129, 1, 8, 256), (1, 1, 2, 1, 128),
+                                   (1, 23, 2, 6, 128), (2, 9, 1, 2, 64)])  # fmt: skip
+@pytest.mark.parametrize("transpose", [True, False])
+def test_kernel_matches_its_scheme_and_the_reference(monkeypatch, transpose, decode, shape, bits):
+    monkeypatch.setattr(quantkey_mma, "TRANSPOSE", transpose)
     batch, n, heads, group, head_dim = shape
     query, s, _ = _inputs(batch, n, heads, group, head_dim, device="cuda", seed=n, bits=bits)
     out = torch.full((batch, heads, group, n), float("nan"), device="cuda")
@@ -150,8 +153,10 @@ def test_extreme_steps_and_zero_ranges():
      (False, 1, 4, 0, 1, 8), (False, 2, 4, 3, 2, 9)],
 )  # fmt: skip
 @pytest.mark.parametrize("bits, head_dim", [(2, 128), (4, 128), (2, 64), (4, 256)])
+@pytest.mark.parametrize("transpose", [True, False])
 def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps, stages, chains, min_blocks, bits,
-                                           head_dim):  # fmt: skip
+                                           head_dim, transpose):  # fmt: skip
+    monkeypatch.setattr(quantkey_mma, "TRANSPOSE", transpose)
     monkeypatch.setattr(quantkey_mma, "PREFETCH", prefetch)
     monkeypatch.setattr(quantkey_mma, "UNROLL", unroll)
     monkeypatch.setattr(quantkey_mma, "WARPS", warps)
@@ -218,18 +223,26 @@ def test_dispatch_on_the_device_and_the_toolkit(monkeypatch, capability, hip, co
         assert not mma_supported(query, _Shape(2, 100, 8, 32, 32, dtype=torch.uint8), kmin, 2)  # 32-token blocks
 
 
+@pytest.mark.parametrize("transpose", [True, False])
 @pytest.mark.parametrize("warps", [4, 8])
-def test_ring_depth_fits_static_shared_memory(monkeypatch, warps):
+def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose):
     monkeypatch.setattr(quantkey_mma, "WARPS", warps)
+    monkeypatch.setattr(quantkey_mma, "TRANSPOSE", transpose)
     for stages in (0, 1, 2, 3, 4, 6, 16):
         monkeypatch.setattr(quantkey_mma, "STAGES", stages)
         for head_dim in (64, 128, 256):
             for bits in (2, 4):
-                depth = quantkey_mma.stages(head_dim, bits)
-                assert depth == 0 or 2 <= depth <= stages
-                ring = warps * depth * (2 * head_dim * bits + 2 * head_dim)
-                assert ring + 2 * warps * 16 * 9 * 4 <= quantkey_mma.SHARED_BYTES
+                for group in (1, 4, 7, 8):
+                    depth = quantkey_mma.stages(head_dim, bits, group)
+                    assert depth == 0 or 2 <= depth <= stages
+                    ring = warps * depth * (2 * head_dim * bits + 2 * head_dim)
+                    if transpose:  # the tile of 8 blocks x group heads x 20 floats and 16 x group constants
+                        staging = 4 * warps * (8 * group * 20 + 16 * group)
+                    else:  # two [16 blocks, 9 heads] float arrays per warp
+                        staging = 4 * 2 * warps * 16 * 9
+                    assert staging == quantkey_mma.staging_bytes(group)
+                    assert ring + staging <= quantkey_mma.SHARED_BYTES
     monkeypatch.setattr(quantkey_mma, "STAGES", 3)
-    assert quantkey_mma.stages(128, 2) == 3  # 4 warps: 3 x 768 bytes each
+    assert quantkey_mma.stages(128, 2, 4) == 3  # 3 x 768 bytes per warp fit beside the staging arrays
     monkeypatch.setattr(quantkey_mma, "STAGES", 1)
-    assert quantkey_mma.stages(128, 2) == 0  # a ring of one would only serialise the copies
+    assert quantkey_mma.stages(128, 2, 4) == 0  # a ring of one would only serialise the copies

@@ -104,9 +104,8 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 #if STAGES  // asynchronous copies global -> shared (sm_80+), 16 bytes each, waited for in groups
-__device__ __forceinline__ void cp_async16(void* dst, const void* src) {
-    const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {  // dst: a shared-memory address
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory"); }
@@ -160,16 +159,39 @@ __device__ __forceinline__ void load_block(const unsigned char* __restrict__ cod
 #if STAGES
 constexpr int CODE_BYTES = 2 * D * BITS;           // one block's codes: 16 token rows of D * BITS / 8 bytes
 constexpr int RING_BYTES = CODE_BYTES + 2 * D;     // and its kstep (D bfloat16 values), one ring slot
-// Start copying block `row`'s codes and kstep into the ring slot `dst` (every lane of the warp takes part).
-__device__ __forceinline__ void issue_block(const unsigned char* __restrict__ codes,
-                                            const unsigned short* __restrict__ kstep, long long row,
-                                            unsigned char* dst, int lane) {
-    const unsigned char* c = codes + row * CODE_BYTES;
-    const unsigned char* k = reinterpret_cast<const unsigned char*>(kstep + row * D);
+constexpr int CHUNKS = (RING_BYTES / 16 + 31) / 32;  // 16-byte copies per lane and block
+// A lane's share of the copies of one block into a ring slot: chunk lane + 32 i of the slot, from the codes (the
+// first CODE_BYTES) or from kstep; `src` points at it in block `first`'s row and moves `step` bytes per block.
+struct Copies {
+    const unsigned char* src[CHUNKS];
+    long long step[CHUNKS];
+    unsigned dst[CHUNKS];  // shared address in slot 0
+    bool on[CHUNKS];
+};
+__device__ __forceinline__ Copies plan_copies(const unsigned char* __restrict__ codes,
+                                              const unsigned short* __restrict__ kstep, long long row, int heads,
+                                              unsigned ring, int lane) {
+    Copies c;
 #pragma unroll
-    for (int i = 16 * lane; i < CODE_BYTES; i += 512) cp_async16(dst + i, c + i);
+    for (int i = 0; i < CHUNKS; ++i) {
+        const int at = 16 * (lane + 32 * i);
+        c.on[i] = at < RING_BYTES;
+        c.dst[i] = ring + at;
+        if (at < CODE_BYTES) {
+            c.src[i] = codes + row * CODE_BYTES + at;
+            c.step[i] = static_cast<long long>(heads) * CODE_BYTES;
+        } else {
+            c.src[i] = reinterpret_cast<const unsigned char*>(kstep + row * D) + (at - CODE_BYTES);
+            c.step[i] = static_cast<long long>(heads) * 2 * D;
+        }
+    }
+    return c;
+}
+// Start copying block `j` (counted from the plan's first block) into ring slot `slot`.
+__device__ __forceinline__ void issue_block(const Copies& c, int j, int slot) {
 #pragma unroll
-    for (int i = 16 * lane; i < 2 * D; i += 512) cp_async16(dst + CODE_BYTES + i, k + i);
+    for (int i = 0; i < CHUNKS; ++i)
+        if (c.on[i]) cp_async16(c.dst[i] + slot * RING_BYTES, c.src[i] + j * c.step[i]);
 }
 #endif
 
@@ -187,8 +209,13 @@ extern "C" __global__ void BOUNDS quantkey_mma(
     constexpr int W = D * BITS / 128;    // code words per token row and thread
     constexpr int CH = CPW * W;          // channels per thread (a contiguous range, D / 4 of them)
     constexpr int KT = D / 16;           // k tiles
+#if TRANSPOSE  // the scaled logits of 8 blocks, [block][head][token] with rows of TP floats, and the constants
+    __shared__ __align__(16) float tile[WARPS][8 * GROUP * TP];
+    __shared__ float csts[WARPS][16][GROUP];
+#else
     __shared__ float stage[WARPS][16][9];  // per block and head: largest scaled logit, then the sum of exponentials
     __shared__ float sums[WARPS][16][9];
+#endif
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
@@ -200,9 +227,11 @@ extern "C" __global__ void BOUNDS quantkey_mma(
     const long long row0 = (b * stride + first) * heads + h;  // block first + j is row row0 + j * heads
 #if STAGES  // the first STAGES - 1 blocks' copies run while the query and the constants are prepared
     __shared__ __align__(16) unsigned char ring[WARPS][STAGES][RING_BYTES];
+    const Copies copies = plan_copies(codes, kstep, row0, heads,
+                                      static_cast<unsigned>(__cvta_generic_to_shared(ring[warp][0])), lane);
 #pragma unroll
     for (int j = 0; j < STAGES - 1; ++j) {
-        if (j < count) issue_block(codes, kstep, row0 + j * heads, ring[warp][j], lane);
+        if (j < count) issue_block(copies, j, j);
         cp_commit();
     }
 #endif
@@ -259,6 +288,13 @@ extern "C" __global__ void BOUNDS quantkey_mma(
         }
     }
 
+#if TRANSPOSE  // lane (g, t) holds the constants of blocks first + g, first + g + 8 and heads 2t, 2t + 1
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+            if (2 * t + e < GROUP) csts[warp][g + 8 * r][2 * t + e] = cst[2 * r + e];
+#endif
     const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
     const float to_exp2 = scale * 1.4426950408889634f;
     u32 x0[W], x1[W], ks[CH / 2];  // block j: code words of token rows g and g + 8; kstep of this thread's channels
@@ -270,7 +306,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #if STAGES  // block j + STAGES - 1 starts copying into the slot block j - 1 left; block j's copies are waited for
         __syncwarp();  // every lane has read block j - 1 from its slot
         if (j + STAGES - 1 < count)
-            issue_block(codes, kstep, row0 + (j + STAGES - 1) * heads, ring[warp][(j + STAGES - 1) % STAGES], lane);
+            issue_block(copies, j + STAGES - 1, (j + STAGES - 1) % STAGES);
         cp_commit();
         cp_wait();
         __syncwarp();  // and every lane's copies of block j are visible to the others
@@ -307,6 +343,40 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #pragma unroll
         for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
 #endif
+#if TRANSPOSE
+        // Token rows g, g + 8 of heads 2t, 2t + 1 into the tile; every 8 blocks each lane reduces one (block, head)
+        // row of 16 tokens on its own (no shuffles, no work for the columns past the group).
+        float* rows = tile[warp] + (j & 7) * GROUP * TP;
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (2 * t + e < GROUP) rows[(2 * t + e) * TP + g + 8 * r] = acc[2 * r + e];
+        if ((j & 7) == 7 || j == count - 1) {
+            __syncwarp();
+            const int base = j & ~7;
+            for (int pair = lane; pair < 8 * GROUP; pair += 32) {
+                const int jj = pair / GROUP, head = pair - jj * GROUP;
+                if (base + jj > j) break;  // pairs run in block order: the rest lie past the last block
+                const float4* v = reinterpret_cast<const float4*>(tile[warp] + pair * TP);
+                float x[16];
+#pragma unroll
+                for (int i = 0; i < 4; ++i) {
+                    const float4 w = v[i];
+                    x[4 * i] = w.x; x[4 * i + 1] = w.y; x[4 * i + 2] = w.z; x[4 * i + 3] = w.w;
+                }
+                float m = x[0];
+#pragma unroll
+                for (int i = 1; i < 16; ++i) m = fmaxf(m, x[i]);
+                const float n = -m * to_exp2;
+                float sum = 0.f;
+#pragma unroll
+                for (int i = 0; i < 16; ++i) sum += ex2(fmaf(x[i], to_exp2, n));
+                out[(bh * group + head) * n_blocks + first + base + jj] = m * scale + logf(sum) + csts[warp][base + jj][head];
+            }
+            __syncwarp();  // the tile is free for the next 8 blocks
+        }
+#else
         // Log-sum-exp over the 16 tokens (rows g and g + 8 of the 8 lanes sharing t) of heads 2t and 2t + 1.
         float m0 = fmaxf(acc[0], acc[2]), m1 = fmaxf(acc[1], acc[3]);
 #pragma unroll
@@ -328,6 +398,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
             sums[warp][j][2 * t] = s0;
             sums[warp][j][2 * t + 1] = s1;
         }
+#endif
 #if STAGES
 #elif PREFETCH
 #pragma unroll
@@ -338,6 +409,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
         if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, x0, x1, ks);
 #endif
     }
+#if !TRANSPOSE
     __syncwarp();
     // Lane (g, t) adds the constants it holds: blocks first + g, first + g + 8; heads 2t, 2t + 1.
 #pragma unroll
@@ -352,6 +424,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                     stage[warp][j][head] * scale + logf(sums[warp][j][head]) + cst[2 * r + e];
         }
     }
+#endif
 }
 """
 
@@ -386,16 +459,38 @@ a ring of 2 took 152.7-153.2 us per call against 158.0-158.8 without at 2 bits, 
 at 4 bits (3.6 TB/s of reads); deeper rings, two accumulators (:data:`CHAINS`) and capped registers
 (:data:`MIN_BLOCKS`) gained nothing more."""
 
+TRANSPOSE = True
+"""How a block's 16 logits per query head become its log-sum-exp (read when a kernel is compiled;
+``benchmarks/bench_quantkey_kernel.py`` times both). ``True``: each lane writes the four logits it holds into a
+tile in shared memory, and every 8 blocks each lane reduces one (block, head) row of 16 tokens by itself, so a block
+costs 4 stores and an eighth of one lane's row reduction (at 4 query heads) instead of 12 dependent warp shuffles,
+and heads past the group cost nothing. ``False``: the shuffles, every lane reducing its rows of heads ``2t, 2t + 1``
+across the 8 lanes that share ``t``."""
+
+TILE_ROW = 20
+"""Floats per (block, head) row of the transposed tile: 16 tokens and 4 of padding, so that the stores of one
+instruction (heads ``2t, 2t + 1``, tokens ``g``) fall in 32 different banks and each row starts 16-byte aligned."""
+
 SHARED_BYTES = 48 * 1024
 """Static shared memory a kernel may declare."""
 
 
-def stages(head_dim: int, bits: int) -> int:
-    """The ring depth compiled for ``head_dim`` and ``bits``: :data:`STAGES`, lowered until the ring (``WARPS *
-    stages * (2 * head_dim * bits + 2 * head_dim)`` bytes) and the per-block staging arrays (``2 * WARPS * 16 * 9``
-    floats) fit :data:`SHARED_BYTES`; 0 or 1 mean no ring (a ring of one block would only serialise the copies)."""
+def staging_bytes(group: int = 8) -> int:
+    """Shared memory of a program besides its ring: the transposed tile and the constants (:data:`TRANSPOSE`:
+    ``WARPS * (8 * group * TILE_ROW + 16 * group)`` floats) or the per-block staging arrays (``2 * WARPS * 16 * 9``
+    floats)."""
+    if TRANSPOSE:
+        return 4 * WARPS * (8 * group * TILE_ROW + 16 * group)
+    return 4 * 2 * WARPS * 16 * 9
+
+
+def stages(head_dim: int, bits: int, group: int = 8) -> int:
+    """The ring depth compiled for ``head_dim``, ``bits`` and ``group`` query heads per KV head: :data:`STAGES`,
+    lowered until the ring (``WARPS * stages * (2 * head_dim * bits + 2 * head_dim)`` bytes) and
+    :func:`staging_bytes` fit :data:`SHARED_BYTES`; 0 or 1 mean no ring (a ring of one block would only serialise
+    the copies)."""
     ring = WARPS * (2 * head_dim * bits + 2 * head_dim)
-    fits = (SHARED_BYTES - 2 * WARPS * 16 * 9 * 4) // ring
+    fits = (SHARED_BYTES - staging_bytes(group)) // ring
     depth = min(STAGES, fits)
     return depth if depth >= 2 else 0
 
@@ -404,10 +499,12 @@ _COMPILED: dict[tuple, object] = {}
 _FAILED: str | None = None  # why compiling failed, once it has (then the kernel is not offered again)
 
 
-def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
-    """The compiled kernel for ``head_dim``, ``bits``, ``decode`` and the current :data:`PREFETCH`, :data:`WARPS`,
-    :data:`UNROLL`, :data:`CHAINS`, :data:`MIN_BLOCKS` and :func:`stages` (compiled once per process each)."""
-    key = (head_dim, bits, decode, PREFETCH, WARPS, UNROLL, CHAINS, MIN_BLOCKS, stages(head_dim, bits))
+def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int = 8):
+    """The compiled kernel for ``head_dim``, ``bits``, ``decode``, ``group`` query heads per KV head (1-8) and the
+    current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`, :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE`
+    and :func:`stages` (compiled once per process each)."""
+    key = (head_dim, bits, decode, group, PREFETCH, WARPS, UNROLL, CHAINS, MIN_BLOCKS, TRANSPOSE,
+           stages(head_dim, bits, group))  # fmt: skip
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -416,7 +513,7 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal"):
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
                    "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": MIN_BLOCKS,
-                   "STAGES": key[-1]}  # fmt: skip
+                   "STAGES": key[-1], "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
@@ -441,10 +538,10 @@ def mma_supported(query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, 
         return False
     if torch.cuda.get_device_capability(query.device) < (9, 0):
         return False
-    return compiled(head_dim, bits) is not None
+    return compiled(head_dim, bits, group=query.shape[2]) is not None
 
 
-def compiled(head_dim: int, bits: int, decode: str = "subnormal"):
+def compiled(head_dim: int, bits: int, decode: str = "subnormal", group: int = 8):
     """The kernel for these settings, compiled on first use; ``None`` (with one warning per process) where NVRTC
     cannot build it (no NVRTC library, a toolkit too old for sm_90's instructions, ...), so that the caller falls
     back to the Triton kernel instead of failing a decode step."""
@@ -452,7 +549,7 @@ def compiled(head_dim: int, bits: int, decode: str = "subnormal"):
     if _FAILED is not None:
         return None
     try:
-        return _kernel(head_dim, bits, decode)
+        return _kernel(head_dim, bits, decode, group)
     except Exception as e:  # the reason is kept and reported once; the Triton kernel scores from here on
         _FAILED = f"{type(e).__name__}: {e}"
         warnings.warn(
@@ -498,7 +595,7 @@ def launch(
         return out
     per_program = WARPS * BLOCKS_PER_WARP
     grid = (batch * heads, -(-n_blocks // per_program), 1)
-    _kernel(head_dim, bits, decode)(grid=grid, block=(32 * WARPS, 1, 1),
+    _kernel(head_dim, bits, decode, group)(grid=grid, block=(32 * WARPS, 1, 1),
                       args=[query, codes, kmin, kstep, out, n_blocks, heads, block_stride, group])  # fmt: skip
     return out
 
