@@ -10,11 +10,12 @@ head_dim 128) and each ``--bits``, on CUDA, it times:
   marked ``*`` (and timed even where the grid leaves it out);
 * ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
   of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
-  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with 8 warps per program, with a ring of ``S`` blocks in flight through asynchronous copies (``-sS``,
-  :data:`~hf_offload.kernels.quantkey_mma.STAGES`), with two accumulators (``-c2``, ``CHAINS``) and with registers
-  capped for ``B`` programs per multiprocessor (``-bB``, ``MIN_BLOCKS``), and with each block's log-sum-exp
-  reduced through a tile in shared memory instead of warp shuffles (``-t``, ``TRANSPOSE``); their error is also given against
-  ``block_lse_emulated``, the rounding they are meant to do;
+  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with 8 warps per program, with a ring of ``S``
+  blocks in flight through asynchronous copies (``-sS``, :data:`~hf_offload.kernels.quantkey_mma.STAGES`), with two
+  accumulators (``-c2``, ``CHAINS``), with registers capped for ``B`` programs per multiprocessor (``-bB``,
+  ``MIN_BLOCKS``), and with each block's log-sum-exp reduced through a tile in shared memory instead of warp
+  shuffles (``-t``, ``TRANSPOSE``); their error is also given against ``block_lse_emulated``, the rounding they are
+  meant to do;
 * ``reference``: the pure-torch ``block_lse_reference`` (one timing).
 
 Kernels are timed inside a CUDA graph of ``--calls`` launches alternating between two sets of inputs (so a call

@@ -372,7 +372,8 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                 float sum = 0.f;
 #pragma unroll
                 for (int i = 0; i < 16; ++i) sum += ex2(fmaf(x[i], to_exp2, n));
-                out[(bh * group + head) * n_blocks + first + base + jj] = m * scale + logf(sum) + csts[warp][base + jj][head];
+                const float lse = m * scale + logf(sum) + csts[warp][base + jj][head];
+                out[(bh * group + head) * n_blocks + first + base + jj] = lse;
             }
             __syncwarp();  // the tile is free for the next 8 blocks
         }
