@@ -331,10 +331,11 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
 
 
 def fusions_of(args) -> dict:
-    """OffloadConfig.fused_norms and fused_rotary for ``--fused-norms`` and ``--fused-rotary`` (auto: None, on: True,
-    off: False)."""
+    """OffloadConfig.fused_norms, fused_rotary and fused_projections for ``--fused-norms``, ``--fused-rotary`` and
+    ``--fused-projections`` (auto: None, on: True, off: False)."""
     setting = {"auto": None, "on": True, "off": False}
-    return {name: setting[getattr(args, name, "auto")] for name in ("fused_norms", "fused_rotary")}
+    names = ("fused_norms", "fused_rotary", "fused_projections")
+    return {name: setting[getattr(args, name, "auto")] for name in names}
 
 
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
@@ -718,6 +719,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="OffloadConfig.fused_norms (auto: on where Triton runs on CUDA)")
     parser.add_argument("--fused-rotary", choices=("auto", "on", "off"), default="auto",
                         help="OffloadConfig.fused_rotary (auto: on where Triton runs on CUDA)")
+    parser.add_argument("--fused-projections", choices=("auto", "on", "off"), default="auto",
+                        help="OffloadConfig.fused_projections (auto: on CUDA)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
@@ -864,7 +867,8 @@ def main(argv: list[str] | None = None) -> int:
         "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
                                  device=str(device), quantkey_kernel=chosen_variant(),
                                  graph_scope=args.graph_scope, fused_norms=args.fused_norms,
-                                 fused_rotary=args.fused_rotary),  # fmt: skip
+                                 fused_rotary=args.fused_rotary,
+                                 fused_projections=args.fused_projections),  # fmt: skip
         "decode_only": DECODE_ONLY,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,

@@ -32,6 +32,7 @@ from .kernels.paged import paged_decode
 from .kernels.tail import attention_lse, merge_attention
 from .graphs import DecodeInputs, remove_layer_calls
 from .norms import remove_fused_norms
+from .projections import remove_fused_projections
 from .rotary import remove_fused_rotary
 from .selectors.base import Selection
 
@@ -766,3 +767,4 @@ def disable_offload_attention(model: torch.nn.Module) -> None:
     remove_layer_calls(model)
     remove_fused_norms(model)
     remove_fused_rotary(model)
+    remove_fused_projections(model)

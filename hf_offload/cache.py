@@ -45,6 +45,7 @@ from .graphs import (
 )
 from .lookahead import speculative_query
 from .norms import FusedNorm, fused_norms_active, install_fused_norms
+from .projections import fused_groups, fused_projections_active, install_fused_projections
 from .rotary import RotaryForward, fused_rotary_active, install_fused_rotary
 from .selectors import Selection, Selector, get_selector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
@@ -186,16 +187,24 @@ def _hidden_states(args: tuple, kwargs: dict):
     return args[0] if args else kwargs.get("hidden_states")
 
 
-def call_fusions(config: OffloadConfig, args: tuple, kwargs: dict) -> tuple[bool, bool]:
-    """Whether a decoder layer call runs its RMS norms and its rotary embedding with the kernels: :func:`fusions_on`
-    for the device of its hidden states."""
+def call_fusions(config: OffloadConfig, args: tuple, kwargs: dict) -> tuple[bool, bool, bool]:
+    """Whether a decoder layer call runs its RMS norms and its rotary embedding with the kernels and its sibling
+    projections as one product: :func:`fusions_on` for the device of its hidden states."""
     hidden = _hidden_states(args, kwargs)
-    return fusions_on(config, hidden.device) if isinstance(hidden, torch.Tensor) else (False, False)
+    return fusions_on(config, hidden.device) if isinstance(hidden, torch.Tensor) else (False, False, False)
 
 
-def fusions_on(config: OffloadConfig, device: torch.device) -> tuple[bool, bool]:
+def projections_on(config: OffloadConfig, device: torch.device) -> bool:
+    """Whether decoder layers on ``device`` compute their sibling projections as one product
+    (``config.fused_projections``)."""
+    setting = config.fused_projections
+    return bool(device.type == "cuda" if setting is None else setting)
+
+
+def fusions_on(config: OffloadConfig, device: torch.device) -> tuple[bool, bool, bool]:
     """Whether decoder layer calls on ``device`` run their RMS norms (``config.fused_norms``) and their rotary
-    embedding (``config.fused_rotary``) with the kernels.
+    embedding (``config.fused_rotary``) with the kernels, and their sibling projections as one product
+    (``config.fused_projections``, :func:`projections_on`).
 
     Raises:
         RuntimeError: either set to ``True`` where Triton cannot run.
@@ -212,14 +221,14 @@ def fusions_on(config: OffloadConfig, device: torch.device) -> tuple[bool, bool]
                 "CUDA) or False."
             )
         on.append(bool(triton_here and (device.type == "cuda" if setting is None else setting)))
-    return on[0], on[1]
+    return on[0], on[1], projections_on(config, device)
 
 
 @contextlib.contextmanager
-def fused(fusions: tuple[bool, bool]):
-    """Run the enclosed decoder layer call with its norms and rotary embedding fused as ``fusions`` says
-    (:func:`fusions_on`)."""
-    with fused_norms_active(fusions[0]), fused_rotary_active(fusions[1]):
+def fused(fusions: tuple[bool, bool, bool]):
+    """Run the enclosed decoder layer call with its norms, rotary embedding and projections fused as ``fusions``
+    says (:func:`fusions_on`)."""
+    with fused_norms_active(fusions[0]), fused_rotary_active(fusions[1]), fused_projections_active(fusions[2]):
         yield
 
 
@@ -1572,7 +1581,16 @@ class OffloadCache(Cache):
         install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
         install_fused_norms(model)  # their norms run one kernel inside those calls where fused_norms is on
         install_fused_rotary(model)  # and their rotary embedding where fused_rotary is on
+        self._install_projections(model)
         self._model_ref = weakref.ref(model)
+
+    def _install_projections(self, model: torch.nn.Module) -> None:
+        """Fuse the sibling projections of ``model``'s decoder layers (:func:`install_fused_projections`) where
+        ``config.fused_projections`` would run them on the device of the decoder layers' weights."""
+        layers = decoder_layers(model)
+        weight = next((p for layer, _ in layers for p in layer.parameters()), None)
+        if weight is not None and projections_on(self.config, weight.device):
+            install_fused_projections(model)
 
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
         """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
@@ -1592,20 +1610,25 @@ class OffloadCache(Cache):
 
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
-        ``timing``, ``fused_norms``, ``fused_rotary``) on a filled cache, e.g. to compare them on one cache. Captured
-        decode graphs are dropped (captured again).
+        ``timing``, ``fused_norms``, ``fused_rotary``, ``fused_projections``) on a filled cache, e.g. to compare them
+        on one cache. Captured decode graphs are dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).
         """
-        other = set(changes) - {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms", "fused_rotary"}
+        options = {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms", "fused_rotary",
+                   "fused_projections"}  # fmt: skip
+        other = set(changes) - options
         if other:
             raise ValueError(
-                f"set_options() changes lookahead, cuda_graphs, graph_scope, timing, fused_norms and fused_rotary only; "
+                f"set_options() changes {', '.join(sorted(options))} only; "
                 f"{sorted(other)} fix the cache's layout: build a new OffloadCache for them."
             )
         config = self.config.replace(**changes)
         self.config = config
+        model = self._model_ref()
+        if config.fused_projections is not False and model is not None:
+            self._install_projections(model)  # groups not built when the cache was
         for layer in self.offload_layers:
             layer.config = config
             if layer.is_initialized:
@@ -1653,8 +1676,10 @@ class OffloadCache(Cache):
             decode steps, sequences and query heads; else ``None``), ``decode_steps`` and ``layers`` (the same counters per
             offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
             model's RMS norm and attention modules that run one kernel where ``fused_norms`` / ``fused_rotary`` are
-            on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``norms`` and ``rotary``: whether the
-            offloaded layers' calls run them, ``None`` before the first call). Blocks are counted per KV head for
+            on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``projection_groups``: the groups of
+            sibling projections computed as one product where ``fused_projections`` is on,
+            :mod:`hf_offload.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded layers'
+            calls run them, ``None`` before the first call). Blocks are counted per KV head for
             per-head selectors.
         """
         per_layer = {}
@@ -1723,8 +1748,10 @@ class OffloadCache(Cache):
         return {
             "norm_modules": sum(isinstance(m.__dict__.get("forward"), FusedNorm) for m in modules),
             "rotary_modules": sum(isinstance(m.__dict__.get("forward"), RotaryForward) for m in modules),
+            "projection_groups": len(fused_groups(model)) if model is not None else 0,
             "norms": None if on is None else on[0],
             "rotary": None if on is None else on[1],
+            "projections": None if on is None else on[2],
         }
 
     def reserve(self, tokens: int) -> None:

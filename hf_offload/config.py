@@ -121,6 +121,12 @@ class OffloadConfig:
             Qwen3, Gemma 3, ...; others keep theirs). ``None`` (default): on where Triton runs on the layer's CUDA
             device; ``True``: on wherever Triton runs (also its CPU interpreter), an error elsewhere; ``False``:
             off, transformers' own function.
+        fused_projections: compute each decoder layer's sibling projections (q, k and v; gate and up) as one matrix
+            product in the decoder layer calls this cache runs (:mod:`hf_offload.projections`: their weights become
+            row blocks of one tensor when the cache is built, the same values and no added memory). The same sums,
+            possibly added in another order by the matrix library (an output element can differ in its last bits).
+            ``None`` (default): on where the model's decoder layers are on CUDA; ``True``: on for any device;
+            ``False``: off, the weights left as they are.
         decode_attention: how a decode step attends its selected blocks. ``"paged"``: one Triton kernel reads each
             block where it lies: blocks of admitted chunks (``admission="auto"``) in place, blocks in host memory
             from the slot pool after their recall, so only those are ever copied (needs the kernel transfer path).
@@ -155,6 +161,7 @@ class OffloadConfig:
     decode_attention: str = "auto"
     fused_norms: bool | None = None
     fused_rotary: bool | None = None
+    fused_projections: bool | None = None
     # Fields that were None and got a value derived from the others (recomputed by replace()).
     _derived: tuple = field(default=(), init=False, repr=False, compare=False)
 
@@ -254,10 +261,11 @@ class OffloadConfig:
                 f"decode_capacity_blocks must be a positive integer (blocks a decode step's scored blocks are rounded "
                 f"up to) or None (64 with CUDA graphs, else 1), got {capacity!r}."
             )
-        for name in ("fused_norms", "fused_rotary"):
+        for name in ("fused_norms", "fused_rotary", "fused_projections"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name} must be True, False or None (None: on where Triton runs on CUDA), got {value!r}.")
+                where = "on CUDA" if name == "fused_projections" else "where Triton runs on CUDA"
+                raise ValueError(f"{name} must be True, False or None (None: on {where}), got {value!r}.")
         if self.decode_attention not in ("auto", "paged", "pool"):
             raise ValueError(f"decode_attention must be 'auto', 'paged' or 'pool', got {self.decode_attention!r}.")
         if not isinstance(self.selector, str) and not hasattr(self.selector, "select"):

@@ -23,8 +23,10 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
 * **The block's constant** ``q . kmin`` is itself a matrix product: 16 blocks as the rows, ``kmin`` (exact in
   bfloat16) times the query split into a bfloat16 high and low part (about 16 bits of the float32 query), two
   products per 16 blocks.
-* Each block's log-sum-exp per query head is reduced over its 16 tokens with warp shuffles, offset by the constant,
-  and written to ``[batch, kv_heads, group, n_blocks]``, float32, as the Triton kernel writes it.
+* **Log-sum-exp through a tile.** Each lane writes the four logits it holds into a tile in shared memory; every 8
+  blocks each lane reduces one (block, query head) row of 16 tokens by itself, adds the block's constant and writes
+  ``[batch, kv_heads, group, n_blocks]``, float32, as the Triton kernel does (:data:`TRANSPOSE`; the reduction
+  with warp shuffles across the lanes of a column is kept to compare).
 * **Loads ahead through shared memory.** Each warp copies its next blocks' codes and steps into a small ring in
   shared memory with ``cp.async`` (:data:`STAGES` blocks) while it scores the current one, so the loads in flight
   hold no registers.
@@ -43,9 +45,11 @@ falls back to the Triton kernel otherwise. On an H200 (8B shape, 64K tokens, bat
 where the Triton kernel takes 324.9 (2-bit codes; 173.8 against 324.5 at 4 bits), about 2.3 instructions per code in
 its compiled loop (``results/selection/mma_h200/sass_count.txt``); decode steps with plain ``quantkey`` go from 30.4 to
 23.8 ms (``results/decode/mma_h200/``). With the ring of 2, 152.7-153.2 us against 158.0-158.8 without in the same
-runs at 2 bits and 167.0-167.6 against 193.2-193.8 at 4 (``results/selection/ring_h200/``). At 2 bits the kernel is
-bound by its chain of dependent instructions at the occupancy its 72 registers allow, not by its reads (52% of DRAM
-bandwidth, 51% of issue slots under Nsight Compute).
+runs at 2 bits and 167.0-167.6 against 193.2-193.8 at 4 (``results/selection/ring_h200/``). At 2 bits the kernel was
+bound by its instructions at the occupancy its 72 registers allow, not by its reads (52% of DRAM bandwidth under
+Nsight Compute); the tile took the 12 shuffles per block out (136 instructions per block in the compiled loop
+instead of 176, plus an eighth of a row reduction): 134.4 us against 148.8 with the ring of 3 at 2 bits, 154.8
+against 162.0 at 4 (``results/selection/transpose_h200/``).
 """
 
 from __future__ import annotations
@@ -450,7 +454,7 @@ MIN_BLOCKS = 0
 kernel is compiled): 0 leaves the registers to the compiler (72 per thread at 2 bits, head_dim 128: 7 programs of 4
 warps), 8 caps them at 64 per thread."""
 
-STAGES = 2
+STAGES = 3
 """Blocks a warp keeps in flight through asynchronous copies into a ring in shared memory (``cp.async``; read when a
 kernel is compiled; ``benchmarks/bench_quantkey_kernel.py`` times several): block ``j + STAGES - 1``'s codes and
 steps are copied while block ``j`` is scored, without holding registers as :data:`PREFETCH` does. 0: each block is
@@ -458,7 +462,9 @@ loaded straight into registers when the previous one is done. Capped where the r
 static shared memory (:func:`stages`). On an H200 (8B shape, 64K tokens, batch 12; ``results/selection/ring_h200/``)
 a ring of 2 took 152.7-153.2 us per call against 158.0-158.8 without at 2 bits, and 167.0-167.6 against 193.2-193.8
 at 4 bits (3.6 TB/s of reads); deeper rings, two accumulators (:data:`CHAINS`) and capped registers
-(:data:`MIN_BLOCKS`) gained nothing more."""
+(:data:`MIN_BLOCKS`) gained nothing more. With :data:`TRANSPOSE` (``results/selection/transpose_h200/``) rings of
+2 / 3 / 4 took 135.7 / 134.4 / 132.6 us at 2 bits and 157.4 / 154.8 / 161.1 at 4: 3, the best at 4 bits (the
+default selector's keys) and within 1.4% at 2."""
 
 TRANSPOSE = True
 """How a block's 16 logits per query head become its log-sum-exp (read when a kernel is compiled;

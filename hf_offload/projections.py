@@ -1,0 +1,195 @@
+"""Sibling projections of a decoder layer as one matrix product: attention's q, k and v, the MLP's gate and up.
+
+At decode batch sizes a projection is a matrix-vector product bound by reading its weight, and each one launches its
+own kernel (and, for thin products, its own split-K reduction). On an H200 (Llama-3.1-8B shape, batch 12, whole-layer
+CUDA graphs) q, k and v took 10.8, 5.6 and 5.4 us per layer and gate and up 32.0 and 30.0, plus a 1.7-1.9 us
+reduction after each (``results/decode/ring_h200/README.md``), where their 50 MB and 235 MB of weights read at the
+3.9 TB/s the larger products reach would take 13 and 60 us.
+
+:func:`install_fused_projections` takes each group of sibling ``torch.nn.Linear`` modules inside the decoder layers
+that transformers' forwards call with the same input tensor, first one first (``q_proj``, ``k_proj``, ``v_proj``;
+``gate_proj``, ``up_proj``), copies their weights (and biases) into one tensor and makes each module's weight a view
+of its rows: the values, names, shapes and dtypes of the parameters do not change and no memory is added (the old
+tensors are freed). The first module's forward then computes the product with all the rows at once while
+:func:`fused_projections_active` is on (the cache turns it on around the decoder layer calls it runs, see
+:attr:`~hf_offload.config.OffloadConfig.fused_projections`), returns its own columns and keeps the others for its
+siblings, which return them when they are called next with that same input tensor; any other call computes its own
+product. Outside the cache's layer calls (another cache, no cache) nothing changes.
+
+The products are the same sums in another kernel: the matrix library may split and order the sum over the input
+features differently for the wider product, so an output element can differ in its last bits from the separate
+product's (as between any two batch sizes). A group is taken only where every module is exactly ``torch.nn.Linear``
+(no subclass, no quantized layer), has no hooks and no forward of its own (accelerate's offloading, another
+library's patch), and all weights share one device (not ``meta``), dtype and number of input features, with biases
+on all or none. Each call checks that the weights are still views of the group's tensor (``model.to(...)`` or a
+newly assigned parameter makes them separate again, and the group then computes separate products).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+import torch.nn.functional as F
+
+from .graphs import decoder_layers
+
+_ACTIVE = contextvars.ContextVar("hf_offload_fused_projections", default=False)
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+"""Names of sibling projections, in the order transformers' forwards call them (Llama, Mistral, Qwen2, Qwen3,
+Gemma 3, Phi-3's MLP has its own fused ``gate_up_proj`` and is left as it is)."""
+
+
+@contextlib.contextmanager
+def fused_projections_active(on: bool):
+    """Within this context, the groups :func:`install_fused_projections` built compute one product each (``on``) or
+    their modules' own products (``not on``); nests, and restores the previous state on exit."""
+    token = _ACTIVE.set(bool(on))
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+class ProjectionGroup:
+    """Sibling ``torch.nn.Linear`` modules whose weights are row blocks of one tensor.
+
+    Attributes:
+        modules: the modules, in call order.
+        weight: ``[sum of out_features, in_features]``, the modules' dtype and device; module ``i``'s weight is rows
+            ``offsets[i] : offsets[i + 1]``.
+        bias: ``[sum of out_features]`` or ``None``, laid out as ``weight``.
+        sizes: each module's ``out_features``.
+        calls: products computed for the whole group (for tests and benchmarks).
+    """
+
+    def __init__(self, modules: list[torch.nn.Linear]):
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight for m in modules])
+            self.bias = torch.cat([m.bias for m in modules]) if modules[0].bias is not None else None
+        start = 0
+        for m, size in zip(modules, self.sizes):
+            m.weight = torch.nn.Parameter(self.weight[start : start + size], requires_grad=m.weight.requires_grad)
+            if self.bias is not None:
+                m.bias = torch.nn.Parameter(self.bias[start : start + size], requires_grad=m.bias.requires_grad)
+            start += size
+        self.calls = 0
+        self._input: torch.Tensor | None = None  # the input of the last fused product, while a sibling waits
+        self._parts: list[torch.Tensor | None] = []
+
+    def intact(self) -> bool:
+        """Whether every module's weight (and bias) is still its view of the group's tensors."""
+        start = 0
+        item = self.weight.element_size()
+        for m, size in zip(self.modules, self.sizes):
+            w = m.weight
+            if w.data_ptr() != self.weight.data_ptr() + start * self.weight.stride(0) * item or w.shape[0] != size:
+                return False
+            if self.bias is not None and (m.bias is None or m.bias.data_ptr() != self.bias.data_ptr() + start * item):
+                return False
+            start += size
+        return True
+
+    def first(self, x: torch.Tensor) -> torch.Tensor:
+        """The first module's forward: the whole group's product where the fusion is on (the siblings' columns kept
+        for them), else its own."""
+        module = self.modules[0]
+        grad = torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad or module.weight.requires_grad)
+        if not _ACTIVE.get() or grad or not self.intact():
+            self._input, self._parts = None, []
+            return F.linear(x, module.weight, module.bias)
+        out = F.linear(x, self.weight, self.bias)
+        parts = list(out.split(self.sizes, dim=-1))
+        self._input, self._parts = x, [None, *parts[1:]]
+        self.calls += 1
+        return parts[0]
+
+    def sibling(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        """Module ``index``'s forward: its columns of the product the first module computed with this same input,
+        else its own product."""
+        if x is self._input and self._parts[index] is not None:
+            part, self._parts[index] = self._parts[index], None
+            if all(p is None for p in self._parts):
+                self._input, self._parts = None, []  # nothing held past the group's last call
+            return part
+        module = self.modules[index]
+        return F.linear(x, module.weight, module.bias)
+
+
+class ProjectionForward:
+    """A projection module's own forward from :func:`install_fused_projections`.
+
+    Attributes:
+        group: its :class:`ProjectionGroup`.
+        index: its place in the group (0: the one that computes the product).
+    """
+
+    def __init__(self, group: ProjectionGroup, index: int):
+        self.group, self.index = group, index
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.index == 0:
+            return self.group.first(x)
+        return self.group.sibling(self.index, x)
+
+
+def _takes(modules: list) -> bool:
+    """Whether these modules can form a group (see the module's docstring)."""
+    if not all(type(m) is torch.nn.Linear for m in modules):
+        return False
+    for m in modules:
+        if "forward" in m.__dict__ or m._forward_hooks or m._forward_pre_hooks or m._backward_hooks:
+            return False
+    w = [m.weight for m in modules]
+    if w[0].device.type == "meta" or any(x.device != w[0].device or x.dtype != w[0].dtype for x in w):
+        return False
+    if len({m.in_features for m in modules}) != 1 or len({m.bias is None for m in modules}) != 1:
+        return False
+    return all(m.bias is None or m.bias.dtype == w[0].dtype for m in modules)
+
+
+def install_fused_projections(model: torch.nn.Module) -> int:
+    """Build a :class:`ProjectionGroup` for every group of :data:`GROUPS` inside the decoder layers of ``model``
+    that can form one (idempotent); returns how many groups have fused forwards. Undone (the forwards; the weights
+    stay views, with the same values) by :func:`remove_fused_projections`."""
+    groups = 0
+    for layer, _ in decoder_layers(model):
+        for parent in layer.modules():
+            for names in GROUPS:
+                modules = [getattr(parent, n, None) for n in names]
+                if any(m is None for m in modules):
+                    continue
+                forwards = [m.__dict__.get("forward") for m in modules]
+                if all(isinstance(f, ProjectionForward) for f in forwards):
+                    groups += 1
+                    continue
+                if not _takes(modules):
+                    continue
+                group = ProjectionGroup(modules)
+                for i, m in enumerate(modules):
+                    m.forward = ProjectionForward(group, i)
+                groups += 1
+    return groups
+
+
+def remove_fused_projections(model: torch.nn.Module) -> None:
+    """Give each projection of ``model`` that :func:`install_fused_projections` changed its class's forward back
+    (its weight stays a view of the group's tensor, with the same values)."""
+    for layer, _ in decoder_layers(model):
+        for module in layer.modules():
+            if isinstance(module.__dict__.get("forward"), ProjectionForward):
+                del module.forward
+
+
+def fused_groups(model: torch.nn.Module) -> list[ProjectionGroup]:
+    """The :class:`ProjectionGroup` of every group of ``model`` with fused forwards."""
+    seen = {}
+    for module in model.modules():
+        forward = module.__dict__.get("forward")
+        if isinstance(forward, ProjectionForward):
+            seen[id(forward.group)] = forward.group
+    return list(seen.values())
