@@ -11,6 +11,9 @@ warm-up):
   attention, without building the mask and without copying the admitted blocks into slots first);
 * ``copy_admitted``: the copy kernel moving the selected admitted blocks into slots (what the slot-pool path adds).
 
+Each is timed inside a CUDA graph of ``--graph-calls`` calls (as a decode step's whole-layer graph runs it; 0: one
+call at a time, the host's launch included, which made earlier sweeps spread by 60%).
+
 Outputs are checked against :func:`~hf_offload.kernels.paged.paged_decode_reference` first. Raw JSON to ``--out``.
 
     python benchmarks/bench_paged_kernel.py --batch 12 --out results/decode/bench_paged_kernel_h200.json
@@ -33,9 +36,22 @@ from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.kernels.paged import paged_decode, paged_decode_reference  # noqa: E402
 
 
-def _time(fn, repeats: int) -> float:
-    """Median microseconds of ``fn`` over ``repeats`` calls (CUDA events), after three warm-up calls."""
-    return statistics.median(cuda_event_ms(fn, warmup=3, reps=repeats)) * 1e3
+def _time(fn, repeats: int, graph_calls: int = 0) -> float:
+    """Median microseconds of ``fn`` over ``repeats`` timings (CUDA events), after three warm-up calls: of one call
+    each, or with ``graph_calls`` > 0 of one replay of a CUDA graph of that many calls, divided by it (the host's
+    launch time left out, as in a decode step's graph)."""
+    if graph_calls <= 0:
+        return statistics.median(cuda_event_ms(fn, warmup=3, reps=repeats)) * 1e3
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(graph_calls):
+            fn()
+    ms = statistics.median(cuda_event_ms(graph.replay, warmup=3, reps=repeats))
+    del graph
+    return ms * 1e3 / graph_calls
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", nargs="+", default=["4/4/0", "2/4/0", "8/4/0", "4/8/0", "8/8/0", "4/4/1"],
                         help="block_e/num_warps/splits[/num_stages] (splits 0: the default)")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--graph-calls", type=int, default=10,
+                        help="calls per timed CUDA graph replay (0: time single calls, host launch included)")
     parser.add_argument("--out", default="results/decode/bench_paged_kernel.json")
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -89,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                   splits=splits or None, num_stages=stages or None)  # fmt: skip
         out, lse = fn()
         err = max((out - ref_out).abs().max().item(), (lse - ref_lse).abs().max().item())
-        us = _time(fn, args.repeats)
+        us = _time(fn, args.repeats, args.graph_calls)
         results["paged"].append({"block_e": block_e, "num_warps": warps, "splits": splits or None,
                                  "num_stages": stages or None, "us": us, "max_abs_error": err})  # fmt: skip
         print(f"paged {spec:18s} {us:8.1f} {err:10.2e}")
@@ -104,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     v_all = pool[1].view(batch, heads, total * tokens, head_dim)
     sdpa = lambda: torch.nn.functional.scaled_dot_product_attention(query, k_all, v_all, attn_mask=ok,  # noqa: E731
                                                                     scale=scaling)  # fmt: skip
-    results["sdpa_pool_us"] = _time(sdpa, args.repeats)
+    results["sdpa_pool_us"] = _time(sdpa, args.repeats, args.graph_calls)
     print(f"{'sdpa_pool':24s} {results['sdpa_pool_us']:8.1f}")
 
     # What the slot-pool path copies first: the selected admitted blocks, whole, into their slots.
@@ -123,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     dev_off = ((((kv[None, :] * batch + b_idx[:, None]) * heads + h[None, :]) * total + s_idx[:, None]) * piece_words)
     copy = lambda: copy_pieces(addrs, chunk_blocks, block_words, piece_ids, host_off, pool,  # noqa: E731
                                dev_off.reshape(-1), piece_words, to_host=False)  # fmt: skip
-    results["copy_admitted_us"] = _time(copy, args.repeats)
+    results["copy_admitted_us"] = _time(copy, args.repeats, args.graph_calls)
     results["copy_admitted_bytes"] = int(sel_admitted.sum()) * block_words * 4
     mib = results["copy_admitted_bytes"] / 2**20
     print(f"{'copy_admitted':24s} {results['copy_admitted_us']:8.1f}  ({mib:.1f} MiB)")
