@@ -147,7 +147,7 @@ def settings(args, bits: int) -> list[dict]:
                    {"chains": 2}, {"stages": 2, "min_blocks": 8}, {"stages": 2, "chains": 2},
                    {"transpose": True}, {"stages": 2, "transpose": True}, {"stages": 3, "transpose": True},
                    {"stages": 4, "transpose": True}, {"stages": 2, "transpose": True, "num_warps": 8},
-                   {"stages": 2, "transpose": True, "min_blocks": 8}, {"stages": 2, "transpose": True, "chains": 2},
+                   {"stages": 2, "transpose": True, "min_blocks": 8}, {"stages": 2, "transpose": True, "chains": 2}, {"stages": 3, "transpose": True, "min_blocks": 7},
                    {"variant": "mma-magic"}):  # fmt: skip
         chosen.append({**base, **change})
     return chosen

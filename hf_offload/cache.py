@@ -69,7 +69,8 @@ class LayerStats:
     :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
     Counts added while a CUDA graph is being captured go into a persistent device tensor instead, one entry per
     distinct ``(fields, factor)`` of :meth:`add_later` (one in-place add per call, recorded in the graph; the factor
-    and the fields are applied when a counter is read), so that every replay of the graph counts.
+    and the fields are applied when a counter is read), so that every replay of the graph counts; masks counted with
+    :meth:`count_later` go into a persistent count per element instead (one launch per replay).
     """
 
     FIELDS = (
@@ -108,12 +109,16 @@ class LayerStats:
         if getattr(self, "_captured", None) is not None:
             with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into it
                 self._captured.zero_()
+                for buffer in self._captured_masks.values():
+                    buffer.zero_()
 
     def prepare_capture(self, device: torch.device) -> None:
         """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
         if getattr(self, "_captured", None) is None:
             self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
             self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
+            # (fields, factor, mask shape) -> per-element counts of the masks captured graphs add (count_later)
+            self._captured_masks: dict[tuple[tuple[str, ...], int, tuple[int, ...]], torch.Tensor] = {}
 
     def add(self, fields: tuple[str, ...], value) -> None:
         """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
@@ -144,6 +149,25 @@ class LayerStats:
         if self._n_queued >= self._QUEUE:
             self.settle()
 
+    def count_later(self, fields: tuple[str, ...], mask: torch.Tensor, factor: int = 1) -> None:
+        """Add ``factor`` times the number of ``True`` elements of ``mask`` to each of ``fields`` when the counters
+        are next read. While a CUDA graph is being captured, the mask itself is added into a persistent per-element
+        count of its shape (one launch per replay, where a sum and an add would take three), summed when read.
+
+        Args:
+            fields: counter names.
+            mask: ``torch.bool``, any shape, on the compute device.
+            factor: a constant multiplier.
+        """
+        if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+            key = (fields, factor, tuple(mask.shape))
+            buffer = self._captured_masks.get(key)
+            if buffer is None:
+                buffer = self._captured_masks[key] = torch.zeros(mask.shape, dtype=torch.int64, device=mask.device)
+            buffer.add_(mask)
+            return
+        self.add_later(fields, mask.sum(), factor)
+
     def settle(self) -> None:
         """Sum the queued device counts into the counters (device operations only, no host synchronisation)."""
         queued, self._queued, self._n_queued = self._queued, {}, 0
@@ -160,6 +184,9 @@ def _counter(name: str) -> property:
         for (fields, factor), slot in getattr(self, "_capture_slots", {}).items():
             if name in fields:
                 total = total + self._captured[slot] * factor
+        for (fields, factor, _), buffer in getattr(self, "_captured_masks", {}).items():
+            if name in fields:
+                total = total + buffer.sum() * factor
         return total
 
     def set(self: LayerStats, value) -> None:
@@ -1024,7 +1051,7 @@ class OffloadLayer(CacheLayerMixin):
             # Every block lies in device memory: nothing to assign or recall (about 90 us per layer and step at 64K
             # tokens, batch 12, 8B shape on an H200: the assignment, its arguments and an empty copy launch).
             keep = selection.keep
-            self.stats.add_later(("lookups", "hits"), keep.sum(), heads // keep.shape[1])
+            self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
             self._wait_side_streams()  # blocks sealed on a side stream reach their chunks first
             yield selection.blocks, keep, self._zero_slots(total), None, None
             return
@@ -1037,11 +1064,11 @@ class OffloadLayer(CacheLayerMixin):
             slots, miss = self.pool.assign(blocks, self._pool_keep(blocks, keep) if in_place else keep)
             if decode:
                 # Device-side counts, summed when stats() reads them.
-                self.stats.add_later(("lookups", "hits"), keep.sum(), heads // keep.shape[1])
+                self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
                 if prefetched is not None:
                     used = keep.expand_as(miss) & ~miss & prefetched.gather(-1, slots)
                     used = used if self.selector.per_head else used[:, :1]
-                    self.stats.add_later(("prefetch_used_blocks",), used.sum())
+                    self.stats.count_later(("prefetch_used_blocks",), used)
             if start == 0:
                 # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
                 # them; both must come after the prefetch. Recalled blocks must have reached the host.

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from .projections import ProjectionForward
+
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
@@ -54,7 +56,12 @@ def speculative_query(decoder_layer: torch.nn.Module, hidden: torch.Tensor, posi
     if q_proj.out_features % head_dim:
         return None
     batch, q_len, _ = hidden.shape
-    q = q_proj(norm(hidden)).view(batch, q_len, -1, head_dim)
+    x = norm(hidden)
+    if isinstance(q_proj.__dict__.get("forward"), ProjectionForward):  # only the query's rows of its fused product
+        q = torch.nn.functional.linear(x, q_proj.weight, q_proj.bias)
+    else:
+        q = q_proj(x)
+    q = q.view(batch, q_len, -1, head_dim)
     q_norm = getattr(attn, "q_norm", None)
     if q_norm is not None:
         q = q_norm(q)

@@ -14,7 +14,10 @@ tensors are freed). The first module's forward then computes the product with al
 :func:`fused_projections_active` is on (the cache turns it on around the decoder layer calls it runs, see
 :attr:`~hf_offload.config.OffloadConfig.fused_projections`), returns its own columns and keeps the others for its
 siblings, which return them when they are called next with that same input tensor; any other call computes its own
-product. Outside the cache's layer calls (another cache, no cache) nothing changes.
+product. Outside the cache's layer calls (another cache, no cache) nothing changes. A gated MLP of
+transformers' ``LlamaMLP`` form with a SiLU (Llama, Mistral, Qwen2, Qwen3) also gets its own forward there: the gate
+and up product, ``silu(gate) * up`` in one launch where Triton runs (:mod:`hf_offload.kernels.act`, two elementwise
+kernels fewer), then ``down_proj``.
 
 The products are the same sums in another kernel: the matrix library may split and order the sum over the input
 features differently for the wider product, so an output element can differ in its last bits from the separate
@@ -120,6 +123,50 @@ class ProjectionGroup:
         return F.linear(x, module.weight, module.bias)
 
 
+class GatedMLPForward:
+    """A gated MLP's own forward from :func:`install_fused_projections`, for MLPs of transformers' ``LlamaMLP``
+    form (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``, the same code) with a SiLU: where the fusion is on,
+    the gate and up product of its :class:`ProjectionGroup`, then ``silu(gate) * up`` in one launch
+    (:func:`~hf_offload.kernels.act.silu_mul`, torch's roundings), then ``down_proj``; otherwise the class's
+    forward.
+
+    Attributes:
+        module: the MLP.
+        group: its gate and up :class:`ProjectionGroup`.
+        calls: calls that ran the fused path (for tests and benchmarks).
+    """
+
+    def __init__(self, module: torch.nn.Module, group: ProjectionGroup):
+        self.module, self.group, self.calls = module, group, 0
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        from .kernels.act import silu_mul, silu_mul_supported
+
+        group, module = self.group, self.module
+        grad = torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in group.modules))
+        if _ACTIVE.get() and not grad and group.intact() and silu_mul_supported(x):
+            self.calls += 1
+            group.calls += 1
+            return module.down_proj(silu_mul(F.linear(x, group.weight, group.bias)))
+        return type(module).forward(module, x)
+
+
+def _gated_silu_mlp(module: torch.nn.Module) -> bool:
+    """Whether ``module``'s class forward has the code of ``LlamaMLP.forward`` and its activation is the SiLU."""
+    from transformers import activations
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    from .norms import _same_code
+
+    silu = tuple(c for c in (getattr(activations, "SiLUActivation", None), torch.nn.SiLU) if c is not None)
+    act = getattr(module, "act_fn", None)
+    if not _same_code(getattr(type(module), "forward", None), LlamaMLP.forward) or type(act) not in silu:
+        return False
+    if "forward" in act.__dict__ or "forward" in module.__dict__:  # another library's forward in its place
+        return False
+    return type(getattr(module, "down_proj", None)) is torch.nn.Linear
+
+
 class ProjectionForward:
     """A projection module's own forward from :func:`install_fused_projections`.
 
@@ -172,6 +219,8 @@ def install_fused_projections(model: torch.nn.Module) -> int:
                 group = ProjectionGroup(modules)
                 for i, m in enumerate(modules):
                     m.forward = ProjectionForward(group, i)
+                if names == ("gate_proj", "up_proj") and _gated_silu_mlp(parent):
+                    parent.forward = GatedMLPForward(parent, group)
                 groups += 1
     return groups
 
@@ -181,8 +230,13 @@ def remove_fused_projections(model: torch.nn.Module) -> None:
     (its weight stays a view of the group's tensor, with the same values)."""
     for layer, _ in decoder_layers(model):
         for module in layer.modules():
-            if isinstance(module.__dict__.get("forward"), ProjectionForward):
+            if isinstance(module.__dict__.get("forward"), (ProjectionForward, GatedMLPForward)):
                 del module.forward
+
+
+def fused_mlps(model: torch.nn.Module) -> list[GatedMLPForward]:
+    """The :class:`GatedMLPForward` of every MLP of ``model`` that has one."""
+    return [m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), GatedMLPForward)]
 
 
 def fused_groups(model: torch.nn.Module) -> list[ProjectionGroup]:

@@ -12,13 +12,14 @@ def test_settings_time_v1_then_the_v2_grid_then_the_tensor_core_kernel():
     triton = [s for s in chosen[1:] if s["variant"] == "v2"]
     assert len(triton) == 4 and chosen[1:5] == triton  # 2 warps x 2 rows (the default among them)
     cuda = chosen[5:]
-    assert [s["variant"] for s in cuda] == ["mma"] * 14 + ["mma-magic"]  # the default, then one change at a time
+    assert [s["variant"] for s in cuda] == ["mma"] * 17 + ["mma-magic"]  # the base, then changes from it
     assert cuda[0] == {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False,
-                       "unroll": 1, "stages": 0, "chains": 1, "min_blocks": 0}  # fmt: skip
-    changed = [{k: v for k, v in s.items() if v != cuda[0][k]} for s in cuda[1:14]]
+                       "unroll": 1, "stages": 0, "chains": 1, "min_blocks": 0, "transpose": False}  # fmt: skip
+    changed = [{k: v for k, v in s.items() if v != cuda[0][k]} for s in cuda[1:17]]
     assert {"prefetch": True} in changed and {"num_warps": 8} in changed and {"stages": 3} in changed
-    assert {"stages": 2, "chains": 2, "min_blocks": 8} in changed
-    assert len({tuple(sorted(c.items())) for c in changed}) == 13  # no setting twice
+    assert {"stages": 2, "min_blocks": 8} in changed and {"transpose": True} in changed
+    assert {"stages": 3, "transpose": True, "min_blocks": 7} in changed
+    assert len({tuple(sorted(c.items())) for c in changed}) == 16  # no setting twice
     narrow = bench_quantkey_kernel.parse_args(["--head-dim", "32", "--warps", "1"])
     chosen = bench_quantkey_kernel.settings(narrow, 2)
     triton = [s for s in chosen if s["variant"] in ("v1", "v2")]

@@ -8,10 +8,12 @@ import pytest
 import torch
 
 from hf_offload import OffloadCache, disable_offload_attention
+from hf_offload.kernels.act import silu_mul, silu_mul_reference, silu_mul_supported
 from hf_offload.kernels.gather import kernels_available
 from hf_offload.projections import (
     ProjectionForward,
     fused_groups,
+    fused_mlps,
     fused_projections_active,
     install_fused_projections,
     remove_fused_projections,
@@ -210,3 +212,63 @@ def test_cuda_fused_projections_by_default_in_graphs(arch):
     first = (runs[None].logits[0].float() - runs[False].logits[0].float()).abs().max().item()
     assert first < 0.1, first
     disable_offload_attention(model)
+
+
+TRITON = kernels_available(torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_gated_silu_mlps_get_their_own_forward(arch):
+    model = build_model(arch)
+    install_fused_projections(model)
+    want = arch in {"llama", "mistral", "qwen2", "qwen3"}  # Gemma 3: GELU; Phi-3: its own gate_up_proj
+    assert len(fused_mlps(model)) == (model.config.num_hidden_layers if want else 0)
+    remove_fused_projections(model)
+    assert fused_mlps(model) == []
+
+
+@pytest.mark.skipif(not TRITON, reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_silu_mul_kernel_rounds_as_torch(dtype):
+    g = torch.Generator().manual_seed(0)
+    gate_up = (torch.randn(3, 5, 2 * 1500, generator=g) * 4).to(dtype)
+    got, want = silu_mul(gate_up), silu_mul_reference(gate_up)
+    assert got.shape == (3, 5, 1500) and got.dtype == dtype
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want)  # NumPy's exp and torch's differ far below bfloat16's last place
+    else:  # the interpreter's exp may differ from torch's CPU exp in the last float32 bit
+        torch.testing.assert_close(got, want, rtol=2e-3 if dtype == torch.float16 else 1e-6, atol=1e-6)
+
+
+def test_silu_mul_reference_is_transformers_mlp_product():
+    gate_up = torch.randn(2, 7, 10)
+    gate, up = gate_up[..., :5], gate_up[..., 5:]
+    assert torch.equal(silu_mul_reference(gate_up), torch.nn.functional.silu(gate) * up)
+    assert not silu_mul_supported(gate_up[..., :9])  # an odd last dimension
+    strided = torch.randn(2, 7, 20)[..., ::2]  # no unit stride along the last dimension: the reference runs
+    assert not silu_mul_supported(strided)
+    assert torch.equal(silu_mul(strided), silu_mul_reference(strided))
+
+
+@pytest.mark.skipif(not TRITON, reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
+def test_gated_mlp_forward_inside_the_active_context():
+    model = build_model("llama")
+    ids, _ = left_padded([11, 11], seed=2)
+    with torch.no_grad():
+        want = model(ids).logits
+    install_fused_projections(model)
+    with torch.no_grad(), fused_projections_active(True):
+        got = model(ids).logits
+    assert [f.calls for f in fused_mlps(model)] == [1] * model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_cuda_silu_mul_is_torch_bit_for_bit(dtype):
+    g = torch.Generator(device="cuda").manual_seed(1)
+    gate_up = (torch.randn(12, 1, 2 * 14336, generator=g, device="cuda") * 3).to(dtype)
+    assert torch.equal(silu_mul(gate_up), silu_mul_reference(gate_up))
+    rows = gate_up.view(12, -1)[:, : 2 * 5000]  # rows of a wider buffer
+    assert torch.equal(silu_mul(rows), silu_mul_reference(rows))

@@ -246,3 +246,27 @@ def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose):
     assert quantkey_mma.stages(128, 2, 4) == 3  # 3 x 768 bytes per warp fit beside the staging arrays
     monkeypatch.setattr(quantkey_mma, "STAGES", 1)
     assert quantkey_mma.stages(128, 2, 4) == 0  # a ring of one would only serialise the copies
+
+
+def test_an_unscaled_query_of_any_dtype_is_scaled_as_torch_scales_it():
+    query, s, _ = _inputs(2, 20, 2, 4, 128, seed=13)
+    raw = (query * 11.3).to(torch.bfloat16)
+    scaling = 128**-0.5
+    got = block_lse(raw, s["codes"], s["kmin"], s["kstep"], 2, scaling=scaling)
+    expected = block_lse_reference(raw.float() * scaling, s["codes"], s["kmin"], s["kstep"], 2)
+    assert torch.equal(got, expected)
+
+
+@needs_mma
+@pytest.mark.cuda
+@pytest.mark.parametrize("bits", [2, 4])
+def test_a_bfloat16_query_is_scaled_inside_the_kernel_bit_for_bit(monkeypatch, bits):
+    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "mma")
+    query, s, _ = _inputs(3, 70, 2, 4, 128, device="cuda", seed=17, bits=bits)
+    raw = (query * 11.3).to(torch.bfloat16)
+    scaling = 128**-0.5
+    in_kernel = block_lse(raw, s["codes"], s["kmin"], s["kstep"], bits, scaling=scaling)
+    outside = block_lse(raw.float() * scaling, s["codes"], s["kmin"], s["kstep"], bits)
+    assert torch.equal(in_kernel, outside)
+    strided = raw.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous: converted first, same result
+    assert torch.equal(block_lse(strided, s["codes"], s["kmin"], s["kstep"], bits, scaling=scaling), outside)

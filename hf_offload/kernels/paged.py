@@ -265,12 +265,14 @@ if triton is not None:
 
 
 def default_splits(entries: int, block_e: int) -> int:
-    """Splits of each (sequence, KV head) pair's entries: two tiles of ``block_e`` entries per program.
+    """Splits of each (sequence, KV head) pair's entries: one tile of ``block_e`` entries per program.
 
-    On an H200 (8B shape, batch 12, 129 entries of 16 tokens, bfloat16) the settings timed within 100-170 us per call
-    from run to run; two tiles of 8 entries per program on 4 warps was among the fastest (103.0 us;
-    ``results/decode/paged_attention_h200/bench_paged_kernel_sweep_b12.json``)."""
-    return max(1, -(-entries // (2 * block_e)))
+    Timed inside CUDA graphs on an H200 (8B shape, batch 12, 129 entries of 16 tokens, bfloat16, every block
+    admitted; ``results/decode/paged_graph_h200/``): one tile of 4 entries per program took 38.8 us per call and one
+    of 8 entries 39.9, against 49.9 for two tiles of 8 (the setting before) and 41.0-62.5 for two or more tiles of
+    4 by pipelining depth: a program's tiles are too few for pipelining to pay, and more programs keep more loads in
+    flight."""
+    return max(1, -(-entries // block_e))
 
 
 def paged_decode(
@@ -287,7 +289,7 @@ def paged_decode(
     chunk_blocks: int,
     pool_data: torch.Tensor,
     out_dtype: torch.dtype | None = None,
-    block_e: int = 8,
+    block_e: int = 4,
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,

@@ -287,11 +287,13 @@ def _launch_block_lse(
     block_n: int | None = None,
     num_warps: int | None = None,
     rows_per_thread: int | None = None,
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """Run one scoring kernel into ``out`` with explicit launch settings (no checks of the inputs, no host sync).
 
     Args:
-        query: ``[batch, kv_heads, group, head_dim]``, float32, contiguous, CUDA (or CPU under the interpreter).
+        query: ``[batch, kv_heads, group, head_dim]``, float32 (already scaled), contiguous, CUDA (or CPU under the
+            interpreter); for the ``mma`` variants also bfloat16, scaled inside the kernel (``scaling``).
         codes: ``[batch, n_blocks, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``, same device;
             contiguous, or (``v2``) the first ``n_blocks`` blocks of a contiguous ``[batch, capacity, ...]`` buffer.
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``, float dtype, same device; laid out like ``codes`` (the same
@@ -304,6 +306,7 @@ def _launch_block_lse(
             fill the warps, :func:`_default_config`).
         num_warps: warps per program; ``None``: the variant's default.
         rows_per_thread: ``v2`` only: token rows of a block per thread; ``None``: :func:`_default_config`'s.
+        scaling: ``mma`` variants only: the kernel scores ``query.float() * scaling``.
 
     Returns:
         ``out``.
@@ -317,7 +320,7 @@ def _launch_block_lse(
 
         decode = "magic" if variant == "mma-magic" else "subnormal"
         stride = block_stride(codes, kmin, kstep)
-        return quantkey_mma.launch(query, codes, kmin, kstep, out, stride, bits=bits, decode=decode)
+        return quantkey_mma.launch(query, codes, kmin, kstep, out, stride, bits=bits, decode=decode, scaling=scaling)
     if variant == "v1":
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
     args = (query, codes, kmin, kstep, out, n_blocks, heads)
@@ -382,22 +385,35 @@ def chosen_variant() -> str:
 
 
 def block_lse(
-    query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
+    query: torch.Tensor,
+    codes: torch.Tensor,
+    kmin: torch.Tensor,
+    kstep: torch.Tensor,
+    bits: int,
+    chunk_blocks: int = 512,
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the :data:`DEFAULT_VARIANT`
     kernel (or the one ``HF_OFFLOAD_QUANTKEY_KERNEL`` names) at its default settings where
     :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or float32), else :func:`block_lse_reference`.
     The ``mma`` kernel rounds ``kstep * q`` to bfloat16 (see :mod:`hf_offload.kernels.quantkey_mma`); the others
-    compute in float32. Arguments and result as the reference's (``chunk_blocks`` is used by the reference only). The kernel allocates only the result and never waits for the device, so it can be
-    captured in a CUDA graph once it has run (compiled) outside one."""
+    compute in float32. Arguments and result as the reference's (``chunk_blocks`` is used by the reference only),
+    except that ``query`` may have any float dtype and is scored as ``query.float() * scaling``: a contiguous
+    bfloat16 query goes to the ``mma`` kernel as it is (no conversion launch). The kernel allocates only the result
+    and never waits for the device, so it can be captured in a CUDA graph once it has run (compiled) outside one."""
     variant = chosen_variant()
+
+    def scaled() -> torch.Tensor:  # float32 [batch, kv_heads, group, head_dim], contiguous, times the scale
+        q = query.float()
+        return (q * scaling if scaling != 1.0 else q).contiguous()
+
     if (
         not block_lse_supported(query, codes)
         or query.shape[-1] % (8 // bits)
         or kmin.dtype not in (torch.bfloat16, torch.float16, torch.float32)
         or kstep.dtype != kmin.dtype  # the kernel reads both with kmin's element type
     ):
-        return block_lse_reference(query, codes, kmin, kstep, bits, chunk_blocks)
+        return block_lse_reference(scaled(), codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
     if variant.startswith("mma"):
@@ -407,4 +423,6 @@ def block_lse(
             variant = "v2"
     if variant == "v1" or not summaries_layout_ok(codes, kmin, kstep):
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
-    return _launch_block_lse(query.float().contiguous(), codes, kmin, kstep, bits, out, variant=variant)
+    if not (variant.startswith("mma") and query.dtype == torch.bfloat16 and query.is_contiguous()):
+        query, scaling = scaled(), 1.0  # the Triton kernels read a scaled float32 query
+    return _launch_block_lse(query, codes, kmin, kstep, bits, out, variant=variant, scaling=scaling)

@@ -54,6 +54,7 @@ against 162.0 at 4 (``results/selection/transpose_h200/``).
 
 from __future__ import annotations
 
+import struct
 import warnings
 
 import torch
@@ -200,16 +201,17 @@ __device__ __forceinline__ void issue_block(const Copies& c, int j, int slot) {
 #endif
 
 // One program: one (sequence, KV head) and WARPS * 16 blocks; one warp: 16 blocks.
-// q: float32 [B, H, G, D] (scaled); codes: u8 [B, cap, H, 16, D/4]; kmin, kstep: bf16 [B, cap, H, D];
-// out: float32 [B, H, G, N].
+// q: float32 or (QBF16) bfloat16 [B, H, G, D], times qscale_bits (a float32's bits) here; codes: u8
+// [B, cap, H, 16, D/4]; kmin, kstep: bf16 [B, cap, H, D]; out: float32 [B, H, G, N].
 #if MINBLOCKS
 #define BOUNDS __launch_bounds__(32 * WARPS, MINBLOCKS)
 #else
 #define BOUNDS __launch_bounds__(32 * WARPS)
 #endif
 extern "C" __global__ void BOUNDS quantkey_mma(
-    const float* __restrict__ q, const unsigned char* __restrict__ codes, const unsigned short* __restrict__ kmin,
-    const unsigned short* __restrict__ kstep, float* __restrict__ out, int n_blocks, int heads, int stride, int group) {
+    const void* __restrict__ q, const unsigned char* __restrict__ codes, const unsigned short* __restrict__ kmin,
+    const unsigned short* __restrict__ kstep, float* __restrict__ out, int n_blocks, int heads, int stride, int group,
+    int qscale_bits) {
     constexpr int W = D * BITS / 128;    // code words per token row and thread
     constexpr int CH = CPW * W;          // channels per thread (a contiguous range, D / 4 of them)
     constexpr int KT = D / 16;           // k tiles
@@ -241,13 +243,23 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #endif
 
     // The query of head g over this thread's channels, in the two orders the products need.
+    // (The softmax scale is applied here as torch would: the query in float32 times the scale in float32.)
     float qv[CH];
     const bool head_ok = g < group;
+    const float qscale = __int_as_float(qscale_bits);
 #pragma unroll
     for (int i = 0; i < CH; i += 4) {
-        float4 v = head_ok ? *reinterpret_cast<const float4*>(q + ((bh * group + g) * D + c0 + i))
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-        qv[i] = v.x; qv[i + 1] = v.y; qv[i + 2] = v.z; qv[i + 3] = v.w;
+#if QBF16
+        const uint2 w = head_ok ? *reinterpret_cast<const uint2*>(
+                                      static_cast<const unsigned short*>(q) + ((bh * group + g) * D + c0 + i))
+                                : make_uint2(0, 0);
+        const float4 v = make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
+#else
+        const float4 v = head_ok ? *reinterpret_cast<const float4*>(
+                                       static_cast<const float*>(q) + ((bh * group + g) * D + c0 + i))
+                                 : make_float4(0.f, 0.f, 0.f, 0.f);
+#endif
+        qv[i] = v.x * qscale; qv[i + 1] = v.y * qscale; qv[i + 2] = v.z * qscale; qv[i + 3] = v.w * qscale;
     }
     // Right-hand side factors of the code products: register (word wi, p, s) holds channels CPW wi + PER s + p and
     // that + 2 PER.
@@ -449,10 +461,18 @@ CHAINS = 1
 second accumulator, summed at the end: half as long a chain of dependent ``mma`` instructions, 4 more registers;
 the float32 sum runs in another order)."""
 
-MIN_BLOCKS = 0
+MIN_BLOCKS: int | None = None
 """Programs per multiprocessor the compiler is asked to fit (``__launch_bounds__``' second argument; read when a
-kernel is compiled): 0 leaves the registers to the compiler (72 per thread at 2 bits, head_dim 128: 7 programs of 4
-warps), 8 caps them at 64 per thread."""
+kernel is compiled): 0 leaves the registers to the compiler, 8 caps them at 64 per thread, 7 at 72. ``None``: 7 for
+``head_dim`` up to 128 (the scaled-query load left the compiler at 74-80 registers there, 6 programs of 4 warps;
+at 72, 7 fit with no spills for a bfloat16 query at 2 and 4 bits), 0 above (capped, 256-channel blocks spill)."""
+
+
+def min_blocks(head_dim: int) -> int:
+    """The ``__launch_bounds__`` programs per multiprocessor compiled for ``head_dim`` (:data:`MIN_BLOCKS`)."""
+    if MIN_BLOCKS is None:
+        return 7 if head_dim <= 128 else 0
+    return MIN_BLOCKS
 
 STAGES = 3
 """Blocks a warp keeps in flight through asynchronous copies into a ring in shared memory (``cp.async``; read when a
@@ -506,12 +526,12 @@ _COMPILED: dict[tuple, object] = {}
 _FAILED: str | None = None  # why compiling failed, once it has (then the kernel is not offered again)
 
 
-def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int = 8):
-    """The compiled kernel for ``head_dim``, ``bits``, ``decode``, ``group`` query heads per KV head (1-8) and the
-    current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`, :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE`
-    and :func:`stages` (compiled once per process each)."""
-    key = (head_dim, bits, decode, group, PREFETCH, WARPS, UNROLL, CHAINS, MIN_BLOCKS, TRANSPOSE,
-           stages(head_dim, bits, group))  # fmt: skip
+def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int = 8, query_bf16: bool = False):
+    """The compiled kernel for ``head_dim``, ``bits``, ``decode``, ``group`` query heads per KV head (1-8), a
+    bfloat16 (``query_bf16``) or float32 query and the current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`,
+    :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE` and :func:`stages` (compiled once per process each)."""
+    key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, min_blocks(head_dim),
+           TRANSPOSE, stages(head_dim, bits, group))  # fmt: skip
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -519,8 +539,9 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
-                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": MIN_BLOCKS,
-                   "STAGES": key[-1], "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW}  # fmt: skip
+                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": key[9],
+                   "STAGES": key[-1], "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
+                   "QBF16": int(query_bf16)}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
@@ -577,13 +598,15 @@ def launch(
     block_stride: int,
     bits: int = 2,
     decode: str = "subnormal",
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """Run the kernel into ``out`` (no checks of the inputs, no host synchronisation; call :func:`mma_supported`
     first).
 
     Args:
-        query: ``[batch, kv_heads, group, head_dim]``, float32, already multiplied by the softmax scale, contiguous,
-            CUDA.
+        query: ``[batch, kv_heads, group, head_dim]``, float32 or bfloat16, contiguous, CUDA; the kernel scores
+            ``query.float() * scaling`` (the same float32 product torch forms), so a float32 query may come already
+            scaled (``scaling`` 1.0) and a bfloat16 one needs no conversion launch.
         codes: ``[batch, n_blocks, kv_heads, 16, head_dim * bits // 8]``, ``torch.uint8``, same device: the first
             ``n_blocks`` blocks of a ``[batch, block_stride, ...]`` buffer, contiguous past the block dimension.
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``, ``torch.bfloat16``, same device and block capacity.
@@ -592,6 +615,7 @@ def launch(
         block_stride: blocks from one sequence's summaries to the next's.
         bits: bits per code, 2 or 4.
         decode: one of :data:`DECODES`.
+        scaling: the softmax scale, applied in float32.
 
     Returns:
         ``out``.
@@ -602,8 +626,10 @@ def launch(
         return out
     per_program = WARPS * BLOCKS_PER_WARP
     grid = (batch * heads, -(-n_blocks // per_program), 1)
-    _kernel(head_dim, bits, decode, group)(grid=grid, block=(32 * WARPS, 1, 1),
-                      args=[query, codes, kmin, kstep, out, n_blocks, heads, block_stride, group])  # fmt: skip
+    qscale_bits = struct.unpack("<i", struct.pack("<f", scaling))[0]  # rounded to float32 as torch rounds it
+    kernel = _kernel(head_dim, bits, decode, group, query.dtype == torch.bfloat16)
+    kernel(grid=grid, block=(32 * WARPS, 1, 1),
+           args=[query, codes, kmin, kstep, out, n_blocks, heads, block_stride, group, qscale_bits])  # fmt: skip
     return out
 
 
