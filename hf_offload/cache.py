@@ -99,6 +99,8 @@ class LayerStats:
     _CAPTURE_SLOTS = 64  # distinct (fields, factor) counts that captured graphs may add into
 
     def __init__(self) -> None:
+        # (fields, factor, mask shape) -> per-element counts of the masks captured graphs add (count_later)
+        self._captured_masks: dict[tuple[tuple[str, ...], int, tuple[int, ...]], torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -106,19 +108,17 @@ class LayerStats:
         self._totals = dict.fromkeys(self.FIELDS, 0)
         self._queued: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = {}
         self._n_queued = 0
-        if getattr(self, "_captured", None) is not None:
-            with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into it
+        with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into them
+            if getattr(self, "_captured", None) is not None:
                 self._captured.zero_()
-                for buffer in self._captured_masks.values():
-                    buffer.zero_()
+            for buffer in self._captured_masks.values():
+                buffer.zero_()
 
     def prepare_capture(self, device: torch.device) -> None:
         """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
         if getattr(self, "_captured", None) is None:
             self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
             self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
-            # (fields, factor, mask shape) -> per-element counts of the masks captured graphs add (count_later)
-            self._captured_masks: dict[tuple[tuple[str, ...], int, tuple[int, ...]], torch.Tensor] = {}
 
     def add(self, fields: tuple[str, ...], value) -> None:
         """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
@@ -152,20 +152,23 @@ class LayerStats:
     def count_later(self, fields: tuple[str, ...], mask: torch.Tensor, factor: int = 1) -> None:
         """Add ``factor`` times the number of ``True`` elements of ``mask`` to each of ``fields`` when the counters
         are next read. While a CUDA graph is being captured, the mask itself is added into a persistent per-element
-        count of its shape (one launch per replay, where a sum and an add would take three), summed when read.
+        count of its shape (one launch per replay, where a sum and an add would take three), summed when read; that
+        count is allocated at the first call outside a capture (an allocation inside one would be the graph's, its
+        zeros replayed), so a capture that finds none counts through :meth:`add_later`.
 
         Args:
             fields: counter names.
             mask: ``torch.bool``, any shape, on the compute device.
             factor: a constant multiplier.
         """
+        key = (fields, factor, tuple(mask.shape))
         if mask.is_cuda and torch.cuda.is_current_stream_capturing():
-            key = (fields, factor, tuple(mask.shape))
             buffer = self._captured_masks.get(key)
-            if buffer is None:
-                buffer = self._captured_masks[key] = torch.zeros(mask.shape, dtype=torch.int64, device=mask.device)
-            buffer.add_(mask)
-            return
+            if buffer is not None:
+                buffer.add_(mask)
+                return
+        elif mask.is_cuda and key not in self._captured_masks:  # made in the decode's own mode, as the graphs' adds
+            self._captured_masks[key] = torch.zeros(mask.shape, dtype=torch.int64, device=mask.device)
         self.add_later(fields, mask.sum(), factor)
 
     def settle(self) -> None:
