@@ -39,7 +39,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     from triton.language.extra import libdevice
 
-    from .norm import _bf16_bits, _load_f32, _round
+    from .norm import _load_f32, _round, _store
 
     @triton.jit
     def _silu_mul_kernel(
@@ -62,13 +62,7 @@ if triton is not None:
         else:
             a = g / (1.0 + tl.exp(-g))
         y = _round(a, KIND) * u  # two values of 16 bits or fewer: exact in float32, so one rounding is torch's
-        out = out_ptr + row * inter + i
-        if KIND == 2:
-            tl.store(out, (_bf16_bits(y) >> 16).to(tl.int16), mask=live)
-        elif KIND == 1:
-            tl.store(out, y.to(tl.float16), mask=live)
-        else:
-            tl.store(out, y, mask=live)
+        _store(out_ptr + row * inter, i, y, live, KIND)
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:

@@ -120,6 +120,16 @@ if triton is not None:
             return v
 
     @triton.jit
+    def _store(ptr, offs, y, mask, KIND: tl.constexpr):
+        # float32 y rounded to KIND (0 float32, 1 float16, 2 bfloat16 as int16 patterns, as torch rounds) and stored.
+        if KIND == 2:
+            tl.store(ptr + offs, (_bf16_bits(y) >> 16).to(tl.int16), mask=mask)
+        elif KIND == 1:
+            tl.store(ptr + offs, y.to(tl.float16), mask=mask)
+        else:
+            tl.store(ptr + offs, y, mask=mask)
+
+    @triton.jit
     def _rms_norm_kernel(
         x_ptr,  # [rows, hidden] of X_KIND, rows stride_row apart, unit stride along hidden
         w_ptr,  # [hidden] of W_KIND, stride_w apart
@@ -160,13 +170,7 @@ if triton is not None:
             # h rounded to x's dtype, times the weight in float32: the product of two values of 16 bits or fewer is
             # exact in float32, so rounding it once to O_KIND is torch's product in the promoted dtype.
             y = _round(h, X_KIND) * w
-        out = out_ptr + row * hidden + i
-        if O_KIND == 2:
-            tl.store(out, (_bf16_bits(y) >> 16).to(tl.int16), mask=live)
-        elif O_KIND == 1:
-            tl.store(out, y.to(tl.float16), mask=live)
-        else:
-            tl.store(out, y, mask=live)
+        _store(out_ptr + row * hidden, i, y, live, O_KIND)
 
 
 def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
