@@ -140,11 +140,13 @@ class GatedMLPForward:
         self.module, self.group, self.calls = module, group, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels.act import silu_mul, silu_mul_supported
+        from .kernels.act import silu_mul
+        from .kernels.gather import kernels_available
 
         group, module = self.group, self.module
         grad = torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in group.modules))
-        if _ACTIVE.get() and not grad and group.intact() and silu_mul_supported(x):
+        # silu_mul checks the product itself (and falls back to torch's operations where it must).
+        if _ACTIVE.get() and not grad and group.intact() and kernels_available(x.device):
             self.calls += 1
             group.calls += 1
             return module.down_proj(silu_mul(F.linear(x, group.weight, group.bias)))

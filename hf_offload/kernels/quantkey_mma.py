@@ -47,9 +47,9 @@ its compiled loop (``results/selection/mma_h200/sass_count.txt``); decode steps 
 23.8 ms (``results/decode/mma_h200/``). With the ring of 2, 152.7-153.2 us against 158.0-158.8 without in the same
 runs at 2 bits and 167.0-167.6 against 193.2-193.8 at 4 (``results/selection/ring_h200/``). At 2 bits the kernel was
 bound by its instructions at the occupancy its 72 registers allow, not by its reads (52% of DRAM bandwidth under
-Nsight Compute); the tile took the 12 shuffles per block out (136 instructions per block in the compiled loop
-instead of 176, plus an eighth of a row reduction): 134.4 us against 148.8 with the ring of 3 at 2 bits, 154.8
-against 162.0 at 4 (``results/selection/transpose_h200/``).
+Nsight Compute); the tile took the 12 shuffles per block out (and the work of the empty columns past the group),
+at the cost of 4 stores per block and an eighth of a row reduction: 134.4 us against 148.8 with the ring of 3 at 2
+bits, 154.8 against 162.0 at 4 (``results/selection/transpose_h200/``).
 """
 
 from __future__ import annotations
@@ -463,9 +463,8 @@ the float32 sum runs in another order)."""
 
 MIN_BLOCKS: int | None = 0
 """Programs per multiprocessor the compiler is asked to fit (``__launch_bounds__``' second argument; read when a
-kernel is compiled): 0 leaves the registers to the compiler (74-80 per thread at head_dim 128 since the query is
-scaled in the kernel: 6 programs of 4 warps), 8 caps them at 64 per thread, 7 at 72; ``None``: 7 for ``head_dim``
-up to 128, 0 above. On the H200 (64K tokens, batch 12, 8B shape) decode took 11.79 ms per steady step uncapped
+kernel is compiled): 0 leaves the registers to the compiler, 8 caps them at 64 per thread, 7 at 72; ``None``: 7
+for ``head_dim`` up to 128, 0 above. On the H200 (64K tokens, batch 12, 8B shape) decode took 11.79 ms per steady step uncapped
 against 11.89 at 7 programs (``results/decode/projections_h200/``)."""
 
 
@@ -531,8 +530,8 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
     """The compiled kernel for ``head_dim``, ``bits``, ``decode``, ``group`` query heads per KV head (1-8), a
     bfloat16 (``query_bf16``) or float32 query and the current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`,
     :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE` and :func:`stages` (compiled once per process each)."""
-    key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, min_blocks(head_dim),
-           TRANSPOSE, stages(head_dim, bits, group))  # fmt: skip
+    bounds, depth = min_blocks(head_dim), stages(head_dim, bits, group)
+    key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth)
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -540,8 +539,8 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
         magic = decode == "magic"
         bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
-                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": key[9],
-                   "STAGES": key[-1], "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
+                   "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": bounds,
+                   "STAGES": depth, "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
                    "QBF16": int(query_bf16)}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
