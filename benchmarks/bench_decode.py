@@ -408,6 +408,36 @@ def decode(model, cache, kw: str, ids: torch.Tensor, start: int, n: int, mask: t
     return ids
 
 
+def profile_host(model, cache, kw: str, ids: torch.Tensor, start: int, n: int, mask: torch.Tensor,
+                 device: torch.device, path: Path) -> None:
+    """Decode ``n`` more steps under :mod:`cProfile` (host time only; the profiler's own cost inflates every call)
+    and write where the host time goes to ``path``: the functions by cumulative time, and what the seals of full
+    blocks (``_seal``) and the steps after a layer graph's replay call. ``mask`` must hold ``start + n`` positions."""
+    import cProfile
+    import pstats
+
+    if mask.shape[1] < start + n:
+        print(f"--profile-seal: {n} steps do not fit the context ({mask.shape[1] - start} left); skipped")
+        return
+    profiler = cProfile.Profile()
+    sync(device)
+    t0 = time.perf_counter()
+    profiler.enable()
+    decode(model, cache, kw, ids, start, n, mask)
+    profiler.disable()
+    host_s = time.perf_counter() - t0
+    sync(device)
+    text = io.StringIO()
+    text.write(f"{n} decode steps from position {start} under cProfile: {host_s * 1e3:.1f} ms of host time "
+               f"(wall until the device finished: {(time.perf_counter() - t0) * 1e3:.1f} ms)\n")  # fmt: skip
+    stats = pstats.Stats(profiler, stream=text).sort_stats("cumulative")
+    stats.print_stats(60)
+    stats.print_callees(r"_seal|finish_step|_run_decoder_layer")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.getvalue())
+    print(f"host profile of {n} steps -> {path}")
+
+
 def make_cache(method: str, model, context: int, args, device: torch.device, config: OffloadConfig | None = None):
     """A fresh cache of ``method`` (an OffloadCache one with ``config``, from :func:`offload_config`); returns
     ``(cache, transfer path used by decode steps or None)``."""
@@ -463,7 +493,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, env["head_dim"]
     cuda = device.type == "cuda"
-    fill_tokens = context - args.warmup - args.steps
+    fill_tokens = context - args.warmup - args.steps - (args.profile_seal if method in OFFLOAD_METHODS else 0)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else None
@@ -569,6 +599,9 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             "host_matches": row["host_bytes"] == pred["host_bytes"],
             "host_over_predicted": row["host_bytes"] / pred["host_bytes"] if pred["host_bytes"] else None,
         }
+        if args.profile_seal and method in OFFLOAD_METHODS:
+            profile_host(model, cache, kw, ids, pos, args.profile_seal, mask, device,
+                         Path(args.out).with_suffix(f".{method}.{context}.{batch}.host_profile.txt"))  # fmt: skip
         del cache, ids, mask
     if method in OFFLOAD_METHODS:
         disable_offload_attention(model)
@@ -746,6 +779,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--e2e-context", type=int, default=32768)
     parser.add_argument("--e2e-prefill-chunk", type=int, default=4096, help="0: the whole prompt in one forward")
     parser.add_argument("--e2e-steps", type=int, default=16)
+    parser.add_argument("--profile-seal", type=int, default=0, metavar="STEPS",
+                        help="after each OffloadCache configuration, decode this many more steps under cProfile (at "
+                        "least block_tokens to include a seal) and write where the host time goes next to --out")
     parser.add_argument("--device", default="auto", help="auto (CUDA where available), cpu, cuda, ...")
     parser.add_argument("--out", default="results/decode/bench_decode.json")
     parser.add_argument("--isolate", action="store_true",
