@@ -500,6 +500,9 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
     row: dict = {"method": method, "context": context, "batch": batch, "kv_tokens_start": fill_tokens}
     with torch.inference_mode():
         cache, transfer = make_cache(method, model, context, args, device, config)
+        if method in OFFLOAD_METHODS and getattr(args, "seal_graphs", "on") == "off":
+            for layer in cache.offload_layers:
+                layer.seal_graphs = False  # every seal op by op (the comparison)
         sync(device)
         t0 = time.perf_counter()
         if method in OFFLOAD_METHODS:
@@ -779,6 +782,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--e2e-context", type=int, default=32768)
     parser.add_argument("--e2e-prefill-chunk", type=int, default=4096, help="0: the whole prompt in one forward")
     parser.add_argument("--e2e-steps", type=int, default=16)
+    parser.add_argument("--seal-graphs", choices=("on", "off"), default="on",
+                        help="off: seal full blocks op by op after replayed decode steps (OffloadLayer.seal_graphs)")
     parser.add_argument("--profile-seal", type=int, default=0, metavar="STEPS",
                         help="after each OffloadCache configuration, decode this many more steps under cProfile (at "
                         "least block_tokens to include a seal) and write where the host time goes next to --out")
@@ -806,6 +811,13 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
            "--device-margin-gib", str(args.device_margin_gib), "--host-margin-gib", str(args.host_margin_gib),
            "--device", args.device]  # fmt: skip
     out += ["--admission-margin-gib", str(args.admission_margin_gib)]
+    # The settings of the OffloadCache methods (each child would otherwise run the defaults).
+    out += ["--quantkey-selector", args.quantkey_selector, "--decode-attention", args.decode_attention,
+            "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms, "--fused-rotary", args.fused_rotary,
+            "--fused-projections", args.fused_projections, "--seal-graphs", args.seal_graphs,
+            "--profile-seal", str(args.profile_seal)]  # fmt: skip
+    if args.decode_capacity is not None:
+        out += ["--decode-capacity", str(args.decode_capacity)]
     if args.admission_gib is not None:
         out += ["--admission-gib", str(args.admission_gib)]
     if args.bandwidth_mib is not None:
@@ -904,7 +916,7 @@ def main(argv: list[str] | None = None) -> int:
                                  device=str(device), quantkey_kernel=chosen_variant(),
                                  graph_scope=args.graph_scope, fused_norms=args.fused_norms,
                                  fused_rotary=args.fused_rotary,
-                                 fused_projections=args.fused_projections),  # fmt: skip
+                                 fused_projections=args.fused_projections, seal_graphs=args.seal_graphs),  # fmt: skip
         "decode_only": DECODE_ONLY,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,

@@ -33,11 +33,13 @@ from .config import OffloadConfig
 from .graphs import (
     CapturedDecode,
     CapturedLayer,
+    CapturedWork,
     DecodeInputs,
     StaticInputs,
     call_signature,
     capture,
     capture_decoder_layer,
+    capture_work as _capture_work,
     decoder_layers,
     forced_blocks,
     install_layer_calls,
@@ -92,6 +94,8 @@ class LayerStats:
         "graph_capture_retries",  # captures of a warm geometry that failed; the step then ran op by op
         "layer_graph_captures",  # decode steps of a whole decoder layer captured into a CUDA graph
         "layer_graph_replays",  # decode steps of a whole decoder layer replayed (included in graph_replays)
+        "seal_graph_captures",  # seals of a full block after a replayed step, captured into a CUDA graph
+        "seal_graph_replays",  # seals of a full block after a replayed step, replayed from that graph
         "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
         "tail_steps",  # decode steps with that estimate
     )
@@ -285,6 +289,8 @@ class OffloadLayer(CacheLayerMixin):
             in the memory pool the cache's graphs on ``device`` share (see :func:`~hf_offload.graphs.capture`).
         capture_layer: ``(device, forward, args, kwargs, held) -> CapturedLayer``: captures a whole decoder layer's
             decode step in that pool (see :func:`~hf_offload.graphs.capture_decoder_layer`).
+        capture_work: ``(device, enqueue, held) -> CapturedWork``: captures work without arguments in that pool (see
+            :func:`~hf_offload.graphs.capture_work`; the seal of a full block, :meth:`seal_work`).
 
     Attributes:
         next_layer: the next offloaded layer of the model (the target of lookahead), or ``None``.
@@ -294,6 +300,8 @@ class OffloadLayer(CacheLayerMixin):
         graphs: whether decode steps of this layer replay captured CUDA graphs (resolved from the config).
         capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this (resolved from
             ``decode_capacity_blocks``; see :meth:`decode_capacity`).
+        seal_graphs: whether the seals that follow replayed decode steps replay captured graphs
+            (:meth:`_seal_replayed`); ``False`` once a capture failed, or set to seal op by op.
     """
 
     is_sliding = False
@@ -315,6 +323,7 @@ class OffloadLayer(CacheLayerMixin):
         decode_inputs: Callable[[torch.device], DecodeInputs] | None = None,
         capture_graph=None,
         capture_layer=None,
+        capture_work=None,
     ):
         super().__init__()
         self.config = config
@@ -332,6 +341,9 @@ class OffloadLayer(CacheLayerMixin):
         own_statics = StaticInputs()
         self.cache_capture_layer = capture_layer or (
             lambda device, forward, args, kwargs, held: capture_decoder_layer(forward, args, kwargs, own_statics, None, held)
+        )
+        self.cache_capture_work = capture_work or (
+            lambda device, enqueue, held: _capture_work(enqueue, device, None, held)
         )
         self._layer_capture: _LayerCapture | None = None  # set while a whole decoder layer is being captured
         self.layer_graphs = True  # False once a capture of the whole decoder layer failed
@@ -356,6 +368,9 @@ class OffloadLayer(CacheLayerMixin):
         self.n_blocks = 0
         self._reserved_blocks = 0  # summary capacity asked for by reserve()
         self._window_insert: tuple[int, torch.Tensor] | None = None
+        self._seal_warmed = False  # a seal after a replayed step ran op by op (see _seal_replayed)
+        self.seal_graphs = True
+        self._seal_args: torch.Tensor | None = None  # [1 + batch], int64, device: what seal_work reads
 
     # ------------------------------------------------------------------------------------------------- life cycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -462,6 +477,7 @@ class OffloadLayer(CacheLayerMixin):
         self._prefetch_event = None  # after the speculative recall into this layer's slot pool
         self._prefetched_slots: torch.Tensor | None = None  # [batch, kv_heads, slots] bool: filled by that recall
         self._fused_key: tuple | None = None  # the graph key of this layer's last fused decode step
+        self._seal_offloaded = None  # after the side-stream write of the last seal replayed from a graph
 
     def reset(self) -> None:
         """Drop all tokens and free the pools; the next update starts afresh (any batch size)."""
@@ -478,6 +494,8 @@ class OffloadLayer(CacheLayerMixin):
             self.is_initialized = False
         self._graphs.clear()
         self.warm_geometries.clear()
+        self._seal_warmed = False
+        self._seal_args = None
         self._clear_transfer_state()
         self.n_tokens = 0
         self.n_blocks = 0
@@ -556,14 +574,25 @@ class OffloadLayer(CacheLayerMixin):
                               n_recent))  # fmt: skip
         return self._open_k, self._open_v
 
-    def _seal(self, recent_k: torch.Tensor, recent_v: torch.Tensor, n_new: int) -> None:
-        """Write the first ``n_new`` full blocks of the recent tokens to the host, summarise and cache the newest."""
+    def _seal(
+        self, recent_k: torch.Tensor, recent_v: torch.Tensor, n_new: int, ids: torch.Tensor | None = None
+    ) -> None:
+        """Write the first ``n_new`` full blocks of the recent tokens to the host, summarise and cache the newest.
+
+        Args:
+            recent_k, recent_v: the recent tokens, ``[batch, kv_heads, >= n_new * block_tokens, head_dim]``, the
+                cache dtype, compute device.
+            n_new: full blocks to seal.
+            ids: their host block ids, ``[batch * n_new]`` (sequence-major), ``torch.int64``, CPU; ``None``:
+                allocated here.
+        """
         batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
         span = n_new * T
         keys = recent_k[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)  # [B, n, H, T, D]
         values = recent_v[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)
         blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
-        ids = self.host.allocate(batch * n_new)
+        if ids is None:
+            ids = self.host.allocate(batch * n_new)
         flat = blocks.reshape(-1, 2, heads, T, D)
         if self.use_kernels:
             # Stream order: the write runs on the offload stream behind the computation of these keys and values
@@ -580,22 +609,158 @@ class OffloadLayer(CacheLayerMixin):
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
-        # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
-        self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1)
-        self.block_table = self._block_table_store[:, : self.n_blocks + n_new]
         summaries = self.selector.summarize(keys)
         if self.selector.estimates_tail:
             summaries.update(self.selector.summarize_values(values))
         for name, summary in summaries.items():
-            self.summaries[name] = self._append_summary(name, summary)
+            self._append_summary(name, summary)
+        self._sealed(ids, blocks)
+
+    def _sealed(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+        """The host side of a seal whose device work is done (summaries and device block table written after the
+        :attr:`n_blocks` held blocks): the CPU block table, the views of the summaries, the window's entry into the
+        slot pool, :attr:`n_blocks`.
+
+        Args:
+            ids: the new blocks' host ids, ``[batch * n_new]`` (sequence-major), ``torch.int64``, CPU.
+            blocks: the new blocks, ``[batch, n_new, 2, kv_heads, block_tokens, head_dim]``, compute device.
+        """
+        batch, n_new = self.batch, blocks.shape[1]
+        # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
+        self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1)
+        self.block_table = self._block_table_store[:, : self.n_blocks + n_new]
+        for name, store in self._summary_store.items():
+            self.summaries[name] = store[:, : self.n_blocks + n_new]
         # The newest blocks are the next steps' window: they enter the slot pool once this step's attention is done
         # (a prefill step first streams older blocks through the pool, which would evict them again).
         keep_n = min(n_new, max(self.config.window_blocks, 1), self.pool.slots)
         self._window_insert = (self.n_blocks + n_new - keep_n, blocks[:, n_new - keep_n :])
         self.n_blocks += n_new
 
+    # --------------------------------------------------------------------------- seals after a replayed decode step
+    def seal_key(self) -> tuple:
+        """What a captured seal (:meth:`seal_work`) depends on: the buffers it writes and the host pool's chunk
+        tables (:meth:`storage_key`, which also says whether every chunk is admitted to the device: then the
+        block's write is part of the graph) and the batch."""
+        return ("seal", self.storage_key(), self.batch)
+
+    def _seal_replayed(self) -> None:
+        """Seal the open block that a replayed decode step filled (``block_tokens`` tokens in every sequence).
+
+        The device work of a seal (:meth:`seal_work`: the block's copy, its summaries, its block-table column) is
+        a few dozen small operations; launched one by one from Python, the seals of every layer cost the host
+        several decode steps' worth of time. After a layer's first seal here (op by op, so that every kernel has
+        run before a capture), that work replays from a CUDA graph (:meth:`_seal_graph`) that reads the block's
+        position and host ids from a device buffer, filled by one copy. A block whose host pool is not wholly
+        admitted to the device is written to the host by the offload stream after the replay, as :meth:`_seal`
+        does.
+        """
+        ids = self.host.allocate(self.batch)  # may grow the pool: seal_key() then sees new chunk tables
+        graph = self._seal_graph()
+        if graph is None:
+            self._seal(self._open_k, self._open_v, 1, ids=ids)
+            self._seal_warmed = True
+            return
+
+        def replay() -> torch.Tensor:
+            graph.graph.replay()
+            return graph.out
+
+        self._seal_from(ids, replay)
+        self.stats.add(("seal_graph_replays",), 1)
+
+    def _seal_from(self, ids: torch.Tensor, work: Callable[[], torch.Tensor]) -> None:
+        """Seal the open block with host ids ``ids`` (``[batch]``, ``torch.int64``, CPU) by ``work`` (:meth:`seal_work`
+        or its graph's replay; returns the block) reading the position and ids from the device buffer; then the
+        block's host write if ``work`` did not make it, and the host side (:meth:`_sealed`)."""
+        if self._seal_args is None:
+            self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
+        # The offload stream's write of the last seal read the buffers that this one overwrites.
+        transfer.wait_event(self._seal_offloaded, self.device)
+        args = torch.cat([torch.tensor([self.n_blocks]), ids])
+        cuda = self.device.type == "cuda"
+        self._seal_args.copy_(args.pin_memory() if cuda else args, non_blocking=cuda)  # no host synchronisation
+        if self.use_kernels:
+            self.host.chunk_addrs(self.device)  # a pool grown by this seal's ids enters the tables, in place
+        blocks = work()
+        heads, T, D = self.kv_heads, self.block_tokens, self.head_dim
+        if not (self.use_kernels and self.host.all_admitted):  # seal_work wrote only blocks on the device
+            flat = blocks.reshape(-1, 2, heads, T, D)
+            if self.use_kernels:
+                ids_dev, addrs = self._seal_args[1:], self.host.chunk_addrs(self.device)
+                self._last_write = self._seal_offloaded = transfer.launch_on(
+                    self.streams.offload if self.streams is not None else None,
+                    lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
+                    uses=(ids_dev, flat, addrs),
+                )
+            else:
+                transfer.offload_blocks(self.host, ids, flat)
+        self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
+        self._sealed(ids, blocks)
+
+    def seal_work(self) -> torch.Tensor:
+        """The device work of sealing the open block (full: ``block_tokens`` tokens in every sequence) at the block
+        position and with the host ids that the device buffer ``_seal_args`` holds (``[1 + batch]``, ``torch.int64``:
+        the position, then one id per sequence): the block's copy into its host block where every chunk of the host
+        pool is admitted to the device (a device copy; else the caller writes it), its summaries and its column of
+        the device block table, written at that position into their buffers (which must hold it). No host
+        synchronisation and nothing allocated that outlives it, so that it can be captured.
+
+        Returns:
+            The block, ``[batch, 1, 2, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
+        """
+        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        pos, ids = self._seal_args[:1], self._seal_args[1:]
+        keys = self._open_k.reshape(batch, heads, 1, T, D).transpose(1, 2)  # [B, 1, H, T, D]
+        values = self._open_v.reshape(batch, heads, 1, T, D).transpose(1, 2)
+        blocks = torch.stack([keys, values], dim=2)  # [B, 1, 2, H, T, D]
+        if self.use_kernels:
+            if self.host.all_admitted:
+                transfer.offload_blocks_kernel(self.host, ids, blocks.view(-1, 2, heads, T, D))
+            self.block_table_dev.index_copy_(1, pos, ids.view(batch, 1))
+        summaries = self.selector.summarize(keys)
+        if self.selector.estimates_tail:
+            summaries.update(self.selector.summarize_values(values))
+        for name, summary in summaries.items():
+            self._summary_store[name].index_copy_(1, pos, summary)
+        return blocks
+
+    def _seal_graph(self) -> CapturedWork | None:
+        """The captured :meth:`seal_work` for this seal (captured now if needed), or ``None``: the seal runs op by op
+        (CUDA graphs off, no warm-up seal yet, a buffer too small to hold the block, or captures failed)."""
+        if not (self._seal_warmed and self.seal_graphs and self.graphs):
+            return None
+        n = self.n_blocks
+        table = self.block_table_dev if self.use_kernels else None
+        if (table is not None and table.shape[1] <= n) or any(s.shape[1] <= n for s in self._summary_store.values()):
+            return None  # the op-by-op seal grows them
+        key = self.seal_key()
+        graph = self._graphs.get(key)
+        if graph is not None:
+            return graph
+        self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "seal"}
+        if self._seal_args is None:
+            self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
+        tables = self.host.chunk_tables(self.device) if self.use_kernels else ()
+        held = (*self._summary_store.values(), table, *tables, self._seal_args)
+        try:
+            graph = self.cache_capture_work(self.device, self.seal_work, held)
+        except Exception as error:
+            self.seal_graphs = False
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing the seal of a block into a CUDA graph failed ({error}); this "
+                "layer seals op by op from now on.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        self._graphs[key] = graph
+        self.stats.add(("seal_graph_captures",), 1)
+        return graph
+
     def _append_summary(self, name: str, summary: torch.Tensor) -> torch.Tensor:
-        """Write the summaries of ``n_new`` new blocks after the :attr:`n_blocks` held ones; returns the view of all.
+        """Write the summaries of ``n_new`` new blocks after the :attr:`n_blocks` held ones; returns the view of all
+        (:meth:`_sealed` makes it :attr:`summaries`' entry).
 
         Args:
             name: the summary's name (a key of the selector's ``summarize`` output).
@@ -779,7 +944,7 @@ class OffloadLayer(CacheLayerMixin):
             inputs: the step's shared inputs (held by the graph).
             retry_op_by_op: the step has not run op by op for this geometry (a warm geometry, :meth:`warm_for`).
         """
-        self._graphs = {k: g for k, g in self._graphs.items() if k[0] == key[0]}
+        self._graphs = {k: g for k, g in self._graphs.items() if k[0] in (key[0], "seal")}
         self.stats.prepare_capture(self.device)
         self._wait_side_streams()
         held = (
@@ -853,7 +1018,7 @@ class OffloadLayer(CacheLayerMixin):
             # The token filled the open block: seal it now. A step run op by op seals it in update(), before its
             # attention, which still reads it as recent tokens and selects among the blocks sealed before; so the
             # same graph serves this step, and the seal (summaries, host write, slot) follows it.
-            self._seal(self._open_k, self._open_v, 1)
+            self._seal_replayed()
             left = 0
         self.keys, self.values = self._open_k[:, :, :left], self._open_v[:, :, :left]
         self.stats.add(("decode_steps", "graph_replays", "layer_graph_replays"), 1)
@@ -1470,6 +1635,17 @@ class _SharedResources:
             raise
         return self._count_graph(device, captured)
 
+    def capture_work(self, device: torch.device, enqueue, held: tuple) -> CapturedWork:
+        """Capture work without arguments (:func:`~hf_offload.graphs.capture_work`; a layer's seal of a block) into
+        the same pool and on the same stream as :meth:`capture_graph`."""
+        self._pool(device)
+        try:
+            captured = _capture_work(enqueue, device, self.graph_pools[device], held, self.capture_streams[device])
+        except Exception:
+            self._pool_failed(device)
+            raise
+        return self._count_graph(device, captured)
+
     def static_inputs(self, device: torch.device) -> StaticInputs:
         """The fixed-address input buffers of the decoder-layer graphs on ``device``."""
         return self.statics.setdefault(device, StaticInputs())
@@ -1594,7 +1770,7 @@ class OffloadCache(Cache):
                     OffloadLayer(
                         config, self.selector, idx, self.host_budget, id(self), text_config, self._shared.admission,
                         self._shared.timer, first, self._shared.streams, self._shared.decode_inputs,
-                        self._shared.capture_graph, self._shared.capture_layer,
+                        self._shared.capture_graph, self._shared.capture_layer, self._shared.capture_work,
                     )
                 )  # fmt: skip
             else:

@@ -210,6 +210,36 @@ def capture(body, query: torch.Tensor, pool, held: tuple, stream: torch.cuda.Str
     return CapturedDecode(graph=graph, query=static, out=out, held=held)
 
 
+@dataclass
+class CapturedWork:
+    """Captured work that takes no arguments: it reads and writes buffers that keep their address while the graph
+    lives (a layer's seal of a full block: :meth:`~hf_offload.cache.OffloadLayer.seal_work`).
+
+    Attributes:
+        graph: the CUDA graph.
+        out: what the captured function returned (tensors overwritten by each replay).
+        held: tensors the graph reads that their owner may replace while the graph lives.
+    """
+
+    graph: torch.cuda.CUDAGraph
+    out: object
+    held: tuple
+
+
+def capture_work(
+    enqueue, device: torch.device, pool, held: tuple, stream: torch.cuda.Stream | None = None
+) -> CapturedWork:
+    """Capture ``enqueue()`` into a CUDA graph on a side stream; nothing runs on the device.
+
+    Args:
+        enqueue: enqueues the work on the current stream; the same rules as for :func:`capture`'s ``body``.
+        device: the CUDA device it runs on.
+        pool, held, stream: as for :func:`capture`.
+    """
+    graph, out = _capture_on(device, enqueue, pool, stream)
+    return CapturedWork(graph=graph, out=out, held=held)
+
+
 # ------------------------------------------------------------------------------------------- whole decoder layers
 @dataclass
 class CapturedLayer:

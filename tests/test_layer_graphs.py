@@ -64,15 +64,30 @@ def test_layer_graphs_same_tokens_and_counters(arch, selector):
     assert b["graph_replays"] >= sum(replays for _, replays in counts)
 
 
-def test_layer_graphs_bf16_long_decode_matches_op_by_op():
-    """300 decode steps of a bf16 model over ~40 seals: the same tokens as op by op."""
+@pytest.mark.parametrize("admission", ["auto", "always"])
+def test_layer_graphs_bf16_long_decode_matches_op_by_op(admission):
+    """300 decode steps of a bf16 model over ~40 seals: the same tokens as op by op (with every block on the device,
+    the captured seals write the blocks; offloaded, the offload stream does after each replay)."""
     model = build_model("llama").to("cuda", torch.bfloat16)
     ids, mask = left_padded([200, 150], seed=4)
     ids, mask = ids.cuda(), mask.cuda()
-    expected, _ = _generate(model, ids, mask, 300, cuda_graphs=False)
-    got, cache = _generate(model, ids, mask, 300, cuda_graphs=True)
+    expected, eager = _generate(model, ids, mask, 300, cuda_graphs=False, admission=admission)
+    got, cache = _generate(model, ids, mask, 300, cuda_graphs=True, admission=admission)
     assert torch.equal(got, expected)
     assert all(int(layer.stats.layer_graph_replays) > 200 for layer in cache.offload_layers)
+    for layer in cache.offload_layers:
+        # ~37 seals after replayed steps: the first op by op, then from captured seals (a new one where a seal grew
+        # the host pool); summaries, block tables and stored blocks as op by op.
+        assert int(layer.stats.seal_graph_replays) >= 30
+        other = eager.layers[layer.layer_idx]
+        for name, summary in other.summaries.items():
+            assert torch.equal(layer.summaries[name], summary), name
+        n = layer.n_blocks
+        assert torch.equal(layer.block_table, other.block_table)
+        assert torch.equal(layer.block_table_dev[:, :n], other.block_table_dev[:, :n])
+        ids = layer.block_table.flatten()
+        assert torch.equal(layer.host.read(ids), other.host.read(ids))
+        assert layer.host.all_admitted == (admission == "auto")
 
 
 def test_layer_graphs_survive_reset_and_a_new_batch():

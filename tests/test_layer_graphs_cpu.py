@@ -20,6 +20,7 @@ from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
 from hf_offload.graphs import (
     CapturedDecode,
     CapturedLayer,
+    CapturedWork,
     DecoderLayerCall,
     StaticInputs,
     call_signature,
@@ -55,6 +56,21 @@ def _stand_in_attention(device, body, query, held):
     return captured
 
 
+def _stand_in_work(layer, fail_layers=()):
+    def capture(device, enqueue, held):
+        if layer.layer_idx in fail_layers:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured = CapturedWork(graph=None, out=None, held=held)
+
+        def run():
+            captured.out = enqueue()
+
+        captured.graph = _Replay(run)
+        return captured
+
+    return capture
+
+
 def _stand_in_layer(layer, fail_layers=()):
     statics = StaticInputs()
 
@@ -79,7 +95,13 @@ def _stand_in_layer(layer, fail_layers=()):
 
 
 @pytest.fixture
-def stand_in_graphs(monkeypatch):
+def seal_capture_fails():
+    """The set of layer indices whose capture of a seal fails (with :func:`stand_in_graphs`)."""
+    return set()
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch, seal_capture_fails):
     """Offloaded layers on the CPU replay stand-in graphs; returns the set of layer indices whose whole-layer capture
     fails."""
     fail: set[int] = set()
@@ -94,6 +116,7 @@ def stand_in_graphs(monkeypatch):
             self.capacity_blocks = self.config.decode_capacity_blocks
             self.cache_capture_graph = _stand_in_attention
             self.cache_capture_layer = _stand_in_layer(self, fail)
+            self.cache_capture_work = _stand_in_work(self, seal_capture_fails)
 
     monkeypatch.setattr(OffloadLayer, "resolve_lookahead", resolve_with_graphs)
     return fail
@@ -129,6 +152,41 @@ def test_replayed_layers_give_the_tokens_and_counters_of_op_by_op(arch, selector
         assert layer.n_tokens == eager.layers[layer.layer_idx].n_tokens
         assert layer.n_blocks == eager.layers[layer.layer_idx].n_blocks
         torch.testing.assert_close(layer.keys, eager.layers[layer.layer_idx].keys, rtol=0, atol=0)
+        _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
+        # The seals after replayed steps: the first op by op, the later ones from a captured seal (a seal that grew
+        # the host pool changed the buffers it writes: captured again).
+        assert int(layer.stats.seal_graph_captures) >= 1
+        assert int(layer.stats.seal_graph_replays) >= 2
+
+
+def _assert_same_sealed_state(layer, eager):
+    """Every summary, the block tables and the stored blocks of ``layer`` equal ``eager``'s."""
+    assert layer.summaries.keys() == eager.summaries.keys()
+    for name, summary in eager.summaries.items():
+        assert torch.equal(layer.summaries[name], summary), name
+    assert torch.equal(layer.block_table, eager.block_table)
+    if layer.use_kernels:
+        n = layer.n_blocks
+        assert torch.equal(layer.block_table_dev[:, :n], eager.block_table_dev[:, :n])
+    ids = layer.block_table.flatten()
+    assert torch.equal(layer.host.read(ids), eager.host.read(ids))
+
+
+def test_a_seal_that_cannot_be_captured_warns_once_and_seals_op_by_op(stand_in_graphs, seal_capture_fails):
+    model = build_model("llama")
+    expected, eager = _generate(model, 40, cuda_graphs=False)
+    seal_capture_fails.add(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cache = _generate(model, 40, cuda_graphs=None)
+    assert torch.equal(got, expected)
+    assert sum("capturing the seal of a block" in str(w.message) for w in caught) == 1
+    first, second = cache.offload_layers
+    assert not first.seal_graphs and int(first.stats.seal_graph_replays) == 0
+    assert second.seal_graphs and int(second.stats.seal_graph_replays) >= 2
+    assert int(first.stats.layer_graph_replays) > 0  # the layer itself still replays
+    for layer in cache.offload_layers:
+        _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
 
 
 def test_attention_scope_replays_no_layer(stand_in_graphs):
