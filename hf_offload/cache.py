@@ -49,7 +49,9 @@ from .lookahead import speculative_query
 from .norms import FusedNorm, fused_norms_active, install_fused_norms
 from .projections import fused_groups, fused_projections_active, install_fused_projections
 from .rotary import RotaryForward, fused_rotary_active, install_fused_rotary
+from .kernels.seal import seal_block, seal_block_supported
 from .selectors import Selection, Selector, get_selector
+from .selectors.quantkey import QuantKeySelector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
 from .timing import PhaseTimer
@@ -614,18 +616,20 @@ class OffloadLayer(CacheLayerMixin):
             summaries.update(self.selector.summarize_values(values))
         for name, summary in summaries.items():
             self._append_summary(name, summary)
-        self._sealed(ids, blocks)
+        self._sealed(ids, blocks, n_new)
 
-    def _sealed(self, ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    def _sealed(self, ids: torch.Tensor, blocks: torch.Tensor | None, n_new: int) -> None:
         """The host side of a seal whose device work is done (summaries and device block table written after the
         :attr:`n_blocks` held blocks): the CPU block table, the views of the summaries, the window's entry into the
         slot pool, :attr:`n_blocks`.
 
         Args:
             ids: the new blocks' host ids, ``[batch * n_new]`` (sequence-major), ``torch.int64``, CPU.
-            blocks: the new blocks, ``[batch, n_new, 2, kv_heads, block_tokens, head_dim]``, compute device.
+            blocks: the new blocks, ``[batch, n_new, 2, kv_heads, block_tokens, head_dim]``, compute device; ``None``:
+                not made (nothing copies them into the slot pool: :meth:`finish_step`).
+            n_new: blocks sealed.
         """
-        batch, n_new = self.batch, blocks.shape[1]
+        batch = self.batch
         # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
         self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1)
         self.block_table = self._block_table_store[:, : self.n_blocks + n_new]
@@ -634,7 +638,10 @@ class OffloadLayer(CacheLayerMixin):
         # The newest blocks are the next steps' window: they enter the slot pool once this step's attention is done
         # (a prefill step first streams older blocks through the pool, which would evict them again).
         keep_n = min(n_new, max(self.config.window_blocks, 1), self.pool.slots)
-        self._window_insert = (self.n_blocks + n_new - keep_n, blocks[:, n_new - keep_n :])
+        if blocks is None:
+            self._window_insert = None
+        else:
+            self._window_insert = (self.n_blocks + n_new - keep_n, blocks[:, n_new - keep_n :])
         self.n_blocks += n_new
 
     # --------------------------------------------------------------------------- seals after a replayed decode step
@@ -696,7 +703,7 @@ class OffloadLayer(CacheLayerMixin):
             else:
                 transfer.offload_blocks(self.host, ids, flat)
         self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
-        self._sealed(ids, blocks)
+        self._sealed(ids, blocks, 1)
 
     def seal_work(self) -> torch.Tensor:
         """The device work of sealing the open block (full: ``block_tokens`` tokens in every sequence) at the block
@@ -706,13 +713,23 @@ class OffloadLayer(CacheLayerMixin):
         the device block table, written at that position into their buffers (which must hold it). No host
         synchronisation and nothing allocated that outlives it, so that it can be captured.
 
+        With the plain ``quantkey`` selector all of it is one launch (:func:`~hf_offload.kernels.seal.seal_block`).
+
         Returns:
-            The block, ``[batch, 1, 2, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
+            The block, ``[batch, 1, 2, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device; ``None``
+            where nothing reads it (every chunk admitted and the paged attention: no copy into the slot pool).
         """
         batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
         pos, ids = self._seal_args[:1], self._seal_args[1:]
         keys = self._open_k.reshape(batch, heads, 1, T, D).transpose(1, 2)  # [B, 1, H, T, D]
         values = self._open_v.reshape(batch, heads, 1, T, D).transpose(1, 2)
+        admitted = self.use_kernels and self.host.all_admitted
+        if self._seal_kernel():
+            bits, value_bits = self.selector.bits, self.selector.tail_bits
+            addrs = self.host.chunk_addrs(self.device) if admitted else None
+            seal_block(self._open_k, self._open_v, self._seal_args, self._summary_store, bits, value_bits, addrs,
+                       self.host.chunk_blocks, self.block_table_dev)  # fmt: skip
+            return None if admitted and self.paged else torch.stack([keys, values], dim=2)
         blocks = torch.stack([keys, values], dim=2)  # [B, 1, 2, H, T, D]
         if self.use_kernels:
             if self.host.all_admitted:
@@ -724,6 +741,17 @@ class OffloadLayer(CacheLayerMixin):
         for name, summary in summaries.items():
             self._summary_store[name].index_copy_(1, pos, summary)
         return blocks
+
+    def _seal_kernel(self) -> bool:
+        """Whether :meth:`seal_work` is one launch of :func:`~hf_offload.kernels.seal.seal_block`: the kernel path,
+        a :class:`~hf_offload.selectors.quantkey.QuantKeySelector` whose summaries are its class's, and a block
+        and buffers the kernel takes."""
+        selector = self.selector
+        plain = isinstance(selector, QuantKeySelector) and all(
+            getattr(type(selector), name) is getattr(QuantKeySelector, name) for name in ("summarize", "summarize_values")
+        )
+        return (self.use_kernels and plain and self.block_table_dev is not None
+                and seal_block_supported(self._open_k, self._summary_store, selector.bits, selector.tail_bits))  # fmt: skip
 
     def _seal_graph(self) -> CapturedWork | None:
         """The captured :meth:`seal_work` for this seal (captured now if needed), or ``None``: the seal runs op by op
@@ -1873,7 +1901,8 @@ class OffloadCache(Cache):
             (host wall time of the layer decode steps that captured: the capture, and an op-by-op run first where the
             geometry's kind had not run op by op yet; a graph is captured at the first decode step of each block
             capacity, ``decode_capacity_blocks``, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
-            that failed and were redone after one; expected 0), ``timing`` (with ``timing=True``: mean
+            that failed and were redone after one; expected 0), ``seal_graph_captures`` and ``seal_graph_replays`` (seals of
+            a full block after a replayed step captured into / replayed from a CUDA graph), ``timing`` (with ``timing=True``: mean
             ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
             with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
@@ -1937,6 +1966,8 @@ class OffloadCache(Cache):
             "graph_replays": total("graph_replays"),
             "graph_capture_ms": total("graph_capture_us") / 1000,
             "graph_capture_retries": total("graph_capture_retries"),
+            "seal_graph_captures": total("seal_graph_captures"),
+            "seal_graph_replays": total("seal_graph_replays"),
             "hit_rate": total("hits") / lookups if lookups else None,
             "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
