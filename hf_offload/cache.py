@@ -370,7 +370,6 @@ class OffloadLayer(CacheLayerMixin):
         self.n_blocks = 0
         self._reserved_blocks = 0  # summary capacity asked for by reserve()
         self._window_insert: tuple[int, torch.Tensor] | None = None
-        self._seal_warmed = False  # a seal after a replayed step ran op by op (see _seal_replayed)
         self.seal_graphs = True
         self._seal_args: torch.Tensor | None = None  # [1 + batch], int64, device: what seal_work reads
 
@@ -496,7 +495,6 @@ class OffloadLayer(CacheLayerMixin):
             self.is_initialized = False
         self._graphs.clear()
         self.warm_geometries.clear()
-        self._seal_warmed = False
         self._seal_args = None
         self._clear_transfer_state()
         self.n_tokens = 0
@@ -656,17 +654,21 @@ class OffloadLayer(CacheLayerMixin):
 
         The device work of a seal (:meth:`seal_work`: the block's copy, its summaries, its block-table column) is
         a few dozen small operations; launched one by one from Python, the seals of every layer cost the host
-        several decode steps' worth of time. After a layer's first seal here (op by op, so that every kernel has
-        run before a capture), that work replays from a CUDA graph (:meth:`_seal_graph`) that reads the block's
-        position and host ids from a device buffer, filled by one copy. A block whose host pool is not wholly
-        admitted to the device is written to the host by the offload stream after the replay, as :meth:`_seal`
-        does.
+        several decode steps' worth of time. Here that work reads the block's position and host ids from a device
+        buffer (filled by one copy), so that one CUDA graph serves every seal of one :meth:`seal_key`: the first
+        seal of a key runs it op by op (so that every kernel in it has run before the capture) and captures it,
+        the later ones replay it. A block whose host pool is not wholly admitted to the device is written to the
+        host by the offload stream after the work, as :meth:`_seal` does.
         """
         ids = self.host.allocate(self.batch)  # may grow the pool: seal_key() then sees new chunk tables
-        graph = self._seal_graph()
-        if graph is None:
+        if not self._seal_capturable():
             self._seal(self._open_k, self._open_v, 1, ids=ids)
-            self._seal_warmed = True
+            return
+        key = self.seal_key()
+        graph = self._graphs.get(key)
+        if graph is None:
+            self._seal_from(ids, self.seal_work)
+            self._capture_seal(key)
             return
 
         def replay() -> torch.Tensor:
@@ -747,30 +749,33 @@ class OffloadLayer(CacheLayerMixin):
         a :class:`~hf_offload.selectors.quantkey.QuantKeySelector` whose summaries are its class's, and a block
         and buffers the kernel takes."""
         selector = self.selector
+        own = ("summarize", "summarize_values")
         plain = isinstance(selector, QuantKeySelector) and all(
-            getattr(type(selector), name) is getattr(QuantKeySelector, name) for name in ("summarize", "summarize_values")
+            getattr(type(selector), name) is getattr(QuantKeySelector, name) for name in own
         )
-        return (self.use_kernels and plain and self.block_table_dev is not None
-                and seal_block_supported(self._open_k, self._summary_store, selector.bits, selector.tail_bits))  # fmt: skip
+        if not (self.use_kernels and plain and self.block_table_dev is not None):
+            return False
+        return seal_block_supported(self._open_k, self._summary_store, selector.bits, selector.tail_bits)
 
-    def _seal_graph(self) -> CapturedWork | None:
-        """The captured :meth:`seal_work` for this seal (captured now if needed), or ``None``: the seal runs op by op
-        (CUDA graphs off, no warm-up seal yet, a buffer too small to hold the block, or captures failed)."""
-        if not (self._seal_warmed and self.seal_graphs and self.graphs):
-            return None
+    def _seal_capturable(self) -> bool:
+        """Whether this seal goes through :meth:`seal_work` and its graph: CUDA graphs on, :attr:`seal_graphs`, and
+        buffers that hold the block (else the op-by-op seal grows them)."""
+        if not (self.seal_graphs and self.graphs):
+            return False
         n = self.n_blocks
         table = self.block_table_dev if self.use_kernels else None
-        if (table is not None and table.shape[1] <= n) or any(s.shape[1] <= n for s in self._summary_store.values()):
-            return None  # the op-by-op seal grows them
-        key = self.seal_key()
-        graph = self._graphs.get(key)
-        if graph is not None:
-            return graph
+        if table is not None and table.shape[1] <= n:
+            return False
+        return all(store.shape[1] > n for store in self._summary_store.values())
+
+    def _capture_seal(self, key: tuple) -> None:
+        """Capture :meth:`seal_work` for ``key`` (:meth:`seal_key`), dropping the seal graph of an earlier key; warns
+        once and turns :attr:`seal_graphs` off if the capture fails."""
         self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "seal"}
         if self._seal_args is None:
             self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
-        tables = self.host.chunk_tables(self.device) if self.use_kernels else ()
-        held = (*self._summary_store.values(), table, *tables, self._seal_args)
+        tables = (self.block_table_dev, *self.host.chunk_tables(self.device)) if self.use_kernels else ()
+        held = (*self._summary_store.values(), *tables, self._seal_args)
         try:
             graph = self.cache_capture_work(self.device, self.seal_work, held)
         except Exception as error:
@@ -781,10 +786,9 @@ class OffloadLayer(CacheLayerMixin):
                 RuntimeWarning,
                 stacklevel=4,
             )
-            return None
+            return
         self._graphs[key] = graph
         self.stats.add(("seal_graph_captures",), 1)
-        return graph
 
     def _append_summary(self, name: str, summary: torch.Tensor) -> torch.Tensor:
         """Write the summaries of ``n_new`` new blocks after the :attr:`n_blocks` held ones; returns the view of all

@@ -9,9 +9,10 @@ steps, 2.5 ms more for the 32 layers' seals (``results/decode/seal_h200/``). Her
 reads the block's ``[block_tokens, head_dim]`` keys and values once and writes everything.
 
 The codes, minima and steps are :func:`~hf_offload.selectors.quantkey.quantize_keys`' bit for bit: the minimum and
-maximum over the block's tokens in float32, the step ``(max - min) / levels`` with an IEEE division, both rounded to
-the cache dtype, then each code ``(key - min) / step`` (IEEE division; a zero step divides by one) rounded half to
-even and clamped to ``[0, levels]``, packed ``8 // bits`` per byte, channel ``per * j + p`` of byte ``j`` at bit
+maximum over the block's tokens in float32, the step ``(max - min) / levels`` as torch computes it (on CUDA torch
+divides by a Python number as a product with its float32 reciprocal, on the CPU it divides), both rounded to the
+cache dtype, then each code ``(key - min) / step`` (an IEEE division; a zero step divides by one) rounded half to even
+and clamped to ``[0, levels]``, packed ``8 // bits`` per byte, channel ``per * j + p`` of byte ``j`` at bit
 ``bits * p``.
 """
 
@@ -93,6 +94,8 @@ def seal_block(
         vcodes, vlow, vstep = stores["vcodes"], stores["vmin"], stores["vstep"]
     else:
         vcodes, vlow, vstep = codes, low, step  # not read
+    # float32(1 / levels) as torch's CUDA division by a number forms it (a float32 division)
+    inv = [float(torch.tensor(1.0) / ((1 << b) - 1)) for b in (bits, value_bits or bits)]
     write_block = chunk_addrs is not None
     write_table = table is not None
     _seal_kernel[(batch, heads)](
@@ -102,7 +105,7 @@ def seal_block(
         codes, codes.stride(0), codes.stride(1), codes.stride(2),
         as_kind(low), as_kind(step), low.stride(0), low.stride(1), low.stride(2),
         vcodes, vcodes.stride(0), vcodes.stride(1), vcodes.stride(2),
-        as_kind(vlow), as_kind(vstep), vlow.stride(0), vlow.stride(1), vlow.stride(2),
+        as_kind(vlow), as_kind(vstep), vlow.stride(0), vlow.stride(1), vlow.stride(2), inv[0], inv[1],
         HEADS=heads, TOKENS=tokens, DIM=dim, KIND=kind, BITS=bits, VBITS=value_bits, WRITE_BLOCK=write_block,
         WRITE_TABLE=write_table, PRECISE=open_keys.is_cuda, num_warps=WARPS,
     )  # fmt: skip
@@ -120,19 +123,18 @@ if triton is not None:
             return raw.to(tl.float32)
 
     @triton.jit
-    def _quantize_tile(x, codes_ptr, low_ptr, step_ptr, t, d, TOKENS: tl.constexpr, DIM: tl.constexpr,
+    def _quantize_tile(x, codes_ptr, low_ptr, step_ptr, inv_levels, t, d, TOKENS: tl.constexpr, DIM: tl.constexpr,
                        KIND: tl.constexpr, BITS: tl.constexpr, PRECISE: tl.constexpr):  # fmt: skip
         # x: [TOKENS, DIM] float32 (exact values of the cache dtype); codes_ptr: this block's codes (rows of DIM *
-        # BITS / 8 bytes); low_ptr / step_ptr: its DIM minima and steps (KIND).
+        # BITS / 8 bytes); low_ptr / step_ptr: its DIM minima and steps (KIND); inv_levels: float32(1 / levels).
         levels: tl.constexpr = (1 << BITS) - 1
         per: tl.constexpr = 8 // BITS
         lo = tl.min(x, axis=0)
         hi = tl.max(x, axis=0)
-        n_levels = tl.full(lo.shape, levels, tl.float32)
         if PRECISE:
-            step = tl.math.div_rn(hi - lo, n_levels)
+            step = (hi - lo) * inv_levels  # torch's CUDA division by a number
         else:
-            step = (hi - lo) / n_levels
+            step = (hi - lo) / tl.full(lo.shape, levels, tl.float32)
         lo = _round(lo, KIND)  # the stored values, which the codes are computed against
         step = _round(step, KIND)
         _store(low_ptr, d, lo, d < DIM, KIND)
@@ -182,6 +184,8 @@ if triton is not None:
         vlow_sb,
         vlow_sn,
         vlow_sh,
+        inv_levels,  # float32(1 / (2**BITS - 1))
+        vinv_levels,  # float32(1 / (2**VBITS - 1))
         HEADS: tl.constexpr,
         TOKENS: tl.constexpr,
         DIM: tl.constexpr,
@@ -190,7 +194,7 @@ if triton is not None:
         VBITS: tl.constexpr,
         WRITE_BLOCK: tl.constexpr,
         WRITE_TABLE: tl.constexpr,
-        PRECISE: tl.constexpr,  # IEEE divisions through tl.math.div_rn (CUDA); else / (the interpreter's NumPy)
+        PRECISE: tl.constexpr,  # torch's CUDA arithmetic (CUDA); else its CPU arithmetic (the interpreter's NumPy)
     ):
         b = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1).to(tl.int64)
@@ -212,10 +216,11 @@ if triton is not None:
         k = _as_f32(k_raw, KIND)
         _quantize_tile(k, codes_ptr + b * codes_sb + pos * codes_sn + h * codes_sh,
                        low_ptr + b * low_sb + pos * low_sn + h * low_sh,
-                       step_ptr + b * low_sb + pos * low_sn + h * low_sh, t, d, TOKENS, DIM, KIND, BITS, PRECISE)
+                       step_ptr + b * low_sb + pos * low_sn + h * low_sh, inv_levels, t, d, TOKENS, DIM, KIND, BITS,
+                       PRECISE)  # fmt: skip
         if VBITS:
             v = _as_f32(v_raw, KIND)
             _quantize_tile(v, vcodes_ptr + b * vcodes_sb + pos * vcodes_sn + h * vcodes_sh,
                            vlow_ptr + b * vlow_sb + pos * vlow_sn + h * vlow_sh,
-                           vstep_ptr + b * vlow_sb + pos * vlow_sn + h * vlow_sh, t, d, TOKENS, DIM, KIND, VBITS,
-                           PRECISE)  # fmt: skip
+                           vstep_ptr + b * vlow_sb + pos * vlow_sn + h * vlow_sh, vinv_levels, t, d, TOKENS, DIM,
+                           KIND, VBITS, PRECISE)  # fmt: skip
