@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_flatten
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import transfer
@@ -1034,7 +1035,7 @@ class OffloadLayer(CacheLayerMixin):
                 return forward(*args, **kwargs)
             finally:
                 self._prefetched_ahead = False
-        key, inputs, n, k = step
+        key, inputs, n, k, flat = step
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._capture_layer(key, forward, args, kwargs, inputs, n, k)
@@ -1043,7 +1044,7 @@ class OffloadLayer(CacheLayerMixin):
         # What update() and the attention do on the host in a step run op by op; the graph does the rest.
         self._selectable_written = self._last_write
         self._wait_side_streams()
-        out = replay_layer(graph, args, kwargs)
+        out = replay_layer(graph, args, kwargs, flat)
         left = self.keys.shape[-2] + 1
         self.n_tokens += 1
         if left == self.block_tokens:
@@ -1058,8 +1059,8 @@ class OffloadLayer(CacheLayerMixin):
         return out
 
     def _layer_step(self, args: tuple, kwargs: dict) -> tuple | None:
-        """``(graph key, shared inputs, blocks scored, blocks selected)`` of a decoder layer call that a graph of the
-        whole layer can serve, or ``None``: not a decode step of one token per sequence on this layer's device, a
+        """``(graph key, shared inputs, blocks scored, blocks selected, flattened arguments)`` of a decoder layer call
+        that a graph of the whole layer can serve, or ``None``: not a decode step of one token per sequence on this layer's device, a
         mask other than plain causal, gradients on, or a geometry whose attention graph
         does not exist (the attention was never captured for it, or runs another path: soft-capping, sink logits, a
         selection larger than the slot pool)."""
@@ -1090,7 +1091,8 @@ class OffloadLayer(CacheLayerMixin):
         attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), self.storage_key())
         if attention_key != last or attention_key not in self._graphs:
             return None
-        return (n, "layer", attention_key, call_signature(args, kwargs)), inputs, n, k
+        flat = tree_flatten((args, kwargs))  # read once: by the signature and by the replay's copies
+        return (n, "layer", attention_key, call_signature(args, kwargs, flat)), inputs, n, k, flat
 
     def _capture_layer(self, key: tuple, forward: Callable, args: tuple, kwargs: dict, inputs: DecodeInputs, n: int,
                        k: int) -> CapturedLayer | None:

@@ -277,20 +277,22 @@ def capture_decoder_layer(forward, args: tuple, kwargs: dict, statics: "StaticIn
     return CapturedLayer(graph=graph, statics=buffers, inputs=statics, out=out, held=held)
 
 
-def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict):
+def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict, flat: tuple | None = None):
     """Fill the buffers ``captured`` reads with this call's tensor arguments, replay it and return fresh copies of
-    its outputs (the graph's own outputs are overwritten by its next replay)."""
-    buffers, _, _ = captured.inputs.load(args, kwargs)
+    its outputs (the graph's own outputs are overwritten by its next replay). ``flat``: ``tree_flatten((args,
+    kwargs))`` where the caller has it (:func:`call_signature` made it)."""
+    buffers, _, _ = captured.inputs.load(args, kwargs, flat=flat, rebuild=False)
     if any(a is not b for a, b in zip(buffers, captured.statics)):
         raise RuntimeError("replay_layer: the static input buffers changed since the capture (shapes differ?)")
     captured.graph.replay()
     return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, captured.out)
 
 
-def call_signature(args: tuple, kwargs: dict) -> tuple:
+def call_signature(args: tuple, kwargs: dict, flat: tuple | None = None) -> tuple:
     """What a captured decoder-layer call depends on besides tensor contents: each tensor argument's position,
-    shape, dtype and device, and each other argument's type (its value, for a bool, number, string or ``None``)."""
-    leaves, spec = tree_flatten((args, kwargs))
+    shape, dtype and device, and each other argument's type (its value, for a bool, number, string or ``None``).
+    ``flat``: ``tree_flatten((args, kwargs))`` if the caller has it."""
+    leaves, spec = tree_flatten((args, kwargs)) if flat is None else flat
     sig = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -316,14 +318,21 @@ class StaticInputs:
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._last: dict[tuple, torch.Tensor] = {}
 
-    def load(self, args: tuple, kwargs: dict) -> tuple[list, tuple, dict]:
+    def load(
+        self, args: tuple, kwargs: dict, flat: tuple | None = None, rebuild: bool = True
+    ) -> tuple[list, tuple | None, dict | None]:
         """Copy the tensor arguments into their buffers (on the current stream).
+
+        Args:
+            args, kwargs: the call's arguments.
+            flat: ``tree_flatten((args, kwargs))`` if the caller has it.
+            rebuild: also return the arguments rebuilt around the buffers (a capture needs them, a replay not).
 
         Returns:
             ``(buffers, static_args, static_kwargs)``: one buffer (or ``None``) per flattened argument, and the
-            arguments with every tensor replaced by its buffer.
+            arguments with every tensor replaced by its buffer (``None, None`` without ``rebuild``).
         """
-        leaves, spec = tree_flatten((args, kwargs))
+        leaves, spec = tree_flatten((args, kwargs)) if flat is None else flat
         buffers, static = [], []
         for i, leaf in enumerate(leaves):
             if not isinstance(leaf, torch.Tensor):
@@ -340,6 +349,8 @@ class StaticInputs:
                 self._last[slot] = leaf
             buffers.append(buffer)
             static.append(buffer)
+        if not rebuild:
+            return buffers, None, None
         static_args, static_kwargs = tree_unflatten(static, spec)
         return buffers, static_args, static_kwargs
 
