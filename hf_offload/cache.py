@@ -661,7 +661,11 @@ class OffloadLayer(CacheLayerMixin):
         the later ones replay it. A block whose host pool is not wholly admitted to the device is written to the
         host by the offload stream after the work, as :meth:`_seal` does.
         """
-        ids = self.host.allocate(self.batch)  # may grow the pool: seal_key() then sees new chunk tables
+        ids = self.host.allocate(self.batch)
+        if self.use_kernels:
+            # A pool grown by these ids enters the chunk tables now, before seal_key() reads their version: tables
+            # that had to be re-allocated are not the ones an earlier capture reads (it would miss the new chunk).
+            self.host.chunk_addrs(self.device)
         if not self._seal_capturable():
             self._seal(self._open_k, self._open_v, 1, ids=ids)
             return

@@ -56,13 +56,25 @@ def _stand_in_attention(device, body, query, held):
     return captured
 
 
+def _buffers_read(layer) -> list:
+    """The buffers a captured seal of ``layer`` reads and writes in place (a real graph keeps reading the ones it
+    was captured with)."""
+    found = list(layer._summary_store.values())
+    if layer.use_kernels:
+        found += [layer.block_table_dev, layer.host._chunk_addrs]
+    return found
+
+
 def _stand_in_work(layer, fail_layers=()):
     def capture(device, enqueue, held):
         if layer.layer_idx in fail_layers:
             raise RuntimeError("operation not permitted when stream is capturing")
         captured = CapturedWork(graph=None, out=None, held=held)
+        read = _buffers_read(layer)
 
         def run():
+            now = _buffers_read(layer)
+            assert len(now) == len(read) and all(a is b for a, b in zip(now, read)), "a seal replayed on new buffers"
             captured.out = enqueue()
 
         captured.graph = _Replay(run)
