@@ -2,7 +2,8 @@
 # One device call: as run2.sh, after the fixes it called for: the first seal of a key runs seal_work op by op and
 # captures it (no separate warm-up seal), the seal kernel's step as torch's CUDA division by a number (the tail
 # estimate's counters differed in float32), and a replayed layer's arguments flattened once per call (not three
-# times) and not rebuilt around the static buffers. Then the tests of the norm, projection and seal kernels on CUDA (they
+# times) and not rebuilt around the static buffers, and a pool grown by a seal enters the chunk tables before the
+# seal key is read. Then the tests of the norm, projection and seal kernels on CUDA (they
 # carry no cuda marker: run without -m), the whole-layer graphs and the attention graphs.
 # Benchmarks: 64K tokens / batch 12 (plain quantkey, admission auto, whole-layer graphs) twice with captured seals,
 # once op by op; 128K / batch 6 twice with captured seals.
