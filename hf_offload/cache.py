@@ -683,9 +683,9 @@ class OffloadLayer(CacheLayerMixin):
         self._seal_from(ids, replay)
         self.stats.add(("seal_graph_replays",), 1)
 
-    def _seal_from(self, ids: torch.Tensor, work: Callable[[], torch.Tensor]) -> None:
+    def _seal_from(self, ids: torch.Tensor, work: Callable[[], torch.Tensor | None]) -> None:
         """Seal the open block with host ids ``ids`` (``[batch]``, ``torch.int64``, CPU) by ``work`` (:meth:`seal_work`
-        or its graph's replay; returns the block) reading the position and ids from the device buffer; then the
+        or its graph's replay; returns the block, or ``None`` where nothing reads it) reading the position and ids from the device buffer; then the
         block's host write if ``work`` did not make it, and the host side (:meth:`_sealed`)."""
         if self._seal_args is None:
             self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
