@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call: the seal kernel (one launch per layer's seal with plain quantkey: hf_offload/kernels/seal.py)
+# On one H200, in order: the seal kernel (one launch per layer's seal with plain quantkey: hf_offload/kernels/seal.py)
 # inside the captured seal. 64K tokens / batch 12 (plain quantkey, admission auto, whole-layer graphs): twice with
 # captured seals, once op by op; 128K / batch 6 twice with captured seals; then the CUDA tests of the seal kernel,
 # the whole-layer graphs and the attention graphs.

@@ -1,5 +1,5 @@
 #!/bin/bash
-# One device call: as run2.sh, after the fixes it called for: the first seal of a key runs seal_work op by op and
+# On one H200, in order: as run2.sh, after the fixes it called for: the first seal of a key runs seal_work op by op and
 # captures it (no separate warm-up seal), the seal kernel's step as torch's CUDA division by a number (the tail
 # estimate's counters differed in float32), and a replayed layer's arguments flattened once per call (not three
 # times) and not rebuilt around the static buffers, and a pool grown by a seal enters the chunk tables before the
