@@ -1,9 +1,9 @@
 #!/bin/bash
 # On one H200, in order: the CUDA tests of the kernels changed in 32293d7 and c18c89a (tested then on the CPU
-# only: norm and MLP store helper, the gated MLP's Triton gate, the scoring kernel's compile key) and of the whole-layer graphs (seals
-# from captured graphs now); then 64K tokens / batch 12 (plain quantkey, admission auto, whole-layer graphs) with the
-# seals after replayed steps captured (on) and op by op (off), each 64 timed steps and 32 more under cProfile (two
-# seals of every layer), and 128K / batch 6 with them on.
+# only: norm and MLP store helper, the gated MLP's Triton gate, the scoring kernel's compile key) and of the
+# whole-layer graphs (seals from captured graphs now); then 64K tokens / batch 12 (plain quantkey, admission auto,
+# whole-layer graphs) with the seals after replayed steps captured (on) and op by op (off), each 64 timed steps and
+# 32 more under cProfile (two seals of every layer), and 128K / batch 6 with them on.
 # Usage: HF_OFFLOAD_GIT_COMMIT=<sha> bash results/decode/seal_h200/run1.sh
 set -u
 export TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD PYTHONUNBUFFERED=1
