@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import transfer
 from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
 from .config import OffloadConfig
+from .kernels.seal import seal_block, seal_block_supported
 from .graphs import (
     CapturedDecode,
     CapturedLayer,
@@ -50,7 +51,6 @@ from .lookahead import speculative_query
 from .norms import FusedNorm, fused_norms_active, install_fused_norms
 from .projections import fused_groups, fused_projections_active, install_fused_projections
 from .rotary import RotaryForward, fused_rotary_active, install_fused_rotary
-from .kernels.seal import seal_block, seal_block_supported
 from .selectors import Selection, Selector, get_selector
 from .selectors.quantkey import QuantKeySelector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
@@ -600,22 +600,42 @@ class OffloadLayer(CacheLayerMixin):
             # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
             # The ids go through pinned memory so that their copy never blocks the host.
             ids_dev = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
-            addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream
-            self._last_write = transfer.launch_on(
-                self.streams.offload if self.streams is not None else None,
-                lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
-                uses=(ids_dev, flat, addrs),
-            )
+            self._last_write = self._offload_on_stream(ids_dev, flat)
             self.block_table_dev = self._appended(self.block_table_dev, ids_dev.view(batch, n_new), fill=-1)
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
+        for name, summary in self._summaries_of(keys, values).items():
+            self._append_summary(name, summary)
+        self._sealed(ids, blocks, n_new)
+
+    def _summaries_of(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The selector's summaries of new blocks (of their values too where it estimates the unselected blocks).
+
+        Args:
+            keys, values: the new blocks' keys and values, ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the
+                cache dtype, compute device.
+        """
         summaries = self.selector.summarize(keys)
         if self.selector.estimates_tail:
             summaries.update(self.selector.summarize_values(values))
-        for name, summary in summaries.items():
-            self._append_summary(name, summary)
-        self._sealed(ids, blocks, n_new)
+        return summaries
+
+    def _offload_on_stream(self, ids: torch.Tensor, flat: torch.Tensor):
+        """Write blocks into their host blocks on the offload stream, behind the computation of their keys and values
+        (``launch_on`` waits for the compute stream); returns the write's event, which every later recall of these
+        blocks waits for (``None`` without side streams: written now).
+
+        Args:
+            ids: host block ids, ``[n]``, ``torch.int64``, compute device.
+            flat: the blocks, ``[n, 2, kv_heads, block_tokens, head_dim]``, contiguous, compute device.
+        """
+        addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream
+        return transfer.launch_on(
+            self.streams.offload if self.streams is not None else None,
+            lambda: transfer.offload_blocks_kernel(self.host, ids, flat),
+            uses=(ids, flat, addrs),
+        )
 
     def _sealed(self, ids: torch.Tensor, blocks: torch.Tensor | None, n_new: int) -> None:
         """The host side of a seal whose device work is done (summaries and device block table written after the
@@ -684,29 +704,21 @@ class OffloadLayer(CacheLayerMixin):
         self.stats.add(("seal_graph_replays",), 1)
 
     def _seal_from(self, ids: torch.Tensor, work: Callable[[], torch.Tensor | None]) -> None:
-        """Seal the open block with host ids ``ids`` (``[batch]``, ``torch.int64``, CPU) by ``work`` (:meth:`seal_work`
-        or its graph's replay; returns the block, or ``None`` where nothing reads it) reading the position and ids from the device buffer; then the
-        block's host write if ``work`` did not make it, and the host side (:meth:`_sealed`)."""
-        if self._seal_args is None:
-            self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
+        """Seal the open block with host ids ``ids`` (``[batch]``, ``torch.int64``, CPU) by ``work``
+        (:meth:`seal_work` or its graph's replay; returns the block, or ``None`` where nothing reads it) reading the
+        position and ids from the device buffer; then the block's host write if ``work`` did not make it, and the
+        host side (:meth:`_sealed`)."""
         # The offload stream's write of the last seal read the buffers that this one overwrites.
         transfer.wait_event(self._seal_offloaded, self.device)
         args = torch.cat([torch.tensor([self.n_blocks]), ids])
         cuda = self.device.type == "cuda"
-        self._seal_args.copy_(args.pin_memory() if cuda else args, non_blocking=cuda)  # no host synchronisation
-        if self.use_kernels:
-            self.host.chunk_addrs(self.device)  # a pool grown by this seal's ids enters the tables, in place
+        self._seal_buffer().copy_(args.pin_memory() if cuda else args, non_blocking=cuda)  # no host synchronisation
         blocks = work()
         heads, T, D = self.kv_heads, self.block_tokens, self.head_dim
         if not (self.use_kernels and self.host.all_admitted):  # seal_work wrote only blocks on the device
             flat = blocks.reshape(-1, 2, heads, T, D)
             if self.use_kernels:
-                ids_dev, addrs = self._seal_args[1:], self.host.chunk_addrs(self.device)
-                self._last_write = self._seal_offloaded = transfer.launch_on(
-                    self.streams.offload if self.streams is not None else None,
-                    lambda: transfer.offload_blocks_kernel(self.host, ids_dev, flat),
-                    uses=(ids_dev, flat, addrs),
-                )
+                self._last_write = self._seal_offloaded = self._offload_on_stream(self._seal_args[1:], flat)
             else:
                 transfer.offload_blocks(self.host, ids, flat)
         self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
@@ -731,23 +743,28 @@ class OffloadLayer(CacheLayerMixin):
         keys = self._open_k.reshape(batch, heads, 1, T, D).transpose(1, 2)  # [B, 1, H, T, D]
         values = self._open_v.reshape(batch, heads, 1, T, D).transpose(1, 2)
         admitted = self.use_kernels and self.host.all_admitted
-        if self._seal_kernel():
+        one_launch = self._seal_kernel()
+        needed = not (one_launch and admitted and self.paged)  # else nothing reads the stacked block
+        blocks = torch.stack([keys, values], dim=2) if needed else None  # [B, 1, 2, H, T, D]
+        if one_launch:
             bits, value_bits = self.selector.bits, self.selector.tail_bits
             addrs = self.host.chunk_addrs(self.device) if admitted else None
             seal_block(self._open_k, self._open_v, self._seal_args, self._summary_store, bits, value_bits, addrs,
                        self.host.chunk_blocks, self.block_table_dev)  # fmt: skip
-            return None if admitted and self.paged else torch.stack([keys, values], dim=2)
-        blocks = torch.stack([keys, values], dim=2)  # [B, 1, 2, H, T, D]
+            return blocks
         if self.use_kernels:
-            if self.host.all_admitted:
+            if admitted:
                 transfer.offload_blocks_kernel(self.host, ids, blocks.view(-1, 2, heads, T, D))
             self.block_table_dev.index_copy_(1, pos, ids.view(batch, 1))
-        summaries = self.selector.summarize(keys)
-        if self.selector.estimates_tail:
-            summaries.update(self.selector.summarize_values(values))
-        for name, summary in summaries.items():
+        for name, summary in self._summaries_of(keys, values).items():
             self._summary_store[name].index_copy_(1, pos, summary)
         return blocks
+
+    def _seal_buffer(self) -> torch.Tensor:
+        """The device buffer :meth:`seal_work` reads, ``[1 + batch]``, ``torch.int64`` (made at first use)."""
+        if self._seal_args is None:
+            self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
+        return self._seal_args
 
     def _seal_kernel(self) -> bool:
         """Whether :meth:`seal_work` is one launch of :func:`~hf_offload.kernels.seal.seal_block`: the kernel path,
@@ -777,10 +794,8 @@ class OffloadLayer(CacheLayerMixin):
         """Capture :meth:`seal_work` for ``key`` (:meth:`seal_key`), dropping the seal graph of an earlier key; warns
         once and turns :attr:`seal_graphs` off if the capture fails."""
         self._graphs = {k: g for k, g in self._graphs.items() if k[0] != "seal"}
-        if self._seal_args is None:
-            self._seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
         tables = (self.block_table_dev, *self.host.chunk_tables(self.device)) if self.use_kernels else ()
-        held = (*self._summary_store.values(), *tables, self._seal_args)
+        held = (*self._summary_store.values(), *tables, self._seal_buffer())
         try:
             graph = self.cache_capture_work(self.device, self.seal_work, held)
         except Exception as error:
@@ -1064,9 +1079,9 @@ class OffloadLayer(CacheLayerMixin):
 
     def _layer_step(self, args: tuple, kwargs: dict) -> tuple | None:
         """``(graph key, shared inputs, blocks scored, blocks selected, flattened arguments)`` of a decoder layer call
-        that a graph of the whole layer can serve, or ``None``: not a decode step of one token per sequence on this layer's device, a
-        mask other than plain causal, gradients on, or a geometry whose attention graph
-        does not exist (the attention was never captured for it, or runs another path: soft-capping, sink logits, a
+        that a graph of the whole layer can serve, or ``None``: not a decode step of one token per sequence on this
+        layer's device, a mask other than plain causal, gradients on, or a geometry whose attention graph does not
+        exist (the attention was never captured for it, or runs another path: soft-capping, sink logits, a
         selection larger than the slot pool)."""
         if not (self.graphs and self.layer_graphs and self.config.graph_scope == "layer" and self.is_initialized):
             return None
@@ -1653,32 +1668,27 @@ class _SharedResources:
         so their temporaries may share memory, which needs one capture stream for all of them (the allocator reuses
         a block only on the stream that freed it). A pool lives as long as one of its graphs does; after the last
         one is dropped (a reset), the next capture starts a new pool."""
-        self._pool(device)
-        try:
-            captured = capture(body, query, self.graph_pools[device], held, self.capture_streams[device])
-        except Exception:
-            self._pool_failed(device)
-            raise
-        return self._count_graph(device, captured)
+        return self._in_pool(device, lambda pool, stream: capture(body, query, pool, held, stream))
 
     def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple) -> CapturedLayer:
         """Capture a whole decoder layer's decode step (:func:`~hf_offload.graphs.capture_decoder_layer`) into the same pool
         and on the same stream as :meth:`capture_graph`, its tensor arguments read from :meth:`static_inputs`."""
-        self._pool(device)
-        try:
-            captured = capture_decoder_layer(forward, args, kwargs, self.static_inputs(device), self.graph_pools[device],
-                                             held, self.capture_streams[device])  # fmt: skip
-        except Exception:
-            self._pool_failed(device)
-            raise
-        return self._count_graph(device, captured)
+        statics = self.static_inputs(device)
+        return self._in_pool(
+            device, lambda pool, stream: capture_decoder_layer(forward, args, kwargs, statics, pool, held, stream)
+        )
 
     def capture_work(self, device: torch.device, enqueue, held: tuple) -> CapturedWork:
         """Capture work without arguments (:func:`~hf_offload.graphs.capture_work`; a layer's seal of a block) into
         the same pool and on the same stream as :meth:`capture_graph`."""
+        return self._in_pool(device, lambda pool, stream: _capture_work(enqueue, device, pool, held, stream))
+
+    def _in_pool(self, device: torch.device, capture_with: Callable):
+        """``capture_with(pool, stream)`` with the pool and capture stream the cache's graphs on ``device`` share;
+        the captured graph is counted as one of the pool's (a failed capture sends later ones to a new pool)."""
         self._pool(device)
         try:
-            captured = _capture_work(enqueue, device, self.graph_pools[device], held, self.capture_streams[device])
+            captured = capture_with(self.graph_pools[device], self.capture_streams[device])
         except Exception:
             self._pool_failed(device)
             raise
@@ -1911,9 +1921,9 @@ class OffloadCache(Cache):
             (host wall time of the layer decode steps that captured: the capture, and an op-by-op run first where the
             geometry's kind had not run op by op yet; a graph is captured at the first decode step of each block
             capacity, ``decode_capacity_blocks``, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
-            that failed and were redone after one; expected 0), ``seal_graph_captures`` and ``seal_graph_replays`` (seals of
-            a full block after a replayed step captured into / replayed from a CUDA graph), ``timing`` (with ``timing=True``: mean
-            ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
+            that failed and were redone after one; expected 0), ``seal_graph_captures`` and ``seal_graph_replays``
+            (seals of a full block after a replayed step captured into / replayed from a CUDA graph), ``timing``
+            (with ``timing=True``: mean ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
             with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected

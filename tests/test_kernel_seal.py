@@ -13,6 +13,7 @@ from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.seal import seal_block, seal_block_supported
 from hf_offload.selectors.quantkey import quantize_keys
 
+from .test_layer_graphs_cpu import _assert_same_sealed_state
 from .test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -142,17 +143,11 @@ def test_a_layers_seal_work_leaves_the_state_of_its_op_by_op_seal(selector, admi
                 layer._seal(layer._open_k, layer._open_v, 1, ids=block_ids)
             layer.finish_step()
         assert fused.n_blocks == plain.n_blocks
-        for name, summary in plain.summaries.items():
-            assert torch.equal(fused.summaries[name], summary), name
-        assert torch.equal(fused.block_table, plain.block_table)
-        n = fused.n_blocks
-        assert torch.equal(fused.block_table_dev[:, :n], plain.block_table_dev[:, :n])
-        stored = fused.block_table.flatten()
-        assert torch.equal(fused.host.read(stored), plain.host.read(stored))
+        _assert_same_sealed_state(fused, plain)
         assert torch.equal(fused.pool.data, plain.pool.data)  # the window's copy in the slot pool
 
 
-def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_graphs):
+def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_graphs):  # noqa: F811 (the fixture)
     """A seal whose new blocks need a new chunk table (one block per chunk here: 60 chunks after the prefill, 66 at
     the second decode seal, past the table's 64 entries) captures its work again instead of replaying a graph that
     reads the old table; the state stays that of op by op."""
@@ -166,7 +161,8 @@ def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_gra
     caches = {}
     for graphs in (False, None):
         cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48,
-                             host_chunk_mib=1e-6, cuda_graphs=graphs, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
+                             host_chunk_mib=1e-6, cuda_graphs=graphs,
+                             decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
         with torch.no_grad():
             out = model.generate(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), past_key_values=cache,
                                  max_new_tokens=25, min_new_tokens=25, do_sample=False)  # fmt: skip
@@ -177,8 +173,4 @@ def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_gra
         assert layer.host.chunk_blocks == 1 and len(layer.host.chunks) == 3 * 23  # 20 blocks + 3 decode seals each
         assert layer.host.table_version == 2  # 64 entries, then 128 at the second decode seal
         assert int(layer.stats.seal_graph_captures) == 2 and int(layer.stats.seal_graph_replays) == 1
-        other = eager.layers[layer.layer_idx]
-        for name, summary in other.summaries.items():
-            assert torch.equal(layer.summaries[name], summary), name
-        stored = layer.block_table.flatten()
-        assert torch.equal(layer.host.read(stored), other.host.read(stored))
+        _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])

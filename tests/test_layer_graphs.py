@@ -14,6 +14,7 @@ from hf_offload.graphs import DecoderLayerCall
 from hf_offload.kernels.gather import kernels_available
 
 from .conftest import ARCHS, build_model, left_padded
+from .test_layer_graphs_cpu import _assert_same_sealed_state
 
 pytestmark = [
     pytest.mark.cuda,
@@ -79,14 +80,7 @@ def test_layer_graphs_bf16_long_decode_matches_op_by_op(admission):
         # ~37 seals after replayed steps: the first op by op, then from captured seals (a new one where a seal grew
         # the host pool); summaries, block tables and stored blocks as op by op.
         assert int(layer.stats.seal_graph_replays) >= 30
-        other = eager.layers[layer.layer_idx]
-        for name, summary in other.summaries.items():
-            assert torch.equal(layer.summaries[name], summary), name
-        n = layer.n_blocks
-        assert torch.equal(layer.block_table, other.block_table)
-        assert torch.equal(layer.block_table_dev[:, :n], other.block_table_dev[:, :n])
-        ids = layer.block_table.flatten()
-        assert torch.equal(layer.host.read(ids), other.host.read(ids))
+        _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
         assert layer.host.all_admitted == (admission == "auto")
 
 
