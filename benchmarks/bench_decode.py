@@ -737,6 +737,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batches", nargs="+", default=["auto"],
                         help="batch sizes, or 'auto': 1, 2, 4, ... while predicted to fit (and no OOM)")  # fmt: skip
     parser.add_argument("--max-batch", type=int, default=256, help="largest batch of an auto sweep")
+    parser.add_argument("--method-batches", nargs="+", default=[], metavar="METHOD=B,B,...",
+                        help="batch sizes of one method in place of --batches, e.g. 'dynamic=4,8,12' "
+                        "'quantkey-auto=12' (or 'METHOD=auto'): every method at its own batches in one run")  # fmt: skip
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=METHODS,
                         help="methods to sweep (none: only --e2e)")  # fmt: skip
     parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
@@ -795,10 +798,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.batches != ["auto"]:
         args.batches = [int(b) for b in args.batches]
+    args.method_batches = _parse_method_batches(parser, args.method_batches)
     for context in args.contexts:
         if context - args.warmup - args.steps < 1:
             parser.error(f"context {context} must exceed --warmup + --steps = {args.warmup + args.steps}")
     return args
+
+
+def _parse_method_batches(parser: argparse.ArgumentParser, items: list[str]) -> dict[str, list]:
+    """``--method-batches`` as {method: [batch, ...] or ["auto"]}; a malformed item is a usage error."""
+    out: dict[str, list] = {}
+    for item in items:
+        method, sep, value = item.partition("=")
+        if not sep or method not in METHODS:
+            parser.error(f"--method-batches {item!r}: write METHOD=B,B,... with METHOD one of {', '.join(METHODS)}")
+        if value == "auto":
+            out[method] = ["auto"]
+            continue
+        try:
+            batches = [int(b) for b in value.split(",")]
+        except ValueError:
+            batches = []
+        if not batches or min(batches) < 1:
+            parser.error(f"--method-batches {item!r}: the batches must be positive integers, e.g. {method}=4,8,12")
+        out[method] = batches
+    return out
+
+
+def _batches_of(args: argparse.Namespace, method: str) -> list:
+    """The batch sizes (or ["auto"]) one method sweeps: its ``--method-batches`` entry, else ``--batches``."""
+    return args.method_batches.get(method, args.batches)
 
 
 def _child_argv(args: argparse.Namespace) -> list[str]:
@@ -816,6 +845,8 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
             "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms, "--fused-rotary", args.fused_rotary,
             "--fused-projections", args.fused_projections, "--seal-graphs", args.seal_graphs,
             "--profile-seal", str(args.profile_seal)]  # fmt: skip
+    if args.method_batches:
+        out += ["--method-batches", *(f"{m}={','.join(map(str, b))}" for m, b in args.method_batches.items())]
     if args.decode_capacity is not None:
         out += ["--decode-capacity", str(args.decode_capacity)]
     if args.admission_gib is not None:
@@ -966,21 +997,22 @@ def main(argv: list[str] | None = None) -> int:
         phases += [(c, "hf-offloaded") for c in args.contexts]
     emptied = False
     for context, method in phases:
+        method_batches = _batches_of(args, method)
         if method == "hf-offloaded" and not cuda:
-            for batch in args.batches:
+            for batch in method_batches:
                 reason = "needs CUDA (transformers' offloading uses CUDA streams)"
                 result["skipped"].append({"method": method, "context": context, "batch": batch, "reason": reason})
             continue
         if method.endswith("-graphs") and not (cuda and kernels_available(device)):
-            for batch in args.batches:
+            for batch in method_batches:
                 reason = "needs CUDA and Triton (CUDA graphs replay the kernel transfer path)"
                 result["skipped"].append({"method": method, "context": context, "batch": batch, "reason": reason})
             continue
         if method == "hf-offloaded" and not emptied:
             emptied = empty_host_cache()
-        batches = args.batches if args.batches != ["auto"] else [2**i for i in range(args.max_batch.bit_length())
-                                                                 if 2**i <= args.max_batch]  # fmt: skip
-        auto = args.batches == ["auto"]
+        auto = method_batches == ["auto"]
+        batches = method_batches if not auto else [2**i for i in range(args.max_batch.bit_length())
+                                                   if 2**i <= args.max_batch]  # fmt: skip
         for batch in batches:
             skip = {"method": method, "context": context, "batch": batch}
             if over_budget():

@@ -160,3 +160,28 @@ def test_isolated_children_get_the_offload_settings():
     for name in ("quantkey_selector", "decode_capacity", "decode_attention", "graph_scope", "fused_norms",
                  "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "budget", "steps"):  # fmt: skip
         assert getattr(child, name) == getattr(parent, name), name
+
+
+def test_method_batches_sweep_each_method_at_its_own_batches(tmp_path):
+    """--method-batches: one run compares every method at its own batch sizes; the rest sweep --batches."""
+    data = _run(tmp_path, "--contexts", "64", "--batches", "1", "--methods", "dynamic", "static", "solohead",
+                "--method-batches", "dynamic=2,3", "solohead=2", "--config-seconds", "0")  # fmt: skip
+    ran = sorted((r["method"], r["batch"]) for r in data["runs"])
+    assert ran == [("dynamic", 2), ("dynamic", 3), ("solohead", 2), ("static", 1)]
+    assert data["metadata"]["args"]["method_batches"] == {"dynamic": [2, 3], "solohead": [2]}
+
+
+def test_method_batches_reach_isolated_children():
+    parent = bench_decode.parse_args(["--method-batches", "dynamic=4,8", "quantkey-auto=auto", "--isolate"])
+    child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "dynamic"])
+    assert child.method_batches == {"dynamic": [4, 8], "quantkey-auto": ["auto"]}
+    assert bench_decode._batches_of(child, "dynamic") == [4, 8]
+    assert bench_decode._batches_of(child, "static") == ["auto"]
+
+
+@pytest.mark.parametrize("item, says", [("dynamo=4", "METHOD one of"), ("dynamic", "METHOD=B,B"),
+                                        ("dynamic=4,x", "positive integers"), ("dynamic=0", "positive integers")])  # fmt: skip
+def test_method_batches_reject_malformed_items(item, says, capsys):
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args(["--method-batches", item])
+    assert says in capsys.readouterr().err
