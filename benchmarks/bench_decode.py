@@ -739,7 +739,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-batch", type=int, default=256, help="largest batch of an auto sweep")
     parser.add_argument("--method-batches", nargs="+", default=[], metavar="METHOD=B,B,...",
                         help="batch sizes of one method in place of --batches, e.g. 'dynamic=4,8,12' "
-                        "'quantkey-auto=12' (or 'METHOD=auto'): every method at its own batches in one run")  # fmt: skip
+                        "'quantkey-auto=12' (or 'METHOD=auto'): each method at its own batches in one run")
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=METHODS,
                         help="methods to sweep (none: only --e2e)")  # fmt: skip
     parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")

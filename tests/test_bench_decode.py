@@ -179,8 +179,11 @@ def test_method_batches_reach_isolated_children():
     assert bench_decode._batches_of(child, "static") == ["auto"]
 
 
-@pytest.mark.parametrize("item, says", [("dynamo=4", "METHOD one of"), ("dynamic", "METHOD=B,B"),
-                                        ("dynamic=4,x", "positive integers"), ("dynamic=0", "positive integers")])  # fmt: skip
+MALFORMED = [("dynamo=4", "METHOD one of"), ("dynamic", "METHOD=B,B"), ("dynamic=4,x", "positive integers"),
+             ("dynamic=0", "positive integers")]
+
+
+@pytest.mark.parametrize("item, says", MALFORMED)
 def test_method_batches_reject_malformed_items(item, says, capsys):
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--method-batches", item])
