@@ -669,6 +669,49 @@ def render_selection() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _same_run_ratios(datas: list, ours: list[str]) -> list[str]:
+    """Ratios within each file that ran OffloadCache and transformers' methods at one context (the same run).
+
+    Args:
+        datas: ``(path, data)`` of every ``results/decode/bench_decode*.json``.
+        ours: the OffloadCache method labels of the page.
+
+    Returns:
+        The section's lines; none where no file holds both.
+    """
+    lines: list[str] = []
+    for path, data in datas:
+        spec = data["metadata"]["args"].get("quantkey_selector") or "quantkey"
+        label = lambda x: x if spec == "quantkey" or not x.startswith("quantkey") else f"{x} ({spec})"  # noqa: E731
+        runs = [{**r, "method": label(r["method"])} for r in data["runs"]]
+        for c in sorted({r["context"] for r in runs}):
+            at_c = [r for r in runs if r["context"] == c]
+            mine = [r for r in at_c if r["method"] in ours]
+            theirs = sorted({r["method"] for r in at_c if r["method"] not in ours and r["method"] != "headwise-copy"})
+            if not mine or not theirs:
+                continue
+            b = max(mine, key=lambda r: r["tokens_per_s"])
+            if not lines:
+                lines += ["", "## Ratios within one run", "",
+                          "Files whose one run (one script on one machine) measured OffloadCache and transformers' "
+                          "methods at the same context: the fastest OffloadCache run against each transformers "
+                          "method at its best batch of that run, and against `headwise-copy` at the same batch.", "",
+                          "| file | context | ratio | tok/s | value |", "|---|---:|---|---|---:|"]  # fmt: skip
+            for x in theirs:
+                o = max((r for r in at_c if r["method"] == x), key=lambda r: r["tokens_per_s"])
+                lines.append(f"| {path.name} | {c:,} | {b['method']} best ({b['batch']}) / {x} best ({o['batch']}) | "
+                             f"{b['tokens_per_s']:,.1f} / {o['tokens_per_s']:,.1f} | "
+                             f"{b['tokens_per_s'] / o['tokens_per_s']:.2f} |")  # fmt: skip
+            for h in sorted((r for r in at_c if r["method"] == "headwise-copy"), key=lambda r: r["batch"]):
+                same = [r for r in mine if r["batch"] == h["batch"]]
+                if same:
+                    o = max(same, key=lambda r: r["tokens_per_s"])
+                    lines.append(f"| {path.name} | {c:,} | {o['method']} / headwise-copy at batch {h['batch']} | "
+                                 f"{o['tokens_per_s']:,.1f} / {h['tokens_per_s']:,.1f} | "
+                                 f"{o['tokens_per_s'] / h['tokens_per_s']:.2f} |")  # fmt: skip
+    return lines
+
+
 def decode_throughput(check: bool) -> list[str]:
     """docs/results/decode_throughput.md (and, with matplotlib, two plots) from results/decode/bench_decode*.json.
 
@@ -773,6 +816,7 @@ def decode_throughput(check: bool) -> list[str]:
                     if at(x):
                         top_x = max(r["tokens_per_s"] for r in at(x))
                         lines.append(f"| {c:,} | {x} / headwise-copy at batch {batch} | {top_x / base:.2f} |")
+    lines += _same_run_ratios(datas, ours)
     lines += [
         "",
         "## Every configuration",

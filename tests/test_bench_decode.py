@@ -188,3 +188,12 @@ def test_method_batches_reject_malformed_items(item, says, capsys):
     with pytest.raises(SystemExit):
         bench_decode.parse_args(["--method-batches", item])
     assert says in capsys.readouterr().err
+
+
+def test_host_free_bytes_never_count_the_pinned_cache_below_zero(monkeypatch):
+    """Stale pinned-allocator statistics (more active than owned bytes) leave the available memory as it is."""
+    monkeypatch.setattr(bench_decode, "available_host_bytes", lambda: 100 << 30)
+    monkeypatch.setattr(bench_decode, "pinned_allocator_bytes", lambda: (0, 400 << 30))
+    assert bench_decode.host_free_bytes() == 100 << 30
+    monkeypatch.setattr(bench_decode, "pinned_allocator_bytes", lambda: (8 << 30, 2 << 30))
+    assert bench_decode.host_free_bytes() == 106 << 30
