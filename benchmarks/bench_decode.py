@@ -348,7 +348,9 @@ def predict(method: str, shape, context: int, batch: int, config: OffloadConfig,
 
     Returns:
         ``device_bytes`` and ``host_bytes`` of the cache (the planner's numbers where it models the method),
-        ``transient_device_bytes`` (the largest extra allocation during a step, an estimate) and ``source``.
+        ``transient_device_bytes`` (the largest extra allocation during a step: the planner's
+        ``step_transient_bytes`` for dynamic and static, an estimate for hf-offloaded), ``step_transient_bytes``
+        (where the planner predicts it: counted in the predicted peak) and ``source``.
     """
     if method in OFFLOAD_METHODS:
         p = plan(shape, context, batch, "offload", config)
@@ -356,16 +358,18 @@ def predict(method: str, shape, context: int, batch: int, config: OffloadConfig,
                 "device_kv_bytes": p.device_kv_bytes + p.device_summary_bytes, "host_bytes": p.host_reserved_bytes,
                 "host_kv_bytes": p.host_kv_bytes, "admitted_kv_bytes": p.admitted_kv_bytes,
                 "transient_device_bytes": 0}  # fmt: skip
-    dense = plan(shape, context, batch, "dense")
+    dense = plan(shape, context, batch, "static" if method == "static" else "dense")
     if method == "hf-offloaded":
         # Whole KV on the host; on the device the prefetched layer and the one being updated (plus its concatenation).
         return {"source": "estimate: the planner's dense KV on the host, two layers on the device",
                 "device_bytes": 2 * layer_kv_bytes, "host_bytes": dense.device_kv_bytes,
                 "host_kv_bytes": dense.device_kv_bytes,
                 "transient_device_bytes": (1 + n_rep) * layer_kv_bytes}  # fmt: skip
-    # dynamic: a step concatenates a layer's K and V anew; attention may expand one layer's KV to all query heads.
-    return {"source": "hf_offload.planner.plan(method='dense')", "device_bytes": dense.device_bytes,
-            "host_bytes": 0, "host_kv_bytes": 0, "transient_device_bytes": (1 + n_rep) * layer_kv_bytes}  # fmt: skip
+    # dynamic: a step concatenates a layer's K and V anew; static: SDPA repeats one layer's K and V to every query
+    # head (the planner's step_transient_bytes, part of the predicted peak).
+    return {"source": f"hf_offload.planner.plan(method={dense.method!r})", "device_bytes": dense.device_bytes,
+            "host_bytes": 0, "host_kv_bytes": 0, "step_transient_bytes": dense.step_transient_bytes,
+            "transient_device_bytes": dense.step_transient_bytes}  # fmt: skip
 
 
 def fit_problem(method: str, pred: dict, device: torch.device, args, pinned_round: int = 0) -> str | None:
@@ -596,7 +600,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         cfg_off = cache.config if method in OFFLOAD_METHODS else OffloadConfig(budget_tokens=args.budget)
         held = context if method == "static" else pos
         pred = predict(method, shape, held, batch, cfg_off, env["layer_kv_bytes"](batch, held), env["n_rep"])
-        predicted_peak = (base or 0) + pred["device_bytes"]
+        predicted_peak = (base or 0) + pred["device_bytes"] + pred.get("step_transient_bytes", 0)
         row["prediction"] = {
             **pred,
             "kv_tokens": held,

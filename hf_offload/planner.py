@@ -2,8 +2,11 @@
 
 The predictions follow the cache's own layout, so they equal what ``cache.stats()`` reports (tested), and need no
 device: per full-attention layer the host holds every sealed block, the device the slot pool, the open block and
-the block summaries; sliding-window layers keep their window on the device; ``DynamicCache`` keeps everything on
-the device.
+the block summaries; sliding-window layers keep their window on the device; ``DynamicCache`` and ``StaticCache``
+keep everything on the device, and a decode step of theirs allocates one more layer's worth (``Plan.
+step_transient_bytes``): ``DynamicCache`` concatenates each layer's keys and values with the new token, and with a
+``StaticCache`` transformers' SDPA attention repeats one layer's keys and values to every query head (its mask
+cannot be dropped, so the heads are not grouped inside SDPA).
 
     hf-offload plan llama-3.1-8b --context 65536 --batch 8
     hf-offload plan /path/to/model --context 32768 --batch 4 --budget 2048
@@ -24,12 +27,18 @@ GIB = 1 << 30
 
 # Shapes of common models (for planning without downloading a config).
 PRESETS: dict[str, dict] = {
-    "llama-3.1-8b": dict(num_hidden_layers=32, num_key_value_heads=8, head_dim=128, params=8.03e9),
-    "llama-3.2-1b": dict(num_hidden_layers=16, num_key_value_heads=8, head_dim=64, params=1.24e9),
-    "llama-3.2-3b": dict(num_hidden_layers=28, num_key_value_heads=8, head_dim=128, params=3.21e9),
-    "qwen2.5-7b": dict(num_hidden_layers=28, num_key_value_heads=4, head_dim=128, params=7.62e9),
-    "qwen2.5-coder-0.5b": dict(num_hidden_layers=24, num_key_value_heads=2, head_dim=64, params=0.63e9),
-    "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_key_value_heads=2, head_dim=128, params=1.54e9),
+    "llama-3.1-8b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                         params=8.03e9),
+    "llama-3.2-1b": dict(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                         params=1.24e9),
+    "llama-3.2-3b": dict(num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
+                         params=3.21e9),
+    "qwen2.5-7b": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
+                       params=7.62e9),
+    "qwen2.5-coder-0.5b": dict(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
+                               params=0.63e9),
+    "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
+                               params=1.54e9),
 }
 
 
@@ -45,6 +54,8 @@ class ModelShape:
         head_dim: head size.
         dtype_bytes: bytes per KV element (2 for bf16 / fp16).
         weights_bytes: bytes of the weights, when known (for the largest-batch search).
+        query_heads: query heads per layer, when known (``StaticCache``'s decode step repeats the KV heads to
+            them); ``None``: as many as KV heads.
     """
 
     full_layers: int
@@ -54,6 +65,7 @@ class ModelShape:
     head_dim: int
     dtype_bytes: int = 2
     weights_bytes: int | None = None
+    query_heads: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -76,6 +88,7 @@ def shape_from_config(config, dtype_bytes: int = 2, weights_bytes: int | None = 
         head_dim=head_dim,
         dtype_bytes=dtype_bytes,
         weights_bytes=weights_bytes,
+        query_heads=heads,
     )
 
 
@@ -84,7 +97,8 @@ def shape_from_preset(name: str) -> ModelShape:
     if name not in PRESETS:
         raise KeyError(f"Unknown preset {name!r}; presets: {sorted(PRESETS)}")
     p = PRESETS[name]
-    return ModelShape(p["num_hidden_layers"], 0, None, p["num_key_value_heads"], p["head_dim"], 2, int(2 * p["params"]))
+    return ModelShape(p["num_hidden_layers"], 0, None, p["num_key_value_heads"], p["head_dim"], 2, int(2 * p["params"]),
+                      p["num_attention_heads"])
 
 
 @dataclass(frozen=True)
@@ -92,7 +106,8 @@ class Plan:
     """Predicted bytes of one cache.
 
     Attributes:
-        method: ``"dense"`` (``DynamicCache``) or ``"offload"`` (``OffloadCache``).
+        method: ``"dense"`` (``DynamicCache``), ``"static"`` (``StaticCache`` of ``context_tokens``) or
+            ``"offload"`` (``OffloadCache``).
         batch, context_tokens: the workload.
         device_kv_bytes: KV on the device (``stats()["device_kv_bytes"]`` for the offloaded cache).
         device_summary_bytes: block summaries on the device.
@@ -101,6 +116,10 @@ class Plan:
         admitted_kv_bytes: sealed blocks that ``admission="auto"`` keeps in device memory (part of
             ``device_kv_bytes``).
         admitted_reserved_bytes: device memory of the block-pool chunks admitted to the device (whole chunks).
+        step_transient_bytes: device bytes a decode step allocates beyond the cache for a moment, where the
+            cache's own layout fixes them: one layer's KV for ``"dense"`` (the concatenation with the new token),
+            one layer's KV per query head group member for ``"static"`` (SDPA's repeated keys and values); ``0``
+            for ``"offload"``.
     """
 
     method: str
@@ -112,11 +131,17 @@ class Plan:
     host_reserved_bytes: int
     admitted_kv_bytes: int = 0
     admitted_reserved_bytes: int = 0
+    step_transient_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
         """All device bytes of the cache (admitted chunks counted whole)."""
         return self.device_kv_bytes - self.admitted_kv_bytes + self.admitted_reserved_bytes + self.device_summary_bytes
+
+    @property
+    def peak_device_bytes(self) -> int:
+        """:attr:`device_bytes` plus :attr:`step_transient_bytes`: the cache's peak during a decode step."""
+        return self.device_bytes + self.step_transient_bytes
 
 
 def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
@@ -150,7 +175,8 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         shape: the model's :class:`ModelShape`.
         context_tokens: tokens per sequence (prompt, padding and generated tokens).
         batch: sequences.
-        method: ``"dense"`` or ``"offload"``.
+        method: ``"dense"`` (``DynamicCache``), ``"static"`` (``StaticCache`` of ``context_tokens``; transformers'
+            SDPA attention) or ``"offload"``.
         config: the offloaded cache's settings (default ``OffloadConfig()``).
         device_free_bytes: free device memory for the cache, in bytes (the device's memory less the weights); sets
             the admission limit (80% of it) of ``admission="auto"`` without ``device_memory_gib``. The cache takes
@@ -164,11 +190,16 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     # A sliding layer keeps its last ``sliding_window - 1`` tokens.
     sliding_tokens = min(context_tokens, shape.sliding_window - 1) if shape.sliding_layers else 0
     sliding_bytes = shape.sliding_layers * batch * sliding_tokens * per_token
-    if method == "dense":
+    if method in ("dense", "static"):
+        if method == "static" and shape.sliding_layers:  # a static sliding layer holds its whole window
+            sliding_bytes = shape.sliding_layers * batch * min(context_tokens, shape.sliding_window) * per_token
         kv = shape.full_layers * batch * context_tokens * per_token + sliding_bytes
-        return Plan("dense", batch, context_tokens, kv, 0, 0, 0)
+        layer = batch * context_tokens * per_token if shape.full_layers else sliding_bytes // shape.sliding_layers
+        n_rep = max(1, (shape.query_heads or shape.kv_heads) // shape.kv_heads)
+        transient = layer if method == "dense" else n_rep * layer
+        return Plan(method, batch, context_tokens, kv, 0, 0, 0, step_transient_bytes=transient)
     if method != "offload":
-        raise ValueError(f"method must be 'dense' or 'offload', got {method!r}")
+        raise ValueError(f"method must be 'dense', 'static' or 'offload', got {method!r}")
     config = config or OffloadConfig()
     block_tokens = config.block_tokens
     blocks = context_tokens // block_tokens
@@ -212,7 +243,8 @@ def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: i
 
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
                   host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
-    """The largest batch whose cache fits ``device_free_bytes`` (after weights) and ``host_free_bytes``.
+    """The largest batch whose cache, with its decode step's transient bytes, fits ``device_free_bytes`` (after
+    weights) and ``host_free_bytes``.
 
     With ``admission="auto"`` and no ``device_memory_gib`` in ``config``, each batch is planned with the admission
     limit that :func:`suggested_device_memory_gib` gives for no margin: the device memory the cache's other device
@@ -230,7 +262,7 @@ def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_fr
             cfg = config.replace(device_memory_gib=suggested_device_memory_gib(
                 shape, context_tokens, mid, config, device_free_bytes, 0.0))  # fmt: skip
         p = plan(shape, context_tokens, mid, method, cfg, device_free_bytes=device_free_bytes)
-        if p.device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes:
+        if p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes:
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
@@ -286,12 +318,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.model}: {shape.full_layers} full + {shape.sliding_layers} sliding layers, {shape.kv_heads} KV heads, "
           f"head_dim {shape.head_dim}: {shape.kv_bytes_per_token * (shape.full_layers + shape.sliding_layers) / 1024:.0f}"
           f" KiB of KV per token (bf16)\n")  # fmt: skip
-    print(f"{'method':8s} {'device KV GiB':>14s} {'(admitted)':>11s} {'summaries GiB':>14s} {'host KV GiB':>12s} "
-          f"{'host reserved GiB':>18s}")  # fmt: skip
-    for method in ("dense", "offload"):
+    print(f"{'method':8s} {'device KV GiB':>14s} {'(admitted)':>11s} {'summaries GiB':>14s} {'step GiB':>9s} "
+          f"{'host KV GiB':>12s} {'host reserved GiB':>18s}")  # fmt: skip
+    for method in ("dense", "static", "offload"):
         p = plan(shape, args.context, args.batch, method, config, device_free_bytes=device_free)
         print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.admitted_kv_bytes / GIB:11.2f} "
-              f"{p.device_summary_bytes / GIB:14.2f} {p.host_kv_bytes / GIB:12.2f} {p.host_reserved_bytes / GIB:18.2f}")
+              f"{p.device_summary_bytes / GIB:14.2f} {p.step_transient_bytes / GIB:9.2f} {p.host_kv_bytes / GIB:12.2f} "
+              f"{p.host_reserved_bytes / GIB:18.2f}")  # fmt: skip
+    print("(dense: DynamicCache; static: StaticCache; step: what a decode step allocates beyond the cache)")
     if device_free is not None and args.admission == "auto":
         p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
         suggest = suggested_device_memory_gib(shape, args.context, args.batch, config, device_free, args.margin_gib)
@@ -302,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
         host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
         print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"
               f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}; weights {weights / GIB:.1f} GiB):")
-        for method in ("dense", "offload"):
+        for method in ("dense", "static", "offload"):
             print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config)}")
     return 0
 

@@ -46,6 +46,56 @@ def test_dense_prediction_equals_dynamic_cache(arch):
     assert predicted.device_kv_bytes == held
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_static_prediction_equals_static_cache(arch):
+    from transformers import StaticCache
+
+    model = build_model(arch)
+    ids, mask = left_padded([45, 30], seed=12)
+    max_len = ids.shape[1] + 9
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
+    held = sum(layer.keys.numel() * 4 + layer.values.numel() * 4 for layer in cache.layers)
+    predicted = plan(shape_from_config(model.config, dtype_bytes=4), max_len, 2, "static")
+    assert predicted.device_kv_bytes == held
+
+
+def test_step_transients_of_the_dense_caches():
+    """DynamicCache's step concatenates one layer; StaticCache's SDPA repeats one layer's KV to every query head."""
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128, query_heads=32)
+    layer = 12 * 65536 * shape.kv_bytes_per_token
+    dense, static = plan(shape, 65536, 12, "dense"), plan(shape, 65536, 12, "static")
+    assert dense.device_bytes == static.device_bytes == 32 * layer
+    assert (dense.step_transient_bytes, static.step_transient_bytes) == (layer, 4 * layer)
+    assert static.peak_device_bytes == static.device_bytes + 4 * layer
+    assert plan(shape, 65536, 12, "offload").step_transient_bytes == 0
+    # The transient decides the largest batch: 100 GiB hold 12 sequences of 8 GiB dense (96 + 3), 11 static (88 +
+    # 11; 12 would need 96 + 12).
+    assert largest_batch(shape, 65536, "dense", 100 << 30, 0) == 12
+    assert largest_batch(shape, 65536, "static", 100 << 30, 0) == 11
+    with pytest.raises(ValueError, match="'dense', 'static' or 'offload'"):
+        plan(shape, 65536, 12, "paged")
+
+
+def test_dense_peaks_of_the_h200_runs_are_predicted_within_2_percent():
+    """The H200 runs of DynamicCache and StaticCache at 64K and 128K (results/decode/same_run_h200): weights and
+    the device bytes before the cache, plus the planner's cache and step transient, against the measured peak."""
+    folder = Path(__file__).resolve().parents[1] / "results/decode/same_run_h200"
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128, query_heads=32)
+    checked = 0
+    for path in sorted(folder.glob("bench_decode_*_same_run.json")):
+        for run in json.loads(path.read_text())["runs"]:
+            if run["method"] not in ("dynamic", "static"):
+                continue
+            p = plan(shape, run["prediction"]["kv_tokens"], run["batch"], "dense" if run["method"] == "dynamic"
+                     else "static")  # fmt: skip
+            ratio = run["peak_device_bytes"] / (run["device_bytes_before"] + p.peak_device_bytes)
+            assert 0.98 < ratio < 1.02, (path.name, run["method"], run["batch"], ratio)
+            checked += 1
+    assert checked == 15
+
+
 def test_prediction_matches_the_measured_real_model_runs():
     """Qwen2.5-Coder-0.5B, batch 10, budget 2048 on the H200 (results/core_needle): device KV, summaries, host KV."""
     data = json.loads((Path(__file__).resolve().parents[1] / "results/core_needle/needle.json").read_text())
