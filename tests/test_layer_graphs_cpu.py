@@ -155,12 +155,16 @@ def test_replayed_layers_give_the_tokens_and_counters_of_op_by_op(arch, selector
     for name in COUNTERS:
         assert a[name] == b[name], name
     for layer in graphed.offload_layers:
-        # Step 1 op by op (captures the attention), step 2 captures the layer; every later step replays it, the
-        # steps that seal a block included, except where a seal gave the host pool a new chunk (the buffers the
-        # graphs read changed: the attention is captured again, then the layer).
+        # Of the steps - 1 decode steps (the prefill gives the first token) the first captures the attention, the
+        # next the layer; every later step replays it, the steps that seal a block included, except where a seal
+        # changed the buffers the graphs read (a new host chunk: the attention is captured again, then the layer).
+        # So each capture of the layer costs one step or two: two where a seal came between the attention's capture
+        # and the layer's (here the torch transfer path's seal at the second decode step changes the attention's
+        # buffers, the kernel path's, under Triton's interpreter, does not).
         captures = int(layer.stats.layer_graph_captures)
         assert 1 <= captures <= 2
-        assert int(layer.stats.layer_graph_replays) == steps - 1 - 2 * captures
+        decode_steps = steps - 1
+        assert decode_steps - 2 * captures <= int(layer.stats.layer_graph_replays) <= decode_steps - captures
         assert layer.n_tokens == eager.layers[layer.layer_idx].n_tokens
         assert layer.n_blocks == eager.layers[layer.layer_idx].n_blocks
         torch.testing.assert_close(layer.keys, eager.layers[layer.layer_idx].keys, rtol=0, atol=0)
