@@ -13,6 +13,6 @@ timeout 170 python3 -m pytest -q -rfEs -p no:cacheprovider tests/test_cuda.py \
   "tests/test_cuda_lookahead.py::test_async_default_path_matches_synchronous_over_500_steps_of_a_real_shape" \
   > $OUT/pytest_cuda_default.txt 2>&1; echo "pytest rc=$? $(date +%T)"; tail -4 $OUT/pytest_cuda_default.txt | cut -c1-300
 timeout -s TERM 150 python3 benchmarks/bench_decode.py --contexts 65536 --steps 32 --config-seconds 8 \
-  --max-seconds 140 --methods quantkey --batches 8 12 --out $OUT/bench_decode_64k_default.json 2>&1 \
+  --max-seconds 140 --methods quantkey --quantkey-selector "quantkey[bits=4,tail_bits=2,tail_near=3]" --batches 8 12 --out $OUT/bench_decode_64k_default.json 2>&1 \
   | grep -v "^ *$" | cut -c1-200
 echo "rc=$? $(date +%T)"
