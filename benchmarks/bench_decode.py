@@ -96,11 +96,10 @@ METHOD_NOTES = {
     "solohead": "OffloadCache(selector='solohead', transfer='auto'): one block selection per layer and sequence, "
     "whole-block recall (gather kernel where Triton runs on CUDA); every other setting is the OffloadConfig default "
     "of the run's commit (lookahead: off, then on with the kernels for a while, off again since the decode step "
-    "with padded recent tokens; cuda_graphs: False until the commit after 088e56e, then None; CHANGELOG)",
+    "with padded recent tokens; CHANGELOG)",
     "quantkey": "OffloadCache(selector='quantkey', transfer='auto'): the fast selector (every key on the device at "
     "2 bits, blocks ranked by their estimated attention mass, one shared selection per layer and sequence), "
-    "whole-block recall; every other setting is the OffloadConfig default of the run's commit (cuda_graphs: "
-    "False until the commit after 088e56e, then None: whole-layer CUDA graphs where they run)",
+    "whole-block recall; every other setting is the OffloadConfig default of the run's commit",
     "quantkey-graphs": "OffloadCache(selector='quantkey', transfer='auto', cuda_graphs=True): quantkey with each "
     "layer's decode attention replayed from a CUDA graph (captured once per block capacity, decode_capacity_blocks)",
     "solohead-graphs": "OffloadCache(selector='solohead', transfer='auto', cuda_graphs=True): solohead with each "

@@ -93,10 +93,8 @@ class OffloadConfig:
             blocks a step scores fix the shapes) and replayed for the other steps; the outputs are those of the step
             run op by op.
             Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
-            prefill, masks other than causal with padding) run op by op. ``None`` (default): on where it can run
-            (CUDA with the kernel transfer path, neither timing nor lookahead on); ``False``: off; ``True``: on, and
-            an error where it cannot run. On an H200 (8B shape, 32K, batch 8, every block offloaded) a step took
-            60.8 ms from the layer graphs against 105.4 ms op by op (``results/recall/lookahead_next_h200/``).
+            prefill, masks other than causal with padding) run op by op. ``None``: on where it can run;
+            ``False``: off; ``True``: on, and an error where it cannot run.
         graph_scope: what a replayed graph covers. ``"layer"``: the whole decoder layer of a decode step (its
             norms, projections and MLP, the cache update and the offloaded attention), one replay per layer instead
             of the model's own few dozen launches around the attention's graph; a step whose token fills the open
@@ -157,7 +155,7 @@ class OffloadConfig:
     lookahead: bool | None = False
     lookahead_query: str = "next"
     lookahead_blocks: int | None = None
-    cuda_graphs: bool | None = None
+    cuda_graphs: bool | None = False
     graph_scope: str = "layer"
     decode_capacity_blocks: int | None = None
     decode_attention: str = "auto"
