@@ -78,9 +78,9 @@ def test_step_transients_of_the_dense_caches():
         plan(shape, 65536, 12, "paged")
 
 
-def test_dense_peaks_of_the_h200_runs_are_predicted_within_2_percent():
+def test_dense_peaks_of_the_h200_runs_are_predicted_within_1_percent():
     """The H200 runs of DynamicCache and StaticCache at 64K and 128K (results/decode/same_run_h200): weights and
-    the device bytes before the cache, plus the planner's cache and step transient, against the measured peak."""
+    the device bytes before the cache, plus the planner's cache and step transient, against the measured peak (0.999-1.001 when written)."""
     folder = Path(__file__).resolve().parents[1] / "results/decode/same_run_h200"
     shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128, query_heads=32)
     checked = 0
@@ -91,7 +91,7 @@ def test_dense_peaks_of_the_h200_runs_are_predicted_within_2_percent():
             p = plan(shape, run["prediction"]["kv_tokens"], run["batch"], "dense" if run["method"] == "dynamic"
                      else "static")  # fmt: skip
             ratio = run["peak_device_bytes"] / (run["device_bytes_before"] + p.peak_device_bytes)
-            assert 0.98 < ratio < 1.02, (path.name, run["method"], run["batch"], ratio)
+            assert 0.99 < ratio < 1.01, (path.name, run["method"], run["batch"], ratio)
             checked += 1
     assert checked == 15
 
