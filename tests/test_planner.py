@@ -80,7 +80,8 @@ def test_step_transients_of_the_dense_caches():
 
 def test_dense_peaks_of_the_h200_runs_are_predicted_within_1_percent():
     """The H200 runs of DynamicCache and StaticCache at 64K and 128K (results/decode/same_run_h200): weights and
-    the device bytes before the cache, plus the planner's cache and step transient, against the measured peak (0.999-1.001 when written)."""
+    the device bytes before the cache, plus the planner's cache and step transient, against the measured peak
+    (0.999-1.001 when written)."""
     folder = Path(__file__).resolve().parents[1] / "results/decode/same_run_h200"
     shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128, query_heads=32)
     checked = 0
