@@ -807,6 +807,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.batches != ["auto"]:
         args.batches = [int(b) for b in args.batches]
     args.method_batches = _parse_method_batches(parser, args.method_batches)
+    unused = [m for m in args.method_batches if m not in args.methods]
+    if unused:
+        parser.error(f"--method-batches names {', '.join(unused)}, which --methods does not run: add it to --methods "
+                     "or drop its batches")  # fmt: skip
     for context in args.contexts:
         if context - args.warmup - args.steps < 1:
             parser.error(f"context {context} must exceed --warmup + --steps = {args.warmup + args.steps}")
@@ -838,8 +842,15 @@ def _batches_of(args: argparse.Namespace, method: str) -> list:
     return args.method_batches.get(method, args.batches)
 
 
+def _method_batches_argv(args: argparse.Namespace, method: str) -> list[str]:
+    """``--method-batches`` of one isolated sweep: its method's entry, if the parent has one."""
+    batches = args.method_batches.get(method)
+    return [] if batches is None else ["--method-batches", f"{method}={','.join(map(str, batches))}"]
+
+
 def _child_argv(args: argparse.Namespace) -> list[str]:
-    """The command-line options every isolated sweep shares with the parent run."""
+    """The command-line options every isolated sweep shares with the parent run (``--method-batches`` goes to
+    each sweep for its own method: :func:`_method_batches_argv`)."""
     out = ["--shape", args.shape, "--batches", *map(str, args.batches), "--max-batch", str(args.max_batch),
            "--budget", str(args.budget), "--warmup", str(args.warmup), "--steps", str(args.steps),
            "--min-steps", str(args.min_steps), "--config-seconds", str(args.config_seconds),
@@ -853,8 +864,6 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
             "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms, "--fused-rotary", args.fused_rotary,
             "--fused-projections", args.fused_projections, "--seal-graphs", args.seal_graphs,
             "--profile-seal", str(args.profile_seal)]  # fmt: skip
-    if args.method_batches:
-        out += ["--method-batches", *(f"{m}={','.join(map(str, b))}" for m, b in args.method_batches.items())]
     if args.decode_capacity is not None:
         out += ["--decode-capacity", str(args.decode_capacity)]
     if args.admission_gib is not None:
@@ -888,7 +897,8 @@ def run_isolated(args: argparse.Namespace, t_start: float) -> int:
                          str(args.e2e_prefill_chunk), "--e2e-steps", str(args.e2e_steps), "--contexts",
                          str(max(args.contexts)), "--methods", "--max-seconds", f"{max(left, 0):.1f}"]  # fmt: skip
             else:
-                extra = ["--contexts", str(context), "--methods", method, "--max-seconds", f"{max(left, 0):.1f}"]
+                extra = ["--contexts", str(context), "--methods", method, "--max-seconds", f"{max(left, 0):.1f}",
+                         *_method_batches_argv(args, method)]  # fmt: skip
             if left <= 0:
                 reason = "time budget (--max-seconds)"
                 if merged is not None:

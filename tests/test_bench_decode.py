@@ -141,11 +141,12 @@ def test_isolate_merges_one_process_per_sweep(tmp_path):
     out = tmp_path / "isolated.json"
     code = bench_decode.main(["--shape", "tiny", "--contexts", "256", "--batches", "1", "--methods", "dynamic",
                               "solohead", "--warmup", "1", "--steps", "2", "--config-seconds", "0", "--device", "cpu",
-                              "--e2e", "--e2e-context", "128", "--e2e-steps", "2", "--isolate", "--out", str(out)])  # fmt: skip
+                              "--e2e", "--e2e-context", "128", "--e2e-steps", "2", "--isolate", "--out", str(out),
+                              "--method-batches", "solohead=2"])  # fmt: skip
     assert code == 0
     data = json.loads(out.read_text())
     assert data["complete"] and data["metadata"]["isolated"]
-    assert sorted(r["method"] for r in data["runs"]) == ["dynamic", "solohead"]
+    assert sorted((r["method"], r["batch"]) for r in data["runs"]) == [("dynamic", 1), ("solohead", 2)]
     assert all(r["tokens_per_s"] > 0 for r in data["runs"])
     assert {r["method"] for r in data["e2e"]["runs"]} == {"dynamic", "solohead"}
 
@@ -172,21 +173,23 @@ def test_method_batches_sweep_each_method_at_its_own_batches(tmp_path):
 
 
 def test_method_batches_reach_isolated_children():
+    """Each isolated sweep gets its own method's batches; a method without an entry sweeps --batches."""
     parent = bench_decode.parse_args(["--method-batches", "dynamic=4,8", "quantkey-auto=auto", "--isolate"])
-    child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "dynamic"])
-    assert child.method_batches == {"dynamic": [4, 8], "quantkey-auto": ["auto"]}
-    assert bench_decode._batches_of(child, "dynamic") == [4, 8]
-    assert bench_decode._batches_of(child, "static") == ["auto"]
+    for method, batches in (("dynamic", [4, 8]), ("quantkey-auto", ["auto"]), ("static", ["auto"])):
+        child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", method,
+                                         *bench_decode._method_batches_argv(parent, method)])  # fmt: skip
+        assert bench_decode._batches_of(child, method) == batches, method
+        assert set(child.method_batches) <= {method}
 
 
 MALFORMED = [("dynamo=4", "METHOD one of"), ("dynamic", "METHOD=B,B"), ("dynamic=4,x", "positive integers"),
-             ("dynamic=0", "positive integers")]
+             ("dynamic=0", "positive integers"), ("static=4", "which --methods does not run")]
 
 
 @pytest.mark.parametrize("item, says", MALFORMED)
 def test_method_batches_reject_malformed_items(item, says, capsys):
     with pytest.raises(SystemExit):
-        bench_decode.parse_args(["--method-batches", item])
+        bench_decode.parse_args(["--methods", "dynamic", "quantkey", "--method-batches", item])
     assert says in capsys.readouterr().err
 
 
