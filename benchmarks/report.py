@@ -669,6 +669,13 @@ def render_selection() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _method_label(data: dict):
+    """The page's label of a method of one bench_decode JSON: quantkey* runs of another selector
+    (``--quantkey-selector``) are their own methods, ``"quantkey-auto (SPEC)"``."""
+    spec = data["metadata"]["args"].get("quantkey_selector") or "quantkey"
+    return lambda x: x if spec == "quantkey" or not x.startswith("quantkey") else f"{x} ({spec})"
+
+
 def _same_run_ratios(datas: list, ours: list[str]) -> list[str]:
     """Ratios within each file that ran OffloadCache and transformers' methods at one context (the same run).
 
@@ -681,8 +688,7 @@ def _same_run_ratios(datas: list, ours: list[str]) -> list[str]:
     """
     lines: list[str] = []
     for path, data in datas:
-        spec = data["metadata"]["args"].get("quantkey_selector") or "quantkey"
-        label = lambda x: x if spec == "quantkey" or not x.startswith("quantkey") else f"{x} ({spec})"  # noqa: E731
+        label = _method_label(data)
         runs = [{**r, "method": label(r["method"])} for r in data["runs"]]
         for c in sorted({r["context"] for r in runs}):
             at_c = [r for r in runs if r["context"] == c]
@@ -726,9 +732,7 @@ def decode_throughput(check: bool) -> list[str]:
     datas = [(path, json.loads(path.read_text())) for path in files]
     runs, methods, skipped, e2es, described = [], [], [], [], {}
     for path, data in datas:
-        # quantkey* runs of another selector (--quantkey-selector) are their own methods: "quantkey-auto (SPEC)".
-        spec = data["metadata"]["args"].get("quantkey_selector") or "quantkey"
-        label = lambda x: x if spec == "quantkey" or not x.startswith("quantkey") else f"{x} ({spec})"  # noqa: E731
+        label = _method_label(data)
         for r in data["runs"]:
             runs.append({**r, "method": label(r["method"]), "_file": path.name})
         for x, text in data["methods"].items():
