@@ -175,6 +175,14 @@ def test_replayed_layers_give_the_tokens_and_counters_of_op_by_op(arch, selector
         assert int(layer.stats.seal_graph_replays) >= 2
 
 
+def _generate_with_warnings(model, steps, **options):
+    """:func:`_generate`, and the messages of every warning it raised."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got, cache = _generate(model, steps, **options)
+    return got, cache, [str(w.message) for w in caught]
+
+
 def _assert_same_sealed_state(layer, eager):
     """Every summary, the block tables and the stored blocks of ``layer`` equal ``eager``'s."""
     assert layer.summaries.keys() == eager.summaries.keys()
@@ -192,11 +200,9 @@ def test_a_seal_that_cannot_be_captured_warns_once_and_seals_op_by_op(stand_in_g
     model = build_model("llama")
     expected, eager = _generate(model, 40, cuda_graphs=False)
     seal_capture_fails.add(0)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, cache = _generate(model, 40, cuda_graphs=None)
+    got, cache, messages = _generate_with_warnings(model, 40, cuda_graphs=None)
     assert torch.equal(got, expected)
-    assert sum("capturing the seal of a block" in str(w.message) for w in caught) == 1
+    assert sum("capturing the seal of a block" in m for m in messages) == 1
     first, second = cache.offload_layers
     assert not first.seal_graphs and int(first.stats.seal_graph_replays) == 0
     assert second.seal_graphs and int(second.stats.seal_graph_replays) >= 2
@@ -218,11 +224,9 @@ def test_a_layer_that_cannot_be_captured_warns_once_and_keeps_its_attention_grap
     model = build_model("llama")
     expected, _ = _generate(model, 24, cuda_graphs=False)
     stand_in_graphs.add(1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, cache = _generate(model, 24, cuda_graphs=None)
+    got, cache, messages = _generate_with_warnings(model, 24, cuda_graphs=None)
     assert torch.equal(got, expected)
-    assert sum("capturing the whole decoder layer" in str(w.message) for w in caught) == 1
+    assert sum("capturing the whole decoder layer" in m for m in messages) == 1
     first, second = cache.offload_layers
     assert first.layer_graphs and not second.layer_graphs
     assert int(second.stats.layer_graph_replays) == 0 and int(second.stats.graph_replays) > 0
