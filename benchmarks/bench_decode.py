@@ -460,9 +460,10 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     capacity = getattr(args, "decode_capacity", None)
     attention = getattr(args, "decode_attention", "auto")
     if method in ("solohead", "quantkey"):
+        graphs = {"off": {"cuda_graphs": False}}.get(getattr(args, "cuda_graphs", "default"), {})
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
                             decode_capacity_blocks=capacity, decode_attention=attention,
-                            **fusions_of(args)), "auto"  # fmt: skip
+                            **graphs, **fusions_of(args)), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
@@ -760,6 +761,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-attention", choices=("auto", "paged", "pool"), default="auto",
                         help="decode_attention of the OffloadCache methods ('paged': admitted blocks read in place; "
                              "'pool': every selected block copied into the slot pool first)")
+    parser.add_argument("--cuda-graphs", choices=("default", "off"), default="default",
+                        help="cuda_graphs of the quantkey and solohead methods: the OffloadConfig default, or False")
     parser.add_argument("--graph-scope", choices=("layer", "attention"), default="layer",
                         help="what a replayed CUDA graph covers (OffloadConfig.graph_scope)")
     parser.add_argument("--fused-norms", choices=("auto", "on", "off"), default="auto",
@@ -861,8 +864,9 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     out += ["--admission-margin-gib", str(args.admission_margin_gib)]
     # The settings of the OffloadCache methods (each child would otherwise run the defaults).
     out += ["--quantkey-selector", args.quantkey_selector, "--decode-attention", args.decode_attention,
-            "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms, "--fused-rotary", args.fused_rotary,
-            "--fused-projections", args.fused_projections, "--seal-graphs", args.seal_graphs,
+            "--cuda-graphs", args.cuda_graphs, "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms,
+            "--fused-rotary", args.fused_rotary, "--fused-projections", args.fused_projections,
+            "--seal-graphs", args.seal_graphs,
             "--profile-seal", str(args.profile_seal)]  # fmt: skip
     if args.decode_capacity is not None:
         out += ["--decode-capacity", str(args.decode_capacity)]

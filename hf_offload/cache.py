@@ -62,8 +62,9 @@ _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
 # (one copy) only every SUMMARY_CHUNK_BLOCKS blocks, instead of a new allocation of every summary at every seal,
 # whose freed predecessors fragment device memory when it is nearly full.
 SUMMARY_CHUNK_BLOCKS = 256
-# Blocks by which a decode step's scored blocks grow where the layer replays CUDA graphs (decode_capacity_blocks=None
-# and a selector with masks_invalid): one capture per this many seals.
+# Blocks by which a decode step's scored blocks grow (decode_capacity_blocks=None and a selector with masks_invalid):
+# one graph capture per this many seals where the layer replays CUDA graphs, and the same rounding op by op, so that a
+# step's sums run over the same blocks with graphs or without.
 GRAPH_CAPACITY_BLOCKS = 64
 
 
@@ -468,7 +469,7 @@ class OffloadLayer(CacheLayerMixin):
         self.fusions = None if device is None else fusions_on(self.config, device)
         capacity = self.config.decode_capacity_blocks
         if capacity is None:
-            capacity = GRAPH_CAPACITY_BLOCKS if self.graphs and self.selector.masks_invalid else 1
+            capacity = GRAPH_CAPACITY_BLOCKS if self.selector.masks_invalid else 1
         self.capacity_blocks = capacity
         self._graphs.clear()
 

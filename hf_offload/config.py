@@ -104,9 +104,9 @@ class OffloadConfig:
         decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, the blocks
             past the sealed ones masked out of the selection and the estimate, so its shapes (and its CUDA graph)
             stay the same over that many seals. Larger: fewer graph captures, a little more scoring work (at most
-            ``decode_capacity_blocks - 1`` blocks of codes per step). ``None``: 64 where the layer replays CUDA
-            graphs and the selector leaves blocks it may not attend out of every block's score
-            (``Selector.masks_invalid``: every built-in selector), else 1 (the sealed blocks).
+            ``decode_capacity_blocks - 1`` blocks of codes per step). ``None``: 64 where the selector leaves blocks
+            it may not attend out of every block's score (``Selector.masks_invalid``: every built-in selector), with
+            CUDA graphs or without, so that a step computes the same sums either way; else 1 (the sealed blocks).
             Other values need such a selector.
         fused_norms: compute the RMS norms of the decoder layer calls this cache runs (offloaded and sliding-window
             layers, prefill and decode: the norms before attention and MLP, and query / key norms) with one Triton
@@ -155,7 +155,7 @@ class OffloadConfig:
     lookahead: bool | None = False
     lookahead_query: str = "next"
     lookahead_blocks: int | None = None
-    cuda_graphs: bool | None = False
+    cuda_graphs: bool | None = None
     graph_scope: str = "layer"
     decode_capacity_blocks: int | None = None
     decode_attention: str = "auto"

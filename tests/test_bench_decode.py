@@ -154,12 +154,14 @@ def test_isolate_merges_one_process_per_sweep(tmp_path):
 def test_isolated_children_get_the_offload_settings():
     """--isolate hands each child process the OffloadCache settings, not only the sweep's."""
     argv = ["--shape", "tiny", "--quantkey-selector", "quantkey[bits=4]", "--decode-capacity", "32",
-            "--decode-attention", "pool", "--graph-scope", "attention", "--fused-norms", "off", "--fused-rotary", "off",
+            "--decode-attention", "pool", "--cuda-graphs", "off", "--graph-scope", "attention", "--fused-norms", "off",
+            "--fused-rotary", "off",
             "--fused-projections", "off", "--seal-graphs", "off", "--profile-seal", "20", "--isolate"]  # fmt: skip
     parent = bench_decode.parse_args(argv)
     child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "quantkey"])
-    for name in ("quantkey_selector", "decode_capacity", "decode_attention", "graph_scope", "fused_norms",
-                 "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "budget", "steps"):  # fmt: skip
+    for name in ("quantkey_selector", "decode_capacity", "decode_attention", "cuda_graphs", "graph_scope",
+                 "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "budget",
+                 "steps"):  # fmt: skip
         assert getattr(child, name) == getattr(parent, name), name
 
 

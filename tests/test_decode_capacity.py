@@ -148,11 +148,14 @@ def test_capacity_settings_are_checked():
     assert SoloHeadSelector().masks_invalid and not OwnScore().masks_invalid and not Plain().masks_invalid
     assert OwnLse().masks_invalid and get_selector("headwise").masks_invalid
     assert all(get_selector(name).masks_invalid for name in ("meanbound", "meanvar", "union", "oracle", "streaming"))
-    # None: 1 without CUDA graphs (here), whatever the selector.
-    cache = OffloadCache(model, **SMALL)
-    with torch.no_grad():
-        model(input_ids=torch.randint(3, 90, (1, 40)), past_key_values=cache)
-    assert all(layer.capacity_blocks == 1 for layer in cache.offload_layers)
+    # None: 64 for a selector that masks the blocks past the sealed ones, with graphs or without (here: the CPU, no
+    # graphs), so that a step's sums do not depend on whether it was replayed; 1 for one that does not.
+    for selector, capacity in ((None, 64), (Plain(), 1)):
+        options = {} if selector is None else {"selector": selector}
+        cache = OffloadCache(model, **SMALL, **options)
+        with torch.no_grad():
+            model(input_ids=torch.randint(3, 90, (1, 40)), past_key_values=cache)
+        assert [layer.capacity_blocks for layer in cache.offload_layers] == [capacity] * len(cache.offload_layers)
 
 
 def test_chunk_tables_fill_in_place_while_the_pool_grows():

@@ -36,7 +36,9 @@ def test_decode_inputs_built_once_per_forward(monkeypatch):
     layer = cache.offload_layers[0]
     inputs = layer.cache_decode_inputs(layer.device)
     n = layer.n_blocks - (1 if layer.keys.shape[-2] == 0 else 0)  # blocks before the last decode step
-    assert inputs.forced.shape == (2, n)
+    capacity = layer.capacity_blocks  # the sealed blocks rounded up to it (64 for solohead)
+    assert capacity == 64 and inputs.forced.shape == (2, -(-n // capacity) * capacity)
+    assert not inputs.forced[:, n:].any()  # the blocks past the sealed ones are never forced
     # Sequence 1's sink starts at its first real block (37 padding tokens: block 2), sequence 0's at block 0.
     assert inputs.forced[0, 0] and not inputs.forced[1, 0] and inputs.forced[1, 2]
     # Same tokens when every layer rebuilds the inputs.
