@@ -11,3 +11,5 @@ timeout 540 python3 -m pytest -rfEs -p no:cacheprovider --durations=8 tests/test
   tests/test_decode_capacity.py tests/test_layer_graphs.py tests/test_cuda_graphs.py tests/test_kernel_seal.py \
   > $OUT/pytest_cuda_run1.txt 2>&1; echo "pytest rc=$? $(date +%T)"
 grep -E "^E |FAILED|passed|failed" $OUT/pytest_cuda_run1.txt | tail -12 | cut -c1-300
+# The top-k kernel's two threshold searches (radix select, bisection) and torch.topk at the decode step's shapes.
+timeout 60 python3 benchmarks/bench_topk_kernel.py --out $OUT/bench_topk_kernel_h200.json 2>&1 | tail -6
