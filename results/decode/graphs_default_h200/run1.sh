@@ -7,7 +7,7 @@
 set -u
 export TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
-timeout 540 python3 -m pytest -rfEs -p no:cacheprovider --durations=8 tests/test_cuda.py tests/test_cuda_lookahead.py \
+timeout 480 python3 -m pytest -rfEs -p no:cacheprovider --durations=8 tests/test_cuda.py tests/test_cuda_lookahead.py \
   tests/test_decode_capacity.py tests/test_layer_graphs.py tests/test_cuda_graphs.py tests/test_kernel_seal.py tests/test_kernel_topk.py \
   > $OUT/pytest_cuda_run1.txt 2>&1; echo "pytest rc=$? $(date +%T)"
 grep -E "^E |FAILED|passed|failed" $OUT/pytest_cuda_run1.txt | tail -12 | cut -c1-300
