@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{f'{batch}x{n}:{k}:{ranked}':>18} {row['radix_us']:9.2f} {row['bisect_us']:10.2f} "
               f"{row['torch_topk_us']:14.2f} {row['same']}")
-    write_results(args.out, {"metadata": run_metadata(vars(args)), "rows": rows})
+    write_results(args.out, {"metadata": run_metadata(args), "rows": rows})
     return 0 if all(r["same"] for r in rows) else 1
 
 
