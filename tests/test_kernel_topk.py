@@ -16,15 +16,6 @@ pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Tri
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True, params=["radix", "bisect"])
-def search(request, monkeypatch):
-    """Every test runs with both ways of finding the thresholds."""
-    from hf_offload.kernels import topk
-
-    monkeypatch.setattr(topk, "SEARCH", request.param)
-    return request.param
-
-
 def _assert_same(scores, k, ranked):
     """Kernel and reference agree exactly (values compared as bits, so -0.0 and 0.0 differ); returns the result."""
     assert ranked_topk_supported(scores, ranked)

@@ -3,8 +3,7 @@
 A decode step picks its blocks from per-row block scores with a top-k. ``torch.topk`` on ``[12, 1, 4096]`` float32
 with ``k = 128`` costs ~32 us per call on an H200, launched with only 12 blocks. Here one program handles one
 (sequence, row): it loads the row, maps each score to an order-preserving 32-bit integer key, finds the key of the
-``k``-th and the ``ranked``-th entry of the order (:data:`SEARCH`: a radix select over four 8-bit digits, or a
-32-step bisection), ranks
+``k``-th and the ``ranked``-th entry of the order by a 32-step bisection (each step one count over the row), ranks
 the entries tied with a threshold by a cumulative sum and writes each selected entry straight to its output
 position (a second cumulative sum), with no sort.
 
@@ -25,11 +24,6 @@ from .gather import kernels_available, tl, triton
 MAX_N = 32768
 """Most entries per row the kernel takes (a row is held in registers in one block); above it the torch code runs.
 32768 blocks are 512K tokens at 16-token blocks."""
-
-SEARCH = "radix"
-"""How the kernel finds the two thresholds (read at each launch): ``"radix"``, four passes over 8-bit digits of the
-order keys, each two histograms of 256 bins (a radix select); ``"bisect"``, 32 halvings of the key range, each one
-count over the row. Both give the same thresholds, so the same result bit for bit."""
 
 _PACK_MAX = 32767
 """Rows of at most this many entries count both thresholds in one int32 reduction or scan (the second count in the
@@ -91,11 +85,38 @@ if triton is not None:
         else:
             return tl.cumsum(a.to(tl.int32), axis=0), tl.cumsum(b.to(tl.int32), axis=0)
 
-    @triton.jit
-    def _bisect_thresholds(key, k, ranked, PACK: tl.constexpr):
-        # Bisection over the int32 range: 32 halvings, each one count over the row (both thresholds in one
-        # reduction where PACK). Invariants: count(key >= lo) >= k > count(key >= hi) = above; at the end
-        # hi = lo + 1, so above = count(key > T_k). lo = INT32_MIN holds since k <= n; hi = 2**31 holds with count 0.
+    @triton.jit(do_not_specialize=["n", "k", "ranked"])
+    def _ranked_topk_kernel(
+        scores_ptr,  # float32 [B, R, N], any strides
+        idx_ptr,  # int64 [B, R, ranked]: out
+        val_ptr,  # float32 [B, R, ranked]: out
+        rows,
+        n,
+        k,
+        ranked,
+        stride_b,
+        stride_r,
+        stride_n,
+        BLOCK: tl.constexpr,
+        PACK: tl.constexpr,
+    ):
+        row = tl.program_id(0).to(tl.int64)  # b * rows + r
+        b = row // rows
+        r = row % rows
+        i = tl.arange(0, BLOCK)
+        live = i < n
+        x = tl.load(scores_ptr + b * stride_b + r * stride_r + i.to(tl.int64) * stride_n, mask=live, other=0.0)
+        # Order-preserving signed key: a float's bits as int32, with the non-sign bits flipped where the sign is
+        # set. -0.0 (bits 0x80000000) becomes 0.0 first, in integers (no float compare that could flush
+        # subnormals). The keys of non-NaN floats are > INT32_MIN (only the NaN 0xFFFFFFFF maps there), so lanes
+        # past the row get INT32_MIN and are never counted: every bisection point below is > INT32_MIN.
+        bits = x.to(tl.int32, bitcast=True)
+        bits = tl.where(bits == -2147483648, 0, bits)
+        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+        key = tl.where(live, key, -2147483648)
+        # Bisection for T_k, the largest t with count(key >= t) >= k (the k-th largest key), and T_r likewise for
+        # ranked. Invariants: count(key >= lo) >= k > count(key >= hi) = above; at the end hi = lo + 1, so
+        # above = count(key > T_k). lo = INT32_MIN holds since k <= n; hi = 2**31 holds with count 0.
         lo_k = tl.full([], -2147483648, tl.int64)
         hi_k = tl.full([], 2147483648, tl.int64)
         above_k = tl.full([], 0, tl.int32)
@@ -116,79 +137,6 @@ if triton is not None:
             above_r = tl.where(ok_r, above_r, cnt_r)
         t_k = lo_k.to(tl.int32)
         t_r = lo_r.to(tl.int32)
-        return t_k, above_k, t_r, above_r
-
-    @triton.jit
-    def _radix_digit(ukey, match, need, shift):
-        # Among the entries that match the prefix so far, the 8-bit digit at `shift` of the need-th largest, and
-        # how many of them have a larger digit.
-        digit = ((ukey >> shift) & 255).to(tl.int32)
-        hist = tl.histogram(digit, 256, mask=match)
-        at_least = tl.cumsum(hist, axis=0, reverse=True)  # [d]: entries with digit >= d
-        d = tl.sum((at_least >= need).to(tl.int32), axis=0) - 1  # at_least is non-increasing; at_least[0] >= need
-        bins = tl.arange(0, 256)
-        larger = tl.sum(tl.where(bins == d, at_least - hist, 0), axis=0)
-        return d, larger
-
-    @triton.jit
-    def _radix_thresholds(key, live, k, ranked):
-        # Four passes of 8-bit digits from the top (a radix select): each pass one histogram per threshold of the
-        # entries that share the digits found so far.
-        ukey = (key ^ -2147483648).to(tl.uint32, bitcast=True)  # unsigned, same order
-        pre_k = tl.full([], 0, tl.uint32)
-        pre_r = pre_k
-        above_k = tl.full([], 0, tl.int32)
-        above_r = above_k
-        high = tl.full([], 0, tl.uint32)  # the bits fixed so far
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            d_k, larger_k = _radix_digit(ukey, live & ((ukey & high) == pre_k), k - above_k, shift)
-            d_r, larger_r = _radix_digit(ukey, live & ((ukey & high) == pre_r), ranked - above_r, shift)
-            above_k += larger_k
-            above_r += larger_r
-            pre_k = pre_k | (d_k.to(tl.uint32) << shift)
-            pre_r = pre_r | (d_r.to(tl.uint32) << shift)
-            high = high | (tl.full([], 255, tl.uint32) << shift)
-        t_k = pre_k.to(tl.int32, bitcast=True) ^ -2147483648
-        t_r = pre_r.to(tl.int32, bitcast=True) ^ -2147483648
-        return t_k, above_k, t_r, above_r
-
-    @triton.jit(do_not_specialize=["n", "k", "ranked"])
-    def _ranked_topk_kernel(
-        scores_ptr,  # float32 [B, R, N], any strides
-        idx_ptr,  # int64 [B, R, ranked]: out
-        val_ptr,  # float32 [B, R, ranked]: out
-        rows,
-        n,
-        k,
-        ranked,
-        stride_b,
-        stride_r,
-        stride_n,
-        BLOCK: tl.constexpr,
-        PACK: tl.constexpr,
-        RADIX: tl.constexpr,
-    ):
-        row = tl.program_id(0).to(tl.int64)  # b * rows + r
-        b = row // rows
-        r = row % rows
-        i = tl.arange(0, BLOCK)
-        live = i < n
-        x = tl.load(scores_ptr + b * stride_b + r * stride_r + i.to(tl.int64) * stride_n, mask=live, other=0.0)
-        # Order-preserving signed key: a float's bits as int32, with the non-sign bits flipped where the sign is
-        # set. -0.0 (bits 0x80000000) becomes 0.0 first, in integers (no float compare that could flush
-        # subnormals). The keys of non-NaN floats are > INT32_MIN (only the NaN 0xFFFFFFFF maps there), so lanes
-        # past the row get INT32_MIN and are never counted: every bisection point below is > INT32_MIN.
-        bits = x.to(tl.int32, bitcast=True)
-        bits = tl.where(bits == -2147483648, 0, bits)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        key = tl.where(live, key, -2147483648)
-        # T_k: the k-th largest key (the largest t with count(key >= t) >= k), above_k = count(key > T_k); T_r and
-        # above_r likewise for ranked.
-        if RADIX:
-            t_k, above_k, t_r, above_r = _radix_thresholds(key, live, k, ranked)
-        else:
-            t_k, above_k, t_r, above_r = _bisect_thresholds(key, k, ranked, PACK)
         # Entries tied with a threshold enter by index: the first (k - count(key > T_k)) of them.
         tie_k = live & (key == t_k)
         tie_r = live & (key == t_r)
@@ -244,6 +192,6 @@ def ranked_topk(scores: torch.Tensor, k: int, ranked: int) -> tuple[torch.Tensor
     num_warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
     _ranked_topk_kernel[(batch * rows,)](
         scores, indices, values, rows, n, k, ranked, scores.stride(0), scores.stride(1), scores.stride(2),
-        BLOCK=block, PACK=n <= _PACK_MAX, RADIX=SEARCH == "radix", num_warps=num_warps,
+        BLOCK=block, PACK=n <= _PACK_MAX, num_warps=num_warps,
     )  # fmt: skip
     return indices, values
