@@ -671,9 +671,19 @@ def render_selection() -> str:
 
 def _method_label(data: dict):
     """The page's label of a method of one bench_decode JSON: quantkey* runs of another selector
-    (``--quantkey-selector``) are their own methods, ``"quantkey-auto (SPEC)"``."""
-    spec = data["metadata"]["args"].get("quantkey_selector") or "quantkey"
-    return lambda x: x if spec == "quantkey" or not x.startswith("quantkey") else f"{x} ({spec})"
+    (``--quantkey-selector``) and the plain methods run with ``--cuda-graphs off`` are their own methods,
+    ``"quantkey (SPEC, cuda_graphs=False)"``."""
+    args = data["metadata"]["args"]
+    spec = args.get("quantkey_selector") or "quantkey"
+    graphs_off = args.get("cuda_graphs") == "off"
+
+    def label(method: str) -> str:
+        notes = [spec] if spec != "quantkey" and method.startswith("quantkey") else []
+        if graphs_off and method in ("quantkey", "solohead"):
+            notes.append("cuda_graphs=False")
+        return f"{method} ({', '.join(notes)})" if notes else method
+
+    return label
 
 
 def _same_run_ratios(datas: list, ours: list[str]) -> list[str]:

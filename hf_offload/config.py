@@ -93,7 +93,7 @@ class OffloadConfig:
             blocks a step scores fix the shapes) and replayed for the other steps; the outputs are those of the step
             run op by op.
             Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
-            prefill, masks other than causal with padding) run op by op. ``None``: on where it can run;
+            prefill, masks other than causal with padding) run op by op. ``None`` (default): on where it can run;
             ``False``: off; ``True``: on, and an error where it cannot run.
         graph_scope: what a replayed graph covers. ``"layer"``: the whole decoder layer of a decode step (its
             norms, projections and MLP, the cache update and the offloaded attention), one replay per layer instead
