@@ -771,7 +771,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="OffloadConfig.fused_rotary (auto: on where Triton runs on CUDA)")
     parser.add_argument("--fused-projections", choices=("auto", "on", "off"), default="auto",
                         help="OffloadConfig.fused_projections (auto: on CUDA)")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed decode steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed decode steps per configuration (with CUDA graphs the first runs op by op and the "
+                        "second captures, so the third is the first replay: the step --config-seconds divides by)")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
     parser.add_argument("--config-seconds", type=float, default=3.0,
