@@ -460,7 +460,7 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     capacity = getattr(args, "decode_capacity", None)
     attention = getattr(args, "decode_attention", "auto")
     if method in ("solohead", "quantkey"):
-        graphs = {"off": {"cuda_graphs": False}}.get(getattr(args, "cuda_graphs", "default"), {})
+        graphs = {"cuda_graphs": False} if getattr(args, "cuda_graphs", "default") == "off" else {}
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
                             decode_capacity_blocks=capacity, decode_attention=attention,
                             **graphs, **fusions_of(args)), "auto"  # fmt: skip
