@@ -172,6 +172,26 @@ def test_compile_time_settings_score_alike(monkeypatch, prefetch, unroll, warps,
     assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()
 
 
+@needs_mma
+@pytest.mark.cuda
+@pytest.mark.parametrize("passes, pair, stages", [(1, True, 3), (1, True, 2), (2, False, 3), (2, True, 3), (3, True, 2),
+                                                  (4, False, 0), (4, True, 3)])  # fmt: skip
+@pytest.mark.parametrize("bits, head_dim", [(2, 128), (4, 128), (2, 64), (4, 256)])
+@pytest.mark.parametrize("shape", [(2, 157, 2, 4), (1, 203, 3, 3), (2, 33, 1, 1), (1, 129, 2, 7), (1, 1, 1, 4)])
+def test_passes_and_paired_blocks_score_alike(monkeypatch, passes, pair, stages, bits, head_dim, shape):
+    monkeypatch.setattr(quantkey_mma, "PASSES", passes)
+    monkeypatch.setattr(quantkey_mma, "PAIR", pair)
+    monkeypatch.setattr(quantkey_mma, "STAGES", stages)
+    batch, n, heads, group = shape  # odd block counts: the last pair holds one block, passes past the end are empty
+    query, full, _ = _inputs(batch, n + 5, heads, group, head_dim, bits=bits, device="cuda", seed=n + group)
+    s = {k: v[:, :n] for k, v in full.items()}
+    out = torch.full((batch, heads, group, n), float("nan"), device="cuda")
+    got = quantkey_mma.launch(query, s["codes"], s["kmin"], s["kstep"], out, block_stride=n + 5, bits=bits)
+    emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"], bits)
+    assert not torch.isnan(got).any()
+    assert torch.allclose(got, emulated, atol=2e-3, rtol=1e-4), (got - emulated).abs().max()
+
+
 def test_a_failed_compilation_warns_once_and_is_not_retried(monkeypatch):
     calls = []
 

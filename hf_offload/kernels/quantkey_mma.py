@@ -70,6 +70,18 @@ BLOCKS_PER_WARP = 16
 WARPS = 4
 """Warps per program (read when a kernel is compiled and launched; the benchmark times others)."""
 
+PASSES = 1
+"""Passes of 16 blocks one warp scores (read when a kernel is compiled and launched): the query's preparation (its
+scaling, the right-hand side factors and the bfloat16 high and low parts, about 200 instructions per warp) is done
+once for them all, each pass then computes its 16 blocks' constants and scores them."""
+
+PAIR = False
+"""Whether two blocks share one right-hand side (read when a kernel is compiled; used where a KV head has at most 4
+query heads, with :data:`TRANSPOSE` and a ring): at 4 query heads the product's columns 4-7 are empty, so lanes
+``g >= 4`` build the next block's ``kstep * q`` there and the next block's product reads its logits from those
+columns. Each block then costs half the step multiplies and permutes, and a pass runs two independent chains of
+products."""
+
 UNROLL = 1
 """Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times
 others)."""
@@ -137,11 +149,10 @@ __device__ __forceinline__ u32 take(u32 x, int p, int s) {
 }
 
 // Block `row` ((sequence, block, KV head) of the summaries): the code words of this thread's channels in token rows
-// g and g + 8, and kstep of its channels (two per register).
-__device__ __forceinline__ void load_block(const unsigned char* __restrict__ codes,
-                                           const unsigned short* __restrict__ kstep, long long row, int g, int t,
-                                           u32* x0, u32* x1, u32* ks) {
-    constexpr int W = D * BITS / 128, CH = CPW * W, RB = D * BITS / 8;  // RB: code bytes per token row
+// g and g + 8 (load_codes), kstep of its channels, two per register (load_steps), or both (load_block).
+__device__ __forceinline__ void load_codes(const unsigned char* __restrict__ codes, long long row, int g, int t,
+                                           u32* x0, u32* x1) {
+    constexpr int W = D * BITS / 128, RB = D * BITS / 8;  // RB: code bytes per token row
     const unsigned char* base = codes + row * (16 * RB) + 4 * W * t;
     if (W == 1) {
         x0[0] = *reinterpret_cast<const u32*>(base + g * RB);
@@ -154,11 +165,20 @@ __device__ __forceinline__ void load_block(const unsigned char* __restrict__ cod
             x0[i] = v0.x; x0[i + 1] = v0.y; x1[i] = v1.x; x1[i + 1] = v1.y;
         }
     }
+}
+__device__ __forceinline__ void load_steps(const unsigned short* __restrict__ kstep, long long row, int t, u32* ks) {
+    constexpr int CH = CPW * (D * BITS / 128);
 #pragma unroll
     for (int i = 0; i < CH / 2; i += 4) {
         uint4 v = *reinterpret_cast<const uint4*>(kstep + row * D + CH * t + 2 * i);
         ks[i] = v.x; ks[i + 1] = v.y; ks[i + 2] = v.z; ks[i + 3] = v.w;
     }
+}
+__device__ __forceinline__ void load_block(const unsigned char* __restrict__ codes,
+                                           const unsigned short* __restrict__ kstep, long long row, int g, int t,
+                                           u32* x0, u32* x1, u32* ks) {
+    load_codes(codes, row, g, t, x0, x1);
+    load_steps(kstep, row, t, ks);
 }
 
 #if STAGES
@@ -198,6 +218,18 @@ __device__ __forceinline__ void issue_block(const Copies& c, int j, int slot) {
     for (int i = 0; i < CHUNKS; ++i)
         if (c.on[i]) cp_async16(c.dst[i] + slot * RING_BYTES, c.src[i] + j * c.step[i]);
 }
+constexpr int STEP_BLOCKS = PAIR ? 2 : 1;  // blocks scored per loop iteration (and per group of copies)
+constexpr int SLOTS = STEP_BLOCKS * STAGES;  // ring slots of one block each
+// The copies of a pass's first STAGES - 1 iterations (of `count` blocks), one group per iteration.
+__device__ __forceinline__ void prime(const Copies& c, int count) {
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+#pragma unroll
+        for (int e = 0; e < STEP_BLOCKS; ++e)
+            if (STEP_BLOCKS * i + e < count) issue_block(c, STEP_BLOCKS * i + e, STEP_BLOCKS * i + e);
+        cp_commit();
+    }
+}
 #endif
 
 // One program: one (sequence, KV head) and WARPS * 16 blocks; one warp: 16 blocks.
@@ -226,37 +258,32 @@ extern "C" __global__ void BOUNDS quantkey_mma(
     const int g = lane >> 2, t = lane & 3;
     const long long bh = blockIdx.x;
     const long long b = bh / heads, h = bh % heads;
-    const int first = (blockIdx.y * WARPS + warp) * 16;
-    if (first >= n_blocks) return;
+    // Pass p of this warp scores blocks first0 + 16 WARPS p .. + 15 (PASSES passes share the query's preparation).
+    const int first0 = (blockIdx.y * WARPS * PASSES + warp) * 16;
+    if (first0 >= n_blocks) return;
     const int c0 = CH * t;               // this thread's channels: c0 .. c0 + CH - 1
-    const int count = min(16, n_blocks - first);
-    const long long row0 = (b * stride + first) * heads + h;  // block first + j is row row0 + j * heads
-#if STAGES  // the first STAGES - 1 blocks' copies run while the query and the constants are prepared
-    __shared__ __align__(16) unsigned char ring[WARPS][STAGES][RING_BYTES];
-    const Copies copies = plan_copies(codes, kstep, row0, heads,
-                                      static_cast<unsigned>(__cvta_generic_to_shared(ring[warp][0])), lane);
-#pragma unroll
-    for (int j = 0; j < STAGES - 1; ++j) {
-        if (j < count) issue_block(copies, j, j);
-        cp_commit();
-    }
+#if STAGES  // the first pass's first copies run while the query is prepared
+    __shared__ __align__(16) unsigned char ring[WARPS][SLOTS][RING_BYTES];
+    const unsigned ring0 = static_cast<unsigned>(__cvta_generic_to_shared(ring[warp][0]));
+    prime(plan_copies(codes, kstep, (b * stride + first0) * heads + h, heads, ring0, lane), min(16, n_blocks - first0));
 #endif
 
     // The query of head g over this thread's channels, in the two orders the products need.
     // (The softmax scale is applied here as torch would: the query in float32 times the scale in float32.)
     float qv[CH];
-    const bool head_ok = g < group;
+    const int qg = PAIR ? (g & 3) : g;  // the query head of B's column g (PAIR: columns 4-7 repeat heads 0-3)
+    const bool head_ok = qg < group;
     const float qscale = __int_as_float(qscale_bits);
 #pragma unroll
     for (int i = 0; i < CH; i += 4) {
 #if QBF16
         const uint2 w = head_ok ? *reinterpret_cast<const uint2*>(
-                                      static_cast<const unsigned short*>(q) + ((bh * group + g) * D + c0 + i))
+                                      static_cast<const unsigned short*>(q) + ((bh * group + qg) * D + c0 + i))
                                 : make_uint2(0, 0);
         const float4 v = make_float4(bf16_lo(w.x), bf16_hi(w.x), bf16_lo(w.y), bf16_hi(w.y));
 #else
         const float4 v = head_ok ? *reinterpret_cast<const float4*>(
-                                       static_cast<const float*>(q) + ((bh * group + g) * D + c0 + i))
+                                       static_cast<const float*>(q) + ((bh * group + qg) * D + c0 + i))
                                  : make_float4(0.f, 0.f, 0.f, 0.f);
 #endif
         qv[i] = v.x * qscale; qv[i + 1] = v.y * qscale; qv[i + 2] = v.z * qscale; qv[i + 3] = v.w * qscale;
@@ -283,97 +310,53 @@ extern "C" __global__ void BOUNDS quantkey_mma(
         ql[i] = bf16x2_of(x1 - bf16_hi(qh[i]), x0 - bf16_lo(qh[i]));
     }
 
-    // q . kmin of blocks first + g and first + g + 8 (rows), heads 2t and 2t+1 (columns).
-    float cst[4] = {0.f, 0.f, 0.f, 0.f};
-    {
-        u32 ka[2][2 * KT];
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            const int n = first + g + 8 * r;
-            const long long row = ((b * stride + n) * heads + h) * D + c0;
-#pragma unroll
-            for (int i = 0; i < 2 * KT; i += 4) {
-                uint4 v = n < n_blocks ? *reinterpret_cast<const uint4*>(kmin + row + 2 * i) : make_uint4(0, 0, 0, 0);
-                ka[r][i] = v.x; ka[r][i + 1] = v.y; ka[r][i + 2] = v.z; ka[r][i + 3] = v.w;
-            }
-        }
-#pragma unroll
-        for (int kt = 0; kt < KT; ++kt) {
-            mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
-            mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
-        }
-    }
-
-#if TRANSPOSE  // lane (g, t) holds the constants of blocks first + g, first + g + 8 and heads 2t, 2t + 1
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-#pragma unroll
-        for (int e = 0; e < 2; ++e)
-            if (2 * t + e < GROUP) csts[warp][g + 8 * r][2 * t + e] = cst[2 * r + e];
-#endif
     const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
     const float to_exp2 = scale * 1.4426950408889634f;
-    u32 x0[W], x1[W], ks[CH / 2];  // block j: code words of token rows g and g + 8; kstep of this thread's channels
-#if !STAGES
-    load_block(codes, kstep, row0, g, t, x0, x1, ks);
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int first = first0 + pass * WARPS * 16;
+        if (first >= n_blocks) break;
+        const int count = min(16, n_blocks - first);
+        const long long row0 = (b * stride + first) * heads + h;  // block first + j is row row0 + j * heads
+#if STAGES
+        const Copies copies = plan_copies(codes, kstep, row0, heads, ring0, lane);
+        if (pass > 0) prime(copies, count);  // (the first pass's were issued before the query's preparation)
 #endif
-    PRAGMA(unroll UNROLL)
-    for (int j = 0; j < count; ++j) {
-#if STAGES  // block j + STAGES - 1 starts copying into the slot block j - 1 left; block j's copies are waited for
-        __syncwarp();  // every lane has read block j - 1 from its slot
-        if (j + STAGES - 1 < count)
-            issue_block(copies, j + STAGES - 1, (j + STAGES - 1) % STAGES);
-        cp_commit();
-        cp_wait();
-        __syncwarp();  // and every lane's copies of block j are visible to the others
-        load_block(ring[warp][j % STAGES], reinterpret_cast<const unsigned short*>(ring[warp][j % STAGES] + CODE_BYTES),
-                   0, g, t, x0, x1, ks);
-#endif
-#if PREFETCH && !STAGES  // the next block's loads are in flight while this one is scored
-        u32 nx0[W], nx1[W], nks[CH / 2];
-        if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, nx0, nx1, nks);
-#endif
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#if CHAINS == 2  // odd products accumulate apart, halving the chain of dependent mma instructions
-        float acc2[4] = {0.f, 0.f, 0.f, 0.f};
-#endif
+
+        // q . kmin of blocks first + g and first + g + 8 (rows), heads 2t and 2t+1 (columns).
+        float cst[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+            u32 ka[2][2 * KT];
 #pragma unroll
-        for (int wi = 0; wi < W; ++wi)
+            for (int r = 0; r < 2; ++r) {
+                const int n = first + g + 8 * r;
+                const long long row = ((b * stride + n) * heads + h) * D + c0;
 #pragma unroll
-            for (int p = 0; p < PER; ++p) {
-                u32 bb[2];
-#pragma unroll
-                for (int s = 0; s < 2; ++s) {
-                    const int lo = CPW * wi + PER * s + p;   // channels lo and lo + 2 PER
-                    const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
-                    bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
+                for (int i = 0; i < 2 * KT; i += 4) {
+                    uint4 v = n < n_blocks ? *reinterpret_cast<const uint4*>(kmin + row + 2 * i) : make_uint4(0, 0, 0, 0);
+                    ka[r][i] = v.x; ka[r][i + 1] = v.y; ka[r][i + 2] = v.z; ka[r][i + 3] = v.w;
                 }
-#if CHAINS == 2
-                mma((PER * wi + p) & 1 ? acc2 : acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1),
-                    take(x1[wi], p, 1), bb[0], bb[1]);
-#else
-                mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0], bb[1]);
-#endif
             }
-#if CHAINS == 2
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
-#endif
-#if TRANSPOSE
-        // Token rows g, g + 8 of heads 2t, 2t + 1 into the tile; every 8 blocks each lane reduces one (block, head)
-        // row of 16 tokens on its own (no shuffles, no work for the columns past the group).
-        float* rows = tile[warp] + (j & 7) * GROUP * TP;
+            for (int kt = 0; kt < KT; ++kt) {
+                mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
+                mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
+            }
+        }
+
+#if TRANSPOSE  // lane (g, t) holds the constants of blocks first + g, first + g + 8 and heads 2t, 2t + 1
 #pragma unroll
         for (int r = 0; r < 2; ++r)
 #pragma unroll
             for (int e = 0; e < 2; ++e)
-                if (2 * t + e < GROUP) rows[(2 * t + e) * TP + g + 8 * r] = acc[2 * r + e];
-        if ((j & 7) == 7 || j == count - 1) {
+                if (2 * t + e < GROUP) csts[warp][g + 8 * r][2 * t + e] = cst[2 * r + e];
+#endif
+#if TRANSPOSE  // every 8 blocks and after the last, each lane reduces one (block, head) row of 16 tokens of the tile
+        auto flush = [&](int last) {
             __syncwarp();
-            const int base = j & ~7;
+            const int base = last & ~7;
             for (int pair = lane; pair < 8 * GROUP; pair += 32) {
                 const int jj = pair / GROUP, head = pair - jj * GROUP;
-                if (base + jj > j) break;  // pairs run in block order: the rest lie past the last block
+                if (base + jj > last) break;  // pairs run in block order: the rest lie past the last block
                 const float4* v = reinterpret_cast<const float4*>(tile[warp] + pair * TP);
                 float x[16];
 #pragma unroll
@@ -392,56 +375,170 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                 out[(bh * group + head) * n_blocks + first + base + jj] = lse;
             }
             __syncwarp();  // the tile is free for the next 8 blocks
+        };
+#endif
+#if PAIR
+        // Two blocks per iteration share one right-hand side: lanes g < 4 (columns 0-3) build block j's, lanes g >= 4
+        // (columns 4-7, the same query heads) block j + 1's; block j's product is read from columns 0-3 (lanes t < 2),
+        // block j + 1's from columns 4-7 (lanes t >= 2). Half the step multiplies and permutes per block, and the two
+        // products are independent chains.
+        u32 ks[CH / 2];
+        for (int j = 0; j < count; j += 2) {
+            __syncwarp();  // every lane has read blocks j - 2, j - 1 from their slots
+            {
+                const int nj = j + 2 * (STAGES - 1);
+                if (nj < count) issue_block(copies, nj, nj % SLOTS);
+                if (nj + 1 < count) issue_block(copies, nj + 1, (nj + 1) % SLOTS);
+            }
+            cp_commit();
+            cp_wait();
+            __syncwarp();  // and every lane's copies of blocks j, j + 1 are visible to the others
+            const bool two = j + 1 < count;  // else slot j + 1 holds stale bytes, whose products are never stored
+            const unsigned char* sa = ring[warp][j % SLOTS];
+            const unsigned char* sb = ring[warp][(j + 1) % SLOTS];
+            u32 xa0[W], xa1[W], xb0[W], xb1[W];
+            load_codes(sa, 0, g, t, xa0, xa1);
+            load_codes(sb, 0, g, t, xb0, xb1);
+            load_steps(reinterpret_cast<const unsigned short*>((g >= 4 ? sb : sa) + CODE_BYTES), 0, t, ks);
+            float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int wi = 0; wi < W; ++wi)
+#pragma unroll
+                for (int p = 0; p < PER; ++p) {
+                    u32 bb[2];
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        const int lo = CPW * wi + PER * s + p;   // channels lo and lo + 2 PER
+                        const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
+                        bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
+                    }
+                    mma(acc, take(xa0[wi], p, 0), take(xa1[wi], p, 0), take(xa0[wi], p, 1), take(xa1[wi], p, 1), bb[0],
+                        bb[1]);
+                    mma(acc2, take(xb0[wi], p, 0), take(xb1[wi], p, 0), take(xb0[wi], p, 1), take(xb1[wi], p, 1), bb[0],
+                        bb[1]);
+                }
+            // Lane (g, t) holds token rows g, g + 8 of block j + (t >> 1), heads 2 (t & 1) and that + 1.
+            const int second = t >> 1, hh = 2 * (t & 1);
+            float* rows = tile[warp] + ((j + second) & 7) * GROUP * TP;
+            if (!second || two) {
+#pragma unroll
+                for (int r = 0; r < 2; ++r)
+#pragma unroll
+                    for (int e = 0; e < 2; ++e)
+                        if (hh + e < GROUP) rows[(hh + e) * TP + g + 8 * r] = second ? acc2[2 * r + e] : acc[2 * r + e];
+            }
+            const int last = two ? j + 1 : j;
+            if ((last & 7) == 7 || last == count - 1) flush(last);
         }
 #else
-        // Log-sum-exp over the 16 tokens (rows g and g + 8 of the 8 lanes sharing t) of heads 2t and 2t + 1.
-        float m0 = fmaxf(acc[0], acc[2]), m1 = fmaxf(acc[1], acc[3]);
+        u32 x0[W], x1[W], ks[CH / 2];  // block j: code words of token rows g and g + 8; kstep of this thread's channels
+#if !STAGES
+        load_block(codes, kstep, row0, g, t, x0, x1, ks);
+#endif
+        PRAGMA(unroll UNROLL)
+        for (int j = 0; j < count; ++j) {
+#if STAGES  // block j + STAGES - 1 starts copying into the slot block j - 1 left; block j's copies are waited for
+            __syncwarp();  // every lane has read block j - 1 from its slot
+            if (j + STAGES - 1 < count)
+                issue_block(copies, j + STAGES - 1, (j + STAGES - 1) % STAGES);
+            cp_commit();
+            cp_wait();
+            __syncwarp();  // and every lane's copies of block j are visible to the others
+            load_block(ring[warp][j % STAGES], reinterpret_cast<const unsigned short*>(ring[warp][j % STAGES] + CODE_BYTES),
+                       0, g, t, x0, x1, ks);
+#endif
+#if PREFETCH && !STAGES  // the next block's loads are in flight while this one is scored
+            u32 nx0[W], nx1[W], nks[CH / 2];
+            if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, nx0, nx1, nks);
+#endif
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#if CHAINS == 2  // odd products accumulate apart, halving the chain of dependent mma instructions
+            float acc2[4] = {0.f, 0.f, 0.f, 0.f};
+#endif
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-            m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
-            m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
-        }
-        const float n0 = -m0 * to_exp2, n1 = -m1 * to_exp2;
-        float s0 = ex2(fmaf(acc[0], to_exp2, n0)) + ex2(fmaf(acc[2], to_exp2, n0));
-        float s1 = ex2(fmaf(acc[1], to_exp2, n1)) + ex2(fmaf(acc[3], to_exp2, n1));
+            for (int wi = 0; wi < W; ++wi)
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-            s0 += __shfl_xor_sync(0xffffffffu, s0, o);
-            s1 += __shfl_xor_sync(0xffffffffu, s1, o);
-        }
-        if (g == 0) {  // the logarithm waits for the end of the pass (one per value and lane there)
-            stage[warp][j][2 * t] = m0;
-            stage[warp][j][2 * t + 1] = m1;
-            sums[warp][j][2 * t] = s0;
-            sums[warp][j][2 * t + 1] = s1;
-        }
+                for (int p = 0; p < PER; ++p) {
+                    u32 bb[2];
+#pragma unroll
+                    for (int s = 0; s < 2; ++s) {
+                        const int lo = CPW * wi + PER * s + p;   // channels lo and lo + 2 PER
+                        const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
+                        bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
+                    }
+#if CHAINS == 2
+                    mma((PER * wi + p) & 1 ? acc2 : acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1),
+                        take(x1[wi], p, 1), bb[0], bb[1]);
+#else
+                    mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0], bb[1]);
+#endif
+                }
+#if CHAINS == 2
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
+#endif
+#if TRANSPOSE
+            // Token rows g, g + 8 of heads 2t, 2t + 1 into the tile; every 8 blocks each lane reduces one (block, head)
+            // row of 16 tokens on its own (no shuffles, no work for the columns past the group).
+            float* rows = tile[warp] + (j & 7) * GROUP * TP;
+#pragma unroll
+            for (int r = 0; r < 2; ++r)
+#pragma unroll
+                for (int e = 0; e < 2; ++e)
+                    if (2 * t + e < GROUP) rows[(2 * t + e) * TP + g + 8 * r] = acc[2 * r + e];
+            if ((j & 7) == 7 || j == count - 1) flush(j);
+#else
+            // Log-sum-exp over the 16 tokens (rows g and g + 8 of the 8 lanes sharing t) of heads 2t and 2t + 1.
+            float m0 = fmaxf(acc[0], acc[2]), m1 = fmaxf(acc[1], acc[3]);
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) {
+                m0 = fmaxf(m0, __shfl_xor_sync(0xffffffffu, m0, o));
+                m1 = fmaxf(m1, __shfl_xor_sync(0xffffffffu, m1, o));
+            }
+            const float n0 = -m0 * to_exp2, n1 = -m1 * to_exp2;
+            float s0 = ex2(fmaf(acc[0], to_exp2, n0)) + ex2(fmaf(acc[2], to_exp2, n0));
+            float s1 = ex2(fmaf(acc[1], to_exp2, n1)) + ex2(fmaf(acc[3], to_exp2, n1));
+#pragma unroll
+            for (int o = 4; o < 32; o <<= 1) {
+                s0 += __shfl_xor_sync(0xffffffffu, s0, o);
+                s1 += __shfl_xor_sync(0xffffffffu, s1, o);
+            }
+            if (g == 0) {  // the logarithm waits for the end of the pass (one per value and lane there)
+                stage[warp][j][2 * t] = m0;
+                stage[warp][j][2 * t + 1] = m1;
+                sums[warp][j][2 * t] = s0;
+                sums[warp][j][2 * t + 1] = s1;
+            }
 #endif
 #if STAGES
 #elif PREFETCH
 #pragma unroll
-        for (int i = 0; i < W; ++i) { x0[i] = nx0[i]; x1[i] = nx1[i]; }
+            for (int i = 0; i < W; ++i) { x0[i] = nx0[i]; x1[i] = nx1[i]; }
 #pragma unroll
-        for (int i = 0; i < CH / 2; ++i) ks[i] = nks[i];
+            for (int i = 0; i < CH / 2; ++i) ks[i] = nks[i];
 #else
-        if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, x0, x1, ks);
+            if (j + 1 < count) load_block(codes, kstep, row0 + (j + 1) * heads, g, t, x0, x1, ks);
 #endif
-    }
-#if !TRANSPOSE
-    __syncwarp();
-    // Lane (g, t) adds the constants it holds: blocks first + g, first + g + 8; heads 2t, 2t + 1.
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-        const int j = g + 8 * r;
-        if (j >= count) continue;
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-            const int head = 2 * t + e;
-            if (head < group)
-                out[(bh * group + head) * n_blocks + first + j] =
-                    stage[warp][j][head] * scale + logf(sums[warp][j][head]) + cst[2 * r + e];
         }
-    }
+#endif  // PAIR
+#if !TRANSPOSE
+        __syncwarp();
+        // Lane (g, t) adds the constants it holds: blocks first + g, first + g + 8; heads 2t, 2t + 1.
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int j = g + 8 * r;
+            if (j >= count) continue;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int head = 2 * t + e;
+                if (head < group)
+                    out[(bh * group + head) * n_blocks + first + j] =
+                        stage[warp][j][head] * scale + logf(sums[warp][j][head]) + cst[2 * r + e];
+            }
+        }
 #endif
+        __syncwarp();  // every lane is done with this pass's shared memory
+    }  // passes
 }
 """
 
@@ -511,12 +608,18 @@ def staging_bytes(group: int = 8) -> int:
     return 4 * 2 * WARPS * 16 * 9
 
 
+def paired(group: int, depth: int) -> bool:
+    """Whether a kernel for ``group`` query heads per KV head and a ring of ``depth`` scores two blocks per right-hand
+    side (:data:`PAIR`)."""
+    return bool(PAIR) and TRANSPOSE and group <= 4 and depth >= 2
+
+
 def stages(head_dim: int, bits: int, group: int = 8) -> int:
     """The ring depth compiled for ``head_dim``, ``bits`` and ``group`` query heads per KV head: :data:`STAGES`,
     lowered until the ring (``WARPS * stages * (2 * head_dim * bits + 2 * head_dim)`` bytes) and
     :func:`staging_bytes` fit :data:`SHARED_BYTES`; 0 or 1 mean no ring (a ring of one block would only serialise
     the copies)."""
-    ring = WARPS * (2 * head_dim * bits + 2 * head_dim)
+    ring = WARPS * (2 * head_dim * bits + 2 * head_dim) * (2 if paired(group, 2) else 1)
     fits = (SHARED_BYTES - staging_bytes(group)) // ring
     depth = min(STAGES, fits)
     return depth if depth >= 2 else 0
@@ -531,7 +634,9 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
     bfloat16 (``query_bf16``) or float32 query and the current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`,
     :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE` and :func:`stages` (compiled once per process each)."""
     bounds, depth = min_blocks(head_dim), stages(head_dim, bits, group)
-    key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth)
+    pair = paired(group, depth)
+    key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth,
+           PASSES, pair)
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -541,7 +646,7 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
                    "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": bounds,
                    "STAGES": depth, "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
-                   "QBF16": int(query_bf16)}  # fmt: skip
+                   "QBF16": int(query_bf16), "PASSES": PASSES, "PAIR": int(pair)}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
@@ -624,7 +729,7 @@ def launch(
     n_blocks = codes.shape[1]
     if n_blocks == 0 or batch == 0:
         return out
-    per_program = WARPS * BLOCKS_PER_WARP
+    per_program = WARPS * BLOCKS_PER_WARP * PASSES
     grid = (batch * heads, -(-n_blocks // per_program), 1)
     qscale_bits = struct.unpack("<i", struct.pack("<f", scaling))[0]  # rounded to float32 as torch rounds it
     kernel = _kernel(head_dim, bits, decode, group, query.dtype == torch.bfloat16)
