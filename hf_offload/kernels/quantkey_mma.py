@@ -249,7 +249,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
     constexpr int KT = D / 16;           // k tiles
 #if TRANSPOSE  // the scaled logits of 8 blocks, [block][head][token] with rows of TP floats, and the constants
     __shared__ __align__(16) float tile[WARPS][8 * GROUP * TP];
-    __shared__ float csts[WARPS][16][GROUP];
+    __shared__ float csts[WARPS][16 * PASSES][GROUP];
 #else
     __shared__ float stage[WARPS][16][9];  // per block and head: largest scaled logit, then the sum of exponentials
     __shared__ float sums[WARPS][16][9];
@@ -310,6 +310,40 @@ extern "C" __global__ void BOUNDS quantkey_mma(
         ql[i] = bf16x2_of(x1 - bf16_hi(qh[i]), x0 - bf16_lo(qh[i]));
     }
 
+    // q . kmin of blocks first + g and first + g + 8 (rows), heads 2t and 2t+1 (columns), added into cst.
+    auto constants = [&](int first, float* cst) {
+        u32 ka[2][2 * KT];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            const int n = first + g + 8 * r;
+            const long long row = ((b * stride + n) * heads + h) * D + c0;
+#pragma unroll
+            for (int i = 0; i < 2 * KT; i += 4) {
+                uint4 v = n < n_blocks ? *reinterpret_cast<const uint4*>(kmin + row + 2 * i) : make_uint4(0, 0, 0, 0);
+                ka[r][i] = v.x; ka[r][i + 1] = v.y; ka[r][i + 2] = v.z; ka[r][i + 3] = v.w;
+            }
+        }
+#pragma unroll
+        for (int kt = 0; kt < KT; ++kt) {
+            mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
+            mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
+        }
+    };
+#if TRANSPOSE  // every pass's constants into shared memory first, so that qh and ql need not outlive this loop
+    // (lane (g, t) holds those of blocks first + g, first + g + 8 and heads 2t, 2t + 1)
+#pragma unroll 1
+    for (int pass = 0; pass < PASSES; ++pass) {
+        const int first = first0 + pass * WARPS * 16;
+        if (first >= n_blocks) break;
+        float cst[4] = {0.f, 0.f, 0.f, 0.f};
+        constants(first, cst);
+#pragma unroll
+        for (int r = 0; r < 2; ++r)
+#pragma unroll
+            for (int e = 0; e < 2; ++e)
+                if (2 * t + e < GROUP) csts[warp][16 * pass + g + 8 * r][2 * t + e] = cst[2 * r + e];
+    }
+#endif
     const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
     const float to_exp2 = scale * 1.4426950408889634f;
     for (int pass = 0; pass < PASSES; ++pass) {
@@ -322,33 +356,9 @@ extern "C" __global__ void BOUNDS quantkey_mma(
         if (pass > 0) prime(copies, count);  // (the first pass's were issued before the query's preparation)
 #endif
 
-        // q . kmin of blocks first + g and first + g + 8 (rows), heads 2t and 2t+1 (columns).
+#if !TRANSPOSE
         float cst[4] = {0.f, 0.f, 0.f, 0.f};
-        {
-            u32 ka[2][2 * KT];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int n = first + g + 8 * r;
-                const long long row = ((b * stride + n) * heads + h) * D + c0;
-#pragma unroll
-                for (int i = 0; i < 2 * KT; i += 4) {
-                    uint4 v = n < n_blocks ? *reinterpret_cast<const uint4*>(kmin + row + 2 * i) : make_uint4(0, 0, 0, 0);
-                    ka[r][i] = v.x; ka[r][i + 1] = v.y; ka[r][i + 2] = v.z; ka[r][i + 3] = v.w;
-                }
-            }
-#pragma unroll
-            for (int kt = 0; kt < KT; ++kt) {
-                mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
-                mma(cst, ka[0][2 * kt], ka[1][2 * kt], ka[0][2 * kt + 1], ka[1][2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
-            }
-        }
-
-#if TRANSPOSE  // lane (g, t) holds the constants of blocks first + g, first + g + 8 and heads 2t, 2t + 1
-#pragma unroll
-        for (int r = 0; r < 2; ++r)
-#pragma unroll
-            for (int e = 0; e < 2; ++e)
-                if (2 * t + e < GROUP) csts[warp][g + 8 * r][2 * t + e] = cst[2 * r + e];
+        constants(first, cst);
 #endif
 #if TRANSPOSE  // every 8 blocks and after the last, each lane reduces one (block, head) row of 16 tokens of the tile
         auto flush = [&](int last) {
@@ -371,7 +381,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                 float sum = 0.f;
 #pragma unroll
                 for (int i = 0; i < 16; ++i) sum += ex2(fmaf(x[i], to_exp2, n));
-                const float lse = m * scale + logf(sum) + csts[warp][base + jj][head];
+                const float lse = m * scale + logf(sum) + csts[warp][16 * pass + base + jj][head];
                 out[(bh * group + head) * n_blocks + first + base + jj] = lse;
             }
             __syncwarp();  // the tile is free for the next 8 blocks
@@ -418,14 +428,15 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                         bb[1]);
                 }
             // Lane (g, t) holds token rows g, g + 8 of block j + (t >> 1), heads 2 (t & 1) and that + 1.
+            // (One base address per iteration, the four stores at fixed offsets from it.)
             const int second = t >> 1, hh = 2 * (t & 1);
-            float* rows = tile[warp] + ((j + second) & 7) * GROUP * TP;
+            float* at = tile[warp] + ((j + second) & 7) * GROUP * TP + hh * TP + g;
             if (!second || two) {
 #pragma unroll
                 for (int r = 0; r < 2; ++r)
 #pragma unroll
                     for (int e = 0; e < 2; ++e)
-                        if (hh + e < GROUP) rows[(hh + e) * TP + g + 8 * r] = second ? acc2[2 * r + e] : acc[2 * r + e];
+                        if (hh + e < GROUP) at[e * TP + 8 * r] = second ? acc2[2 * r + e] : acc[2 * r + e];
             }
             const int last = two ? j + 1 : j;
             if ((last & 7) == 7 || last == count - 1) flush(last);
@@ -480,12 +491,12 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #if TRANSPOSE
             // Token rows g, g + 8 of heads 2t, 2t + 1 into the tile; every 8 blocks each lane reduces one (block, head)
             // row of 16 tokens on its own (no shuffles, no work for the columns past the group).
-            float* rows = tile[warp] + (j & 7) * GROUP * TP;
+            float* at = tile[warp] + (j & 7) * GROUP * TP + 2 * t * TP + g;
 #pragma unroll
             for (int r = 0; r < 2; ++r)
 #pragma unroll
                 for (int e = 0; e < 2; ++e)
-                    if (2 * t + e < GROUP) rows[(2 * t + e) * TP + g + 8 * r] = acc[2 * r + e];
+                    if (2 * t + e < GROUP) at[e * TP + 8 * r] = acc[2 * r + e];
             if ((j & 7) == 7 || j == count - 1) flush(j);
 #else
             // Log-sum-exp over the 16 tokens (rows g and g + 8 of the 8 lanes sharing t) of heads 2t and 2t + 1.
@@ -601,10 +612,10 @@ SHARED_BYTES = 48 * 1024
 
 def staging_bytes(group: int = 8) -> int:
     """Shared memory of a program besides its ring: the transposed tile and the constants (:data:`TRANSPOSE`:
-    ``WARPS * (8 * group * TILE_ROW + 16 * group)`` floats) or the per-block staging arrays (``2 * WARPS * 16 * 9``
+    ``WARPS * (8 * group * TILE_ROW + 16 * PASSES * group)`` floats) or the per-block staging arrays (``2 * WARPS * 16 * 9``
     floats)."""
     if TRANSPOSE:
-        return 4 * WARPS * (8 * group * TILE_ROW + 16 * group)
+        return 4 * WARPS * (8 * group * TILE_ROW + 16 * PASSES * group)
     return 4 * 2 * WARPS * 16 * 9
 
 
