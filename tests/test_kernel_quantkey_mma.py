@@ -255,7 +255,8 @@ def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose):
                 for group in (1, 4, 7, 8):
                     depth = quantkey_mma.stages(head_dim, bits, group)
                     assert depth == 0 or 2 <= depth <= stages
-                    ring = warps * depth * (2 * head_dim * bits + 2 * head_dim)
+                    slots = 2 * depth if quantkey_mma.paired(group, depth) else depth  # pairs of blocks
+                    ring = warps * slots * (2 * head_dim * bits + 2 * head_dim)
                     if transpose:  # the tile of 8 blocks x group heads x 20 floats and 16 x group constants
                         staging = 4 * warps * (8 * group * 20 + 16 * group)
                     else:  # two [16 blocks, 9 heads] float arrays per warp
@@ -263,7 +264,12 @@ def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose):
                     assert staging == quantkey_mma.staging_bytes(group)
                     assert ring + staging <= quantkey_mma.SHARED_BYTES
     monkeypatch.setattr(quantkey_mma, "STAGES", 3)
-    assert quantkey_mma.stages(128, 2, 4) == 3  # 3 x 768 bytes per warp fit beside the staging arrays
+    # paired blocks (the tile's reduction only): 2 pairs of 768-byte blocks per warp
+    assert quantkey_mma.stages(128, 2, 4) == (quantkey_mma.PAIR_STAGES if transpose else 3) == (2 if transpose else 3)
+    if warps == 4:  # 7 query heads: no pairs, 3 x 768 bytes per warp
+        assert quantkey_mma.stages(128, 2, 7) == 3
+    monkeypatch.setattr(quantkey_mma, "PAIR", False)
+    assert quantkey_mma.stages(128, 2, 4) == 3
     monkeypatch.setattr(quantkey_mma, "STAGES", 1)
     assert quantkey_mma.stages(128, 2, 4) == 0  # a ring of one would only serialise the copies
 

@@ -75,12 +75,21 @@ PASSES = 1
 scaling, the right-hand side factors and the bfloat16 high and low parts, about 200 instructions per warp) is done
 once for them all, each pass then computes its 16 blocks' constants and scores them."""
 
-PAIR = False
+PAIR = True
 """Whether two blocks share one right-hand side (read when a kernel is compiled; used where a KV head has at most 4
 query heads, with :data:`TRANSPOSE` and a ring): at 4 query heads the product's columns 4-7 are empty, so lanes
 ``g >= 4`` build the next block's ``kstep * q`` there and the next block's product reads its logits from those
 columns. Each block then costs half the step multiplies and permutes, and a pass runs two independent chains of
 products."""
+
+PAIR_STAGES = 2
+"""The ring depth in pairs of blocks where two blocks share a right-hand side (:data:`PAIR`; at most :data:`STAGES`):
+the ring then holds ``2 * PAIR_STAGES`` blocks."""
+
+FAST_LOG = True
+"""Whether a block's log-sum-exp takes the logarithm of its sum of exponentials (a number in [1, 16]) from the
+hardware's base-2 logarithm (``lg2.approx``, absolute error about 2**-22) instead of ``logf``'s exact rounding
+(about 20 instructions per (block, head); read when a kernel is compiled)."""
 
 UNROLL = 1
 """Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times
@@ -108,6 +117,16 @@ __device__ __forceinline__ u32 sub_bf16x2(u32 a, u32 b) {
 }
 __device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
+__device__ __forceinline__ float lg2(float x) {  // log2(x) (absolute error about 2**-22 for x in [1, 16])
+    float r;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+#if FASTLOG  // the natural logarithm of a block's sum of exponentials (in [1, 16])
+#define LOG(x) (lg2(x) * 0.6931471805599453f)
+#else
+#define LOG(x) logf(x)
+#endif
 __device__ __forceinline__ float ex2(float x) {  // 2**x (relative error about 2**-22; tiny results flush to zero)
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -346,6 +365,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #endif
     const float scale = __int_as_float((127 + AEXP) << 23);      // accumulator -> logits
     const float to_exp2 = scale * 1.4426950408889634f;
+#pragma unroll 1
     for (int pass = 0; pass < PASSES; ++pass) {
         const int first = first0 + pass * WARPS * 16;
         if (first >= n_blocks) break;
@@ -381,7 +401,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                 float sum = 0.f;
 #pragma unroll
                 for (int i = 0; i < 16; ++i) sum += ex2(fmaf(x[i], to_exp2, n));
-                const float lse = m * scale + logf(sum) + csts[warp][16 * pass + base + jj][head];
+                const float lse = m * scale + LOG(sum) + csts[warp][16 * pass + base + jj][head];
                 out[(bh * group + head) * n_blocks + first + base + jj] = lse;
             }
             __syncwarp();  // the tile is free for the next 8 blocks
@@ -630,9 +650,10 @@ def stages(head_dim: int, bits: int, group: int = 8) -> int:
     lowered until the ring (``WARPS * stages * (2 * head_dim * bits + 2 * head_dim)`` bytes) and
     :func:`staging_bytes` fit :data:`SHARED_BYTES`; 0 or 1 mean no ring (a ring of one block would only serialise
     the copies)."""
-    ring = WARPS * (2 * head_dim * bits + 2 * head_dim) * (2 if paired(group, 2) else 1)
+    pair = paired(group, 2)
+    ring = WARPS * (2 * head_dim * bits + 2 * head_dim) * (2 if pair else 1)
     fits = (SHARED_BYTES - staging_bytes(group)) // ring
-    depth = min(STAGES, fits)
+    depth = min(STAGES, PAIR_STAGES, fits) if pair else min(STAGES, fits)
     return depth if depth >= 2 else 0
 
 
@@ -647,7 +668,7 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
     bounds, depth = min_blocks(head_dim), stages(head_dim, bits, group)
     pair = paired(group, depth)
     key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth,
-           PASSES, pair)
+           PASSES, pair, FAST_LOG)
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -657,7 +678,8 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
         defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
                    "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": bounds,
                    "STAGES": depth, "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
-                   "QBF16": int(query_bf16), "PASSES": PASSES, "PAIR": int(pair)}  # fmt: skip
+                   "QBF16": int(query_bf16), "PASSES": PASSES, "PAIR": int(pair),
+                   "FASTLOG": int(FAST_LOG)}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
