@@ -1,6 +1,7 @@
-"""The two-tier top-k kernel gives the torch code's indices and values bit for bit: random rows, many exact ties,
-``+inf`` and ``-inf`` entries, signed zeros, extreme floats, strided inputs. Runs where Triton can run: on CUDA, or on
-the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
+"""The two-tier top-k kernels give the torch code's indices and values bit for bit: random rows, many exact ties,
+``+inf`` and ``-inf`` entries, signed zeros, extreme floats, strided inputs. Each test runs the Triton kernel where
+Triton can run (on CUDA, or on the CPU under Triton's interpreter, ``TRITON_INTERPRET=1``) and the CUDA kernel on
+CUDA, which also writes the tier's keep mask."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ import pytest
 import torch
 
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.kernels.topk import MAX_N, ranked_topk, ranked_topk_reference, ranked_topk_supported
+from hf_offload.kernels import topk
+from hf_offload.kernels.topk import (
+    MAX_N,
+    cuda_topk_supported,
+    ranked_topk,
+    ranked_topk_keep,
+    ranked_topk_reference,
+    ranked_topk_supported,
+)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
@@ -16,10 +25,22 @@ pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Tri
 INF = float("inf")
 
 
+@pytest.fixture(autouse=True, params=["triton", "cuda"])
+def backend(request, monkeypatch):
+    """Each test once per kernel: the Triton one, and the CUDA one where CUDA runs."""
+    if request.param == "cuda" and DEVICE.type != "cuda":
+        pytest.skip("the CUDA kernel needs a CUDA device")
+    monkeypatch.setattr(topk, "BACKEND", request.param)
+    return request.param
+
+
 def _assert_same(scores, k, ranked):
     """Kernel and reference agree exactly (values compared as bits, so -0.0 and 0.0 differ); returns the result."""
     assert ranked_topk_supported(scores, ranked)
-    got_i, got_v = ranked_topk(scores, k, ranked)
+    assert cuda_topk_supported(scores, ranked) == (topk.BACKEND == "cuda")
+    got_i, got_v, keep = ranked_topk_keep(scores, k, ranked)
+    assert keep.dtype == torch.bool and torch.equal(keep, got_v[..., :k] > -INF)
+    assert torch.equal(got_i, ranked_topk(scores, k, ranked)[0])
     want_i, want_v = ranked_topk_reference(scores, k, ranked)
     batch, rows, _ = scores.shape
     assert got_i.shape == want_i.shape == got_v.shape == (batch, rows, ranked)
@@ -128,7 +149,7 @@ def test_reference_tiers_are_torch_topk_sets_without_ties():
 
 def test_long_rows_fall_back_to_the_reference():
     scores = _random((1, 1, MAX_N + 1), seed=14)
-    assert not ranked_topk_supported(scores, 64)
+    assert not ranked_topk_supported(scores, 64) and not cuda_topk_supported(scores, 64)
     got_i, got_v = ranked_topk(scores, 16, 64)
     want_i, want_v = ranked_topk_reference(scores, 16, 64)
     assert got_i.shape == got_v.shape == (1, 1, 64)

@@ -475,8 +475,8 @@ extern "C" __global__ void BOUNDS quantkey_mma(
             cp_commit();
             cp_wait();
             __syncwarp();  // and every lane's copies of block j are visible to the others
-            load_block(ring[warp][j % STAGES], reinterpret_cast<const unsigned short*>(ring[warp][j % STAGES] + CODE_BYTES),
-                       0, g, t, x0, x1, ks);
+            const unsigned char* slot = ring[warp][j % STAGES];
+            load_block(slot, reinterpret_cast<const unsigned short*>(slot + CODE_BYTES), 0, g, t, x0, x1, ks);
 #endif
 #if PREFETCH && !STAGES  // the next block's loads are in flight while this one is scored
             u32 nx0[W], nx1[W], nks[CH / 2];
@@ -501,7 +501,8 @@ extern "C" __global__ void BOUNDS quantkey_mma(
                     mma((PER * wi + p) & 1 ? acc2 : acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1),
                         take(x1[wi], p, 1), bb[0], bb[1]);
 #else
-                    mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0], bb[1]);
+                    mma(acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1), take(x1[wi], p, 1), bb[0],
+                        bb[1]);
 #endif
                 }
 #if CHAINS == 2
@@ -632,8 +633,8 @@ SHARED_BYTES = 48 * 1024
 
 def staging_bytes(group: int = 8) -> int:
     """Shared memory of a program besides its ring: the transposed tile and the constants (:data:`TRANSPOSE`:
-    ``WARPS * (8 * group * TILE_ROW + 16 * PASSES * group)`` floats) or the per-block staging arrays (``2 * WARPS * 16 * 9``
-    floats)."""
+    ``WARPS * (8 * group * TILE_ROW + 16 * PASSES * group)`` floats) or the per-block staging arrays
+    (``2 * WARPS * 16 * 9`` floats)."""
     if TRANSPOSE:
         return 4 * WARPS * (8 * group * TILE_ROW + 16 * PASSES * group)
     return 4 * 2 * WARPS * 16 * 9

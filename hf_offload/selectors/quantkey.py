@@ -370,7 +370,7 @@ class QuantKeySelector(Selector):
         if not self.masks_invalid:  # a subclass with its own score()
             return super().select(query, summaries, scaling, k, forced, valid)
         from ..kernels.mass import block_scores
-        from ..kernels.topk import ranked_topk
+        from ..kernels.topk import ranked_topk_keep
 
         lse = self.block_lse(query, summaries, scaling)
         # The masses, forced and invalid blocks in three launches where Triton runs (kernels/mass.py).
@@ -378,9 +378,10 @@ class QuantKeySelector(Selector):
         n = valid.shape[-1]
         ranked = min(n, k + math.ceil(self.tail_near * k)) if self.tail_near else k
         # One top-k serves the selection (its first k) and the bounded estimate's near blocks (the next ones), each
-        # tier in block order, ties broken toward lower blocks (kernels/topk.py: one launch where Triton runs).
-        indices, values = ranked_topk(scores, k, ranked)
-        blocks, keep = indices[..., :k], values[..., :k] > float("-inf")
+        # tier in block order, ties broken toward lower blocks (kernels/topk.py: one launch on CUDA, the keep mask of
+        # the first k included; where Triton runs, a second for the mask).
+        indices, values, keep = ranked_topk_keep(scores, k, ranked)
+        blocks = indices[..., :k]
         if not self.tail_near:
             return Selection(blocks=blocks, keep=keep, scores=scores)
         lse = lse.masked_fill(~valid[:, None, None, :], float("-inf"))  # the estimate's far blocks: valid ones only
