@@ -223,14 +223,16 @@ def _cuda_kernel(n: int):
 
 
 def cuda_topk_supported(scores: torch.Tensor, ranked: int) -> bool:
-    """Whether :func:`ranked_topk` runs the CUDA kernel for ``scores`` (a 3-d float32 CUDA tensor of at most
-    :data:`CUDA_AUTO_MAX_N` entries per row, :data:`CUDA_MAX_N` with :data:`BACKEND` ``"cuda"``, on an NVIDIA GPU of compute capability 8.0 or newer, PyTorch's NVRTC
-    wrapper, :data:`BACKEND` not ``"triton"``)."""
+    """Whether :func:`ranked_topk` runs the CUDA kernel for ``scores``: a 3-d float32 CUDA tensor of at most
+    :data:`CUDA_AUTO_MAX_N` entries per row (:data:`CUDA_MAX_N` with :data:`BACKEND` ``"cuda"``), on an NVIDIA
+    GPU of compute capability 8.0 or newer, with PyTorch's NVRTC wrapper, :data:`BACKEND` not ``"triton"``."""
     if BACKEND == "triton" or scores.dim() != 3 or not scores.is_cuda or scores.dtype != torch.float32:
         return False
     n = scores.shape[-1]
-    if not 0 < ranked <= n <= (CUDA_MAX_N if BACKEND == "cuda" else CUDA_AUTO_MAX_N) or sum((d - 1) * st for d, st in zip(scores.shape, scores.stride())) >= 2**31:
-        return False  # (the kernel takes element offsets as 32-bit integers)
+    largest = CUDA_MAX_N if BACKEND == "cuda" else CUDA_AUTO_MAX_N
+    last = sum((d - 1) * st for d, st in zip(scores.shape, scores.stride()))
+    if not 0 < ranked <= n <= largest or last >= 2**31:  # (the kernel takes element offsets as 32-bit integers)
+        return False
     if torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):
         return False
     if torch.cuda.get_device_capability(scores.device) < (8, 0):  # __reduce_add_sync
