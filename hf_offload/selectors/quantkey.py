@@ -373,7 +373,7 @@ class QuantKeySelector(Selector):
         from ..kernels.topk import ranked_topk_keep
 
         lse = self.block_lse(query, summaries, scaling)
-        # The masses, forced and invalid blocks in three launches where Triton runs (kernels/mass.py).
+        # The masses, forced and invalid blocks in two launches where Triton runs (kernels/mass.py).
         scores = block_scores(lse, valid, forced)
         n = valid.shape[-1]
         ranked = min(n, k + math.ceil(self.tail_near * k)) if self.tail_near else k
