@@ -49,7 +49,8 @@ runs at 2 bits and 167.0-167.6 against 193.2-193.8 at 4 (``results/selection/rin
 bound by its instructions at the occupancy its 72 registers allow, not by its reads (52% of DRAM bandwidth under
 Nsight Compute); the tile took the 12 shuffles per block out (and the work of the empty columns past the group),
 at the cost of 4 stores per block and an eighth of a row reduction: 134.4 us against 148.8 with the ring of 3 at 2
-bits, 154.8 against 162.0 at 4 (``results/selection/transpose_h200/``).
+bits, 154.8 against 162.0 at 4 (``results/selection/transpose_h200/``). Two blocks per right-hand side (:data:`PAIR`)
+took the 2-bit kernel from 129.8 to 115.4 us (``results/selection/pair_h200/``).
 """
 
 from __future__ import annotations
@@ -72,15 +73,21 @@ WARPS = 4
 
 PASSES = 1
 """Passes of 16 blocks one warp scores (read when a kernel is compiled and launched): the query's preparation (its
-scaling, the right-hand side factors and the bfloat16 high and low parts, about 200 instructions per warp) is done
-once for them all, each pass then computes its 16 blocks' constants and scores them."""
+scaling, the right-hand side factors and the bfloat16 high and low parts) is done once for them all, and every
+pass's constants are computed up front into shared memory. Under Nsight Compute the per-warp part of the kernel
+(that preparation, the constants and the setup: 538 instructions) was 16% of the executed instructions and 28% of
+the stall samples at 64K tokens, batch 12 (``results/selection/pair_h200/``); but the state kept across passes
+costs registers (96 instead of 80 per thread), and 2 and 4 passes took 118.8-124.1 us against 114.9-115.4 for one
+(2-bit codes, paired blocks). Kept at 1."""
 
 PAIR = True
 """Whether two blocks share one right-hand side (read when a kernel is compiled; used where a KV head has at most 4
 query heads, with :data:`TRANSPOSE` and a ring): at 4 query heads the product's columns 4-7 are empty, so lanes
 ``g >= 4`` build the next block's ``kstep * q`` there and the next block's product reads its logits from those
 columns. Each block then costs half the step multiplies and permutes, and a pass runs two independent chains of
-products."""
+products. On an H200 (8B shape, 64K tokens, batch 12; ``results/selection/pair_h200/``) 115.2-115.4 us per call
+against 128.8-129.8 unpaired at 2 bits (ring of 2 pairs; 120.0 with 3), 145.8-148.6 against 150.4-152.6 at 4; the
+decode step went from 11.83 to 11.4 ms."""
 
 PAIR_STAGES = 2
 """The ring depth in pairs of blocks where two blocks share a right-hand side (:data:`PAIR`; at most :data:`STAGES`):
@@ -89,7 +96,8 @@ the ring then holds ``2 * PAIR_STAGES`` blocks."""
 FAST_LOG = True
 """Whether a block's log-sum-exp takes the logarithm of its sum of exponentials (a number in [1, 16]) from the
 hardware's base-2 logarithm (``lg2.approx``, absolute error about 2**-22) instead of ``logf``'s exact rounding
-(about 20 instructions per (block, head); read when a kernel is compiled)."""
+(about 20 instructions per (block, head); read when a kernel is compiled). 114.9 against 115.2 us paired, 127.6
+against 128.8 unpaired (2 bits, ``results/selection/pair_h200/variants_153c9ce.json``)."""
 
 UNROLL = 1
 """Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times

@@ -11,8 +11,9 @@ On CUDA the same algorithm runs as a CUDA kernel compiled at run time (NVRTC, :d
 cannot express as cheaply: one program of up to 1,024 threads per row, each thread holding a few consecutive
 entries in registers; a bisection step is one warp-wide ``redux`` sum and one barrier (the per-warp counts
 double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans. On an H200 at
-``[12, 1, 4096]`` the Triton kernel takes 15.4 us per call inside a decode step's graph, most of it the 32 steps'
-block-wide reductions. The CUDA kernel also writes the ``keep`` mask of tier 1 (``values > -inf``), one launch less.
+``[12, 1, 4096]`` (k = 128) the Triton kernel takes 16.9 us per call, most of it the 32 steps' block-wide reductions,
+the CUDA kernel 13.3 (``results/selection/topk_h200/``). The CUDA kernel also writes the ``keep`` mask of tier 1
+(``values > -inf``), one launch less.
 
 The result is defined exactly by :func:`ranked_topk_reference` (a stable sort, then each tier sorted by index); the
 kernel's is the same bit for bit, which the tests check on the CPU under Triton's interpreter and on CUDA.
@@ -176,10 +177,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
 CUDA_MAX_N = 32768
 """Most entries per row the CUDA kernel takes (1,024 threads of 32 entries)."""
 
-CUDA_AUTO_MAX_N = 4096
-"""Most entries per row for which :data:`BACKEND` ``None`` picks the CUDA kernel: on an H200 it was faster than the
-Triton kernel at 2,048 and 4,096 entries (9.5 against 12.9 us at batch 8, 13.5 against 16.9 at batch 12) and slower
-at 8,192 (31.2 against 28.3 at batch 6, 1,024 threads of 8)."""
+CUDA_AUTO_MAX_N = 8192
+"""Most entries per row for which :data:`BACKEND` ``None`` picks the CUDA kernel, the lengths where it was measured
+faster than the Triton kernel on an H200 (``results/selection/topk_h200/``): 9.3 against 12.8 us at ``[8, 1,
+2048]``, 13.3 against 16.9 at ``[12, 1, 4096]``, 22.9 against 28.0 at ``[6, 1, 8192]`` (k = 128)."""
 
 BACKEND: str | None = None
 """Which kernel :func:`ranked_topk` runs on CUDA: ``None`` (the CUDA kernel where it compiles, else Triton),
