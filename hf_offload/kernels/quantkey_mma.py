@@ -208,6 +208,17 @@ __device__ __forceinline__ void load_block(const unsigned char* __restrict__ cod
     load_steps(kstep, row, t, ks);
 }
 
+// The B fragment of word wi's codes at position p: kstep times the scaled query of channels lo and lo + 2 PER for
+// register s (lo = CPW wi + PER s + p), from the block's kstep (two channels per register) and the query's factors.
+__device__ __forceinline__ void rhs(const u32* ks, const u32* qs, int wi, int p, u32* bb) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+        const int lo = CPW * wi + PER * s + p;
+        const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
+        bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
+    }
+}
+
 #if STAGES
 constexpr int CODE_BYTES = 2 * D * BITS;           // one block's codes: 16 token rows of D * BITS / 8 bytes
 constexpr int RING_BYTES = CODE_BYTES + 2 * D;     // and its kstep (D bfloat16 values), one ring slot
@@ -444,12 +455,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #pragma unroll
                 for (int p = 0; p < PER; ++p) {
                     u32 bb[2];
-#pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        const int lo = CPW * wi + PER * s + p;   // channels lo and lo + 2 PER
-                        const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
-                        bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
-                    }
+                    rhs(ks, qs, wi, p, bb);
                     mma(acc, take(xa0[wi], p, 0), take(xa1[wi], p, 0), take(xa0[wi], p, 1), take(xa1[wi], p, 1), bb[0],
                         bb[1]);
                     mma(acc2, take(xb0[wi], p, 0), take(xb1[wi], p, 0), take(xb0[wi], p, 1), take(xb1[wi], p, 1), bb[0],
@@ -499,12 +505,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 #pragma unroll
                 for (int p = 0; p < PER; ++p) {
                     u32 bb[2];
-#pragma unroll
-                    for (int s = 0; s < 2; ++s) {
-                        const int lo = CPW * wi + PER * s + p;   // channels lo and lo + 2 PER
-                        const u32 pair = __byte_perm(ks[lo >> 1], ks[(lo + 2 * PER) >> 1], (lo & 1) ? 0x7632 : 0x5410);
-                        bb[s] = mul_bf16x2(pair, qs[2 * PER * wi + 2 * p + s]);
-                    }
+                    rhs(ks, qs, wi, p, bb);
 #if CHAINS == 2
                     mma((PER * wi + p) & 1 ? acc2 : acc, take(x0[wi], p, 0), take(x1[wi], p, 0), take(x0[wi], p, 1),
                         take(x1[wi], p, 1), bb[0], bb[1]);
