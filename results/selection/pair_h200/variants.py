@@ -55,6 +55,8 @@ def regs(head_dim, bits, group):
 scale = 128 ** -0.5
 variants = [(1, False, 3, 4, 0, False), (1, True, 2, 4, 0, False), (1, True, 2, 4, 0, True), (2, True, 2, 4, 0, True),
             (1, False, 3, 4, 0, True)]
+if os.environ.get("VARIANTS_ONLY_DEFAULTS"):  # the library's defaults alone
+    variants = [(qm.PASSES, qm.PAIR, qm.PAIR_STAGES, qm.WARPS, qm.MIN_BLOCKS, qm.FAST_LOG)]
 rows = []
 for bits in (2, 4):
     small = inputs(2, 157, 2, 4, 128, bits)
