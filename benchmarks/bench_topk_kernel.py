@@ -20,37 +20,16 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.common import cuda_graph_us, run_metadata, write_results  # noqa: E402
 from hf_offload.kernels import topk  # noqa: E402
 
 SHAPES = [(12, 4096, 128, 128), (12, 4096, 128, 512), (6, 8192, 128, 128), (8, 2048, 128, 128)]
 """(batch, blocks, k, ranked): 64K tokens at batch 12 (plain ``quantkey``, and the default selector's near blocks),
 128K at batch 6, 32K at batch 8; 16-token blocks, a 2,048-token budget."""
 
-LAYOUTS = [None, (256, 16), (1024, 4), (128, 32)]
-"""CUDA thread layouts timed besides the default one (``None``), where they cover the row."""
-
-
-def timed(fn, calls: int, reps: int) -> float:
-    """Median microseconds per call of ``fn`` replayed in a CUDA graph of ``calls`` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    times.sort()
-    return times[len(times) // 2]
+LAYOUTS = [None, (512, 8), (256, 16), (1024, 4), (128, 32), (1024, 8)]
+"""CUDA thread layouts (threads, entries per thread) timed besides the default one (``None``), where they cover the
+row (512 x 8 and 1,024 x 8: the first defaults at 4,096 and 8,192 entries)."""
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -69,13 +48,14 @@ def main(argv: list[str] | None = None) -> None:
             scores[:, :, :2] = float("inf")
             scores[:, :, -8:] = float("inf")
             want = topk.ranked_topk_reference(scores, k, ranked)
-            variants = [("triton", None)] + [("cuda", lay) for lay in LAYOUTS if lay is None or lay[0] * lay[1] >= n]
+            variants = [("triton", None)] + [("cuda", lay) for lay in LAYOUTS
+                                             if lay is None or (lay[0] * lay[1] >= n and lay != default_layout(n))]
             for name, lay in variants:
                 topk.BACKEND = name
                 topk._cuda_layout = (lambda m, lay=lay: lay) if lay else default_layout
                 got = topk.ranked_topk_keep(scores, k, ranked)
                 same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-                us = timed(lambda: topk.ranked_topk_keep(scores, k, ranked), args.calls, args.reps)
+                us = cuda_graph_us(lambda i: topk.ranked_topk_keep(scores, k, ranked), args.calls, args.reps)
                 layout = lay or (default_layout(n) if name == "cuda" else None)
                 label = name if layout is None else f"{name} {layout[0]}x{layout[1]}"
                 print(f"[{batch}, 1, {n}] k {k} ranked {ranked} {label:16s}: {us:6.2f} us  same {same}", flush=True)

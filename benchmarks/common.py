@@ -37,6 +37,23 @@ def cuda_timed(fn, repeat: int) -> float:
     return sorted(times)[len(times) // 2] / 1e3
 
 
+def cuda_graph_us(fn, calls: int = 10, reps: int = 30, warmup: int = 3) -> float:
+    """Median microseconds per call of ``fn(i)`` (``i``: the call's index, e.g. to alternate input sets) from CUDA
+    graphs of ``calls`` calls: ``fn(0)`` and ``fn(1)`` run once outside the capture (compilation), then ``warmup``
+    untimed replays and ``reps`` timed ones (CUDA events); the host's launch time is left out, as in a decode step's
+    graph."""
+    for i in range(min(calls, 2)):
+        fn(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(i)
+    ms = cuda_event_ms(graph.replay, warmup=warmup, reps=reps)
+    del graph
+    return sorted(ms)[len(ms) // 2] * 1e3 / calls
+
+
 def git_commit() -> str | None:
     """HEAD of this checkout, or ``$HF_OFFLOAD_GIT_COMMIT`` where the code runs from a copy without git."""
     if os.environ.get("HF_OFFLOAD_GIT_COMMIT"):

@@ -1,5 +1,10 @@
 """Time the scoring kernel's PASSES / PAIR variants at 64K tokens, batch 12 (8B shape), 2 and 4 bits, in CUDA graphs
-of 10 launches over two input sets (median of 30 replays); check each against the emulation first."""
+of 10 launches over two input sets (median of 30 replays); check each against the emulation first.
+
+``VARIANTS_SET`` picks the list of one call (``variants_<set>.json`` in this folder; a variant is (passes, pair,
+ring depth, warps, register cap, fast log)): ``23d1d8f``, ``73e751b`` or ``153c9ce`` (the default), or
+``defaults`` for the library's defaults alone. Usage, from the repository root:
+``VARIANTS_SET=153c9ce python3 results/selection/pair_h200/variants.py`` (writes ``$OUT/variants.json``)."""
 import ctypes
 import json
 import os
@@ -9,6 +14,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmarks.common import cuda_graph_us  # noqa: E402
 from hf_offload.kernels import quantkey_mma as qm  # noqa: E402
 
 dev = "cuda"
@@ -23,40 +29,34 @@ def inputs(b, n, h, group, d, bits):
     return query, codes, kmin, kstep
 
 
-def timed(fn, calls=10, reps=30):
-    fn(0); torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fn(i % 2)
-    for _ in range(3):
-        graph.replay()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); graph.replay(); b.record(); b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3 / calls)
-    ts.sort()
-    return ts[len(ts) // 2]
-
-
 def regs(head_dim, bits, group):
     try:
         fn = qm._kernel(head_dim, bits, "subnormal", group, True)
         func = getattr(fn, "func", None) or getattr(fn, "_func", None)
         cuda = ctypes.CDLL("libcuda.so.1")
         v = ctypes.c_int()
-        cuda.cuFuncGetAttribute(ctypes.byref(v), 4, ctypes.c_void_p(int(func) if not isinstance(func, ctypes.c_void_p) else func.value))
+        handle = func.value if isinstance(func, ctypes.c_void_p) else int(func)
+        cuda.cuFuncGetAttribute(ctypes.byref(v), 4, ctypes.c_void_p(handle))  # CU_FUNC_ATTRIBUTE_NUM_REGS
         return v.value
     except Exception as e:
         return f"? {type(e).__name__}"
 
 
 scale = 128 ** -0.5
-variants = [(1, False, 3, 4, 0, False), (1, True, 2, 4, 0, False), (1, True, 2, 4, 0, True), (2, True, 2, 4, 0, True),
-            (1, False, 3, 4, 0, True)]
-if os.environ.get("VARIANTS_ONLY_DEFAULTS"):  # the library's defaults alone
-    variants = [(qm.PASSES, qm.PAIR, qm.PAIR_STAGES, qm.WARPS, qm.MIN_BLOCKS, qm.FAST_LOG)]
+SETS = {
+    # (the kernels of 23d1d8f and 73e751b had no FAST_LOG: logf, as False)
+    "23d1d8f": [(p, pair, st, 4, 0, False) for p, pair, st in
+                [(1, False, 3), (2, False, 3), (4, False, 3), (1, True, 3), (2, True, 3), (4, True, 3), (1, True, 2),
+                 (2, True, 2), (8, False, 3), (8, True, 3)]],
+    "73e751b": [(1, False, 3, 4, 0, False), (2, False, 3, 4, 0, False), (1, True, 2, 4, 0, False),
+                (1, True, 3, 4, 0, False), (2, True, 2, 4, 0, False), (4, True, 2, 4, 0, False),
+                (1, True, 2, 8, 0, False), (1, True, 2, 4, 7, False), (2, True, 2, 4, 7, False),
+                (1, True, 4, 4, 0, False), (2, True, 2, 8, 0, False)],
+    "153c9ce": [(1, False, 3, 4, 0, False), (1, True, 2, 4, 0, False), (1, True, 2, 4, 0, True),
+                (2, True, 2, 4, 0, True), (1, False, 3, 4, 0, True)],
+    "defaults": [(qm.PASSES, qm.PAIR, qm.PAIR_STAGES, qm.WARPS, qm.MIN_BLOCKS, qm.FAST_LOG)],
+}
+variants = SETS["defaults" if os.environ.get("VARIANTS_ONLY_DEFAULTS") else os.environ.get("VARIANTS_SET", "153c9ce")]
 rows = []
 for bits in (2, 4):
     small = inputs(2, 157, 2, 4, 128, bits)
@@ -75,13 +75,14 @@ for bits in (2, 4):
         def fn(i):
             q, c, kmn, kst = sets[i]
             qm.launch(q, c, kmn, kst, outs[i], 4096, bits, scaling=scale)
-        us = timed(fn)
+        us = cuda_graph_us(lambda i: fn(i % 2))
         r = regs(128, bits, 4)
-        print(f"bits {bits} passes {passes} pair {pair} stages {st} warps {warps} minblocks {mb} fastlog {fl}: {us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s  "
-              f"err {err:.2e}  regs {r}", flush=True)
-        rows.append({"bits": bits, "passes": passes, "pair": pair, "stages": st, "warps": warps, "min_blocks": mb, "fast_log": fl, "us": us, "bytes": nbytes,
-                     "max_err_vs_emulated": err, "regs": r})
-    del sets, outs
+        print(f"bits {bits} passes {passes} pair {pair} stages {st} warps {warps} minblocks {mb} fastlog {fl}: "
+              f"{us:7.1f} us  {nbytes / us / 1e6:5.2f} TB/s  err {err:.2e}  regs {r}", flush=True)
+        rows.append({"bits": bits, "passes": passes, "pair": pair, "stages": st, "warps": warps, "min_blocks": mb,
+                     "fast_log": fl, "us": us, "bytes": nbytes, "max_err_vs_emulated": err, "regs": r})
+    sets = outs = None  # (freed before the next bit width's inputs)
     torch.cuda.empty_cache()
-meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "commit": os.environ.get("HF_OFFLOAD_GIT_COMMIT")}
+meta = {"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+        "commit": os.environ.get("HF_OFFLOAD_GIT_COMMIT")}
 json.dump({"meta": meta, "rows": rows}, open(f"{os.environ.get('OUT', '.')}/variants.json", "w"), indent=1)
