@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindo
 from . import transfer
 from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
 from .config import OffloadConfig
+from .kernels.append import append_token
 from .kernels.seal import seal_block, seal_block_supported
 from .graphs import (
     CapturedDecode,
@@ -568,9 +569,7 @@ class OffloadLayer(CacheLayerMixin):
         """
         if key_states.dtype != self.dtype:
             key_states, value_states = key_states.to(self.dtype), value_states.to(self.dtype)
-        pos = self._layer_capture.inputs.open_pos
-        self._open_k.index_copy_(2, pos, key_states)
-        self._open_v.index_copy_(2, pos, value_states)
+        append_token(self._open_k, self._open_v, self._layer_capture.inputs.open_pos, key_states, value_states)
         n_recent = self.keys.shape[-2] + 1
         leave_handoff(Handoff(self, self._open_k, self._open_v, self.n_blocks * self.block_tokens, self.n_blocks,
                               n_recent))  # fmt: skip

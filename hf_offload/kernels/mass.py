@@ -10,7 +10,7 @@ each a kernel of 1-7 us inside a decode step's CUDA graph: 30.5 us per layer at 
 ``-inf`` entries; the tests compare the two on the CPU under Triton's interpreter and on CUDA.
 
 Two launches: per sequence and head the maximum and sum of exponentials over its valid blocks (one program per row,
-``STATS_BLOCK_N`` blocks at a time, the running sum rescaled to each new maximum; the step count is a power of two,
+up to ``STATS_BLOCK_N`` blocks at a time, the running sum rescaled to each new maximum; the step count is a power of two,
 so the kernel compiles once per power of two of the block count); per sequence and chunk of
 ``BLOCK_N`` blocks the masses summed over heads and the final scores. Until the second version there were three: the
 chunk statistics (4.6 us per layer at 64K tokens, batch 12 on an H200) and their combination (1.6 us) were two
@@ -26,8 +26,11 @@ from .gather import kernels_available, tl, triton
 BLOCK_N = 128
 """Blocks per program of the third launch (the scores)."""
 
-STATS_BLOCK_N = 1024
-"""Blocks per step of the first launch's loop (one program per sequence and head)."""
+STATS_BLOCK_N = 4096
+"""Most blocks per step of the first launch's loop (one program per sequence and head; rows of fewer blocks take one
+step of the next power of two). On an H200 (batch 12, 32 rows of 4,096 blocks, 4 warps, inside CUDA graphs;
+``results/decode/step_trace_h200/gemm_probe.json``) one step of 4,096 took 3.67 us, 2, 4 and 8 steps of 2,048,
+1,024 and 512 blocks 4.54, 6.15 and 8.77 us: the loop's steps wait on each other."""
 
 MAX_CHUNKS = 1024
 """Most ``BLOCK_N``-block chunks per sequence the kernels take (131,072 blocks, 2M tokens at 16-token blocks);
@@ -138,8 +141,9 @@ def block_scores(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -
     forced_u8 = forced.contiguous().view(torch.uint8)
     stats = torch.empty((batch, rows, 2), dtype=torch.float32, device=lse.device)
     out = torch.empty((batch, 1, n), dtype=torch.float32, device=lse.device)
-    _row_stats_kernel[(batch * rows,)](lse, valid_u8, stats, rows, n, BLOCK=STATS_BLOCK_N,
-                                       STEPS=triton.next_power_of_2(triton.cdiv(n, STATS_BLOCK_N)), num_warps=4)
+    step = min(STATS_BLOCK_N, max(128, triton.next_power_of_2(n)))
+    _row_stats_kernel[(batch * rows,)](lse, valid_u8, stats, rows, n, BLOCK=step,
+                                       STEPS=triton.next_power_of_2(triton.cdiv(n, step)), num_warps=4)
     _scores_kernel[(batch, chunks)](lse, valid_u8, forced_u8, stats, out, rows, n,
                                     ROWS=triton.next_power_of_2(rows), BLOCK=BLOCK_N)  # fmt: skip
     return out
