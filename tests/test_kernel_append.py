@@ -25,7 +25,8 @@ def _case(batch, heads, tokens, dim, dtype, seed):
 
 
 @pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("batch,heads,tokens,dim,dtype", [(3, 2, 16, 64, torch.bfloat16), (1, 8, 16, 128, torch.float16),
+@pytest.mark.parametrize("batch,heads,tokens,dim,dtype", [(3, 2, 16, 64, torch.bfloat16),
+                                                          (1, 8, 16, 128, torch.float16),
                                                           (2, 1, 8, 96, torch.float32)])  # fmt: skip
 def test_append_matches_index_copy(batch, heads, tokens, dim, dtype):
     pool, key, value = _case(batch, heads, tokens, dim, dtype, seed=dim)
