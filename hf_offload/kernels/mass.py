@@ -12,8 +12,9 @@ each a kernel of 1-7 us inside a decode step's CUDA graph: 30.5 us per layer at 
 Two launches: per sequence and head the maximum and sum of exponentials over its valid blocks (one program per row,
 up to ``STATS_BLOCK_N`` blocks at a time, the running sum rescaled to each new maximum; the step count is a power of
 two, so the kernel compiles once per power of two of the block count); per sequence and chunk of ``BLOCK_N`` blocks
-the masses summed over heads and the final scores. Until the second version there were three: the chunk statistics (4.6 us per layer at 64K tokens, batch 12 on an H200) and their combination (1.6 us) were two
-launches of fixed width.
+the masses summed over heads and the final scores. Until the second version there were three: the chunk statistics
+(4.6 us per layer at 64K tokens, batch 12 on an H200) and their combination (1.6 us) were two launches of fixed
+width.
 """
 
 from __future__ import annotations
