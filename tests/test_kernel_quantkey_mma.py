@@ -243,16 +243,11 @@ def test_dispatch_on_the_device_and_the_toolkit(monkeypatch, capability, hip, co
         assert not mma_supported(query, _Shape(2, 100, 8, 32, 32, dtype=torch.uint8), kmin, 2)  # 32-token blocks
 
 
-@pytest.mark.parametrize("swizzle", [True, False])
 @pytest.mark.parametrize("transpose", [True, False])
 @pytest.mark.parametrize("warps", [4, 8])
-def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose, swizzle):
+def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose):
     monkeypatch.setattr(quantkey_mma, "WARPS", warps)
     monkeypatch.setattr(quantkey_mma, "TRANSPOSE", transpose)
-    monkeypatch.setattr(quantkey_mma, "SWIZZLE", swizzle)
-    # a slot: codes and kstep, with the swizzle padded to 64 bytes past a multiple of 128
-    assert quantkey_mma.slot_bytes(128, 2) == (832 if swizzle else 768)
-    assert quantkey_mma.slot_bytes(64, 4) == (704 if swizzle else 640)
     for stages in (0, 1, 2, 3, 4, 6, 16):
         monkeypatch.setattr(quantkey_mma, "STAGES", stages)
         for head_dim in (64, 128, 256):
@@ -261,8 +256,7 @@ def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose, swi
                     depth = quantkey_mma.stages(head_dim, bits, group)
                     assert depth == 0 or 2 <= depth <= stages
                     slots = 2 * depth if quantkey_mma.paired(group, depth) else depth  # pairs of blocks
-                    data = 2 * head_dim * bits + 2 * head_dim
-                    ring = warps * slots * (data + ((192 - data % 128) % 128 if swizzle else 0))
+                    ring = warps * slots * (2 * head_dim * bits + 2 * head_dim)
                     if transpose:  # the tile of 8 blocks x group heads x 20 floats and 16 x group constants
                         staging = 4 * warps * (8 * group * 20 + 16 * group)
                     else:  # two [16 blocks, 9 heads] float arrays per warp
@@ -270,8 +264,7 @@ def test_ring_depth_fits_static_shared_memory(monkeypatch, warps, transpose, swi
                     assert staging == quantkey_mma.staging_bytes(group)
                     assert ring + staging <= quantkey_mma.SHARED_BYTES
     monkeypatch.setattr(quantkey_mma, "STAGES", 3)
-    # paired blocks (the tile's reduction only): 2 pairs of 768-byte blocks (832 with the padding) per warp; at 8
-    # warps the padded pairs and the tile fill the 48 KiB exactly
+    # paired blocks (the tile's reduction only): 2 pairs of 768-byte blocks per warp
     assert quantkey_mma.stages(128, 2, 4) == (quantkey_mma.PAIR_STAGES if transpose else 3) == (2 if transpose else 3)
     if warps == 4:  # 7 query heads: no pairs, 3 x 768 bytes per warp
         assert quantkey_mma.stages(128, 2, 7) == 3

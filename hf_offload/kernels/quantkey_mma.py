@@ -99,14 +99,6 @@ hardware's base-2 logarithm (``lg2.approx``, absolute error about 2**-22) instea
 (about 20 instructions per (block, head); read when a kernel is compiled). 114.9 against 115.2 us paired, 127.6
 against 128.8 unpaired (2 bits, ``results/selection/pair_h200/variants_153c9ce.json``)."""
 
-SWIZZLE = True
-"""Whether the ring's slots lay out a block's ``kstep`` so that one load instruction's lanes read it without bank
-conflicts (read when a kernel is compiled): the four threads ``t`` of a load read four consecutive 16-byte chunks
-(each thread's channels are transposed across the chunks at the copy), and slots are padded to 64 bytes past a
-multiple of 128 so that the two blocks of a pair (:data:`PAIR`) fall on different banks. Without it, Nsight Compute
-counted 4.8-way conflicts on average over the kernel's shared-memory loads (36% of their wavefronts) at 64K tokens,
-batch 12 (``results/decode/step_trace_h200/``)."""
-
 UNROLL = 1
 """Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times
 others)."""
@@ -229,24 +221,8 @@ __device__ __forceinline__ void rhs(const u32* ks, const u32* qs, int wi, int p,
 
 #if STAGES
 constexpr int CODE_BYTES = 2 * D * BITS;           // one block's codes: 16 token rows of D * BITS / 8 bytes
-constexpr int DATA_BYTES = CODE_BYTES + 2 * D;     // and its kstep (D bfloat16 values)
-// One ring slot: the block's bytes and, with SWIZZLE, padding that puts consecutive slots 64 bytes apart modulo 128
-// (so that the kstep chunks lanes read from two slots at once fall in different banks).
-constexpr int RING_BYTES = DATA_BYTES + (SWIZZLE ? (192 - DATA_BYTES % 128) % 128 : 0);
-constexpr int CHUNKS = (DATA_BYTES / 16 + 31) / 32;  // 16-byte copies per lane and block
-constexpr int NT = D / 32;  // 16-byte chunks of kstep per thread (t): chunk NT t + i holds its channels 8 i .. 8 i + 7
-// Where kstep chunk c lies in a ring slot's kstep area: with SWIZZLE transposed (chunk NT t + i at 4 i + t), so the
-// four threads t of one load read four consecutive chunks (64 contiguous bytes, no bank conflict) instead of chunks
-// 16 NT bytes apart (every second t on the same banks).
-__device__ __forceinline__ constexpr int kstep_chunk(int c) { return SWIZZLE ? 4 * (c % NT) + c / NT : c; }
-// kstep of thread t's channels from a ring slot's kstep area (laid out by kstep_chunk), two per register.
-__device__ __forceinline__ void load_ring_steps(const unsigned char* area, int t, u32* ks) {
-#pragma unroll
-    for (int i = 0; i < NT; ++i) {
-        uint4 v = *reinterpret_cast<const uint4*>(area + 16 * kstep_chunk(NT * t + i));
-        ks[4 * i] = v.x; ks[4 * i + 1] = v.y; ks[4 * i + 2] = v.z; ks[4 * i + 3] = v.w;
-    }
-}
+constexpr int RING_BYTES = CODE_BYTES + 2 * D;     // and its kstep (D bfloat16 values), one ring slot
+constexpr int CHUNKS = (RING_BYTES / 16 + 31) / 32;  // 16-byte copies per lane and block
 // A lane's share of the copies of one block into a ring slot: chunk lane + 32 i of the slot, from the codes (the
 // first CODE_BYTES) or from kstep; `src` points at it in block `first`'s row and moves `step` bytes per block.
 struct Copies {
@@ -262,8 +238,8 @@ __device__ __forceinline__ Copies plan_copies(const unsigned char* __restrict__ 
 #pragma unroll
     for (int i = 0; i < CHUNKS; ++i) {
         const int at = 16 * (lane + 32 * i);
-        c.on[i] = at < DATA_BYTES;
-        c.dst[i] = ring + (at < CODE_BYTES ? at : CODE_BYTES + 16 * kstep_chunk((at - CODE_BYTES) / 16));
+        c.on[i] = at < RING_BYTES;
+        c.dst[i] = ring + at;
         if (at < CODE_BYTES) {
             c.src[i] = codes + row * CODE_BYTES + at;
             c.step[i] = static_cast<long long>(heads) * CODE_BYTES;
@@ -472,7 +448,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
             u32 xa0[W], xa1[W], xb0[W], xb1[W];
             load_codes(sa, 0, g, t, xa0, xa1);
             load_codes(sb, 0, g, t, xb0, xb1);
-            load_ring_steps((g >= 4 ? sb : sa) + CODE_BYTES, t, ks);
+            load_steps(reinterpret_cast<const unsigned short*>((g >= 4 ? sb : sa) + CODE_BYTES), 0, t, ks);
             float acc[4] = {0.f, 0.f, 0.f, 0.f}, acc2[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int wi = 0; wi < W; ++wi)
@@ -514,8 +490,7 @@ extern "C" __global__ void BOUNDS quantkey_mma(
             cp_wait();
             __syncwarp();  // and every lane's copies of block j are visible to the others
             const unsigned char* slot = ring[warp][j % STAGES];
-            load_codes(slot, 0, g, t, x0, x1);
-            load_ring_steps(slot + CODE_BYTES, t, ks);
+            load_block(slot, reinterpret_cast<const unsigned short*>(slot + CODE_BYTES), 0, g, t, x0, x1, ks);
 #endif
 #if PREFETCH && !STAGES  // the next block's loads are in flight while this one is scored
             u32 nx0[W], nx1[W], nks[CH / 2];
@@ -680,20 +655,13 @@ def paired(group: int, depth: int) -> bool:
     return bool(PAIR) and TRANSPOSE and group <= 4 and depth >= 2
 
 
-def slot_bytes(head_dim: int, bits: int) -> int:
-    """Bytes of one ring slot: a block's codes and ``kstep`` (``2 * head_dim * bits + 2 * head_dim``), with
-    :data:`SWIZZLE` padded to 64 bytes past a multiple of 128 (the kernel's ``RING_BYTES``)."""
-    data = 2 * head_dim * bits + 2 * head_dim
-    return data + ((192 - data % 128) % 128 if SWIZZLE else 0)
-
-
 def stages(head_dim: int, bits: int, group: int = 8) -> int:
     """The ring depth compiled for ``head_dim``, ``bits`` and ``group`` query heads per KV head: :data:`STAGES`,
-    lowered until the ring (``WARPS * stages`` slots of :func:`slot_bytes`, twice that where blocks are paired) and
+    lowered until the ring (``WARPS * stages * (2 * head_dim * bits + 2 * head_dim)`` bytes) and
     :func:`staging_bytes` fit :data:`SHARED_BYTES`; 0 or 1 mean no ring (a ring of one block would only serialise
     the copies)."""
     pair = paired(group, 2)
-    ring = WARPS * slot_bytes(head_dim, bits) * (2 if pair else 1)
+    ring = WARPS * (2 * head_dim * bits + 2 * head_dim) * (2 if pair else 1)
     fits = (SHARED_BYTES - staging_bytes(group)) // ring
     depth = min(STAGES, PAIR_STAGES, fits) if pair else min(STAGES, fits)
     return depth if depth >= 2 else 0
@@ -706,12 +674,11 @@ _FAILED: str | None = None  # why compiling failed, once it has (then the kernel
 def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int = 8, query_bf16: bool = False):
     """The compiled kernel for ``head_dim``, ``bits``, ``decode``, ``group`` query heads per KV head (1-8), a
     bfloat16 (``query_bf16``) or float32 query and the current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`,
-    :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE`, :data:`SWIZZLE` and :func:`stages` (compiled once per process
-    each)."""
+    :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE` and :func:`stages` (compiled once per process each)."""
     bounds, depth = min_blocks(head_dim), stages(head_dim, bits, group)
     pair = paired(group, depth)
     key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth,
-           PASSES, pair, FAST_LOG, SWIZZLE)
+           PASSES, pair, FAST_LOG)
     fn = _COMPILED.get(key)
     if fn is None:
         if decode not in DECODES:
@@ -722,7 +689,7 @@ def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int 
                    "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": bounds,
                    "STAGES": depth, "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
                    "QBF16": int(query_bf16), "PASSES": PASSES, "PAIR": int(pair),
-                   "FASTLOG": int(FAST_LOG), "SWIZZLE": int(SWIZZLE)}  # fmt: skip
+                   "FASTLOG": int(FAST_LOG)}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "quantkey_mma")
         _COMPILED[key] = fn
