@@ -61,8 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--admitted", type=float, default=0.9, help="share of blocks in admitted device chunks")
     parser.add_argument("--configs", nargs="+", default=["4/4/0", "2/4/0", "8/4/0", "4/8/0", "8/8/0", "4/4/1"],
-                        help="block_e/num_warps/splits[/num_stages[/heads_inner]] (splits 0: the default; "
-                        "num_stages 0: Triton's; heads_inner 0 or 1, default 0)")
+                        help="block_e/num_warps/splits[/num_stages] (splits 0: the default)")
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--graph-calls", type=int, default=10,
                         help="calls per timed CUDA graph replay (0: time single calls, host launch included)")
@@ -103,16 +102,14 @@ def main(argv: list[str] | None = None) -> int:
                "paged": []}  # fmt: skip
     print(f"{'variant':24s} {'us':>8s} {'max |err|':>10s}")
     for spec in args.configs:
-        block_e, warps, splits, stages, inner = ([int(x) for x in spec.split("/")] + [0, 0])[:5]
+        block_e, warps, splits, stages = ([int(x) for x in spec.split("/")] + [0])[:4]
         fn = lambda: paged_decode(*call, out_dtype=torch.float32, block_e=block_e, num_warps=warps,  # noqa: E731
-                                  splits=splits or None, num_stages=stages or None,
-                                  heads_inner=bool(inner))  # fmt: skip
+                                  splits=splits or None, num_stages=stages or None)  # fmt: skip
         out, lse = fn()
         err = max((out - ref_out).abs().max().item(), (lse - ref_lse).abs().max().item())
         us = _time(fn, args.repeats, args.graph_calls)
         results["paged"].append({"block_e": block_e, "num_warps": warps, "splits": splits or None,
-                                 "num_stages": stages or None, "heads_inner": bool(inner), "us": us,
-                                 "max_abs_error": err})  # fmt: skip
+                                 "num_stages": stages or None, "us": us, "max_abs_error": err})  # fmt: skip
         print(f"paged {spec:18s} {us:8.1f} {err:10.2e}")
 
     # The slot-pool path: every selected block in a slot; one SDPA over the pool with a mask.

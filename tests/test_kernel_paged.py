@@ -52,11 +52,10 @@ def _case(seed, batch, heads, group, head_dim, tokens, slots, k, per_head, dtype
                 chunks=chunks, admitted=admitted, addrs=addrs, on_host=on_host, chunk_blocks=chunk_blocks, pool=pool)
 
 
-@pytest.mark.parametrize("heads_inner", [False, True])
 @pytest.mark.parametrize("per_head", [False, True])
 @pytest.mark.parametrize("splits", [None, 1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32] + HALF)
-def test_paged_decode_matches_the_reference(per_head, splits, dtype, heads_inner):
+def test_paged_decode_matches_the_reference(per_head, splits, dtype):
     c = _case(7 + splits if splits else 5, batch=2, heads=2, group=3, head_dim=16, tokens=8, slots=9, k=7,
               per_head=per_head, dtype=dtype)  # fmt: skip
     assert paged_decode_supported(c["pool"])
@@ -67,7 +66,7 @@ def test_paged_decode_matches_the_reference(per_head, splits, dtype, heads_inner
     )  # fmt: skip
     out, lse = paged_decode(
         c["query"], scaling, c["blocks"], c["keep"], c["slots"], c["rows"], c["open_row"], c["table"], c["addrs"],
-        c["on_host"], c["chunk_blocks"], c["pool"], splits=splits, block_e=2, heads_inner=heads_inner,
+        c["on_host"], c["chunk_blocks"], c["pool"], splits=splits, block_e=2,
     )  # fmt: skip
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # half precision: the kernel rounds the probabilities to it
     torch.testing.assert_close(lse, ref_lse, atol=tol, rtol=tol)
@@ -80,23 +79,22 @@ def test_paged_decode_matches_the_reference(per_head, splits, dtype, heads_inner
     c["chunks"][block // c["chunk_blocks"]][block % c["chunk_blocks"]] += 1.0
     out2, _ = paged_decode(
         c["query"], scaling, c["blocks"], c["keep"], c["slots"], c["rows"], c["open_row"], c["table"], c["addrs"],
-        c["on_host"], c["chunk_blocks"], c["pool"], splits=splits, block_e=2, heads_inner=heads_inner,
+        c["on_host"], c["chunk_blocks"], c["pool"], splits=splits, block_e=2,
     )  # fmt: skip
     assert not torch.allclose(out2, out)
 
 
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("heads_inner", [False, True])
-@pytest.mark.parametrize("block_e,splits", [(4, None), (8, 3), (2, 1), (8, None)])
-def test_paged_decode_at_a_real_shape(block_e, splits, heads_inner):
+@pytest.mark.parametrize("block_e,splits", [(4, None), (8, 3), (2, 1)])
+def test_paged_decode_at_a_real_shape(block_e, splits):
     """The 8B shape's heads, 16-token blocks, 60 selected blocks in many tiles per program, bfloat16."""
     c = _case(11, batch=3, heads=8, group=4, head_dim=128, tokens=16, slots=75, k=60, per_head=False,
               dtype=torch.bfloat16, chunk_blocks=16, n_chunks=12)  # fmt: skip
     args = (c["query"], 0.088, c["blocks"], c["keep"], c["slots"], c["rows"], c["open_row"], c["table"])
     ref_out, ref_lse = paged_decode_reference(*args, c["chunks"], c["admitted"], c["pool"])
     out, lse = paged_decode(*args, c["addrs"], c["on_host"], c["chunk_blocks"], c["pool"], block_e=block_e,
-                            splits=splits, heads_inner=heads_inner)  # fmt: skip
+                            splits=splits)  # fmt: skip
     torch.testing.assert_close(lse, ref_lse, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out, ref_out, atol=2e-2, rtol=2e-2)
 

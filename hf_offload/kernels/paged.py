@@ -122,83 +122,6 @@ def paged_decode_reference(
 if triton is not None:
 
     @triton.jit
-    def _tile_entries(blocks_ptr, keep_ptr, table_ptr, chunk_addr_ptr, chunk_on_host_ptr, rows_ptr, b, hs, j, first,
-                      k_entries, n_rows, open_row, table_stride, chunk_blocks, PER_SPLIT: tl.constexpr,
-                      HS: tl.constexpr, T: tl.constexpr):
-        # Entries j of one tile: where each one's keys lie (read in place from its admitted chunk, or not), its
-        # chunk's address, its block id, whether it is the open block, and which of its tokens are attended.
-        sel = j < k_entries
-        is_open = j == k_entries
-        live = (j < first + PER_SPLIT) & (j <= k_entries)
-        at = (b * HS + hs) * k_entries + j
-        blk = tl.load(blocks_ptr + at, mask=sel, other=0)
-        kept = tl.load(keep_ptr + at, mask=sel, other=0) != 0
-        used = live & ((sel & kept) | is_open)
-        bid = tl.load(table_ptr + b * table_stride + blk, mask=sel & kept, other=-1)
-        chunk = tl.where(bid >= 0, bid // chunk_blocks, 0)
-        on_host = tl.load(chunk_on_host_ptr + chunk, mask=bid >= 0, other=1) != 0
-        in_place = (bid >= 0) & ~on_host
-        base = tl.load(chunk_addr_ptr + chunk, mask=in_place, other=0)
-        row = tl.where(is_open, open_row, blk)
-        t = tl.arange(0, T)
-        tok = tl.load(rows_ptr + (b * n_rows + row)[:, None] * T + t[None, :], mask=used[:, None], other=0) != 0
-        return sel, is_open, in_place, base, bid, tok & used[:, None]  # tok: [BLOCK_E, T]
-
-    @triton.jit
-    def _attend_tile(q, pool_ptr, pool_addr, slots_ptr, b, h, j, sel, is_open, in_place, base, bid, tok, m_i, l_i,
-                     acc, scaling, k_entries, chunk_blocks, batch, H: tl.constexpr, S: tl.constexpr,
-                     T: tl.constexpr, D: tl.constexpr, BLOCK_E: tl.constexpr, IEEE: tl.constexpr):
-        # One tile of entries for KV head h: their keys and values read through per-entry addresses (an admitted
-        # block's K (V) of this head at its chunk's address plus the block's and head's offset, else the entry's
-        # slot in the pool; masked tokens read nothing and get -inf logits), folded into the online softmax.
-        dt = pool_ptr.dtype.element_ty
-        ESIZE: tl.constexpr = dt.primitive_bitwidth // 8
-        block_elems = 2 * H * T * D  # one block of the block pool: K and V of every head
-        pool_v = batch * H * (S + 1) * T * D  # V's offset in the pool
-        slot = tl.load(slots_ptr + (b * H + h) * k_entries + j, mask=sel, other=0)
-        slot = tl.where(is_open, S, slot)
-        # Element offsets from the pool's start. Every offset is a multiple of 16 elements (device allocations
-        # start 512-byte aligned; T * D is a multiple of 16), which lets the loads below use wide accesses.
-        place_off = (base - pool_addr) // ESIZE + (bid % chunk_blocks) * block_elems + h * T * D
-        pool_off = (((b * H + h) * (S + 1) + slot) * T) * D
-        k_off = tl.multiple_of(tl.where(in_place, place_off, pool_off), 16)
-        v_off = tl.multiple_of(k_off + tl.where(in_place, H * T * D, pool_v), 16)
-        t = tl.arange(0, T)
-        d = tl.arange(0, D)
-        inner = (t[None, :, None] * D + d[None, None, :]).to(tl.int64)  # [1, T, D]
-        lmask = tok[:, :, None]
-        keys = tl.reshape(tl.load(pool_ptr + k_off[:, None, None] + inner, mask=lmask, other=0.0), (BLOCK_E * T, D))
-        vals = tl.reshape(tl.load(pool_ptr + v_off[:, None, None] + inner, mask=lmask, other=0.0), (BLOCK_E * T, D))
-        if IEEE:
-            s = tl.dot(q, tl.trans(keys), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(keys))
-        s = s * scaling
-        s = tl.where(tl.reshape(tok, (BLOCK_E * T,))[None, :], s, float("-inf"))  # [GP, BLOCK_E * T]
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vals, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vals)
-        return m_new, l_i, acc
-
-    @triton.jit
-    def _store_part(part_out_ptr, part_lse_ptr, bh, split, m_i, l_i, acc, G: tl.constexpr, GP: tl.constexpr,
-                    D: tl.constexpr, SPLITS: tl.constexpr):
-        g = tl.arange(0, GP)
-        d = tl.arange(0, D)
-        empty = l_i == 0.0
-        out = acc / tl.where(empty, 1.0, l_i)[:, None]
-        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
-        at = (bh * SPLITS + split) * G + g
-        tl.store(part_out_ptr + at[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
-        tl.store(part_lse_ptr + at, lse, mask=g < G)
-
-    @triton.jit
     def _paged_partial_kernel(
         q_ptr,  # [B, H, G, D], the pool's dtype
         blocks_ptr,  # int64 [B, HS, K]
@@ -230,54 +153,87 @@ if triton is not None:
         SPLITS: tl.constexpr,
         BLOCK_E: tl.constexpr,
         IEEE: tl.constexpr,
-        HEADS_INNER: tl.constexpr,
     ):
-        # One program: one split's share of the entries (the k selected ones, then the open block as entry k) of
-        # one (sequence, KV head) pair, or with HEADS_INNER (one selection shared by every head, one tile per
-        # split) of one sequence and every KV head in turn: the tile's block ids, chunk addresses and token masks
-        # are then loaded once for all heads, and the next head's keys and values are in flight while one head is
-        # attended.
+        # One program: one (sequence, KV head) and one split's share of the entries (the k selected ones, then the
+        # open block as entry k). Each tile of BLOCK_E entries is BLOCK_E * T keys read through per-entry addresses:
+        # an admitted block's K (V) of this head at its chunk's address plus the block's and head's offset, else
+        # the entry's slot in the pool; masked tokens (padding, entries not kept, unfilled open positions) read
+        # nothing and get -inf logits.
+        bh = tl.program_id(0).to(tl.int64)
+        split = tl.program_id(1)
+        b = bh // H
+        h = bh % H
+        if HS > 1:  # one selection per KV head
+            hs = h
+        else:  # one selection shared by every head
+            hs = h * 0
+        dt = pool_ptr.dtype.element_ty
+        ESIZE: tl.constexpr = dt.primitive_bitwidth // 8
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
-        split = tl.program_id(1)
+        t = tl.arange(0, T)
+        q = tl.load(q_ptr + (bh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
+        block_elems = 2 * H * T * D  # one block of the block pool: K and V of every head
+        pool_v = batch * H * (S + 1) * T * D  # V's offset in the pool
+        m_i = tl.full((GP,), float("-inf"), tl.float32)
+        l_i = tl.zeros((GP,), tl.float32)
+        acc = tl.zeros((GP, D), tl.float32)
         first = split * PER_SPLIT
-        if HEADS_INNER:
-            b = tl.program_id(0).to(tl.int64)
-            j = first + tl.arange(0, BLOCK_E)
-            sel, is_open, in_place, base, bid, tok = _tile_entries(
-                blocks_ptr, keep_ptr, table_ptr, chunk_addr_ptr, chunk_on_host_ptr, rows_ptr, b, 0, j, first,
-                k_entries, n_rows, open_row, table_stride, chunk_blocks, PER_SPLIT, HS, T)
-            for h in range(H):
-                bh = b * H + h
-                q = tl.load(q_ptr + (bh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-                m_i = tl.full((GP,), float("-inf"), tl.float32)
-                l_i = tl.zeros((GP,), tl.float32)
-                acc = tl.zeros((GP, D), tl.float32)
-                m_i, l_i, acc = _attend_tile(q, pool_ptr, pool_addr, slots_ptr, b, h, j, sel, is_open, in_place, base,
-                                             bid, tok, m_i, l_i, acc, scaling, k_entries, chunk_blocks, batch, H, S,
-                                             T, D, BLOCK_E, IEEE)
-                _store_part(part_out_ptr, part_lse_ptr, bh, split, m_i, l_i, acc, G, GP, D, SPLITS)
-        else:
-            bh = tl.program_id(0).to(tl.int64)
-            b = bh // H
-            h = bh % H
-            if HS > 1:  # one selection per KV head
-                hs = h
-            else:  # one selection shared by every head
-                hs = h * 0
-            q = tl.load(q_ptr + (bh * G + g)[:, None] * D + d[None, :], mask=(g < G)[:, None], other=0.0)
-            m_i = tl.full((GP,), float("-inf"), tl.float32)
-            l_i = tl.zeros((GP,), tl.float32)
-            acc = tl.zeros((GP, D), tl.float32)
-            for start in range(0, PER_SPLIT, BLOCK_E):
-                j = first + start + tl.arange(0, BLOCK_E)
-                sel, is_open, in_place, base, bid, tok = _tile_entries(
-                    blocks_ptr, keep_ptr, table_ptr, chunk_addr_ptr, chunk_on_host_ptr, rows_ptr, b, hs, j, first,
-                    k_entries, n_rows, open_row, table_stride, chunk_blocks, PER_SPLIT, HS, T)
-                m_i, l_i, acc = _attend_tile(q, pool_ptr, pool_addr, slots_ptr, b, h, j, sel, is_open, in_place, base,
-                                             bid, tok, m_i, l_i, acc, scaling, k_entries, chunk_blocks, batch, H, S,
-                                             T, D, BLOCK_E, IEEE)
-            _store_part(part_out_ptr, part_lse_ptr, bh, split, m_i, l_i, acc, G, GP, D, SPLITS)
+        for start in range(0, PER_SPLIT, BLOCK_E):
+            j = first + start + tl.arange(0, BLOCK_E)
+            sel = j < k_entries
+            is_open = j == k_entries
+            live = (j < first + PER_SPLIT) & (j <= k_entries)
+            at = (b * HS + hs) * k_entries + j
+            blk = tl.load(blocks_ptr + at, mask=sel, other=0)
+            kept = tl.load(keep_ptr + at, mask=sel, other=0) != 0
+            slot = tl.load(slots_ptr + (b * H + h) * k_entries + j, mask=sel, other=0)
+            slot = tl.where(is_open, S, slot)
+            used = live & ((sel & kept) | is_open)
+            bid = tl.load(table_ptr + b * table_stride + blk, mask=sel & kept, other=-1)
+            chunk = tl.where(bid >= 0, bid // chunk_blocks, 0)
+            on_host = tl.load(chunk_on_host_ptr + chunk, mask=bid >= 0, other=1) != 0
+            in_place = (bid >= 0) & ~on_host
+            base = tl.load(chunk_addr_ptr + chunk, mask=in_place, other=0)
+            # Element offsets from the pool's start: an admitted block's K of this head (its chunk's address minus
+            # the pool's, plus the block's and head's offset), else the entry's slot. Every offset is a multiple of
+            # 16 elements (device allocations start 512-byte aligned; T * D is a multiple of 16), which lets the
+            # loads below use wide accesses.
+            place_off = (base - pool_addr) // ESIZE + (bid % chunk_blocks) * block_elems + h * T * D
+            pool_off = (((b * H + h) * (S + 1) + slot) * T) * D
+            k_off = tl.multiple_of(tl.where(in_place, place_off, pool_off), 16)
+            v_off = tl.multiple_of(k_off + tl.where(in_place, H * T * D, pool_v), 16)
+            row = tl.where(is_open, open_row, blk)
+            tok = tl.load(rows_ptr + (b * n_rows + row)[:, None] * T + t[None, :], mask=used[:, None], other=0) != 0
+            tok = tok & used[:, None]  # [BLOCK_E, T]
+            inner = (t[None, :, None] * D + d[None, None, :]).to(tl.int64)  # [1, T, D]
+            k_ptrs = pool_ptr + k_off[:, None, None] + inner
+            v_ptrs = pool_ptr + v_off[:, None, None] + inner
+            lmask = tok[:, :, None]
+            keys = tl.reshape(tl.load(k_ptrs, mask=lmask, other=0.0), (BLOCK_E * T, D))
+            vals = tl.reshape(tl.load(v_ptrs, mask=lmask, other=0.0), (BLOCK_E * T, D))
+            if IEEE:
+                s = tl.dot(q, tl.trans(keys), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(keys))
+            s = s * scaling
+            s = tl.where(tl.reshape(tok, (BLOCK_E * T,))[None, :], s, float("-inf"))  # [GP, BLOCK_E * T]
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp(s - m_safe[:, None])
+            alpha = tl.exp(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), vals, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(dt), vals)
+            m_i = m_new
+        empty = l_i == 0.0
+        out = acc / tl.where(empty, 1.0, l_i)[:, None]
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(tl.where(empty, 1.0, l_i)))
+        at = (bh * SPLITS + split) * G + g
+        tl.store(part_out_ptr + at[:, None] * D + d[None, :], out, mask=(g < G)[:, None])
+        tl.store(part_lse_ptr + at, lse, mask=g < G)
 
     @triton.jit
     def _paged_merge_kernel(
@@ -306,12 +262,6 @@ if triton is not None:
         out = tl.sum(parts * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
         tl.store(out_ptr + bhg * D + d, out.to(out_ptr.dtype.element_ty))
         tl.store(lse_ptr + bhg, tl.where(total == 0.0, float("-inf"), top_safe + tl.log(total)))
-
-
-HEADS_INNER = False
-"""Whether :func:`paged_decode` lets one program attend one tile of a shared selection for every KV head in turn
-(the tile's block ids, chunk addresses and token masks loaded once for all heads) instead of one program per
-(sequence, KV head, tile)."""
 
 
 def default_splits(entries: int, block_e: int) -> int:
@@ -343,7 +293,6 @@ def paged_decode(
     splits: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
-    heads_inner: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one decode query over its selected blocks (admitted ones read in place) and the open block:
     two launches, no host synchronisation (a CUDA graph can hold them once they have compiled).
@@ -363,8 +312,6 @@ def paged_decode(
         splits: programs per (sequence, KV head); ``None``: :func:`default_splits`.
         num_warps: warps per program of the first launch.
         num_stages: software-pipelining stages of the first launch; ``None``: Triton's default.
-        heads_inner: whether one program attends one tile for every KV head in turn (taken where the selection is
-            shared and each split is one tile); ``None``: :data:`HEADS_INNER`.
 
     Returns:
         ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` (``out_dtype``) and ``[batch, kv_heads, group]``
@@ -384,14 +331,12 @@ def paged_decode(
     out = torch.empty((batch, heads, group, head_dim), dtype=out_dtype or torch.float32, device=device)
     lse = torch.empty((batch, heads, group), dtype=torch.float32, device=device)
     gp = max(16, triton.next_power_of_2(group))
-    inner = HEADS_INNER if heads_inner is None else heads_inner
-    inner = bool(inner) and blocks.shape[1] == 1 and per_split == block_e and heads > 1
-    _paged_partial_kernel[(batch if inner else batch * heads, splits)](
+    _paged_partial_kernel[(batch * heads, splits)](
         query.contiguous(), blocks, keep.view(torch.int8), slots, rows.view(torch.int8), block_table,
         chunk_addrs, chunk_on_host.view(torch.int8), pool_data, pool_data.data_ptr(), part_out, part_lse,
         scaling, k, rows.shape[1], open_row, block_table.stride(0), chunk_blocks, batch,
         PER_SPLIT=per_split, H=heads, HS=blocks.shape[1], S=slots_total - 1, G=group, GP=gp, T=tokens, D=head_dim,
-        SPLITS=splits, BLOCK_E=block_e, IEEE=query.dtype == torch.float32, HEADS_INNER=inner, num_warps=num_warps,
+        SPLITS=splits, BLOCK_E=block_e, IEEE=query.dtype == torch.float32, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )  # fmt: skip
     _paged_merge_kernel[(batch * heads * group,)](

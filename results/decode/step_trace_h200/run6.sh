@@ -2,8 +2,10 @@
 # On one H200: the paged decode attention with every KV head of a tile in one program (paged.HEADS_INNER): its
 # tests on CUDA, benchmarks/bench_paged_kernel.py at 64K, batch 12 (8B shape, budget 2048), and the decode step at
 # 64K, batch 12 (plain quantkey, admission auto) without and with it, in one call.
+# The variant is kept as heads_inner_trial.patch (taken out of the library untimed); the script applies it first.
 # Usage: HF_OFFLOAD_GIT_COMMIT=<sha> bash results/decode/step_trace_h200/run6.sh
 set -u
+patch -p1 --forward < results/decode/step_trace_h200/heads_inner_trial.patch || exit 1
 export TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
 timeout -s TERM 150 python3 -m pytest -p no:cacheprovider tests/test_kernel_paged.py > /tmp/pytest_paged.txt 2>&1
