@@ -3,18 +3,22 @@
 # filled without a prefill) at 64K and 128K tokens: transformers' DynamicCache against OffloadCache (plain quantkey,
 # admission auto), each at two batches per shape: about half and nearly all of what fits on the device with every
 # block admitted (`hf-offload plan ... --admission auto`). One process per (context, method) (--isolate).
-# (the contexts: $CONTEXTS, default 64K and 128K)
 # Usage: HF_OFFLOAD_GIT_COMMIT=<sha> bash results/decode/shapes_h200/run1.sh
 set -u
 export TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 date +%T
-sweep() {  # shape, out name, --method-batches entries...
-  local shape=$1 name=$2; shift 2
-  timeout -s TERM 280 python3 benchmarks/bench_decode.py --shape $shape --contexts ${CONTEXTS:-65536 131072} --isolate --steps 48 \
-    --config-seconds 6 --max-seconds 270 --quantkey-selector quantkey --methods dynamic quantkey-auto \
-    --method-batches "$@" --out $OUT/$name.json > /tmp/$name.txt 2>&1
+sweep() {  # shape, context, out name, --method-batches entries...
+  local shape=$1 context=$2 name=$3; shift 3
+  timeout -s TERM 150 python3 benchmarks/bench_decode.py --shape $shape --contexts $context --isolate --steps 48 \
+    --config-seconds 6 --max-seconds 140 --quantkey-selector quantkey --methods dynamic quantkey-auto \
+    --method-batches "$@" --out /tmp/$name.json > /tmp/$name.txt 2>&1
   echo "$name rc=$? $(date +%T)"; grep -E "^(dynamic|quantkey-auto) +[0-9]" /tmp/$name.txt | cut -c1-130
-  grep -iE "error|skip" /tmp/$name.txt | head -5 | cut -c1-200
+  grep -iE "error|skip" /tmp/$name.txt | head -3 | cut -c1-200
 }
-sweep llama-1b bench_decode_llama1b dynamic=28,56 quantkey-auto=24,48
-sweep llama-3b bench_decode_llama3b dynamic=8,16 quantkey-auto=7,14
+sweep llama-1b 65536 bench_decode_llama1b_64k dynamic=28,56 quantkey-auto=24,48
+sweep llama-1b 131072 bench_decode_llama1b_128k dynamic=28 quantkey-auto=24
+sweep llama-3b 65536 bench_decode_llama3b_64k dynamic=8,16 quantkey-auto=7,14
+sweep llama-3b 131072 bench_decode_llama3b_128k dynamic=8 quantkey-auto=7
+# One file per shape back (a call returns a handful of files): the sweeps' runs merged.
+python3 results/decode/shapes_h200/merge.py $OUT /tmp/bench_decode_*.json
+ls $OUT
