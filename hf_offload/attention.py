@@ -29,7 +29,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from .kernels import OnlineSoftmax
 from .kernels.paged import paged_decode
-from .kernels.tail import attention_lse, merge_attention
+from .kernels.tail import attention_lse
 from .graphs import DecodeInputs, remove_layer_calls
 from .norms import remove_fused_norms
 from .projections import remove_fused_projections
@@ -592,10 +592,10 @@ def _with_tail(
     selection = Selection(blocks=blocks, keep=keep, scores=None if plan is None else plan.scores,
                           block_lse=None if plan is None else plan.block_lse,
                           ranked=None if plan is None or plan.blocks is not blocks else plan.ranked)  # fmt: skip
-    tail_out, tail_lse = layer.estimate_tail(grouped, scaling, n, selection, inputs.rows[:, :n])
+    out, tail_lse = layer.estimate_tail_merged(grouped, scaling, n, selection, inputs.rows[:, :n], out, lse,
+                                               query.dtype)  # fmt: skip
     layer.count_tail(tail_lse, lse)
-    out, _ = merge_attention(out, lse, tail_out, tail_lse)
-    return out.to(query.dtype).reshape(batch, 1, q_heads, head_dim)
+    return out.reshape(batch, 1, q_heads, head_dim)
 
 
 def _decode_paged(

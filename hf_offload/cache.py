@@ -1227,10 +1227,42 @@ class OffloadLayer(CacheLayerMixin):
         Returns:
             ``(out, lse)``, ``[batch, kv_heads, group, head_dim]`` and ``[batch, kv_heads, group]``, float32.
         """
+        tail = self._tail_tokens(n, selection, tokens_ok)
+        return self.selector.tail_attention(query, self.summary_views(n), scaling, tail, softcap, selection=selection)
+
+    def estimate_tail_merged(
+        self,
+        query: torch.Tensor,
+        scaling: float,
+        n: int,
+        selection: Selection,
+        tokens_ok: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        out_dtype: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`estimate_tail` merged with the selection's attention into one softmax (the selector's
+        :meth:`~hf_offload.selectors.base.Selector.tail_attention_merged`).
+
+        Args:
+            query, scaling, n, selection, tokens_ok: as :meth:`estimate_tail`'s (no soft-capping).
+            out: the exact attention over the selection, ``[batch, kv_heads, group, head_dim]``, float32.
+            lse: its log-sum-exp, ``[batch, kv_heads, group]``, float32.
+            out_dtype: dtype of the merged output.
+
+        Returns:
+            ``(out, tail_lse)``: ``[batch, kv_heads, group, head_dim]`` in ``out_dtype`` and the estimate's
+            log-sum-exp, ``[batch, kv_heads, group]``, float32.
+        """
+        tail = self._tail_tokens(n, selection, tokens_ok)
+        return self.selector.tail_attention_merged(query, self.summary_views(n), scaling, tail, out, lse,
+                                                   selection=selection, out_dtype=out_dtype)  # fmt: skip
+
+    def _tail_tokens(self, n: int, selection: Selection, tokens_ok: torch.Tensor) -> torch.Tensor:
+        """``tokens_ok`` less the blocks the selection keeps, ``[batch, n, block_tokens]``, ``torch.bool``."""
         blocks = torch.where(selection.keep, selection.blocks, n)[:, 0]  # not kept: a spare column, dropped below
         chosen = torch.zeros((self.batch, n + 1), dtype=torch.bool, device=self.device).scatter_(1, blocks, True)
-        tail = tokens_ok & ~chosen[:, :n, None]
-        return self.selector.tail_attention(query, self.summary_views(n), scaling, tail, softcap, selection=selection)
+        return tokens_ok & ~chosen[:, :n, None]
 
     def count_tail(self, tail_lse: torch.Tensor, selection_lse: torch.Tensor) -> None:
         """Count one decode step's estimated share of attention outside the selection (device-side, no sync).

@@ -468,6 +468,30 @@ def tail_attention(
         num_stages: software-pipelining stages of the kernel's loop; ``None``: Triton's default.
 
     Allocates only its outputs and never waits for the device."""
+    parts = tail_partials(query, keys, key_bits, values, value_bits, tokens_ok, softcap, chunk_blocks,
+                          blocks_per_program, variant, precision, num_warps, num_stages, index)  # fmt: skip
+    return merge_ranges(*parts) if len(parts) == 3 else parts
+
+
+def tail_partials(
+    query: torch.Tensor,
+    keys: dict[str, torch.Tensor],
+    key_bits: int,
+    values: dict[str, torch.Tensor],
+    value_bits: int,
+    tokens_ok: torch.Tensor,
+    softcap: float | None = None,
+    chunk_blocks: int = 256,
+    blocks_per_program: int = BLOCKS_PER_PROGRAM,
+    variant: str | None = None,
+    precision: str = "tf32",
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """:func:`tail_attention` before its ranges are merged: ``(o, m, l)`` of the kernel's ranges (see
+    :func:`merge_ranges`) where it runs the kernel, else the reference's ``(out, lse)``. Arguments as
+    :func:`tail_attention`'s."""
     if index is not None and (index.shape != tokens_ok.shape[:2] or index.dtype != torch.int64):
         raise ValueError(f"tail_attention: index must be int64 of shape {tuple(tokens_ok.shape[:2])} (tokens_ok's "
                          f"first two sizes), got {index.dtype} {tuple(index.shape)}")  # fmt: skip
@@ -494,8 +518,9 @@ def tail_attention(
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"tail_attention: precision must be 'tf32' or 'ieee', not {precision!r}")
     if n == 0:
-        return (torch.zeros((batch, heads, group, channels), dtype=torch.float32, device=query.device),
-                torch.full((batch, heads, group), float("-inf"), dtype=torch.float32, device=query.device))  # fmt: skip
+        return (torch.zeros((batch, heads, 1, group, channels), dtype=torch.float32, device=query.device),
+                torch.full((batch, heads, 1, group), float("-inf"), dtype=torch.float32, device=query.device),
+                torch.zeros((batch, heads, 1, group), dtype=torch.float32, device=query.device))  # fmt: skip
     per_step = _dot_rows_blocks(tokens) if variant == "dot" else 1
     per_program = -(-max(1, blocks_per_program) // per_step) * per_step
     splits = -(-n // per_program)
@@ -520,9 +545,211 @@ def tail_attention(
             *args, G=group, GP=1 << (group - 1).bit_length(), T=tokens, D=channels, KBITS=key_bits, VBITS=value_bits,
             PER_PROGRAM=per_program, HAS_INDEX=index is not None, **launch,
         )  # fmt: skip
-    # Merge the ranges: lse = log sum_s exp(m_s) l_s, and out = sum_s exp(m_s - lse) o_s (o_s unnormalised). A
-    # range with nothing attended has m_s = -inf and l_s = 0; where nothing is attended at all, lse = -inf and the
-    # weights (-inf - -inf) become 0, so out = 0.
+    return o, m, l
+
+
+def merge_ranges(o: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax from the kernel's per-range partial softmaxes.
+
+    Args:
+        o: ``[batch, kv_heads, splits, group, channels]``, float32: each range's unnormalised output.
+        m: ``[batch, kv_heads, splits, group]``, float32: each range's largest logit (``-inf``: nothing attended).
+        l: same shape: each range's sum of exponentials relative to ``m`` (0: nothing attended).
+
+    Returns:
+        ``(out, lse)``, ``[batch, kv_heads, group, channels]`` and ``[batch, kv_heads, group]``, float32: ``lse =
+        log sum_s exp(m_s) l_s`` and ``out = sum_s exp(m_s - lse) o_s``; where nothing is attended at all, ``lse`` is
+        ``-inf`` and the weights (``-inf - -inf``) become 0, so ``out`` is 0.
+    """
     lse = torch.logsumexp(m + torch.log(l), dim=2)  # [B, H, G]
     weight = torch.exp(m - lse[:, :, None]).nan_to_num_(0.0)  # [B, H, S, G]
     return (o * weight[..., None]).sum(dim=2), lse
+
+
+def finish_tail_reference(
+    out_t: torch.Tensor,
+    lse_t: torch.Tensor,
+    selection_out: torch.Tensor,
+    selection_lse: torch.Tensor,
+    block_lse: torch.Tensor | None = None,
+    far: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimate of the unselected blocks completed and merged with the selection's attention, in torch.
+
+    Args:
+        out_t: the estimate's output over the blocks taken token by token, ``[batch, kv_heads, group, channels]``,
+            float32 (``channels >= head_dim``: the padding channels are dropped).
+        lse_t: its log-sum-exp, ``[batch, kv_heads, group]``, float32 (``-inf``: nothing estimated).
+        selection_out: the exact attention over the selection, ``[batch, kv_heads, group, head_dim]``, float32.
+        selection_lse: its log-sum-exp, ``[batch, kv_heads, group]``, float32.
+        block_lse: with ``far``: per-block log-sum-exps of the scoring, ``[batch, kv_heads, group, n]`` (any row
+            stride), float32; the blocks marked in ``far`` count by them, valued at ``out_t``.
+        far: ``[batch, n]``, ``torch.bool``: blocks counted by their mass alone (none where ``lse_t`` is infinite:
+            no estimate to value them at).
+
+    Returns:
+        ``(out, lse)``: the one softmax over selection and estimate, ``[batch, kv_heads, group, head_dim]``, float32,
+        and the estimate's log-sum-exp with the far blocks' mass, ``[batch, kv_heads, group]``, float32.
+    """
+    if block_lse is not None:
+        far_lse = block_lse.masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
+        far_lse = far_lse.masked_fill(torch.isinf(lse_t), float("-inf"))
+        lse_t = torch.logaddexp(lse_t, far_lse)
+    out, _ = merge_attention(selection_out, selection_lse, out_t[..., : selection_out.shape[-1]], lse_t)
+    return out, lse_t
+
+
+FINISH_BLOCK_N = 1024
+"""Most far blocks per step of :func:`finish_tail`'s loop over them (one program per sequence and KV head)."""
+
+if triton is not None:
+
+    @triton.jit
+    def _logaddexp(a, b):
+        top = tl.maximum(a, b)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        r = safe + tl.log(tl.exp(a - safe) + tl.exp(b - safe))
+        return tl.where(top == float("-inf"), float("-inf"), r)
+
+    @triton.jit(do_not_specialize=["splits", "n_blocks", "blse_row"])
+    def _finish_kernel(
+        o_ptr,  # float32 [B, H, S, G, C]: the ranges' unnormalised outputs
+        m_ptr,  # float32 [B, H, S, G]
+        l_ptr,  # float32 [B, H, S, G]
+        sel_o_ptr,  # float32 [B, H, G, D]: the selection's attention
+        sel_lse_ptr,  # float32 [B, H, G]
+        blse_ptr,  # float32 [B, H, G, blse_row]: block log-sum-exps (read where HAS_FAR)
+        far_ptr,  # uint8 [B, n_blocks]
+        out_ptr,  # [B, H, G, D], the output dtype
+        lse_ptr,  # float32 [B, H, G]: the estimate's log-sum-exp with the far mass
+        heads,
+        splits,
+        n_blocks,
+        blse_row,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        C: tl.constexpr,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        SPLITS: tl.constexpr,  # a power of two >= splits
+        HAS_FAR: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        STEPS: tl.constexpr,  # a power of two >= cdiv(n_blocks, BLOCK_N)
+    ):
+        bh = tl.program_id(0).to(tl.int64)
+        b = bh // heads
+        g = tl.arange(0, GP)
+        c = tl.arange(0, DP)
+        live_g = g < G
+        live_c = c < D
+        # The ranges merged online: top, total and acc relative to the running maximum.
+        top = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, DP], tl.float32)
+        for s in range(SPLITS):
+            on = live_g & (s < splits)
+            row = (bh * splits + s) * G + g
+            m_s = tl.load(m_ptr + row, mask=on, other=float("-inf"))
+            l_s = tl.load(l_ptr + row, mask=on, other=0.0)
+            o_s = tl.load(o_ptr + row[:, None] * C + c[None, :], mask=on[:, None] & live_c[None, :], other=0.0)
+            new = tl.maximum(top, m_s)
+            safe = tl.where(new == float("-inf"), 0.0, new)
+            keep = tl.exp(top - safe)
+            add = tl.exp(m_s - safe)
+            total = total * keep + l_s * add
+            acc = acc * keep[:, None] + o_s * add[:, None]
+            top = new
+        some = total > 0
+        lse_t = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+        out_t = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
+        if HAS_FAR:
+            f_top = tl.full([GP], float("-inf"), tl.float32)
+            f_total = tl.zeros([GP], tl.float32)
+            for step in range(STEPS):
+                n = step * BLOCK_N + tl.arange(0, BLOCK_N)
+                live = n < n_blocks
+                far = tl.load(far_ptr + b * n_blocks + n, mask=live, other=0) != 0
+                x = tl.load(blse_ptr + (bh * G + g)[:, None] * blse_row + n[None, :],
+                            mask=live_g[:, None] & (live & far)[None, :], other=float("-inf"))  # fmt: skip
+                new = tl.maximum(f_top, tl.max(x, axis=1))
+                safe = tl.where(new == float("-inf"), 0.0, new)
+                f_total = f_total * tl.exp(f_top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+                f_top = new
+            f_some = f_total > 0
+            far_lse = tl.where(f_some, f_top + tl.log(tl.where(f_some, f_total, 1.0)), float("-inf"))
+            finite = (lse_t != float("-inf")) & (lse_t != float("inf"))
+            lse_t = _logaddexp(lse_t, tl.where(finite, far_lse, float("-inf")))
+        at = bh * G + g
+        sel_lse = tl.load(sel_lse_ptr + at, mask=live_g, other=float("-inf"))
+        sel_o = tl.load(sel_o_ptr + at[:, None] * D + c[None, :], mask=live_g[:, None] & live_c[None, :], other=0.0)
+        lse = _logaddexp(sel_lse, lse_t)
+        share = tl.where(lse == float("-inf"), 0.0, tl.exp(sel_lse - lse))
+        out = out_t + share[:, None] * (sel_o - out_t)
+        tl.store(out_ptr + at[:, None] * D + c[None, :], out, mask=live_g[:, None] & live_c[None, :])
+        tl.store(lse_ptr + at, lse_t, mask=live_g)
+
+
+def tail_attention_merged(
+    query: torch.Tensor,
+    keys: dict[str, torch.Tensor],
+    key_bits: int,
+    values: dict[str, torch.Tensor],
+    value_bits: int,
+    tokens_ok: torch.Tensor,
+    selection_out: torch.Tensor,
+    selection_lse: torch.Tensor,
+    index: torch.Tensor | None = None,
+    block_lse: torch.Tensor | None = None,
+    far: torch.Tensor | None = None,
+    softcap: float | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tail_attention`, completed by the far blocks' mass and merged with the selection's attention
+    (:func:`finish_tail_reference`): where the estimate's kernel runs, the merge of its ranges, the far blocks'
+    log-sum-exp and the merge with the selection are one more launch (about 35 small torch kernels otherwise: 95
+    us per layer at 64K tokens, batch 10, 8B shape on an H200, ``results/decode/default_trace_h200/``).
+
+    Args:
+        query, keys, key_bits, values, value_bits, tokens_ok, index, softcap: as :func:`tail_attention`'s.
+        selection_out: the exact attention over the selection, ``[batch, kv_heads, group, head_dim]``, float32.
+        selection_lse: its log-sum-exp, ``[batch, kv_heads, group]``, float32.
+        block_lse: ``[batch, kv_heads, group, n]``, float32, last dimension contiguous, and ``far``
+            (``[batch, n]``, ``torch.bool``): blocks counted by their mass alone (see
+            :func:`finish_tail_reference`); both or neither.
+        out_dtype: dtype of the merged output.
+
+    Returns:
+        ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` in ``out_dtype`` and the estimate's log-sum-exp
+        ``[batch, kv_heads, group]``, float32. Never waits for the device.
+    """
+    if (block_lse is None) != (far is None):
+        raise ValueError("tail_attention_merged: pass block_lse and far together (the far blocks and their "
+                         "log-sum-exps), or neither")  # fmt: skip
+    parts = tail_partials(query, keys, key_bits, values, value_bits, tokens_ok, softcap, index=index)
+    batch, heads, group, head_dim = selection_out.shape
+    n = 0 if far is None else far.shape[-1]
+    fused = len(parts) == 3 and (far is None or (block_lse.stride(-1) == 1 and block_lse.shape[-1] == n))
+    if not fused:
+        out_t, lse_t = merge_ranges(*parts) if len(parts) == 3 else parts
+        out, lse_t = finish_tail_reference(out_t, lse_t, selection_out, selection_lse, block_lse, far)
+        return out.to(out_dtype), lse_t
+    o, m, l = parts
+    splits, channels = o.shape[2], o.shape[-1]
+    out = torch.empty((batch, heads, group, head_dim), dtype=out_dtype, device=o.device)
+    lse_t = torch.empty((batch, heads, group), dtype=torch.float32, device=o.device)
+    sel_o, sel_lse = selection_out.float().contiguous(), selection_lse.float().contiguous()
+    if far is None:
+        blse, far_u8, row, step = lse_t, lse_t, 1, 1  # not read
+    else:
+        blse, far_u8, row = block_lse, far.contiguous().view(torch.uint8), block_lse.stride(-2)
+        if block_lse.stride(0) != heads * group * row or block_lse.stride(1) != group * row:
+            blse = block_lse.contiguous()
+            row = n
+        step = min(FINISH_BLOCK_N, triton.next_power_of_2(max(1, n)))
+    _finish_kernel[(batch * heads,)](
+        o, m, l, sel_o, sel_lse, blse, far_u8, out, lse_t, heads, splits, n, row,
+        G=group, GP=triton.next_power_of_2(group), C=channels, D=head_dim, DP=triton.next_power_of_2(head_dim),
+        SPLITS=triton.next_power_of_2(splits), HAS_FAR=far is not None, BLOCK_N=step,
+        STEPS=triton.next_power_of_2(triton.cdiv(max(1, n), step)),
+    )  # fmt: skip
+    return out, lse_t

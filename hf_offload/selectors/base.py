@@ -131,6 +131,37 @@ class Selector:
         """
         raise NotImplementedError(f"{type(self).__name__} does not estimate the attention outside its selection.")
 
+    def tail_attention_merged(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        tokens_ok: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        selection: Selection | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`tail_attention` merged with the exact attention over the selection into one softmax (a selector
+        may do both in fewer launches; this one calls :meth:`tail_attention`, then
+        :func:`hf_offload.kernels.tail.merge_attention`).
+
+        Args:
+            query, summaries, scaling, tokens_ok, selection: as :meth:`tail_attention`'s.
+            out: the selection's attention, ``[batch, kv_heads, group, head_dim]``, float32.
+            lse: its log-sum-exp, ``[batch, kv_heads, group]``, float32.
+            out_dtype: dtype of the merged output.
+
+        Returns:
+            ``(out, tail_lse)``: the merged attention, ``[batch, kv_heads, group, head_dim]`` in ``out_dtype``, and
+            the estimate's log-sum-exp, ``[batch, kv_heads, group]``, float32.
+        """
+        from ..kernels.tail import merge_attention
+
+        tail_out, tail_lse = self.tail_attention(query, summaries, scaling, tokens_ok, selection=selection)
+        merged, _ = merge_attention(out, lse, tail_out, tail_lse)
+        return merged.to(out_dtype), tail_lse
+
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Score every sealed block for the current query.
 

@@ -242,15 +242,8 @@ class QuantKeySelector(Selector):
         """
         from ..kernels.tail import tail_attention
 
-        if not self.tail_bits:
-            raise RuntimeError("QuantKeySelector.tail_attention needs tail_bits > 0.")
         head_dim = query.shape[-1]
-        q = query.float() * scaling
-        channels = summaries["kmin"].shape[-1]
-        if channels != head_dim:
-            q = torch.nn.functional.pad(q, (0, channels - head_dim))
-        keys = {"codes": summaries["codes"], "kmin": summaries["kmin"], "kstep": summaries["kstep"]}
-        values = {"codes": summaries["vcodes"], "kmin": summaries["vmin"], "kstep": summaries["vstep"]}
+        q, keys, values = self._tail_inputs(query, summaries, scaling)
         n = tokens_ok.shape[1]
         bounded = self.tail_near > 0 and selection is not None and selection.block_lse is not None
         if not bounded or self.near_count(selection, n) >= n:  # every unselected block token by token
@@ -266,6 +259,50 @@ class QuantKeySelector(Selector):
             far_lse = far_lse.masked_fill(torch.isinf(lse), float("-inf"))  # no estimate to value them at
             lse = torch.logaddexp(lse, far_lse)
         return out[..., :head_dim], lse
+
+    def _tail_inputs(
+        self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """The estimate's query (float32, scaled, channels padded like the codes') and its key and value summaries."""
+        if not self.tail_bits:
+            raise RuntimeError("QuantKeySelector.tail_attention needs tail_bits > 0.")
+        q = query.float() * scaling
+        channels = summaries["kmin"].shape[-1]
+        if channels != query.shape[-1]:
+            q = torch.nn.functional.pad(q, (0, channels - query.shape[-1]))
+        keys = {"codes": summaries["codes"], "kmin": summaries["kmin"], "kstep": summaries["kstep"]}
+        values = {"codes": summaries["vcodes"], "kmin": summaries["vmin"], "kstep": summaries["vstep"]}
+        return q, keys, values
+
+    def tail_attention_merged(
+        self,
+        query: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        scaling: float,
+        tokens_ok: torch.Tensor,
+        out: torch.Tensor,
+        lse: torch.Tensor,
+        selection: Selection | None = None,
+        out_dtype: torch.dtype = torch.float32,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`tail_attention` merged with the selection's attention (see :meth:`Selector.tail_attention_merged
+        <hf_offload.selectors.base.Selector.tail_attention_merged>`): where the estimate's kernel runs, the merge of
+        its ranges, the far blocks' mass and the merge with the selection are one launch
+        (:func:`hf_offload.kernels.tail.tail_attention_merged`). The same result as :meth:`tail_attention`
+        followed by ``merge_attention``, up to float32 rounding."""
+        from ..kernels.tail import tail_attention_merged
+
+        q, keys, values = self._tail_inputs(query, summaries, scaling)
+        n = tokens_ok.shape[1]
+        args = (q, keys, self.bits, values, self.tail_bits)
+        bounded = self.tail_near > 0 and selection is not None and selection.block_lse is not None
+        if not bounded or self.near_count(selection, n) >= n:  # every unselected block token by token
+            return tail_attention_merged(*args, tokens_ok, out, lse, out_dtype=out_dtype)
+        near_ok, index = self.near_index(tokens_ok, selection)
+        # The far blocks as in tail_attention: unselected, not near, every token attendable.
+        far = tokens_ok.all(dim=-1).scatter(1, index, False)  # [batch, n]
+        return tail_attention_merged(*args, near_ok, out, lse, index=index, block_lse=selection.block_lse[..., :n],
+                                     far=far, out_dtype=out_dtype)  # fmt: skip
 
     def decode_branch(self, n_blocks: int, k: int) -> object:
         """With an estimate of the unselected blocks: whether it is bounded (``tail_near`` and more unselected blocks

@@ -1,0 +1,121 @@
+"""The estimate merged with the selection in one more launch (``tail_attention_merged``) against the torch
+composition it replaces: the estimate (``tail_attention``), the far blocks' mass and ``merge_attention``.
+
+The kernel runs where Triton can run: on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``);
+elsewhere the same function takes the torch path, which the last test checks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_offload.kernels.tail as tail_module
+from hf_offload.kernels.gather import kernels_available
+from hf_offload.kernels.tail import (
+    finish_tail_reference,
+    merge_attention,
+    tail_attention,
+    tail_attention_merged,
+    tail_partials,
+)
+from hf_offload.selectors.quantkey import quantize_keys
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+needs_kernels = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+
+
+def _inputs(batch, capacity, n, heads, group, tokens, dim, seed=0):
+    """Quantized keys (4 bits) and values (2 bits) of ``capacity`` blocks, a scaled query, the tokens of ``n`` near
+    blocks and their index, the selection's attention and block log-sum-exps of a capacity-wide buffer."""
+    g = torch.Generator().manual_seed(seed)
+    keys = (torch.randn(batch, capacity, heads, tokens, dim, generator=g) * 2).to(torch.bfloat16)
+    values = torch.randn(batch, capacity, heads, tokens, dim, generator=g).to(torch.bfloat16)
+    kq = {k: v.to(DEVICE) for k, v in quantize_keys(keys, 4).items()}
+    vq = {k: v.to(DEVICE) for k, v in quantize_keys(values, 2).items()}
+    query = (torch.randn(batch, heads, group, dim, generator=g) * dim**-0.5).to(DEVICE)
+    index = torch.stack([torch.randperm(capacity, generator=g)[:n] for _ in range(batch)]).to(DEVICE)
+    near_ok = (torch.rand(batch, n, tokens, generator=g) > 0.3).to(DEVICE)
+    near_ok[0] = False  # a sequence with nothing estimated token by token: its far blocks must not count
+    sel_out = torch.randn(batch, heads, group, dim, generator=g).to(DEVICE)
+    sel_lse = (torch.randn(batch, heads, group, generator=g) * 3).to(DEVICE)
+    wide = torch.randn(batch, heads, group, capacity + 5, generator=g) * 4  # a buffer past the blocks in use
+    wide[..., 1] = float("-inf")  # blocks with no valid token
+    block_lse = wide.to(DEVICE)[..., :capacity]
+    far = (torch.rand(batch, capacity, generator=g) > 0.4).to(DEVICE)
+    far.scatter_(1, index, False)
+    return query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far
+
+
+def _composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse=None, far=None):
+    """What the decode step computed before: the estimate, the far mass added, merged with the selection."""
+    out_t, lse_t = tail_attention(query, kq, 4, vq, 2, near_ok, index=index, precision="ieee")
+    if block_lse is not None:
+        far_lse = block_lse.masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
+        far_lse = far_lse.masked_fill(torch.isinf(lse_t), float("-inf"))
+        lse_t = torch.logaddexp(lse_t, far_lse)
+    out, _ = merge_attention(sel_out, sel_lse, out_t, lse_t)
+    return out, lse_t
+
+
+@needs_kernels
+@pytest.mark.parametrize("with_far", [True, False])
+@pytest.mark.parametrize("shape", [(2, 40, 7, 2, 4, 16, 64), (3, 130, 33, 1, 7, 16, 128)])
+def test_merged_kernel_matches_the_composition(with_far, shape):
+    batch, capacity, n, heads, group, tokens, dim = shape
+    query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(*shape)
+    assert len(tail_partials(query, kq, 4, vq, 2, near_ok, index=index)) == 3  # the kernel path, not the reference
+    extra = dict(block_lse=block_lse, far=far) if with_far else {}
+    want_out, want_lse = _composed(query, kq, vq, near_ok, index, sel_out, sel_lse, **extra)
+    old = tail_module.FINISH_BLOCK_N
+    try:
+        for step in (old, 32):  # one step over the far blocks, and several
+            tail_module.FINISH_BLOCK_N = step
+            out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, **extra)
+            # (the estimate's own products in TF32 on CUDA, as the decode step runs them)
+            torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(out, want_out, atol=2e-3, rtol=2e-3)
+            # Nothing estimated for sequence 0: its far blocks are not counted and the selection stands alone.
+            assert torch.isneginf(lse[0]).all()
+            torch.testing.assert_close(out[0], sel_out[0])
+    finally:
+        tail_module.FINISH_BLOCK_N = old
+    bf16, _ = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
+                                    out_dtype=torch.bfloat16, **extra)  # fmt: skip
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16, want_out.to(torch.bfloat16), atol=2e-2, rtol=2e-2)
+
+
+@needs_kernels
+def test_merged_kernel_reads_a_capacity_wide_block_lse_in_place_and_a_copy_alike():
+    query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(2, 40, 7, 2, 4, 16, 64)
+    assert block_lse.stride(-2) != block_lse.shape[-1]  # a view into a wider buffer
+    a = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse, far=far)
+    b = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
+                              block_lse=block_lse.contiguous(), far=far)  # fmt: skip
+    torch.testing.assert_close(a, b, atol=0, rtol=0)
+    # Perturbing a far block's log-sum-exp moves the result; perturbing a block that is not far does not.
+    j_far, j_not = int(far[1].nonzero()[0]), int((~far[1]).nonzero()[0])
+    moved = block_lse.clone()
+    moved[1, :, :, j_far] += 5.0
+    c = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=moved, far=far)
+    assert not torch.allclose(c[1][1], a[1][1])
+    same = block_lse.clone()
+    same[1, :, :, j_not] += 5.0
+    d = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=same, far=far)
+    torch.testing.assert_close(d, a, atol=0, rtol=0)
+
+
+def test_torch_path_is_the_reference_composition():
+    """Where the kernel cannot run (here: float64 summaries), the same function is the torch composition."""
+    query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(2, 40, 7, 2, 4, 16, 64)
+    kq = {k: v.double() if v.is_floating_point() else v for k, v in kq.items()}
+    assert len(tail_partials(query, kq, 4, vq, 2, near_ok, index=index)) == 2
+    out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse,
+                                     far=far)  # fmt: skip
+    out_t, lse_t = tail_attention(query, kq, 4, vq, 2, near_ok, index=index)
+    want_out, want_lse = finish_tail_reference(out_t, lse_t, sel_out, sel_lse, block_lse, far)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+    torch.testing.assert_close(out, want_out, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="together"):
+        tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse)
