@@ -53,6 +53,7 @@ from .norms import FusedNorm, fused_norms_active, install_fused_norms
 from .projections import fused_groups, fused_projections_active, install_fused_projections
 from .rotary import RotaryForward, fused_rotary_active, install_fused_rotary
 from .selectors import Selection, Selector, get_selector
+from .selectors.base import unselected_tokens
 from .selectors.quantkey import QuantKeySelector
 from .selectors.transfer_cap import cap_transfers, resident_blocks
 from .store import DeviceAdmission, DeviceSlotPool, HostBlockPool, HostMemoryBudget
@@ -1227,7 +1228,7 @@ class OffloadLayer(CacheLayerMixin):
         Returns:
             ``(out, lse)``, ``[batch, kv_heads, group, head_dim]`` and ``[batch, kv_heads, group]``, float32.
         """
-        tail = self._tail_tokens(n, selection, tokens_ok)
+        tail = unselected_tokens(tokens_ok, selection)
         return self.selector.tail_attention(query, self.summary_views(n), scaling, tail, softcap, selection=selection)
 
     def estimate_tail_merged(
@@ -1254,15 +1255,8 @@ class OffloadLayer(CacheLayerMixin):
             ``(out, tail_lse)``: ``[batch, kv_heads, group, head_dim]`` in ``out_dtype`` and the estimate's
             log-sum-exp, ``[batch, kv_heads, group]``, float32.
         """
-        tail = self._tail_tokens(n, selection, tokens_ok)
-        return self.selector.tail_attention_merged(query, self.summary_views(n), scaling, tail, out, lse,
+        return self.selector.tail_attention_merged(query, self.summary_views(n), scaling, tokens_ok, out, lse,
                                                    selection=selection, out_dtype=out_dtype)  # fmt: skip
-
-    def _tail_tokens(self, n: int, selection: Selection, tokens_ok: torch.Tensor) -> torch.Tensor:
-        """``tokens_ok`` less the blocks the selection keeps, ``[batch, n, block_tokens]``, ``torch.bool``."""
-        blocks = torch.where(selection.keep, selection.blocks, n)[:, 0]  # not kept: a spare column, dropped below
-        chosen = torch.zeros((self.batch, n + 1), dtype=torch.bool, device=self.device).scatter_(1, blocks, True)
-        return tokens_ok & ~chosen[:, :n, None]
 
     def count_tail(self, tail_lse: torch.Tensor, selection_lse: torch.Tensor) -> None:
         """Count one decode step's estimated share of attention outside the selection (device-side, no sync).

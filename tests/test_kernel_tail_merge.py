@@ -119,3 +119,57 @@ def test_torch_path_is_the_reference_composition():
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     with pytest.raises(ValueError, match="together"):
         tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse)
+
+
+def _plan_inputs(batch=3, capacity=70, n=64, k=9, near=20, tokens=16, seed=0):
+    """A token mask of a capacity-wide buffer (some blocks partly padding), a ranking whose first ``k`` entries are
+    the selection (some not kept) and the next ``near`` the near blocks, and scores with some ``-inf``."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.rand(batch, capacity, tokens, generator=g) > 0.05
+    rows[:, :, :] |= torch.rand(batch, capacity, 1, generator=g) > 0.5  # many blocks fully attendable
+    scores = torch.randn(batch, n, generator=g)
+    scores[:, 3] = float("-inf")
+    ranked = torch.stack([torch.randperm(n, generator=g)[: k + near] for _ in range(batch)])
+    ranked[0, k] = 3  # a near block that may not be attended
+    keep = torch.rand(batch, k, generator=g) > 0.2
+    wide = torch.cat([ranked, torch.zeros(batch, 5, dtype=torch.int64)], dim=1)  # a view, as the selection's
+    to = lambda x: x.to(DEVICE)  # noqa: E731
+    return to(rows)[:, :n], to(wide)[:, :k], to(keep), to(wide)[:, k : k + near], to(scores)
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [dict(), dict(batch=2, capacity=5000, n=4100, k=128, near=384)])
+def test_plan_kernel_matches_the_torch_code(shape):
+    rows, blocks, keep, index, scores = _plan_inputs(**shape)
+    assert rows.stride(1) == rows.shape[-1] and not rows.is_contiguous()
+    old = tail_module.PLAN_BLOCK_N
+    try:
+        for step in (old, 256):
+            tail_module.PLAN_BLOCK_N = step
+            near_ok, far = tail_module.tail_plan(rows, blocks, keep, index, scores)
+            want_ok, want_far = tail_module.tail_plan_reference(rows, blocks, keep, index, scores)
+            assert torch.equal(near_ok, want_ok) and torch.equal(far, want_far)
+    finally:
+        tail_module.PLAN_BLOCK_N = old
+    assert not near_ok[0, 0].any()  # score -inf: nothing to estimate
+    assert not far.gather(1, index).any() and not far.gather(1, blocks)[keep].any()
+    assert far.any() and near_ok.any()
+
+
+def test_plan_reference_is_the_estimate_s_torch_code():
+    """The reference is what the selector computed before: the kept blocks left out, near_index's near tokens, the
+    far blocks of tail_attention."""
+    from hf_offload.selectors.base import Selection, unselected_tokens
+    from hf_offload.selectors.quantkey import QuantKeySelector
+
+    rows, blocks, keep, index, scores = [x.cpu() for x in _plan_inputs()]
+    k, near = blocks.shape[-1], index.shape[-1]
+    ranked = torch.cat([blocks, index], dim=1)[:, None]
+    selection = Selection(blocks=blocks[:, None], keep=keep[:, None], scores=scores[:, None], ranked=ranked)
+    tail = unselected_tokens(rows, selection)
+    selector = QuantKeySelector(bits=4, tail_bits=2, tail_near=near / k)
+    assert selector.near_count(selection, rows.shape[1]) == near
+    want_ok, want_index = selector.near_index(tail, selection)
+    near_ok, far = tail_module.tail_plan_reference(rows, blocks, keep, index, scores)
+    assert torch.equal(want_index, index) and torch.equal(near_ok, want_ok)
+    assert torch.equal(far, tail.all(dim=-1).scatter(1, index, False))

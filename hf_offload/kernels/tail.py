@@ -599,8 +599,9 @@ def finish_tail_reference(
     return out, lse_t
 
 
-FINISH_BLOCK_N = 1024
-"""Most far blocks per step of :func:`finish_tail`'s loop over them (one program per sequence and KV head)."""
+FINISH_BLOCK_N = 4096
+"""Most far blocks per step of the merged estimate's loop over them (one program per sequence and query head; the
+steps of such a loop wait on each other, see :data:`hf_offload.kernels.mass.STATS_BLOCK_N`)."""
 
 if triton is not None:
 
@@ -627,7 +628,6 @@ if triton is not None:
         n_blocks,
         blse_row,
         G: tl.constexpr,
-        GP: tl.constexpr,
         C: tl.constexpr,
         D: tl.constexpr,
         DP: tl.constexpr,
@@ -636,57 +636,50 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         STEPS: tl.constexpr,  # a power of two >= cdiv(n_blocks, BLOCK_N)
     ):
-        bh = tl.program_id(0).to(tl.int64)
+        # One program per (sequence, KV head, query head): row bhg of the [B, H, G] outputs.
+        bhg = tl.program_id(0).to(tl.int64)
+        bh = bhg // G
+        g = bhg - bh * G
         b = bh // heads
-        g = tl.arange(0, GP)
         c = tl.arange(0, DP)
-        live_g = g < G
         live_c = c < D
-        # The ranges merged online: top, total and acc relative to the running maximum.
-        top = tl.full([GP], float("-inf"), tl.float32)
-        total = tl.zeros([GP], tl.float32)
-        acc = tl.zeros([GP, DP], tl.float32)
-        for s in range(SPLITS):
-            on = live_g & (s < splits)
-            row = (bh * splits + s) * G + g
-            m_s = tl.load(m_ptr + row, mask=on, other=float("-inf"))
-            l_s = tl.load(l_ptr + row, mask=on, other=0.0)
-            o_s = tl.load(o_ptr + row[:, None] * C + c[None, :], mask=on[:, None] & live_c[None, :], other=0.0)
-            new = tl.maximum(top, m_s)
-            safe = tl.where(new == float("-inf"), 0.0, new)
-            keep = tl.exp(top - safe)
-            add = tl.exp(m_s - safe)
-            total = total * keep + l_s * add
-            acc = acc * keep[:, None] + o_s * add[:, None]
-            top = new
+        # The ranges merged at once: their maximum, then sums relative to it.
+        s = tl.arange(0, SPLITS)
+        live_s = s < splits
+        row = (bh * splits + s) * G + g
+        m_s = tl.load(m_ptr + row, mask=live_s, other=float("-inf"))
+        l_s = tl.load(l_ptr + row, mask=live_s, other=0.0)
+        top = tl.max(m_s, axis=0)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m_s - safe)  # 0 for a range with nothing attended
+        total = tl.sum(l_s * w, axis=0)
+        o_s = tl.load(o_ptr + row[:, None] * C + c[None, :], mask=live_s[:, None] & live_c[None, :], other=0.0)
+        acc = tl.sum(o_s * w[:, None], axis=0)
         some = total > 0
         lse_t = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
-        out_t = tl.where(some[:, None], acc / tl.where(some, total, 1.0)[:, None], 0.0)
+        out_t = tl.where(some, acc / tl.where(some, total, 1.0), 0.0)
         if HAS_FAR:
-            f_top = tl.full([GP], float("-inf"), tl.float32)
-            f_total = tl.zeros([GP], tl.float32)
+            f_top = tl.full([], float("-inf"), tl.float32)
+            f_total = tl.full([], 0.0, tl.float32)
             for step in range(STEPS):
                 n = step * BLOCK_N + tl.arange(0, BLOCK_N)
                 live = n < n_blocks
                 far = tl.load(far_ptr + b * n_blocks + n, mask=live, other=0) != 0
-                x = tl.load(blse_ptr + (bh * G + g)[:, None] * blse_row + n[None, :],
-                            mask=live_g[:, None] & (live & far)[None, :], other=float("-inf"))  # fmt: skip
-                new = tl.maximum(f_top, tl.max(x, axis=1))
+                x = tl.load(blse_ptr + bhg * blse_row + n, mask=live & far, other=float("-inf"))
+                new = tl.maximum(f_top, tl.max(x, axis=0))
                 safe = tl.where(new == float("-inf"), 0.0, new)
-                f_total = f_total * tl.exp(f_top - safe) + tl.sum(tl.exp(x - safe[:, None]), axis=1)
+                f_total = f_total * tl.exp(f_top - safe) + tl.sum(tl.exp(x - safe), axis=0)
                 f_top = new
             f_some = f_total > 0
             far_lse = tl.where(f_some, f_top + tl.log(tl.where(f_some, f_total, 1.0)), float("-inf"))
             finite = (lse_t != float("-inf")) & (lse_t != float("inf"))
             lse_t = _logaddexp(lse_t, tl.where(finite, far_lse, float("-inf")))
-        at = bh * G + g
-        sel_lse = tl.load(sel_lse_ptr + at, mask=live_g, other=float("-inf"))
-        sel_o = tl.load(sel_o_ptr + at[:, None] * D + c[None, :], mask=live_g[:, None] & live_c[None, :], other=0.0)
+        sel_lse = tl.load(sel_lse_ptr + bhg)
+        sel_o = tl.load(sel_o_ptr + bhg * D + c, mask=live_c, other=0.0)
         lse = _logaddexp(sel_lse, lse_t)
         share = tl.where(lse == float("-inf"), 0.0, tl.exp(sel_lse - lse))
-        out = out_t + share[:, None] * (sel_o - out_t)
-        tl.store(out_ptr + at[:, None] * D + c[None, :], out, mask=live_g[:, None] & live_c[None, :])
-        tl.store(lse_ptr + at, lse_t, mask=live_g)
+        tl.store(out_ptr + bhg * D + c, out_t + share * (sel_o - out_t), mask=live_c)
+        tl.store(lse_ptr + bhg, lse_t)
 
 
 def tail_attention_merged(
@@ -746,10 +739,124 @@ def tail_attention_merged(
             blse = block_lse.contiguous()
             row = n
         step = min(FINISH_BLOCK_N, triton.next_power_of_2(max(1, n)))
-    _finish_kernel[(batch * heads,)](
+    _finish_kernel[(batch * heads * group,)](
         o, m, l, sel_o, sel_lse, blse, far_u8, out, lse_t, heads, splits, n, row,
-        G=group, GP=triton.next_power_of_2(group), C=channels, D=head_dim, DP=triton.next_power_of_2(head_dim),
+        G=group, C=channels, D=head_dim, DP=triton.next_power_of_2(head_dim),
         SPLITS=triton.next_power_of_2(splits), HAS_FAR=far is not None, BLOCK_N=step,
         STEPS=triton.next_power_of_2(triton.cdiv(max(1, n), step)),
     )  # fmt: skip
     return out, lse_t
+
+
+def tail_plan_reference(
+    rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which tokens the bounded estimate takes token by token, and which blocks count by their mass, in torch.
+
+    Args:
+        rows: tokens the query may attend, ``[batch, n, block_tokens]``, ``torch.bool``, compute device.
+        blocks: the selection, ``[batch, k]``, ``torch.int64``; ``keep`` (same shape, ``torch.bool``): which of
+            them are attended (the others are left to the estimate).
+        index: the near blocks, ``[batch, near]``, ``torch.int64`` (unselected blocks of highest score).
+        scores: the selection's block scores, ``[batch, n]``, float32 (``-inf``: may not be attended).
+
+    Returns:
+        ``(near_ok, far)``: the near blocks' tokens to estimate, ``[batch, near, block_tokens]``, ``torch.bool``
+        (none where the block's score is ``-inf`` or the selection keeps it), and the far blocks, ``[batch, n]``,
+        ``torch.bool``: every token attendable, neither kept by the selection nor near.
+    """
+    n = rows.shape[1]
+    chosen = torch.zeros((rows.shape[0], n + 1), dtype=torch.bool, device=rows.device)
+    chosen.scatter_(1, torch.where(keep, blocks, n), True)
+    tail = rows & ~chosen[:, :n, None]
+    live = scores.gather(1, index) > float("-inf")
+    near_ok = tail[torch.arange(rows.shape[0], device=rows.device)[:, None], index] & live[:, :, None]
+    return near_ok, tail.all(dim=-1).scatter(1, index, False)
+
+
+PLAN_BLOCK_N = 2048
+"""Blocks per step of the plan kernel's pass over a sequence's token masks (one program per sequence)."""
+
+PLAN_NEAR_BLOCK = 64
+"""Near blocks per step of the plan kernel's membership test against the selection."""
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n", "k", "near"])
+    def _tail_plan_kernel(
+        rows_ptr,  # uint8 [B, n, T] (strides rows_sb, rows_sn, 1)
+        blocks_ptr,  # int64 [B, k] (stride blocks_sb, 1)
+        keep_ptr,  # uint8 [B, k] (stride keep_sb, 1)
+        idx_ptr,  # int64 [B, near] (stride idx_sb, 1)
+        scores_ptr,  # float32 [B, n] (stride scores_sb, 1)
+        far_ptr,  # uint8 [B, n], written
+        near_ok_ptr,  # uint8 [B, near, T], written
+        rows_sb,
+        rows_sn,
+        blocks_sb,
+        keep_sb,
+        idx_sb,
+        scores_sb,
+        n,
+        k,
+        near,
+        T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        STEPS: tl.constexpr,  # a power of two >= cdiv(n, BLOCK_N)
+        KP: tl.constexpr,  # a power of two >= k
+        NEAR_BLOCK: tl.constexpr,
+        NEAR_STEPS: tl.constexpr,  # a power of two >= cdiv(near, NEAR_BLOCK)
+    ):
+        b = tl.program_id(0).to(tl.int64)
+        t = tl.arange(0, T)
+        # Every block whose tokens are all attendable, first.
+        for step in range(STEPS):
+            j = step * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = j < n
+            r = tl.load(rows_ptr + b * rows_sb + j[:, None] * rows_sn + t[None, :], mask=live[:, None], other=0)
+            tl.store(far_ptr + b * n + j, (tl.min(r, axis=1) != 0).to(tl.uint8), mask=live)
+        kk = tl.arange(0, KP)
+        in_k = kk < k
+        kept = in_k & (tl.load(keep_ptr + b * keep_sb + kk, mask=in_k, other=0) != 0)
+        blk = tl.where(kept, tl.load(blocks_ptr + b * blocks_sb + kk, mask=in_k, other=0), n)  # n: none
+        tl.debug_barrier()  # the stores below overwrite some of those above (other threads' entries)
+        tl.store(far_ptr + b * n + blk, tl.zeros([KP], tl.uint8), mask=kept & (blk < n))
+        for step in range(NEAR_STEPS):
+            jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
+            in_near = jn < near
+            idx = tl.load(idx_ptr + b * idx_sb + jn, mask=in_near, other=0)
+            score = tl.load(scores_ptr + b * scores_sb + idx, mask=in_near, other=float("-inf"))
+            chosen = tl.max((idx[:, None] == blk[None, :]).to(tl.int32), axis=1) > 0
+            ok = in_near & (score > float("-inf")) & (chosen == 0)
+            r = tl.load(rows_ptr + b * rows_sb + idx[:, None] * rows_sn + t[None, :], mask=ok[:, None], other=0)
+            tl.store(near_ok_ptr + (b * near + jn)[:, None] * T + t[None, :], (r != 0).to(tl.uint8),
+                     mask=in_near[:, None])  # fmt: skip
+            tl.store(far_ptr + b * n + idx, tl.zeros([NEAR_BLOCK], tl.uint8), mask=in_near)
+
+
+def tail_plan(
+    rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, scores: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`tail_plan_reference` in one launch where Triton runs on ``rows``' device (about 15 small torch
+    kernels otherwise, 40 us per layer at 64K tokens, batch 10, 8B shape on an H200,
+    ``results/decode/default_trace_h200/``); the same result. Arguments and result as the reference's (any
+    strides with the last dimension contiguous; ``rows``' ``block_tokens`` a power of two). Allocates only its
+    results and never waits for the device."""
+    batch, n, tokens = rows.shape
+    k, near = blocks.shape[-1], index.shape[-1]
+    if (not kernels_available(rows.device) or tokens & (tokens - 1) or n == 0
+            or any(x.stride(-1) != 1 for x in (rows, blocks, keep, index, scores))):  # fmt: skip
+        return tail_plan_reference(rows, blocks, keep, index, scores)
+    far = torch.empty((batch, n), dtype=torch.bool, device=rows.device)
+    near_ok = torch.empty((batch, near, tokens), dtype=torch.bool, device=rows.device)
+    if batch == 0:
+        return near_ok, far
+    step = min(PLAN_BLOCK_N, triton.next_power_of_2(n))
+    _tail_plan_kernel[(batch,)](
+        rows.view(torch.uint8), blocks, keep.view(torch.uint8), index, scores, far.view(torch.uint8),
+        near_ok.view(torch.uint8), rows.stride(0), rows.stride(1), blocks.stride(0), keep.stride(0), index.stride(0),
+        scores.stride(0), n, k, near, T=tokens, BLOCK_N=step, STEPS=triton.next_power_of_2(triton.cdiv(n, step)),
+        KP=triton.next_power_of_2(k), NEAR_BLOCK=PLAN_NEAR_BLOCK,
+        NEAR_STEPS=triton.next_power_of_2(max(1, triton.cdiv(near, PLAN_NEAR_BLOCK))), num_warps=8,
+    )  # fmt: skip
+    return near_ok, far

@@ -147,7 +147,10 @@ class Selector:
         :func:`hf_offload.kernels.tail.merge_attention`).
 
         Args:
-            query, summaries, scaling, tokens_ok, selection: as :meth:`tail_attention`'s.
+            query, summaries, scaling: as :meth:`tail_attention`'s.
+            tokens_ok: tokens the query may attend, ``[batch, n_blocks, block_tokens]``, ``torch.bool``: those of
+                the blocks ``selection`` keeps are left out here (:func:`unselected_tokens`).
+            selection: the step's shared :class:`Selection`.
             out: the selection's attention, ``[batch, kv_heads, group, head_dim]``, float32.
             lse: its log-sum-exp, ``[batch, kv_heads, group]``, float32.
             out_dtype: dtype of the merged output.
@@ -158,7 +161,8 @@ class Selector:
         """
         from ..kernels.tail import merge_attention
 
-        tail_out, tail_lse = self.tail_attention(query, summaries, scaling, tokens_ok, selection=selection)
+        tail = tokens_ok if selection is None else unselected_tokens(tokens_ok, selection)
+        tail_out, tail_lse = self.tail_attention(query, summaries, scaling, tail, selection=selection)
         merged, _ = merge_attention(out, lse, tail_out, tail_lse)
         return merged.to(out_dtype), tail_lse
 
@@ -293,3 +297,20 @@ def key_bound_logits(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor
     return torch.einsum("bhgd,bnhd->bhgn", positive, kmax.float()) + torch.einsum(
         "bhgd,bnhd->bhgn", negative, kmin.float()
     )
+
+
+def unselected_tokens(tokens_ok: torch.Tensor, selection: Selection) -> torch.Tensor:
+    """``tokens_ok`` less the blocks a shared selection keeps: the tokens an estimate of the unselected blocks
+    covers.
+
+    Args:
+        tokens_ok: ``[batch, n, block_tokens]``, ``torch.bool``, compute device.
+        selection: a shared selection (``blocks`` and ``keep`` ``[batch, 1, k]``; kept block indices below ``n``).
+
+    Returns:
+        ``[batch, n, block_tokens]``, ``torch.bool``.
+    """
+    batch, n = tokens_ok.shape[:2]
+    blocks = torch.where(selection.keep, selection.blocks, n)[:, 0]  # not kept: a spare column, dropped below
+    chosen = torch.zeros((batch, n + 1), dtype=torch.bool, device=tokens_ok.device).scatter_(1, blocks, True)
+    return tokens_ok & ~chosen[:, :n, None]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selection, Selector
+from .base import Selection, Selector, unselected_tokens
 
 
 def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
@@ -290,17 +290,27 @@ class QuantKeySelector(Selector):
         its ranges, the far blocks' mass and the merge with the selection are one launch
         (:func:`hf_offload.kernels.tail.tail_attention_merged`). The same result as :meth:`tail_attention`
         followed by ``merge_attention``, up to float32 rounding."""
-        from ..kernels.tail import tail_attention_merged
+        from ..kernels.tail import tail_attention_merged, tail_plan
 
         q, keys, values = self._tail_inputs(query, summaries, scaling)
         n = tokens_ok.shape[1]
         args = (q, keys, self.bits, values, self.tail_bits)
         bounded = self.tail_near > 0 and selection is not None and selection.block_lse is not None
         if not bounded or self.near_count(selection, n) >= n:  # every unselected block token by token
-            return tail_attention_merged(*args, tokens_ok, out, lse, out_dtype=out_dtype)
-        near_ok, index = self.near_index(tokens_ok, selection)
-        # The far blocks as in tail_attention: unselected, not near, every token attendable.
-        far = tokens_ok.all(dim=-1).scatter(1, index, False)  # [batch, n]
+            tail = tokens_ok if selection is None else unselected_tokens(tokens_ok, selection)
+            return tail_attention_merged(*args, tail, out, lse, out_dtype=out_dtype)
+        k, near = selection.blocks.shape[-1], self.near_count(selection, n)
+        if selection.ranked is not None and selection.ranked.shape[-1] >= k + near:
+            # The near blocks from the selection's own ranking, their tokens and the far blocks in one launch
+            # (kernels/tail.py tail_plan; the same as the torch code below).
+            index = selection.ranked[:, 0, k : k + near]
+            near_ok, far = tail_plan(tokens_ok, selection.blocks[:, 0], selection.keep[:, 0], index,
+                                     selection.scores[:, 0, :n])  # fmt: skip
+        else:
+            tail = unselected_tokens(tokens_ok, selection)
+            near_ok, index = self.near_index(tail, selection)
+            # The far blocks as in tail_attention: unselected, not near, every token attendable.
+            far = tail.all(dim=-1).scatter(1, index, False)  # [batch, n]
         return tail_attention_merged(*args, near_ok, out, lse, index=index, block_lse=selection.block_lse[..., :n],
                                      far=far, out_dtype=out_dtype)  # fmt: skip
 
