@@ -569,6 +569,23 @@ def merge_ranges(o: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[tor
     return (o * weight[..., None]).sum(dim=2), lse
 
 
+def with_far_mass(lse_t: torch.Tensor, block_lse: torch.Tensor, far: torch.Tensor) -> torch.Tensor:
+    """The estimate's log-sum-exp with the mass of the blocks counted by their scoring log-sum-exps alone.
+
+    Args:
+        lse_t: the estimate's log-sum-exp over the blocks it took token by token, ``[batch, kv_heads, group]``,
+            float32; where it is infinite there is no estimate to value the far blocks at, and they add nothing.
+        block_lse: ``[batch, kv_heads, group, n]``, float32, the scoring's block log-sum-exps.
+        far: ``[batch, n]``, ``torch.bool``: the blocks to add.
+
+    Returns:
+        ``[batch, kv_heads, group]``, float32.
+    """
+    far_lse = block_lse.masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
+    far_lse = far_lse.masked_fill(torch.isinf(lse_t), float("-inf"))  # no estimate to value them at
+    return torch.logaddexp(lse_t, far_lse)
+
+
 def finish_tail_reference(
     out_t: torch.Tensor,
     lse_t: torch.Tensor,
@@ -595,9 +612,7 @@ def finish_tail_reference(
         and the estimate's log-sum-exp with the far blocks' mass, ``[batch, kv_heads, group]``, float32.
     """
     if block_lse is not None:
-        far_lse = block_lse.masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
-        far_lse = far_lse.masked_fill(torch.isinf(lse_t), float("-inf"))
-        lse_t = torch.logaddexp(lse_t, far_lse)
+        lse_t = with_far_mass(lse_t, block_lse, far)
     out, _ = merge_attention(selection_out, selection_lse, out_t[..., : selection_out.shape[-1]], lse_t)
     return out, lse_t
 

@@ -240,7 +240,7 @@ class QuantKeySelector(Selector):
                 log-sum-exps are of uncapped logits).
             selection: the step's selection (``scores`` ``[batch, 1, n_blocks]``, ``blocks``, ``block_lse``).
         """
-        from ..kernels.tail import tail_attention
+        from ..kernels.tail import tail_attention, with_far_mass
 
         head_dim = query.shape[-1]
         q, keys, values = self._tail_inputs(query, summaries, scaling)
@@ -255,9 +255,7 @@ class QuantKeySelector(Selector):
             # Unselected blocks not estimated token by token, every token of which the query may attend (the block
             # log-sum-exps cover whole blocks: a block with padding in it would count its padding).
             far = tokens_ok.all(dim=-1).scatter(1, index, False)  # [batch, n]
-            far_lse = selection.block_lse[..., :n].masked_fill(~far[:, None, None, :], float("-inf")).logsumexp(-1)
-            far_lse = far_lse.masked_fill(torch.isinf(lse), float("-inf"))  # no estimate to value them at
-            lse = torch.logaddexp(lse, far_lse)
+            lse = with_far_mass(lse, selection.block_lse[..., :n], far)
         return out[..., :head_dim], lse
 
     def _tail_inputs(
@@ -296,10 +294,11 @@ class QuantKeySelector(Selector):
         n = tokens_ok.shape[1]
         args = (q, keys, self.bits, values, self.tail_bits)
         bounded = self.tail_near > 0 and selection is not None and selection.block_lse is not None
-        if not bounded or self.near_count(selection, n) >= n:  # every unselected block token by token
+        near = self.near_count(selection, n) if bounded else n
+        if near >= n:  # every unselected block token by token
             tail = tokens_ok if selection is None else unselected_tokens(tokens_ok, selection)
             return tail_attention_merged(*args, tail, out, lse, out_dtype=out_dtype)
-        k, near = selection.blocks.shape[-1], self.near_count(selection, n)
+        k = selection.blocks.shape[-1]
         if selection.ranked is not None and selection.ranked.shape[-1] >= k + near:
             # The near blocks from the selection's own ranking, their tokens and the far blocks in one launch
             # (kernels/tail.py tail_plan; the same as the torch code below).
