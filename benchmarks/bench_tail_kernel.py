@@ -3,7 +3,9 @@
 For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query heads each, 2048 blocks of 16 tokens,
 head_dim 128, all but 127 blocks in the tail) it times, in one run:
 
-* ``kernel``: ``hf_offload.kernels.tail.tail_attention`` for each ``--bits`` pair (keys, values): the ``dot``
+* ``kernel``: ``hf_offload.kernels.tail.tail_attention`` for each ``--bits`` pair (keys, values): where it runs,
+  the tensor-core kernel (``mma``, ``hf_offload.kernels.tail_mma``) at its defaults, at each ``--mma-warps`` and
+  ``--mma-blocks-per-warp``, and at its defaults again after everything else; the ``dot``
   kernel (TF32 products) at each ``--blocks-per-program`` (the split of a sequence's blocks over programs; ``*``
   marks the default), again at each ``--num-warps`` and ``--num-stages``, then at the default split the ``dot``
   kernel with exact float32 products (``dot-ieee``) and the first kernel (``loop``; the only one where the ``dot``
@@ -76,6 +78,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="warps per program to try (dot kernel, default split) besides Triton's default")
     p.add_argument("--num-stages", type=int, nargs="*", default=[1, 3],
                    help="software-pipelining stages to try (dot kernel, default split)")
+    p.add_argument("--near", type=int, default=0,
+                   help="estimate only this many blocks per sequence, read through an index (the default selector's "
+                        "bounded estimate: 3 x the selected blocks); 0: every block but the selected ones")
+    p.add_argument("--mma-warps", type=int, nargs="*", default=[2, 4, 8],
+                   help="warps per program of the tensor-core kernel to time besides its default")
+    p.add_argument("--mma-blocks-per-warp", type=int, nargs="*", default=[8, 16, 32],
+                   help="blocks per warp of the tensor-core kernel to time besides its default")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     if not kernels_available(dev):  # the CPU only under Triton's interpreter (tests; its timings mean nothing)
         print(NO_CUDA, file=sys.stderr)
         return 2
-    from hf_offload.kernels import tail
+    from hf_offload.kernels import tail, tail_mma
     from hf_offload.kernels.quantkey import block_lse
     from hf_offload.selectors.quantkey import quantize_keys
 
@@ -99,12 +108,21 @@ def main(argv: list[str] | None = None) -> int:
     ok = torch.ones(B, n, T, dtype=torch.bool, device=dev)
     picked = torch.randperm(n, device=dev, generator=g)[: args.selected]
     ok[:, picked] = False
+    index = None
+    if args.near:  # random distinct blocks per sequence, every token attended
+        index = torch.stack([torch.randperm(n, device=dev, generator=g)[: args.near] for _ in range(B)])
+        ok = torch.ones(B, args.near, T, dtype=torch.bool, device=dev)
     rows = []
     for pair in args.bits:
         kb, vb = (int(x) for x in pair.split(","))
         kq, vq = quantize_keys(keys, kb), quantize_keys(values, vb)
         nbytes = sum(t.numel() * t.element_size() for t in (*kq.values(), *vq.values()))
-        ref_out, ref_lse = tail.tail_attention_reference(query, kq, kb, vq, vb, ok)
+        if index is not None:
+            rows_ = torch.arange(B, device=dev)[:, None]
+            near_k, near_v = ({k: v[rows_, index] for k, v in part.items()} for part in (kq, vq))
+        else:
+            near_k, near_v = kq, vq
+        ref_out, ref_lse = tail.tail_attention_reference(query, near_k, kb, near_v, vb, ok)
         entry = {"key_bits": kb, "value_bits": vb, "summary_bytes": nbytes, "kernel": {}}
         default = tail.BLOCKS_PER_PROGRAM
         runs = [("loop", "ieee", default, None, None)]
@@ -113,18 +131,30 @@ def main(argv: list[str] | None = None) -> int:
             runs += [("dot", "tf32", default, w, None) for w in args.num_warps]
             runs += [("dot", "tf32", default, None, st) for st in args.num_stages]
             runs += [("dot", "ieee", default, None, None), ("loop", "ieee", default, None, None)]
+        if tail_mma.mma_supported(query, kq, kb, vq, vb, index is not None):  # the tensor-core kernel's settings
+            base = (tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP)
+            first = [("mma", "bf16", base[1], base[0], None)]
+            first += [("mma", "bf16", base[1], w, None) for w in args.mma_warps if w != base[0]]
+            first += [("mma", "bf16", per, base[0], None) for per in args.mma_blocks_per_warp if per != base[1]]
+            runs = first + runs + first[:1]  # its default first and last (the drift within the run)
         for variant, precision, per, warps, stages in runs:
+            if variant == "mma":
+                tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP = warps, per
             fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per,  # noqa: E731
-                                             variant=variant, precision=precision, num_warps=warps,
-                                             num_stages=stages)  # fmt: skip
+                                             variant=variant, precision="tf32" if variant == "mma" else precision,
+                                             num_warps=None if variant == "mma" else warps, num_stages=stages,
+                                             index=index)  # fmt: skip
             out, lse = fn()
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
             us = _time(fn, args.calls, args.reps, args.warmup)
-            name = variant if precision == "tf32" or variant == "loop" else f"{variant}-{precision}"
+            name = variant if precision in ("tf32", "bf16") or variant == "loop" else f"{variant}-{precision}"
             key = f"{name}/{per}" + (f"/w{warps}" if warps else "") + (f"/s{stages}" if stages else "")
+            key += "/again" if key in entry["kernel"] else ""
             entry["kernel"][key] = {"variant": variant, "precision": precision, "blocks_per_program": per,
                                     "num_warps": warps, "num_stages": stages, "us": us, "gb_per_s": nbytes / us / 1e3,
                                     "max_error": err}  # fmt: skip
+        if tail_mma.mma_supported(query, kq, kb, vq, vb, index is not None):
+            tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP = base
         entry["reference_us"] = _time(lambda: tail.tail_attention_reference(query, kq, kb, vq, vb, ok), 1, 3, 1)
         entry["scoring_us"] = _time(lambda: block_lse(query, kq["codes"], kq["kmin"], kq["kstep"], kb),
                                     args.calls, args.reps, args.warmup)  # fmt: skip
@@ -141,7 +171,9 @@ def main(argv: list[str] | None = None) -> int:
     for e in rows:
         for name, r in e["kernel"].items():
             per, warps, stages = r["blocks_per_program"], r["num_warps"], r["num_stages"]
-            mark = "*" if name == f"{tail.DEFAULT_VARIANT}/{tail.BLOCKS_PER_PROGRAM}" else " "
+            default = f"mma/{tail_mma.BLOCKS_PER_WARP}/w{tail_mma.WARPS}" if name.startswith("mma") else (
+                f"dot/{tail.BLOCKS_PER_PROGRAM}")
+            mark = "*" if name == default else " "
             print(f"{e['key_bits']:>5d},{e['value_bits']:<3d} {name.split('/')[0]:>9s} {per:>7d}{mark} "
                   f"{warps or '-':>5} {stages or '-':>6} {r['us']:9.1f} "
                   f"{r['gb_per_s']:7.0f} {r['max_error']:9.2e} {e['reference_us']:9.0f} {e['scoring_us']:10.1f}")  # fmt: skip

@@ -31,3 +31,23 @@ def test_tiny_run_checks_the_kernel_and_writes_json(tmp_path):
 @pytest.mark.skipif(kernels_available(DEVICE), reason="the kernel runs here")
 def test_without_the_kernel_it_says_so():
     assert bench_tail_kernel.main(["--blocks", "8"]) == 2
+
+
+@pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+def test_near_blocks_through_an_index_and_the_tensor_core_kernel(tmp_path):
+    """``--near``: the bounded estimate's shape (blocks read through an index); on a GPU of compute capability 9.0+
+    the tensor-core kernel is timed too, its default first and last."""
+    out = tmp_path / "tail.json"
+    assert bench_tail_kernel.main(["--batch", "2", "--kv-heads", "2", "--group", "4", "--blocks", "40", "--near", "9",
+                                   "--tokens", "16", "--head-dim", "64", "--bits", "4,2", "--blocks-per-program",
+                                   "16", "--num-warps", "--num-stages", "--mma-warps", "2", "--mma-blocks-per-warp",
+                                   "8", "--calls", "1", "--reps", "1", "--warmup", "0",
+                                   "--out", str(out)]) == 0  # fmt: skip
+    (r,) = json.loads(out.read_text())["results"]
+    mma = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+    want = {"dot/16", "dot-ieee/16", "loop/16"}
+    if mma:
+        want |= {"mma/16/w4", "mma/16/w2", "mma/8/w4", "mma/16/w4/again"}
+    assert set(r["kernel"]) == want
+    for k in r["kernel"].values():
+        assert k["max_error"] < (5e-2 if k["precision"] in ("tf32", "bf16") else 1e-3) and k["us"] > 0

@@ -58,12 +58,13 @@ def test_kernel_matches_reference(variant, key_bits, value_bits, shape, dtype):
 
 
 @pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 2)])
-def test_default_kernel_with_tensor_core_products_is_close(key_bits, value_bits):
-    """The default: the ``dot`` kernel with TF32 products (exact float32 under the interpreter); the error stays
-    far below the codes' own (a 4-bit step is 1/15 of a channel's range in the block)."""
+def test_dot_kernel_with_tensor_core_products_is_close(key_bits, value_bits):
+    """The ``dot`` kernel at its defaults, TF32 products (exact float32 under the interpreter): the error stays far
+    below the codes' own (a 4-bit step is 1/15 of a channel's range in the block). It is the default where the
+    tensor-core CUDA kernel cannot run (``tests/test_kernel_tail_mma.py``)."""
     query, kq, vq, ok = _inputs(4, 64, 2, 4, 16, 128, key_bits, value_bits, torch.bfloat16)
-    assert dot_kernel_fits(16, 128, key_bits, value_bits) and tail_module.DEFAULT_VARIANT == "dot"
-    out, lse = tail_attention(query, kq, key_bits, vq, value_bits, ok)
+    assert dot_kernel_fits(16, 128, key_bits, value_bits)
+    out, lse = tail_attention(query, kq, key_bits, vq, value_bits, ok, variant="dot")
     want_out, want_lse = tail_attention_reference(query, kq, key_bits, vq, value_bits, ok)
     torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=1e-2)
     torch.testing.assert_close(out, want_out, atol=1e-2, rtol=1e-2)

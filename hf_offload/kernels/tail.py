@@ -409,18 +409,36 @@ def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], va
     )
 
 
-VARIANTS = ("dot", "loop")
-"""Kernels :func:`tail_attention` can run: ``dot`` (matrix products over ``NB * block_tokens`` rows at a time, the
-default where its tiles fit, see :func:`dot_kernel_fits`) and ``loop`` (the first kernel: one block at a time,
-products as broadcast sums; it runs where ``dot`` does not fit). ``benchmarks/bench_tail_kernel.py`` times them side
-by side."""
+VARIANTS = ("mma", "dot", "loop")
+"""Kernels :func:`tail_attention` can run: ``mma`` (the tensor-core CUDA kernel of :mod:`hf_offload.kernels.tail_mma`,
+where :func:`~hf_offload.kernels.tail_mma.mma_supported` allows it), ``dot`` (Triton: matrix products over ``NB *
+block_tokens`` rows at a time, where its tiles fit, see :func:`dot_kernel_fits`) and ``loop`` (the first Triton
+kernel: one block at a time, products as broadcast sums; it runs where ``dot`` does not fit).
+``benchmarks/bench_tail_kernel.py`` times them side by side."""
 
-DEFAULT_VARIANT = "dot"
-"""The kernel :func:`tail_attention` runs where it fits. A ``rows`` candidate (the same products from
-two-dimensional tiles only, no reshapes) lost to it on the H200: for the 8B shape at 32K, batch 8, 4-bit keys and
-2-bit values, ``dot`` took 886 us at its defaults (771 us at 2 warps) and ``rows`` 996-1397 us across blocks per
-program (``results/selection/bench_tail_kernel_rows_h200.json``), and in the kernel tests ``rows`` ran out of shared
-memory (286-321 KB needed, 232 KB available) for the bf16 shape (1, 5, 3, 4, 8, 128)."""
+DEFAULT_VARIANT = "mma"
+"""The kernel :func:`tail_attention` runs, unless the environment variable ``HF_OFFLOAD_TAIL_KERNEL`` names another of
+:data:`VARIANTS`: ``mma`` where it can run, else ``dot`` where it fits, else ``loop``. A ``rows`` candidate (the
+``dot`` kernel's products from two-dimensional tiles only, no reshapes) lost to ``dot`` on the H200: for the 8B
+shape at 32K, batch 8, 4-bit keys and 2-bit values, ``dot`` took 886 us at its defaults (771 us at 2 warps) and
+``rows`` 996-1397 us across blocks per program (``results/selection/bench_tail_kernel_rows_h200.json``), and in the
+kernel tests ``rows`` ran out of shared memory (286-321 KB needed, 232 KB available) for the bf16 shape (1, 5, 3,
+4, 8, 128)."""
+
+
+def chosen_variant() -> str:
+    """The kernel :func:`tail_attention` prefers: ``HF_OFFLOAD_TAIL_KERNEL`` where set, else :data:`DEFAULT_VARIANT`
+    (``mma`` falls back to ``dot`` or ``loop`` where it cannot run).
+
+    Raises:
+        ValueError: the variable names no kernel of :data:`VARIANTS`.
+    """
+    import os
+
+    variant = os.environ.get("HF_OFFLOAD_TAIL_KERNEL", DEFAULT_VARIANT)
+    if variant not in VARIANTS:
+        raise ValueError(f"HF_OFFLOAD_TAIL_KERNEL must be one of {VARIANTS} (or unset), got {variant!r}")
+    return variant
 
 
 def dot_kernel_fits(tokens: int, channels: int, key_bits: int, value_bits: int) -> bool:
@@ -461,9 +479,11 @@ def tail_attention(
             every block (``[batch, n_blocks, ...]``). The kernel reads the blocks where they are; the reference
             gathers them first. ``None``: ``keys`` and ``values`` are the ``n`` blocks themselves.
         blocks_per_program: blocks of one sequence and KV head one program walks (their partial softmaxes are merged
-            in torch); the ``dot`` kernel rounds it up to whole iterations.
-        variant: one of :data:`VARIANTS`; ``None``: :data:`DEFAULT_VARIANT` where :func:`dot_kernel_fits`, else
-            ``loop``. Asking for ``dot`` where it does not fit raises ``ValueError``.
+            in torch); the ``dot`` kernel rounds it up to whole iterations; not read by ``mma`` (one range per warp
+            of :data:`hf_offload.kernels.tail_mma.BLOCKS_PER_WARP` blocks).
+        variant: one of :data:`VARIANTS`; ``None``: :func:`chosen_variant`'s, where it can run (``mma`` where
+            :func:`~hf_offload.kernels.tail_mma.mma_supported`, else ``dot`` where :func:`dot_kernel_fits`, else
+            ``loop``). Asking for ``mma`` or ``dot`` where it cannot run raises ``ValueError``.
         precision: the ``dot`` kernel's matrix-product input precision: ``"tf32"`` (tensor cores; products of
             float32 inputs rounded to 10 mantissa bits, an error far below that of the 2-4-bit codes) or
             ``"ieee"`` (exact float32, as the reference).
@@ -510,16 +530,30 @@ def tail_partials(
 
     batch, heads, group, channels = query.shape
     n, tokens = tokens_ok.shape[1], tokens_ok.shape[2]
+    from . import tail_mma
+
     fits = dot_kernel_fits(tokens, channels, key_bits, value_bits)
-    variant = variant or (DEFAULT_VARIANT if fits else "loop")
-    if variant not in VARIANTS:
+    if variant is not None and variant not in VARIANTS:
         raise ValueError(f"tail_attention: unknown variant {variant!r}; expected one of {VARIANTS}")
+    if precision not in ("tf32", "ieee"):
+        raise ValueError(f"tail_attention: precision must be 'tf32' or 'ieee', not {precision!r}")
+    wanted = variant or chosen_variant()
+    if wanted == "mma":
+        if tail_mma.mma_supported(query, keys, key_bits, values, value_bits, index is not None):
+            strides = (0, 0) if n == 0 else (block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
+                                             block_stride(values["codes"], values["kmin"], values["kstep"]))
+            return tail_mma.launch(query.float().contiguous(), keys, key_bits, values, value_bits, tokens_ok, index,
+                                   *strides)  # fmt: skip
+        if variant == "mma":
+            raise ValueError("tail_attention: the 'mma' kernel needs CUDA (compute capability 9.0+, NVRTC), 2- or "
+                             "4-bit keys and values, 16-token blocks, head_dim 64, 128 or 256, at most 8 query heads "
+                             "per KV head and bfloat16 summaries; use variant=None to fall back")  # fmt: skip
+        wanted = "dot"
+    variant = "loop" if wanted == "dot" and not fits and variant is None else wanted  # the default falls back
     if variant == "dot" and not fits:
         raise ValueError(f"tail_attention: the 'dot' kernel needs >= 16 code bytes per key and value row and "
                          f"block_tokens <= 128 (got {channels} channels at {key_bits}/{value_bits} bits, "
                          f"{tokens} tokens); use variant='loop' or None")  # fmt: skip
-    if precision not in ("tf32", "ieee"):
-        raise ValueError(f"tail_attention: precision must be 'tf32' or 'ieee', not {precision!r}")
     if n == 0:
         return (torch.zeros((batch, heads, 1, group, channels), dtype=torch.float32, device=query.device),
                 torch.full((batch, heads, 1, group), float("-inf"), dtype=torch.float32, device=query.device),
