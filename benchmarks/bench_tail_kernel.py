@@ -15,7 +15,9 @@ head_dim 128, all but 127 blocks in the tail) it times, in one run:
 * ``dense``: ``scaled_dot_product_attention`` over the same tokens in bf16 (what attending to them exactly on the
   device would cost, were they resident).
 
-CUDA events around ``--calls`` calls, median of ``--reps`` after ``--warmup``; each kernel result is checked
+Kernels and scoring: ``--calls`` calls captured into one CUDA graph, CUDA events around each of ``--reps`` replays
+(the device's time alone, as in a decode step), median, after ``--warmup``; the reference and dense attention: CUDA
+events around the calls themselves; each kernel result is checked
 against the reference (largest absolute difference of output and log-sum-exp). Prints a table (microseconds per
 call; GB/s of the summary bytes read) and writes JSON (machine, versions, git commit, settings, timings) to ``--out``.
 
@@ -40,11 +42,29 @@ NO_CUDA = ("bench_tail_kernel: no CUDA device with Triton (and not under TRITON_
            "measured")
 
 
-def _time(fn, calls: int, reps: int, warmup: int) -> float:
+def _time(fn, calls: int, reps: int, warmup: int, graph: bool = False) -> float:
     """Median microseconds per call of ``fn()`` over ``reps`` timings of ``calls`` calls (CUDA events; wall
-    time off CUDA)."""
+    time off CUDA). With ``graph`` (CUDA only) the ``calls`` calls are captured into one CUDA graph and each timing
+    is one replay: the device's time alone, as a decode step's graphs run it, without the host's launch cost."""
     for _ in range(warmup):
         fn()
+    if graph and torch.cuda.is_available():
+        fn()  # (compiles and allocates before the capture)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        g.replay()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            g.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1000 / calls)
+        return statistics.median(times)
     times = []
     for _ in range(reps):
         if not torch.cuda.is_available():
@@ -146,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                                              index=index)  # fmt: skip
             out, lse = fn()
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
-            us = _time(fn, args.calls, args.reps, args.warmup)
+            us = _time(fn, args.calls, args.reps, args.warmup, graph=True)
             name = variant if precision in ("tf32", "bf16") or variant == "loop" else f"{variant}-{precision}"
             key = f"{name}/{per}" + (f"/w{warps}" if warps else "") + (f"/s{stages}" if stages else "")
             key += "/again" if key in entry["kernel"] else ""
@@ -157,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
             tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP = base
         entry["reference_us"] = _time(lambda: tail.tail_attention_reference(query, kq, kb, vq, vb, ok), 1, 3, 1)
         entry["scoring_us"] = _time(lambda: block_lse(query, kq["codes"], kq["kmin"], kq["kstep"], kb),
-                                    args.calls, args.reps, args.warmup)  # fmt: skip
+                                    args.calls, args.reps, args.warmup, graph=True)  # fmt: skip
         rows.append(entry)
     k = keys.permute(0, 2, 1, 3, 4).reshape(B, H, n * T, D)
     v = values.permute(0, 2, 1, 3, 4).reshape(B, H, n * T, D)

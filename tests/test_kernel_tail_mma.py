@@ -86,7 +86,7 @@ def test_unsupported_inputs_are_declined():
         q = query.cuda()
         assert mma_supported(q, dev, 4, vdev, 2)
         assert not mma_supported(q, dev, 8, vdev, 2)  # 8-bit keys
-        assert not mma_supported(q.expand(1, 1, 9, 64), dev, 4, vdev, 2)  # 9 query heads
+        assert not mma_supported(torch.randn(1, 1, 9, 64, device="cuda"), dev, 4, vdev, 2)  # 9 query heads
         f32 = {k: (v.float() if v.is_floating_point() else v) for k, v in vdev.items()}
         assert not mma_supported(q, dev, 4, f32, 2)  # float32 parameters
 

@@ -172,15 +172,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) tail_mma(
                 qs[2 * KPER * wi + 2 * p + s] = bf16x2_of(qv[lo + 2 * KPER] * f, qv[lo] * f);
             }
     // The constant q . kmin as products too, into the same accumulator: every token row of the left-hand side is the
-    // block's kmin (exact in bfloat16), the right-hand side the query times 2**AEXP (the accumulator's unit) split
+    // block's kmin (exact in bfloat16), the right-hand side the query times 2**-AEXP (the accumulator's unit) split
     // into a bfloat16 high and low part. K tile kt, positions 2t, 2t+1 -> channels c0 + 4kt + 0, 1; 2t+8, 2t+9 ->
     // + 2, 3 (the scoring kernel's constants).
     u32 qh[CH / 2], ql[CH / 2];
     {
-        const float up = __int_as_float((127 + AEXP) << 23);
+        const float unit = __int_as_float((127 - AEXP) << 23);
 #pragma unroll
         for (int i = 0; i < CH / 2; ++i) {
-            const float x0 = qv[2 * i] * up, x1 = qv[2 * i + 1] * up;
+            const float x0 = qv[2 * i] * unit, x1 = qv[2 * i + 1] * unit;
             qh[i] = bf16x2_of(x1, x0);
             ql[i] = bf16x2_of(x1 - bf16_hi(qh[i]), x0 - bf16_lo(qh[i]));
         }
