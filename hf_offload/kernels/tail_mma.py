@@ -52,6 +52,25 @@ BLOCKS_PER_WARP = 16
 WARPS = 4
 """Warps per program (read when a kernel is compiled and launched)."""
 
+STAGES = 3
+"""Blocks a warp keeps in flight through asynchronous copies into a ring in shared memory (``cp.async``; read when a
+kernel is compiled): block ``j + STAGES - 1``'s codes, minima, steps and token flags are copied while block ``j`` is
+estimated. Lowered where the ring would not fit the 48 KiB of static shared memory (:func:`stages`); 0 or 1: each
+block is loaded straight into registers (a warp then waits for every block's loads)."""
+
+SHARED_BYTES = 48 * 1024
+"""Static shared memory a kernel may declare."""
+
+
+def stages(head_dim: int, key_bits: int, value_bits: int) -> int:
+    """The ring depth compiled for these settings: :data:`STAGES`, lowered until the ring (``WARPS * stages *
+    (16 * head_dim * (key_bits + value_bits) / 8 + 8 * head_dim + 16)`` bytes) and the probabilities' tile fit
+    :data:`SHARED_BYTES`; 0 where fewer than 2 fit."""
+    slot = 2 * head_dim * (key_bits + value_bits) + 8 * head_dim + 16
+    fits = (SHARED_BYTES - WARPS * 8 * 24 * 2) // (WARPS * slot)
+    depth = min(STAGES, fits)
+    return depth if depth >= 2 else 0
+
 _SOURCE = r"""
 typedef unsigned int u32;
 #define NEG_INF __int_as_float(0xff800000)
@@ -130,6 +149,46 @@ __device__ __forceinline__ u32 vtake(const u32* wa, const u32* wb, int c) {
     return (j < 2 ? x : x >> 8) & (0x000F000Fu << (4 * (j & 1)));
 }
 
+constexpr int KCB = 16 * KRB;          // one block's key codes, bytes
+constexpr int VCB = 16 * VRB;          // and its value codes
+#if STAGES  // asynchronous copies global -> shared (sm_80+), 16 bytes each, waited for in groups
+// A ring slot: key codes, value codes, kstep, kmin, vstep, vmin (D bfloat16 values each), the 16 token flags.
+constexpr int SLOT = KCB + VCB + 8 * D + 16;
+__shared__ __align__(16) unsigned char ring[WARPS][STAGES][SLOT];
+__device__ __forceinline__ unsigned char* ring_at(int warp, int slot) { return ring[warp][slot]; }
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {  // dst: a shared-memory address
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 1) : "memory"); }
+// The 16-byte chunks of `bytes` bytes at src into dst (shared), spread over the warp's lanes.
+template <int BYTES>
+__device__ __forceinline__ void copy_region(unsigned dst, const unsigned char* src, int lane) {
+#pragma unroll
+    for (int i = 0; i < (BYTES / 16 + 31) / 32; ++i) {
+        const int at = 16 * (lane + 32 * i);
+        if (BYTES % 512 == 0 || at < BYTES) cp_async16(dst + at, src + at);
+    }
+}
+// Start copying block n (block blk of the summaries) into `slot`.
+__device__ __forceinline__ void issue_block(unsigned char* slot, const unsigned char* kcodes,
+                                            const unsigned short* kstep, const unsigned short* kmin,
+                                            const unsigned char* vcodes, const unsigned short* vstep,
+                                            const unsigned short* vmin, const unsigned char* ok, long long b,
+                                            long long h, int heads, int n_blocks, int k_stride, int v_stride, int n,
+                                            long long blk, int lane) {
+    const long long krow = (b * k_stride + blk) * heads + h, vrow = (b * v_stride + blk) * heads + h;
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+    copy_region<KCB>(dst, kcodes + krow * KCB, lane);
+    copy_region<VCB>(dst + KCB, vcodes + vrow * VCB, lane);
+    copy_region<2 * D>(dst + KCB + VCB, reinterpret_cast<const unsigned char*>(kstep + krow * D), lane);
+    copy_region<2 * D>(dst + KCB + VCB + 2 * D, reinterpret_cast<const unsigned char*>(kmin + krow * D), lane);
+    copy_region<2 * D>(dst + KCB + VCB + 4 * D, reinterpret_cast<const unsigned char*>(vstep + vrow * D), lane);
+    copy_region<2 * D>(dst + KCB + VCB + 6 * D, reinterpret_cast<const unsigned char*>(vmin + vrow * D), lane);
+    if (lane == 0) cp_async16(dst + KCB + VCB + 8 * D, ok + (b * n_blocks + n) * 16);
+}
+#endif
+
 // One program: one (sequence, KV head) bh and WARPS ranges of PER_WARP blocks; warp w takes range
 // blockIdx.y * WARPS + w of the n_blocks listed (block n is idx[b, n] of the summaries with HAS_INDEX).
 // q: float32 [B, H, G, D], scaled; kcodes, vcodes: u8 [B, cap, H, 16, D * bits / 8]; kmin, kstep, vmin, vstep:
@@ -198,18 +257,57 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) tail_mma(
 #pragma unroll
     for (int i = 0; i < MT; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 
+#if STAGES  // the first blocks' copies
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+        const int nb = __shfl_sync(0xffffffffu, mine, i < count ? i : 0);
+        if (i < count)
+            issue_block(ring_at(warp, i), kcodes, kstep, kmin, vcodes, vstep, vmin, ok, b, h, heads, n_blocks,
+                        k_stride, v_stride, first + i, nb, lane);
+        cp_commit();
+    }
+#endif
 #pragma unroll 1
     for (int j = 0; j < count; ++j) {
+#if STAGES  // block j + STAGES - 1 starts copying into the slot block j - 1 left; block j's copies are waited for
+        __syncwarp();  // every lane has read block j - 1 from its slot
+        {
+            const int nj = j + STAGES - 1;
+            const int nb = __shfl_sync(0xffffffffu, mine, nj < count ? nj : 0);
+            if (nj < count)
+                issue_block(ring_at(warp, nj % STAGES), kcodes, kstep, kmin, vcodes, vstep, vmin, ok, b, h, heads,
+                            n_blocks, k_stride, v_stride, first + nj, nb, lane);
+        }
+        cp_commit();
+        cp_wait();
+        __syncwarp();  // and every lane's copies of block j are visible to the others
+        const unsigned char* slot = ring_at(warp, j % STAGES);
+        const unsigned char* kc_p = slot;
+        const unsigned char* vc_p = slot + KCB;
+        const unsigned short* ks_p = reinterpret_cast<const unsigned short*>(slot + KCB + VCB);
+        const unsigned short* km_p = ks_p + D;
+        const unsigned short* vs_p = ks_p + 2 * D;
+        const unsigned short* vm_p = ks_p + 3 * D;
+        const unsigned char* ok_p = slot + KCB + VCB + 8 * D;
+#else
         const int n = first + j;
         const long long blk = __shfl_sync(0xffffffffu, mine, j);
         const long long krow = (b * k_stride + blk) * heads + h;
         const long long vrow = (b * v_stride + blk) * heads + h;
+        const unsigned char* kc_p = kcodes + krow * KCB;
+        const unsigned char* vc_p = vcodes + vrow * VCB;
+        const unsigned short* ks_p = kstep + krow * D;
+        const unsigned short* km_p = kmin + krow * D;
+        const unsigned short* vs_p = vstep + vrow * D;
+        const unsigned short* vm_p = vmin + vrow * D;
+        const unsigned char* ok_p = ok + (b * n_blocks + n) * 16;
+#endif
         // Loads: key code words of token rows g, g + 8; kstep and kmin of the lane's key channels; the token mask
         // of rows g, g + 8; value code words of tokens 2t, 2t + 1, 2t + 8, 2t + 9; vstep and vmin of its value
         // channels.
         u32 x0[KW], x1[KW], ks[CH / 2], km[CH / 2];
         {
-            const unsigned char* base = kcodes + krow * (16 * KRB) + 4 * KW * t;
+            const unsigned char* base = kc_p + 4 * KW * t;
 #pragma unroll
             for (int i = 0; i < KW; ++i) {
                 x0[i] = *reinterpret_cast<const u32*>(base + g * KRB + 4 * i);
@@ -217,25 +315,25 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) tail_mma(
             }
 #pragma unroll
             for (int i = 0; i < CH / 2; i += 4) {
-                const uint4 v = *reinterpret_cast<const uint4*>(kstep + krow * D + c0 + 2 * i);
+                const uint4 v = *reinterpret_cast<const uint4*>(ks_p + c0 + 2 * i);
                 ks[i] = v.x; ks[i + 1] = v.y; ks[i + 2] = v.z; ks[i + 3] = v.w;
-                const uint4 w = *reinterpret_cast<const uint4*>(kmin + krow * D + c0 + 2 * i);
+                const uint4 w = *reinterpret_cast<const uint4*>(km_p + c0 + 2 * i);
                 km[i] = w.x; km[i + 1] = w.y; km[i + 2] = w.z; km[i + 3] = w.w;
             }
         }
-        const bool ok0 = ok[(b * n_blocks + n) * 16 + g] != 0, ok1 = ok[(b * n_blocks + n) * 16 + g + 8] != 0;
+        const bool ok0 = ok_p[g] != 0, ok1 = ok_p[g + 8] != 0;
         u32 va[VNW], vb[VNW], vc[VNW], vd[VNW], vs[VC / 2], vm[VC / 2];
         {
-            const unsigned char* base = vcodes + vrow * (16 * VRB) + VLB * g;
+            const unsigned char* base = vc_p + VLB * g;
             vload(base + (2 * t) * VRB, va);
             vload(base + (2 * t + 1) * VRB, vb);
             vload(base + (2 * t + 8) * VRB, vc);
             vload(base + (2 * t + 9) * VRB, vd);
 #pragma unroll
             for (int i = 0; i < VC / 2; i += 4) {  // (VC / 2 >= 4: head_dim >= 64)
-                const uint4 v = *reinterpret_cast<const uint4*>(vstep + vrow * D + VC * g + 2 * i);
+                const uint4 v = *reinterpret_cast<const uint4*>(vs_p + VC * g + 2 * i);
                 vs[i] = v.x; vs[i + 1] = v.y; vs[i + 2] = v.z; vs[i + 3] = v.w;
-                const uint4 w = *reinterpret_cast<const uint4*>(vmin + vrow * D + VC * g + 2 * i);
+                const uint4 w = *reinterpret_cast<const uint4*>(vm_p + VC * g + 2 * i);
                 vm[i] = w.x; vm[i + 1] = w.y; vm[i + 2] = w.z; vm[i + 3] = w.w;
             }
         }
@@ -257,11 +355,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) tail_mma(
                 mma(lg, ktake(x0[wi], p, 0), ktake(x1[wi], p, 0), ktake(x0[wi], p, 1), ktake(x1[wi], p, 1), bb[0],
                     bb[1]);
             }
+        float ch[4] = {0.f, 0.f, 0.f, 0.f}, cl[4] = {0.f, 0.f, 0.f, 0.f};  // (three independent chains)
 #pragma unroll
         for (int kt = 0; kt < CH / 4; ++kt) {
-            mma(lg, km[2 * kt], km[2 * kt], km[2 * kt + 1], km[2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
-            mma(lg, km[2 * kt], km[2 * kt], km[2 * kt + 1], km[2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
+            mma(ch, km[2 * kt], km[2 * kt], km[2 * kt + 1], km[2 * kt + 1], qh[2 * kt], qh[2 * kt + 1]);
+            mma(cl, km[2 * kt], km[2 * kt], km[2 * kt + 1], km[2 * kt + 1], ql[2 * kt], ql[2 * kt + 1]);
         }
+#pragma unroll
+        for (int i = 0; i < 4; ++i) lg[i] += ch[i] + cl[i];
 
         // Online softmax per head (column): the block's maximum over its 16 tokens, the probabilities, their sum.
         float x[4], p[4], rs[2], tot[2];
@@ -343,13 +444,14 @@ _FAILED: str | None = None  # why compiling failed, once it has (then the kernel
 
 
 def _kernel(head_dim: int, key_bits: int, value_bits: int, has_index: bool):
-    """The compiled kernel for these settings and the current :data:`WARPS` and :data:`BLOCKS_PER_WARP` (compiled
-    once per process each)."""
-    key = (head_dim, key_bits, value_bits, has_index, WARPS, BLOCKS_PER_WARP)
+    """The compiled kernel for these settings and the current :data:`WARPS`, :data:`BLOCKS_PER_WARP` and
+    :func:`stages` (compiled once per process each)."""
+    depth = stages(head_dim, key_bits, value_bits)
+    key = (head_dim, key_bits, value_bits, has_index, WARPS, BLOCKS_PER_WARP, depth)
     fn = _COMPILED.get(key)
     if fn is None:
         defines = {"D": head_dim, "KBITS": key_bits, "VBITS": value_bits, "WARPS": WARPS, "PER_WARP": BLOCKS_PER_WARP,
-                   "HAS_INDEX": int(has_index), "BEXP": SHIFT, "AEXP": 133 - SHIFT}  # fmt: skip
+                   "HAS_INDEX": int(has_index), "BEXP": SHIFT, "AEXP": 133 - SHIFT, "STAGES": depth}  # fmt: skip
         source = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + _SOURCE
         fn = torch.cuda._compile_kernel(source, "tail_mma")
         _COMPILED[key] = fn
