@@ -4,8 +4,9 @@ For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query head
 head_dim 128, all but 127 blocks in the tail) it times, in one run:
 
 * ``kernel``: ``hf_offload.kernels.tail.tail_attention`` for each ``--bits`` pair (keys, values): where it runs,
-  the tensor-core kernel (``mma``, ``hf_offload.kernels.tail_mma``) at its defaults, at each ``--mma-warps`` and
-  ``--mma-blocks-per-warp``, and at its defaults again after everything else; the ``dot``
+  the tensor-core kernel (``mma``, ``hf_offload.kernels.tail_mma``) at its defaults, at each ``--mma-warps``,
+  ``--mma-blocks-per-warp`` and ``--mma-stages`` (``/s`` in its name), and at its defaults again after everything
+  else; the ``dot``
   kernel (TF32 products) at each ``--blocks-per-program`` (the split of a sequence's blocks over programs; ``*``
   marks the default), again at each ``--num-warps`` and ``--num-stages``, then at the default split the ``dot``
   kernel with exact float32 products (``dot-ieee``) and the first kernel (``loop``; the only one where the ``dot``
@@ -105,6 +106,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="warps per program of the tensor-core kernel to time besides its default")
     p.add_argument("--mma-blocks-per-warp", type=int, nargs="*", default=[8, 16, 32],
                    help="blocks per warp of the tensor-core kernel to time besides its default")
+    p.add_argument("--mma-stages", type=int, nargs="*", default=[0],
+                   help="ring depths of the tensor-core kernel to time besides its default (0: no ring)")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -152,17 +155,20 @@ def main(argv: list[str] | None = None) -> int:
             runs += [("dot", "tf32", default, None, st) for st in args.num_stages]
             runs += [("dot", "ieee", default, None, None), ("loop", "ieee", default, None, None)]
         if tail_mma.mma_supported(query, kq, kb, vq, vb, index is not None):  # the tensor-core kernel's settings
-            base = (tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP)
+            base = (tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP, tail_mma.STAGES)
             first = [("mma", "bf16", base[1], base[0], None)]
             first += [("mma", "bf16", base[1], w, None) for w in args.mma_warps if w != base[0]]
             first += [("mma", "bf16", per, base[0], None) for per in args.mma_blocks_per_warp if per != base[1]]
+            first += [("mma", "bf16", base[1], base[0], st) for st in args.mma_stages if st != base[2]]
             runs = first + runs + first[:1]  # its default first and last (the drift within the run)
         for variant, precision, per, warps, stages in runs:
             if variant == "mma":
                 tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP = warps, per
+                tail_mma.STAGES = base[2] if stages is None else stages
             fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per,  # noqa: E731
                                              variant=variant, precision="tf32" if variant == "mma" else precision,
-                                             num_warps=None if variant == "mma" else warps, num_stages=stages,
+                                             num_warps=None if variant == "mma" else warps,
+                                             num_stages=None if variant == "mma" else stages,
                                              index=index)  # fmt: skip
             out, lse = fn()
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
                                     "num_warps": warps, "num_stages": stages, "us": us, "gb_per_s": nbytes / us / 1e3,
                                     "max_error": err}  # fmt: skip
         if tail_mma.mma_supported(query, kq, kb, vq, vb, index is not None):
-            tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP = base
+            tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP, tail_mma.STAGES = base
         entry["reference_us"] = _time(lambda: tail.tail_attention_reference(query, kq, kb, vq, vb, ok), 1, 3, 1)
         entry["scoring_us"] = _time(lambda: block_lse(query, kq["codes"], kq["kmin"], kq["kstep"], kb),
                                     args.calls, args.reps, args.warmup, graph=True)  # fmt: skip

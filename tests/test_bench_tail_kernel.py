@@ -41,13 +41,13 @@ def test_near_blocks_through_an_index_and_the_tensor_core_kernel(tmp_path):
     assert bench_tail_kernel.main(["--batch", "2", "--kv-heads", "2", "--group", "4", "--blocks", "40", "--near", "9",
                                    "--tokens", "16", "--head-dim", "64", "--bits", "4,2", "--blocks-per-program",
                                    "16", "--num-warps", "--num-stages", "--mma-warps", "2", "--mma-blocks-per-warp",
-                                   "8", "--calls", "1", "--reps", "1", "--warmup", "0",
+                                   "8", "--mma-stages", "0", "--calls", "1", "--reps", "1", "--warmup", "0",
                                    "--out", str(out)]) == 0  # fmt: skip
     (r,) = json.loads(out.read_text())["results"]
     mma = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
     want = {"dot/16", "dot-ieee/16", "loop/16"}
     if mma:
-        want |= {"mma/16/w4", "mma/16/w2", "mma/8/w4", "mma/16/w4/again"}
+        want |= {"mma/16/w4", "mma/16/w2", "mma/8/w4", "mma/16/w4/s0", "mma/16/w4/again"}
     assert set(r["kernel"]) == want
     for k in r["kernel"].values():
         assert k["max_error"] < (5e-2 if k["precision"] in ("tf32", "bf16") else 1e-3) and k["us"] > 0
