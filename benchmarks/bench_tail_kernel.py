@@ -108,6 +108,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="blocks per warp of the tensor-core kernel to time besides its default")
     p.add_argument("--mma-stages", type=int, nargs="*", default=[0],
                    help="ring depths of the tensor-core kernel to time besides its default (0: no ring)")
+    p.add_argument("--mma-configs", nargs="*", default=[], metavar="WARPS,BLOCKS,STAGES",
+                   help="further settings of the tensor-core kernel to time, each warps per program, blocks per "
+                        "warp and ring depth")
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
@@ -160,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
             first += [("mma", "bf16", base[1], w, None) for w in args.mma_warps if w != base[0]]
             first += [("mma", "bf16", per, base[0], None) for per in args.mma_blocks_per_warp if per != base[1]]
             first += [("mma", "bf16", base[1], base[0], st) for st in args.mma_stages if st != base[2]]
+            for config in args.mma_configs:
+                w, per, st = (int(x) for x in config.split(","))
+                first.append(("mma", "bf16", per, w, st))
             runs = first + runs + first[:1]  # its default first and last (the drift within the run)
         for variant, precision, per, warps, stages in runs:
             if variant == "mma":
@@ -174,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
             us = _time(fn, args.calls, args.reps, args.warmup, graph=True)
             name = variant if precision in ("tf32", "bf16") or variant == "loop" else f"{variant}-{precision}"
-            key = f"{name}/{per}" + (f"/w{warps}" if warps else "") + (f"/s{stages}" if stages else "")
+            key = f"{name}/{per}" + (f"/w{warps}" if warps else "") + (f"/s{stages}" if stages is not None else "")
             key += "/again" if key in entry["kernel"] else ""
             entry["kernel"][key] = {"variant": variant, "precision": precision, "blocks_per_program": per,
                                     "num_warps": warps, "num_stages": stages, "us": us, "gb_per_s": nbytes / us / 1e3,
