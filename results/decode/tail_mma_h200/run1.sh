@@ -20,6 +20,8 @@ timeout -s TERM 120 python3 benchmarks/bench_tail_kernel.py --batch 10 --blocks 
 echo "bench_tail rc=$? $(date +%T)"
 exit 0
 fi
+timeout -s TERM 100 python3 -m pytest -v -p no:cacheprovider tests/test_bench_tail_kernel.py > $OUT/pytest_bench_tail_run1.txt 2>&1
+echo "pytest rc=$? $(date +%T)"; tail -1 $OUT/pytest_bench_tail_run1.txt
 bench() {  # name, kernel
   HF_OFFLOAD_TAIL_KERNEL=$2 timeout -s TERM 100 python3 benchmarks/bench_decode.py \
     --contexts 65536 --steps 48 --config-seconds 12 --max-seconds 90 --quantkey-selector "$SEL" --methods quantkey-auto \
