@@ -103,9 +103,7 @@ UNROLL = 1
 """Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times
 others)."""
 
-_SOURCE = r"""
-#define PRAGMA_(x) _Pragma(#x)
-#define PRAGMA(x) PRAGMA_(x)
+CUDA_COMMON = r"""
 typedef unsigned int u32;
 
 __device__ __forceinline__ u32 bf16x2_of(float hi, float lo) {  // {hi: upper half, lo: lower half}, rounded
@@ -125,16 +123,6 @@ __device__ __forceinline__ u32 sub_bf16x2(u32 a, u32 b) {
 }
 __device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
 __device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
-__device__ __forceinline__ float lg2(float x) {  // log2(x) (absolute error about 2**-22 for x in [1, 16])
-    float r;
-    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-#if FASTLOG  // the natural logarithm of a block's sum of exponentials (in [1, 16])
-#define LOG(x) (lg2(x) * 0.6931471805599453f)
-#else
-#define LOG(x) logf(x)
-#endif
 __device__ __forceinline__ float ex2(float x) {  // 2**x (relative error about 2**-22; tiny results flush to zero)
     float r;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
@@ -147,6 +135,23 @@ __device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u3
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
+"""
+"""CUDA helpers the tensor-core kernels share (bfloat16 pairs, ``ex2``, ``mma.sync.m16n8k16`` with bfloat16 inputs and
+float32 accumulators), put before each kernel's source."""
+
+_SOURCE = CUDA_COMMON + r"""
+#define PRAGMA_(x) _Pragma(#x)
+#define PRAGMA(x) PRAGMA_(x)
+__device__ __forceinline__ float lg2(float x) {  // log2(x) (absolute error about 2**-22 for x in [1, 16])
+    float r;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+    return r;
+}
+#if FASTLOG  // the natural logarithm of a block's sum of exponentials (in [1, 16])
+#define LOG(x) (lg2(x) * 0.6931471805599453f)
+#else
+#define LOG(x) logf(x)
+#endif
 #if STAGES  // asynchronous copies global -> shared (sm_80+), 16 bytes each, waited for in groups
 __device__ __forceinline__ void cp_async16(unsigned dst, const void* src) {  // dst: a shared-memory address
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");

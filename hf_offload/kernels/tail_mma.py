@@ -44,7 +44,7 @@ import warnings
 
 import torch
 
-from .quantkey_mma import SHIFT
+from .quantkey_mma import CUDA_COMMON, SHIFT
 
 BLOCKS_PER_WARP = 16
 """Blocks of one sequence and KV head one warp walks (its range; at most 32: a lane per block's index)."""
@@ -71,34 +71,8 @@ def stages(head_dim: int, key_bits: int, value_bits: int) -> int:
     depth = min(STAGES, fits)
     return depth if depth >= 2 else 0
 
-_SOURCE = r"""
-typedef unsigned int u32;
+_SOURCE = CUDA_COMMON + r"""
 #define NEG_INF __int_as_float(0xff800000)
-
-__device__ __forceinline__ u32 bf16x2_of(float hi, float lo) {  // {hi: upper half, lo: lower half}, rounded
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-}
-__device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
-    u32 r;
-    asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
-__device__ __forceinline__ float bf16_hi(u32 x) { return __uint_as_float(x & 0xffff0000u); }
-__device__ __forceinline__ float ex2(float x) {  // 2**x (relative error about 2**-22; -inf gives 0)
-    float r;
-    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
-    return r;
-}
-__device__ __forceinline__ void mma(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%0,%1,%2,%3};"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // ---- keys: the scoring kernel's decode (quantkey_mma.py) ----
 constexpr int KPER = 8 / KBITS;        // codes per byte
