@@ -10,7 +10,9 @@ head_dim 128, all but 127 blocks in the tail) it times, in one run:
   kernel (TF32 products) at each ``--blocks-per-program`` (the split of a sequence's blocks over programs; ``*``
   marks the default), again at each ``--num-warps`` and ``--num-stages``, then at the default split the ``dot``
   kernel with exact float32 products (``dot-ieee``) and the first kernel (``loop``; the only one where the ``dot``
-  kernel's tiles do not fit);
+  kernel's tiles do not fit). ``us``: the whole call, the merge of the kernel's ranges (torch operations) included;
+  ``kernel us`` (``partials_us``): ``tail_partials``, the kernel without that merge (a decode step merges the ranges
+  in one launch of its own, ``tail_attention_merged``);
 * ``reference``: the pure-torch ``tail_attention_reference`` (what runs without Triton);
 * ``scoring``: the ``quantkey`` scoring kernel over the same key codes (``block_lse``), which every step runs anyway;
 * ``dense``: ``scaled_dot_product_attention`` over the same tokens in bf16 (what attending to them exactly on the
@@ -171,19 +173,24 @@ def main(argv: list[str] | None = None) -> int:
             if variant == "mma":
                 tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP = warps, per
                 tail_mma.STAGES = base[2] if stages is None else stages
-            fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, blocks_per_program=per,  # noqa: E731
-                                             variant=variant, precision="tf32" if variant == "mma" else precision,
-                                             num_warps=None if variant == "mma" else warps,
-                                             num_stages=None if variant == "mma" else stages,
-                                             index=index)  # fmt: skip
+            settings = dict(blocks_per_program=per, variant=variant,
+                            precision="tf32" if variant == "mma" else precision,
+                            num_warps=None if variant == "mma" else warps,
+                            num_stages=None if variant == "mma" else stages, index=index)  # fmt: skip
+            fn = lambda: tail.tail_attention(query, kq, kb, vq, vb, ok, **settings)  # noqa: E731
             out, lse = fn()
             err = max(float((out - ref_out).abs().max()), float((lse - ref_lse).abs().max()))
             us = _time(fn, args.calls, args.reps, args.warmup, graph=True)
+            # The kernel alone: its ranges' partial softmaxes, unmerged (the decode step merges them in one launch of
+            # its own, tail_attention_merged; tail_attention merges them with torch operations, counted in `us`).
+            partials_us = _time(lambda: tail.tail_partials(query, kq, kb, vq, vb, ok, **settings), args.calls,
+                                args.reps, args.warmup, graph=True)  # fmt: skip
             name = variant if precision in ("tf32", "bf16") or variant == "loop" else f"{variant}-{precision}"
             key = f"{name}/{per}" + (f"/w{warps}" if warps else "") + (f"/s{stages}" if stages is not None else "")
             key += "/again" if key in entry["kernel"] else ""
             entry["kernel"][key] = {"variant": variant, "precision": precision, "blocks_per_program": per,
-                                    "num_warps": warps, "num_stages": stages, "us": us, "gb_per_s": nbytes / us / 1e3,
+                                    "num_warps": warps, "num_stages": stages, "us": us, "partials_us": partials_us,
+                                    "gb_per_s": nbytes / us / 1e3,
                                     "max_error": err}  # fmt: skip
         if tail_mma.mma_supported(query, kq, kb, vq, vb, index is not None):
             tail_mma.WARPS, tail_mma.BLOCKS_PER_WARP, tail_mma.STAGES = base
@@ -198,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
                      args.warmup)  # fmt: skip
     print(f"shape: batch {B}, {n} blocks x {T} tokens, {H} KV heads x {G} query heads, head_dim {D}; "
           f"dense bf16 attention over all tokens {dense_us:.1f} us")  # fmt: skip
-    print(f"{'bits k,v':>9s} {'kernel':>9s} {'per prog':>8s} {'warps':>5s} {'stages':>6s} {'us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} "
-          f"{'scoring us':>10s}")  # fmt: skip
+    print(f"{'bits k,v':>9s} {'kernel':>9s} {'per prog':>8s} {'warps':>5s} {'stages':>6s} {'us':>9s} "
+          f"{'kernel us':>9s} {'GB/s':>7s} {'max err':>9s} {'ref us':>9s} {'scoring us':>10s}")  # fmt: skip
     for e in rows:
         for name, r in e["kernel"].items():
             per, warps, stages = r["blocks_per_program"], r["num_warps"], r["num_stages"]
@@ -207,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"dot/{tail.BLOCKS_PER_PROGRAM}")
             mark = "*" if name == default else " "
             print(f"{e['key_bits']:>5d},{e['value_bits']:<3d} {name.split('/')[0]:>9s} {per:>7d}{mark} "
-                  f"{warps or '-':>5} {stages or '-':>6} {r['us']:9.1f} "
-                  f"{r['gb_per_s']:7.0f} {r['max_error']:9.2e} {e['reference_us']:9.0f} {e['scoring_us']:10.1f}")  # fmt: skip
+                  f"{warps or '-':>5} {stages or '-':>6} {r['us']:9.1f} {r['partials_us']:9.1f} "
+                  f"{r['gb_per_s']:7.0f} {r['max_error']:9.2e} {e['reference_us']:9.0f} "
+                  f"{e['scoring_us']:10.1f}")  # fmt: skip
     if args.out:
         write_results(args.out, {**run_metadata(args), "dense_sdpa_us": dense_us, "results": rows})
     return 0
