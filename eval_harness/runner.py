@@ -105,7 +105,8 @@ def source_sha256() -> str:
 
 
 def provenance(model=None) -> dict:
-    """Machine, library versions, git commit and (when given) the model's shape, for a results header."""
+    """Machine, library versions, git commit, the ``HF_OFFLOAD_*`` variables that choose kernels (e.g.
+    ``HF_OFFLOAD_TAIL_KERNEL``) and (when given) the model's shape, for a results header."""
     import torch
     import transformers
 
@@ -127,6 +128,8 @@ def provenance(model=None) -> dict:
         "versions": versions,
         "git_commit": git_commit(),
         "source_sha256": source_sha256(),
+        "environment": {k: v for k, v in sorted(os.environ.items())
+                        if k.startswith("HF_OFFLOAD_") and k != "HF_OFFLOAD_GIT_COMMIT"},  # fmt: skip
     }
     if model is not None:
         cfg = model.config.get_text_config(decoder=True)
