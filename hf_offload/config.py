@@ -14,7 +14,9 @@ DEFAULT_SELECTOR = "quantkey[bits=4,tail_bits=2,tail_near=3]"
 """The selector of :class:`OffloadConfig`: 4-bit keys rank the blocks, 2-bit values estimate the attention the
 selection leaves out (``hf_offload.selectors.quantkey``). RULER at a budget of 1/16, 4K / 8K / 16K: 74.6 / 71.7 / 65.3
 against dense 74.9 / 73.1 / 65.9 on Qwen2.5-Coder-0.5B-Instruct (``docs/results/ruler_qwen05_tail.md``), 85.3 / 77.9 /
-73.5 against 85.9 / 78.8 / 73.5 on the 1.5B (``docs/results/ruler_qwen15.md``)."""
+73.5 against 85.9 / 78.8 / 73.5 on the 1.5B (``docs/results/ruler_qwen15.md``), both with the Triton estimate; with
+the tensor-core estimate (the default on compute capability 9.0+) 74.7 / 70.9 / 65.0 on the 0.5B
+(``docs/results/ruler_qwen05_tail_mma.md``)."""
 
 
 @dataclass
