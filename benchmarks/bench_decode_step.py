@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import json
 import statistics
 import sys
@@ -99,7 +100,8 @@ def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: 
     the operators and kernels by total device time to ``out``; with ``host``, by host time (self CPU time), after
     dropping the captured graphs, so that the profiled steps start with a capture round.
 
-    With ``trace_anchor`` (CUDA only), also write ``out`` with the suffix ``.trace.json``: every device kernel of
+    With ``trace_anchor`` (CUDA only), also write ``out`` with the suffix ``.trace.json.gz`` (gzip-compressed JSON;
+    ``gzip.open(path, "rt")`` reads it): every device kernel of
     the profiled steps in launch order (name, start and duration in us, the operator that launched it and the
     innermost frame of this library or of transformers), and the kernels of one period between two consecutive
     kernels whose name contains ``trace_anchor`` (one layer's worth when the anchor runs once per layer), each
@@ -117,8 +119,9 @@ def profile_steps(model, cache, ids: torch.Tensor, steps: int, cuda: bool, out: 
     print(f"wrote {out}")
     if trace_anchor and cuda:
         trace = kernel_trace(prof.events(), trace_anchor)
-        path = out.with_suffix(".trace.json")
-        path.write_text(json.dumps(trace, indent=1))
+        path = out.with_suffix(".trace.json.gz")
+        with gzip.open(path, "wt") as f:  # a period's thousands of kernels: megabytes of JSON, a tenth compressed
+            json.dump(trace, f, indent=1)
         print(f"wrote {path}: {len(trace['period'])} kernels per period, {trace['period_us']:.1f} us "
               f"(median of {trace['periods']} periods)")
         for k in trace["period"]:
