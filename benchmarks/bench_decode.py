@@ -321,7 +321,8 @@ def offload_config(method: str, args, shape=None, context: int = 0, batch: int =
         return None
     selector = selector_of(method, args)
     capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None),
-                    decode_attention=getattr(args, "decode_attention", "auto"))  # fmt: skip
+                    decode_attention=getattr(args, "decode_attention", "auto"),
+                    reselect_every=getattr(args, "reselect_every", 1))  # fmt: skip
     if not method.endswith("-auto"):
         return OffloadConfig(budget_tokens=args.budget, selector=selector, **fusions_of(args), **capacity)
     gib = args.admission_gib
@@ -460,15 +461,16 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
         return DynamicCache(config=model.config, offloading=True), None
     capacity = getattr(args, "decode_capacity", None)
     attention = getattr(args, "decode_attention", "auto")
+    every = getattr(args, "reselect_every", 1)
     if method in ("solohead", "quantkey"):
         graphs = {"cuda_graphs": False} if getattr(args, "cuda_graphs", "default") == "off" else {}
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
-                            decode_capacity_blocks=capacity, decode_attention=attention,
+                            decode_capacity_blocks=capacity, decode_attention=attention, reselect_every=every,
                             **graphs, **fusions_of(args)), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
-                            decode_capacity_blocks=capacity, decode_attention=attention,
+                            decode_capacity_blocks=capacity, decode_attention=attention, reselect_every=every,
                             graph_scope=getattr(args, "graph_scope", "layer"),
                             **fusions_of(args)), "auto"  # fmt: skip
     if method in ("solohead-auto", "quantkey-auto"):
@@ -759,6 +761,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode-capacity", type=int, default=None,
                         help="decode_capacity_blocks of the OffloadCache methods (default: the cache's, 64 with CUDA "
                              "graphs; 1: the sealed blocks, one graph capture per seal)")
+    parser.add_argument("--reselect-every", type=int, default=1,
+                        help="reselect_every of the OffloadCache methods: decode steps choose their blocks every this "
+                             "many steps, the others reuse that choice (1: every step)")
     parser.add_argument("--decode-attention", choices=("auto", "paged", "pool"), default="auto",
                         help="decode_attention of the OffloadCache methods ('paged': admitted blocks read in place; "
                              "'pool': every selected block copied into the slot pool first)")
@@ -869,7 +874,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
     out += ["--quantkey-selector", args.quantkey_selector, "--decode-attention", args.decode_attention,
             "--cuda-graphs", args.cuda_graphs, "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms,
             "--fused-rotary", args.fused_rotary, "--fused-projections", args.fused_projections,
-            "--seal-graphs", args.seal_graphs,
+            "--seal-graphs", args.seal_graphs, "--reselect-every", str(args.reselect_every),
             "--profile-seal", str(args.profile_seal)]  # fmt: skip
     if args.decode_capacity is not None:
         out += ["--decode-capacity", str(args.decode_capacity)]
@@ -973,7 +978,8 @@ def main(argv: list[str] | None = None) -> int:
                                  tail_kernel=tail_chosen_variant(),
                                  graph_scope=args.graph_scope, fused_norms=args.fused_norms,
                                  fused_rotary=args.fused_rotary,
-                                 fused_projections=args.fused_projections, seal_graphs=args.seal_graphs),  # fmt: skip
+                                 fused_projections=args.fused_projections, seal_graphs=args.seal_graphs,
+                                 reselect_every=args.reselect_every),  # fmt: skip
         "decode_only": DECODE_ONLY,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,

@@ -430,7 +430,7 @@ def _decode_step(
         ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
     """
     layer = handoff.layer
-    n = layer.decode_capacity(n, k)  # from here on: the blocks the step scores
+    sealed, n = n, layer.decode_capacity(n, k)  # from here on: the blocks the step scores
     capturing = layer._layer_capture
     if capturing is not None:  # the whole decoder layer is being captured: its step's work, recorded as it is
         if (n, k) != (capturing.n, capturing.k):
@@ -438,13 +438,16 @@ def _decode_step(
                 f"Layer {layer.layer_idx}: the decode step being captured scores {n} blocks and selects {k}, where "
                 f"its decoder layer's capture planned {capturing.n} and {capturing.k}."
             )
-        return _decode_body(layer, query, capturing.inputs, n, k, scaling, None, None, False)
+        return _decode_body(layer, query, capturing.inputs, n, k, scaling, None, None, False, capturing.reuse)
     inputs = layer.decode_inputs(handoff, mask, n)
-    key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), layer.storage_key())
+    reuse = layer.reuses_selection(handoff.first_recent_pos + handoff.recent_tokens - 1, sealed, k, n)
+    if reuse:
+        layer.stats.add(("reused_selections",), 1)
+    key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), layer.storage_key(), reuse)
     layer._fused_key = key
     graph = layer.captured(key) if layer.graphs else None
-    body = lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False)  # noqa: E731
-    warm = layer.warm_for(n, k, query, scaling)
+    body = lambda q: _decode_body(layer, q, inputs, n, k, scaling, None, None, False, reuse)  # noqa: E731
+    warm = layer.warm_for(n, k, query, scaling, reuse)
     if graph is None and layer.graphs and warm in layer.warm_geometries:
         start = time.perf_counter()
         graph = layer.capture_decode(key, body, query, inputs, retry_op_by_op=True)
@@ -454,7 +457,7 @@ def _decode_step(
         layer.finish_step()
         return out
     start = time.perf_counter()
-    out = _decode_body(layer, query, inputs, n, k, scaling, mask, layer.timer)
+    out = _decode_body(layer, query, inputs, n, k, scaling, mask, layer.timer, reuse=reuse)
     layer.warm_geometries.add(warm)
     if layer.graphs:
         layer.capture_decode(key, body, query, inputs)
@@ -473,6 +476,7 @@ def _decode_body(
     mask: OffloadMask | None,
     timer,
     count_step: bool = True,
+    reuse: bool = False,
 ) -> torch.Tensor:
     """The work of one decode step of one layer (what a CUDA graph captures): plan, make the selection resident,
     attend. No host synchronisation; reads only the layer's state, ``inputs`` and ``query``.
@@ -486,12 +490,13 @@ def _decode_body(
         mask: the forward's lazy mask, for lookahead only (``None`` while capturing).
         timer: the layer's phase timer, or ``None``.
         count_step: count a decode step in the layer's stats (not while capturing: each replay counts).
+        reuse: attend the layer's kept selection instead of choosing (``OffloadConfig.reselect_every``).
     """
     batch, q_heads, _, head_dim = query.shape
     q = query.view(batch, layer.kv_heads, q_heads // layer.kv_heads, head_dim)  # [B, H, G, D]
     if timer is not None:
         t_start = timer.mark()
-    selection = layer.plan_decode(q, scaling, n, k, inputs)
+    selection = layer.plan_decode(q, scaling, n, k, inputs, reuse)
     if timer is not None:
         timer.add("select", t_start, t_select := timer.mark())
     if layer.lookahead and count_step and not layer._prefetched_ahead:

@@ -104,6 +104,7 @@ class LayerStats:
         "seal_graph_replays",  # seals of a full block after a replayed step, replayed from that graph
         "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
         "tail_steps",  # decode steps with that estimate
+        "reused_selections",  # decode steps that attended the previous step's selection (reselect_every)
     )
     _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
     _CAPTURE_SLOTS = 64  # distinct (fields, factor) counts that captured graphs may add into
@@ -215,11 +216,31 @@ for _name in LayerStats.FIELDS:
 @dataclass
 class _LayerCapture:
     """What a decode step of a whole decoder layer being captured uses: the step's shared inputs, the blocks it
-    scores and the blocks the budget selects."""
+    scores, the blocks the budget selects, and whether it reuses the layer's kept selection (``reselect_every``)."""
 
     inputs: DecodeInputs
     n: int
     k: int
+    reuse: bool = False
+
+
+@dataclass
+class _KeptSelection:
+    """The selection a layer's decode steps reuse (``OffloadConfig.reselect_every`` above 1).
+
+    Attributes:
+        pos: cache position of the token of the step that chose it.
+        key: ``(sealed blocks, blocks selected, blocks scored, batch)`` of that step; a step reuses the selection
+            only with the same key (a seal changes it).
+        blocks: ``[batch, 1 or kv_heads, k]``, ``torch.int64``, compute device: the chosen blocks, written by the
+            choosing step's device work (in place, so that captured graphs read and write the same buffer).
+        keep: same shape, ``torch.bool``: which entries are attended.
+    """
+
+    pos: int
+    key: tuple
+    blocks: torch.Tensor
+    keep: torch.Tensor
 
 
 def _hidden_states(args: tuple, kwargs: dict):
@@ -376,6 +397,8 @@ class OffloadLayer(CacheLayerMixin):
         self._window_insert: tuple[int, torch.Tensor] | None = None
         self.seal_graphs = True
         self._seal_args: torch.Tensor | None = None  # [1 + batch], int64, device: what seal_work reads
+        self._kept: _KeptSelection | None = None  # the selection reused by the next steps (reselect_every)
+        self._kept_buffers: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # its buffers, by shape
 
     # ------------------------------------------------------------------------------------------------- life cycle
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -500,6 +523,8 @@ class OffloadLayer(CacheLayerMixin):
         self._graphs.clear()
         self.warm_geometries.clear()
         self._seal_args = None
+        self._kept = None
+        self._kept_buffers.clear()
         self._clear_transfer_state()
         self.n_tokens = 0
         self.n_blocks = 0
@@ -963,15 +988,16 @@ class OffloadLayer(CacheLayerMixin):
         self.stats.add(("decode_steps", "graph_replays"), 1)
         return graph.out
 
-    def warm_for(self, n: int, k: int, query: torch.Tensor, scaling: float) -> tuple:
+    def warm_for(self, n: int, k: int, query: torch.Tensor, scaling: float, reuse: bool = False) -> tuple:
         """What a decode step's work compiles and plans for, besides buffer addresses: the selected blocks, the
         query's shape and dtype, the scale, the branches that depend on the number of sealed blocks ``n`` (everything
         selected; the selector's branch, :meth:`Selector.decode_branch
         <hf_offload.selectors.base.Selector.decode_branch>`) and the integer specialisations Triton compiles for
-        (``n`` equal to 1, or a multiple of 16). A geometry whose value is in :attr:`warm_geometries` has run op by op
-        before and can be captured without running it op by op first."""
+        (``n`` equal to 1, or a multiple of 16), and whether the step reuses the kept selection (``reuse``). A
+        geometry whose value is in :attr:`warm_geometries` has run op by op before and can be captured without
+        running it op by op first."""
         return (k, tuple(query.shape), query.dtype, scaling, k >= n, n == 1, n % 16 == 0,
-                self.selector.decode_branch(n, k))  # fmt: skip
+                self.selector.decode_branch(n, k), reuse)  # fmt: skip
 
     def _wait_side_streams(self) -> None:
         """Make the compute stream wait for the side-stream work a decode step depends on (a pending prefetch, the
@@ -1061,6 +1087,8 @@ class OffloadLayer(CacheLayerMixin):
             graph = self._capture_layer(key, forward, args, kwargs, inputs, n, k)
             if graph is None:
                 return forward(*args, **kwargs)
+        if key[2][-1]:
+            self.stats.add(("reused_selections",), 1)
         # What update() and the attention do on the host in a step run op by op; the graph does the rest.
         self._selectable_written = self._last_write
         self._wait_side_streams()
@@ -1108,8 +1136,10 @@ class OffloadLayer(CacheLayerMixin):
             None if mask is None else mask.padding, self.config.sink_blocks, self.config.window_blocks, self.device,
             step=mask, capacity=n,
         )  # fmt: skip
-        attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), self.storage_key())
-        if attention_key != last or attention_key not in self._graphs:
+        reuse = self.reuses_selection(self.n_tokens, n_before, k, n)
+        attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), self.storage_key(), reuse)
+        # The last step's attention may have reused where this one chooses (or the reverse): the rest must match.
+        if attention_key[:-1] != last[:-1] or attention_key not in self._graphs:
             return None
         flat = tree_flatten((args, kwargs))  # read once: by the signature and by the replay's copies
         return (n, "layer", attention_key, call_signature(args, kwargs, flat)), inputs, n, k, flat
@@ -1118,8 +1148,13 @@ class OffloadLayer(CacheLayerMixin):
                        k: int) -> CapturedLayer | None:
         """Capture the whole decoder layer's decode step for ``key``; returns the graph, or ``None`` after warning
         once (the layer's code could not be captured: from then on this layer replays only its attention's graph).
-        Graphs of the whole layer for other keys are dropped."""
-        self._graphs = {g: v for g, v in self._graphs.items() if g[1:2] != ("layer",)}
+        Graphs of the whole layer for other keys are dropped, except the one that differs from ``key`` only in
+        whether the step reuses the kept selection (``reselect_every``: the two alternate)."""
+
+        def twin(g: tuple) -> bool:  # the same geometry, signature and buffers; the other kind of step
+            return g[0] == key[0] and g[2][:-1] == key[2][:-1] and g[3] == key[3]
+
+        self._graphs = {g: v for g, v in self._graphs.items() if g[1:2] != ("layer",) or twin(g)}
         self.stats.prepare_capture(self.device)
         self._selectable_written = self._last_write
         self._wait_side_streams()
@@ -1128,7 +1163,7 @@ class OffloadLayer(CacheLayerMixin):
             inputs.rows, inputs.valid, inputs.forced, inputs.sequence, inputs.open_pos,
         )  # fmt: skip
         start = time.perf_counter()
-        self._layer_capture = _LayerCapture(inputs, n, k)
+        self._layer_capture = _LayerCapture(inputs, n, k, key[2][-1])
         try:
             graph = self.cache_capture_layer(self.device, forward, args, kwargs, held)
         except Exception as error:
@@ -1148,7 +1183,9 @@ class OffloadLayer(CacheLayerMixin):
         self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
         return graph
 
-    def plan_decode(self, query: torch.Tensor, scaling: float, n: int, k: int, inputs: DecodeInputs) -> Selection:
+    def plan_decode(
+        self, query: torch.Tensor, scaling: float, n: int, k: int, inputs: DecodeInputs, reuse: bool = False
+    ) -> Selection:
         """The selection of a decode step of a plain causal forward: ``k`` of ``n`` sealed blocks (all if ``k >= n``),
         valid and forced blocks from the step's shared ``inputs``. No host synchronisation.
 
@@ -1159,8 +1196,49 @@ class OffloadLayer(CacheLayerMixin):
                 sealed ones are not valid in ``inputs``).
             k: blocks the budget selects (:meth:`decode_blocks`).
             inputs: this step's :class:`~hf_offload.graphs.DecodeInputs`.
+            reuse: the step attends the kept selection (:meth:`reuses_selection` said so): nothing is scored. A step
+                that chooses while a selection is kept (``reselect_every`` above 1) writes its choice into it.
         """
-        return self._plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
+        kept = self._kept
+        if reuse:
+            return Selection(blocks=kept.blocks, keep=kept.keep)
+        selection = self._plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
+        if kept is not None and kept.blocks.shape == selection.blocks.shape and self.config.reselect_every > 1:
+            kept.blocks.copy_(selection.blocks)
+            kept.keep.copy_(selection.keep)
+        return selection
+
+    def reuses_selection(self, pos: int, n_sealed: int, k: int, n: int) -> bool:
+        """Whether the decode step of the token at cache position ``pos`` attends the selection an earlier step kept
+        (``OffloadConfig.reselect_every``) instead of choosing. A step that chooses becomes the one the next
+        ``reselect_every - 1`` steps reuse: its buffers are made here, on the host, before any capture. The answer
+        depends only on this layer's state and the arguments, so the two places that ask within one step (a whole
+        layer's graph, then the attention run op by op) get the same one.
+
+        Args:
+            pos: the step's token position (tokens in the cache before it).
+            n_sealed: sealed blocks before the step; ``k``: blocks the budget selects; ``n``: blocks the step scores
+                (:meth:`decode_capacity`).
+        """
+        every = self.config.reselect_every
+        if every <= 1 or k >= n_sealed:
+            self._kept = None
+            return False
+        key = (n_sealed, k, n, self.batch)
+        kept = self._kept
+        if kept is not None and kept.key == key and 0 < pos - kept.pos < every:
+            return True
+        # One pair of buffers per shape for the layer's life (until reset): every graph that reads or writes a
+        # selection of that shape uses the same memory, whichever step allocated it.
+        shape = (self.batch, self.kv_heads if self.selector.per_head else 1, k)
+        buffers = self._kept_buffers.get(shape)
+        if buffers is None:
+            buffers = self._kept_buffers[shape] = (
+                torch.zeros(shape, dtype=torch.int64, device=self.device),
+                torch.zeros(shape, dtype=torch.bool, device=self.device),
+            )
+        self._kept = _KeptSelection(pos, key, *buffers)
+        return False
 
     def _plan(
         self,
@@ -1817,6 +1895,7 @@ class OffloadCache(Cache):
                 "block: Selector.masks_invalid is False). Use decode_capacity_blocks=None or 1, or give the selector a "
                 "masked_score() (every built-in selector has one or needs none)."
             )
+        _check_reselect(config, self.selector)
         self.model_config = text_config
         self.host_budget = HostMemoryBudget(config.host_memory_gib)
         # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
@@ -1890,14 +1969,14 @@ class OffloadCache(Cache):
 
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
-        ``timing``, ``fused_norms``, ``fused_rotary``, ``fused_projections``) on a filled cache, e.g. to compare them
-        on one cache. Captured decode graphs are dropped (captured again).
+        ``timing``, ``fused_norms``, ``fused_rotary``, ``fused_projections``, ``reselect_every``) on a filled cache,
+        e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).
         """
         options = {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms", "fused_rotary",
-                   "fused_projections"}  # fmt: skip
+                   "fused_projections", "reselect_every"}  # fmt: skip
         other = set(changes) - options
         if other:
             raise ValueError(
@@ -1905,6 +1984,7 @@ class OffloadCache(Cache):
                 f"{sorted(other)} fix the cache's layout: build a new OffloadCache for them."
             )
         config = self.config.replace(**changes)
+        _check_reselect(config, self.selector)
         self.config = config
         model = self._model_ref()
         if config.fused_projections is not False and model is not None:
@@ -1954,7 +2034,9 @@ class OffloadCache(Cache):
             with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
             blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
-            decode steps, sequences and query heads; else ``None``), ``decode_steps`` and ``layers`` (the same counters per
+            decode steps, sequences and query heads; else ``None``), ``reused_selections`` (layer decode steps that
+            attended the previous step's selection, ``reselect_every``), ``decode_steps`` and ``layers`` (the same
+            counters per
             offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
             model's RMS norm and attention modules that run one kernel where ``fused_norms`` / ``fused_rotary`` are
             on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``projection_groups``: the groups of
@@ -1981,6 +2063,7 @@ class OffloadCache(Cache):
                     "hit_rate": hits / lookups if lookups else None,
                     "lookups": lookups,
                     "tail_share": int(s.tail_ppm) / 1e6 / int(s.tail_steps) if int(s.tail_steps) else None,
+                    "reused_selections": int(s.reused_selections),
                 }
                 device += layer.device_kv_bytes()
                 summaries += layer.device_summary_bytes()
@@ -2016,6 +2099,7 @@ class OffloadCache(Cache):
             "seal_graph_replays": total("seal_graph_replays"),
             "hit_rate": total("hits") / lookups if lookups else None,
             "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
+            "reused_selections": total("reused_selections"),
             "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
             "layers": per_layer,
             "timing": self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None,
@@ -2059,6 +2143,17 @@ class OffloadCache(Cache):
         if not isinstance(layer, OffloadLayer):
             raise ValueError(f"Layer {layer_idx} is a sliding-window layer; its KV is layers[{layer_idx}].keys.")
         return layer.dense_kv()
+
+
+def _check_reselect(config: OffloadConfig, selector: Selector) -> None:
+    """Raise ``ValueError`` where ``config.reselect_every`` above 1 meets a selector whose estimate of the unselected
+    blocks needs every step's scores."""
+    if config.reselect_every > 1 and selector.estimates_tail:
+        raise ValueError(
+            f"reselect_every={config.reselect_every} reuses a selection without scoring, but selector "
+            f"{selector.name!r} estimates the attention outside its selection from every step's scores "
+            "(tail_bits). Use reselect_every=1 with it, or a selector without the estimate (e.g. 'quantkey')."
+        )
 
 
 def _check_model(model) -> object:

@@ -68,6 +68,16 @@ class OffloadConfig:
             resident block within ``transfer_cap_margin`` of a missing block's score is attended instead (NOSA's
             locality idea). ``None``: no cap.
         transfer_cap_margin: relative score margin of the transfer cap.
+        reselect_every: a decode step chooses its blocks anew every this many steps of a layer; the steps in between
+            attend to the blocks the last choice made (with the open block and its new token), skipping the
+            selector's scoring and top-k, and recalling nothing. A step that follows a seal always chooses anew (the
+            sealed block count changed). 1 (default): every step chooses. Larger values trade the selection's
+            freshness for speed: the step that reuses skips the work that costs the most at long contexts (with
+            plain ``quantkey`` at 64K tokens on an H200, 8B shape, batch 12, about 143 of a layer's 326 us), and
+            selection recall drops by how much consecutive queries differ (TokenSelect, Wu et al., 2024, reuses a
+            selection while consecutive queries stay similar; this is the fixed-interval form). Needs a selector
+            without an estimate of the unselected blocks (that estimate reads every step's scores): plain
+            ``quantkey``, not ``quantkey[tail_bits=...]``. ``docs/tuning.md`` has the measured trade-off.
         timing: record per-phase times of decode steps (select, prefetch, recall, attention, rest; ms per step)
             into ``cache.stats()["timing"]``.
         lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): a speculative plan of
@@ -153,6 +163,7 @@ class OffloadConfig:
     device_memory_gib: float | None = None
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
+    reselect_every: int = 1
     timing: bool = False
     lookahead: bool | None = False
     lookahead_query: str = "next"
@@ -223,6 +234,12 @@ class OffloadConfig:
             raise ValueError(f"transfer_cap_blocks must be a non-negative integer or None, got {cap!r}.")
         if not self.transfer_cap_margin >= 0:
             raise ValueError(f"transfer_cap_margin must be >= 0, got {self.transfer_cap_margin!r}.")
+        every = self.reselect_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+            raise ValueError(
+                f"reselect_every must be a positive integer (1: every decode step chooses its blocks; 2: every "
+                f"second step, the others reuse that choice), got {every!r}."
+            )
         if self.admission not in ("always", "auto"):
             raise ValueError(f"admission must be 'always' or 'auto', got {self.admission!r}.")
         if self.device_memory_gib is not None and not self.device_memory_gib >= 0:

@@ -66,6 +66,27 @@ def test_layer_graphs_same_tokens_and_counters(arch, selector):
 
 
 @pytest.mark.parametrize("admission", ["auto", "always"])
+def test_layer_graphs_with_reuse_give_the_tokens_of_op_by_op(admission):
+    """``reselect_every=2``: the choosing and the reusing step alternate as two graphs of the whole layer per layer,
+    with the tokens and counters of the same steps run op by op."""
+    model = build_model("llama").to("cuda", torch.bfloat16)
+    ids, mask = left_padded([200, 150], seed=4)
+    ids, mask = ids.cuda(), mask.cuda()
+    options = dict(selector="quantkey", reselect_every=2, admission=admission)
+    expected, eager = _generate(model, ids, mask, 120, cuda_graphs=False, **options)
+    got, cache = _generate(model, ids, mask, 120, cuda_graphs=True, **options)
+    assert torch.equal(got, expected)
+    a, b = eager.stats(), cache.stats()
+    for name in ("reused_selections", "decode_steps", "hit_rate", "decode_recalled_blocks"):
+        assert a[name] == b[name], name
+    assert b["reused_selections"] > 0
+    for layer in cache.offload_layers:
+        reuse = sorted(key[2][-1] for key in layer._graphs if key[1:2] == ("layer",))
+        assert reuse == [False, True], reuse
+        assert int(layer.stats.layer_graph_replays) > 80
+
+
+@pytest.mark.parametrize("admission", ["auto", "always"])
 def test_layer_graphs_bf16_long_decode_matches_op_by_op(admission):
     """300 decode steps of a bf16 model over ~40 seals: the same tokens as op by op (with every block on the device,
     the captured seals write the blocks; offloaded, the offload stream does after each replay)."""
