@@ -777,9 +777,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="OffloadConfig.fused_rotary (auto: on where Triton runs on CUDA)")
     parser.add_argument("--fused-projections", choices=("auto", "on", "off"), default="auto",
                         help="OffloadConfig.fused_projections (auto: on CUDA)")
-    parser.add_argument("--warmup", type=int, default=3,
+    parser.add_argument("--warmup", type=int, default=None,
                         help="untimed decode steps per configuration (with CUDA graphs the first runs op by op and the "
-                        "second captures, so the third is the first replay: the step --config-seconds divides by)")
+                        "second captures, so the third is the first replay: the step --config-seconds divides by); "
+                        "default 3, and 3 + --reselect-every where steps reuse selections (the choosing and the "
+                        "reusing step capture their graphs in turn: four steps before both replay)")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
     parser.add_argument("--config-seconds", type=float, default=3.0,
@@ -822,6 +824,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unused:
         parser.error(f"--method-batches names {', '.join(unused)}, which --methods does not run: add it to --methods "
                      "or drop its batches")  # fmt: skip
+    if args.reselect_every < 1:
+        parser.error(f"--reselect-every must be a positive integer, got {args.reselect_every}")
+    if args.warmup is None:
+        args.warmup = 3 if args.reselect_every == 1 else 3 + args.reselect_every
     for context in args.contexts:
         if context - args.warmup - args.steps < 1:
             parser.error(f"context {context} must exceed --warmup + --steps = {args.warmup + args.steps}")

@@ -156,13 +156,27 @@ def test_isolated_children_get_the_offload_settings():
     argv = ["--shape", "tiny", "--quantkey-selector", "quantkey[bits=4]", "--decode-capacity", "32",
             "--decode-attention", "pool", "--cuda-graphs", "off", "--graph-scope", "attention", "--fused-norms", "off",
             "--fused-rotary", "off",
-            "--fused-projections", "off", "--seal-graphs", "off", "--profile-seal", "20", "--isolate"]  # fmt: skip
+            "--fused-projections", "off", "--seal-graphs", "off", "--profile-seal", "20", "--reselect-every", "2",
+            "--isolate"]  # fmt: skip
     parent = bench_decode.parse_args(argv)
     child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "quantkey"])
     for name in ("quantkey_selector", "decode_capacity", "decode_attention", "cuda_graphs", "graph_scope",
                  "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "budget",
-                 "steps"):  # fmt: skip
+                 "steps", "reselect_every", "warmup"):  # fmt: skip
         assert getattr(child, name) == getattr(parent, name), name
+
+
+def test_reused_selections_decode_and_warm_up_longer(tmp_path):
+    """--reselect-every 2: the OffloadCache methods reuse every second step's selection (counted in the run's stats)
+    and, without --warmup, warm up for 3 + 2 steps (both kinds of step capture their graphs first)."""
+    assert bench_decode.parse_args(["--reselect-every", "2"]).warmup == 5
+    assert bench_decode.parse_args([]).warmup == 3
+    assert bench_decode.parse_args(["--reselect-every", "2", "--warmup", "1"]).warmup == 1
+    data = _run(tmp_path, "--contexts", str(CONTEXT), "--batches", str(BATCH), "--methods", "quantkey",
+                "--reselect-every", "2", "--steps", "6")  # fmt: skip
+    (run,) = data["runs"]
+    assert data["metadata"]["reselect_every"] == 2
+    assert run["stats"]["reused_selections"] > 0
 
 
 def test_method_batches_sweep_each_method_at_its_own_batches(tmp_path):
