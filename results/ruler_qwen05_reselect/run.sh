@@ -22,5 +22,5 @@ ev() {  # reselect_every
 ev 1 & sleep 15; ev 2 & sleep 15; ev 3 &
 wait
 date +%T
-for r in 1 2 3; do cat /tmp/res_$r/ruler_qwen05_reselect$r/*.jsonl > $OUT/ruler_qwen05_reselect$r.jsonl; done
+for r in 1 2 3; do cat /tmp/res_$r/ruler_qwen05_reselect$r/*.jsonl > $OUT/ruler_qwen05_reselect$r.jsonl; done  # committed in ../ruler_qwen05_reselect1..3/
 tail -n 2 "$OUT"/log_*.txt; ls -l "$OUT"
