@@ -54,11 +54,11 @@ def attended(monkeypatch):
     return log
 
 
-@pytest.mark.parametrize("every", [2, 3])
-def test_steps_between_choices_attend_the_last_choice(every, attended):
+@pytest.mark.parametrize("every, selector", [(2, "quantkey"), (3, "quantkey"), (2, "headwise")])
+def test_steps_between_choices_attend_the_last_choice(every, selector, attended):
     model = build_model("llama")
     steps = 40  # five seals of 8-token blocks; 4 of 5-9 sealed blocks selected (sink, window and 2 chosen)
-    _, cache = _generate(model, steps, selector="quantkey", reselect_every=every, cuda_graphs=False)
+    _, cache = _generate(model, steps, selector=selector, reselect_every=every, cuda_graphs=False)
     reused = 0
     for idx, log in attended.items():
         assert len(log) == steps - 1  # every decode step after the prefill's token
