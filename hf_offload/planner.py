@@ -269,7 +269,39 @@ def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_fr
     return best
 
 
+def largest_resident_batch(shape: ModelShape, context_tokens: int, device_free_bytes: int,
+                           config: OffloadConfig | None = None, margin_gib: float = 8.0,
+                           limit: int = 4096) -> int:  # fmt: skip
+    """The largest batch whose every sealed block ``admission="auto"`` keeps in device memory, with ``margin_gib``
+    of ``device_free_bytes`` (the device's memory less the weights) left for the decode step's temporaries, CUDA
+    graphs and allocator fragmentation: the admission limit is :func:`suggested_device_memory_gib` for each batch.
+
+    Past this batch part of the KV is read from host memory at every step that selects it; in the 8B-shape runs on
+    one H200 this batch decoded fastest (``docs/tuning.md``). ``0`` where not even one sequence fits that way.
+    """
+    config = (config or OffloadConfig()).replace(admission="auto")
+    best = 0
+    lo, hi = 1, limit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        gib = suggested_device_memory_gib(shape, context_tokens, mid, config, device_free_bytes, margin_gib)
+        p = plan(shape, context_tokens, mid, "offload", config.replace(device_memory_gib=gib))
+        if p.host_kv_bytes == 0 and p.peak_device_bytes + margin_gib * GIB <= device_free_bytes:
+            best, lo = mid, mid + 1
+        else:
+            hi = mid - 1
+    return best
+
+
 def _load_shape(model: str) -> ModelShape:
+    """The :class:`ModelShape` of a preset, a registry model, a local model folder or a hub name.
+
+    Raises:
+        ValueError: ``model`` is none of those, or its config could not be read (the message says what to pass).
+    """
+    import difflib
+    import os
+
     if model in PRESETS:
         return shape_from_preset(model)
     from transformers import AutoConfig
@@ -278,7 +310,16 @@ def _load_shape(model: str) -> ModelShape:
 
     if models._lookup(model) is not None:  # a registry model: its converted folder (fetched on first use)
         return shape_from_config(AutoConfig.from_pretrained(models.fetch(model)))
-    return shape_from_config(AutoConfig.from_pretrained(model))
+    what = (f"a preset ({', '.join(sorted(PRESETS))}), a model of `hf-offload models`, a local model folder or a "
+            f"hub name (owner/name)")  # fmt: skip
+    close = difflib.get_close_matches(model, list(PRESETS), n=1, cutoff=0.6)
+    if close and "/" not in model and not os.path.exists(model):  # a mistyped preset: no hub round trip
+        raise ValueError(f"Unknown model {model!r}: did you mean the preset {close[0]!r}? Pass {what}.")
+    try:
+        return shape_from_config(AutoConfig.from_pretrained(model))
+    except Exception as err:  # noqa: BLE001 -- the hub and config errors differ by version; all mean the same here
+        raise ValueError(f"Could not read the config of {model!r} ({type(err).__name__}: {str(err)[:200]}). "
+                         f"Pass {what}.") from err
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,7 +351,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.admission == "auto" and args.device_memory_gib is None and args.device_gib is None:
         parser.error("--admission auto needs --device-gib (the admission limit is 80% of the device memory left after "
                      "the weights) or --device-memory-gib")
-    shape = _load_shape(args.model)
+    try:
+        shape = _load_shape(args.model)
+    except ValueError as err:
+        parser.error(str(err))
     config = OffloadConfig(budget_tokens=args.budget, selector=args.selector, admission=args.admission,
                            device_memory_gib=args.device_memory_gib)  # fmt: skip
     weights = shape.weights_bytes or 0
@@ -338,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}; weights {weights / GIB:.1f} GiB):")
         for method in ("dense", "static", "offload"):
             print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config)}")
+        resident = largest_resident_batch(shape, args.context, device_free, config, args.margin_gib)
+        gib = suggested_device_memory_gib(shape, args.context, max(resident, 1), config.replace(admission="auto"),
+                                          device_free, args.margin_gib)  # fmt: skip
+        print(f"  offload, every block on the device (admission='auto', {args.margin_gib:g} GiB margin): {resident}"
+              + (f" (device_memory_gib={gib:.1f})" if resident else "")
+              + "\n(past that batch a decode step reads the blocks it selects from host memory, at PCIe speed: "
+              "usually the fastest decode is at the every-block-on-the-device batch)")  # fmt: skip
     return 0
 
 

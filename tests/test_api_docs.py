@@ -58,7 +58,7 @@ def test_api_reference_builds_and_documents_the_public_names(tmp_path):
     assert {"Selector", "Selector.score", "Selector.summarize", "Selection"} <= documented("hf_offload.selectors.base")
     assert {"HostBlockPool", "DeviceSlotPool"} <= documented("hf_offload.store")
     assert "OnlineSoftmax" in documented("hf_offload.kernels")
-    assert {"plan", "ModelShape", "largest_batch"} <= documented("hf_offload.planner")
+    assert {"plan", "ModelShape", "largest_batch", "largest_resident_batch"} <= documented("hf_offload.planner")
     assert {"run_bench", "fill_random"} <= documented("hf_offload.bench")
     assert documented("eval_harness.runner")
     # Docstrings are rendered (Google style: "Args:" becomes an argument list), and packages link their modules.

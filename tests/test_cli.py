@@ -79,3 +79,13 @@ def test_demo_without_the_model_prints_the_install_command(monkeypatch, capsys):
     assert demo.main([]) == 2
     err = capsys.readouterr().err
     assert 'pip install "hf-offload[model-qwen05]"' in err and "Traceback" not in err
+
+
+def test_plan_names_the_resident_batch_and_rejects_a_mistyped_preset(capsys):
+    args = ["plan", "llama-3.1-8b", "--context", "65536", "--device-gib", "139", "--selector", "quantkey"]
+    assert main(args) == 0
+    assert "every block on the device (admission='auto', 8 GiB margin): 12" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no hub round trip for a near miss of a preset
+        main(["plan", "llama-8b", "--context", "65536"])
+    err = capsys.readouterr().err
+    assert "did you mean the preset 'llama-3.1-8b'" in err

@@ -192,3 +192,41 @@ def test_admission_auto_with_no_free_memory_admits_nothing():
     always = plan(shape, 65536, 12, "offload")
     assert p.admitted_reserved_bytes == p.admitted_kv_bytes == 0
     assert (p.host_kv_bytes, p.host_reserved_bytes) == (always.host_kv_bytes, always.host_reserved_bytes)
+
+
+@pytest.mark.parametrize("selector", ["quantkey", "quantkey[bits=4,tail_bits=2,tail_near=3]"])
+def test_largest_resident_batch_keeps_every_block_on_the_device_and_the_next_does_not(selector):
+    from hf_offload.planner import largest_resident_batch, suggested_device_memory_gib
+
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128,
+                       weights_bytes=int(2 * 8.03e9))  # fmt: skip
+    device = (139 << 30) - shape.weights_bytes
+    config = OffloadConfig(selector=selector, admission="auto")
+    batch = largest_resident_batch(shape, 65536, device, config, margin_gib=8.0)
+    assert 0 < batch < largest_batch(shape, 65536, "offload", device, 1 << 50, config)
+    for b, resident in ((batch, True), (batch + 1, False)):
+        gib = suggested_device_memory_gib(shape, 65536, b, config, device, 8.0)
+        p = plan(shape, 65536, b, "offload", config.replace(device_memory_gib=gib))
+        assert (p.host_kv_bytes == 0) == resident
+    # A larger margin or smaller summaries never allow more sequences on the device.
+    assert largest_resident_batch(shape, 65536, device, config, margin_gib=30.0) < batch
+    assert largest_resident_batch(shape, 65536, 0, config) == 0
+
+
+def test_largest_resident_batch_matches_the_h200_batch_sweep():
+    """results/decode/batch_sweep_h200: plain quantkey, admission "auto" with the benchmark's 8 GiB margin, 8B
+    shape on one H200: every block stayed on the device at 64K, batch 12 and 128K, batch 6; the next batch put
+    blocks in host memory. The planner's resident batch is the last one without host KV in those runs."""
+    from hf_offload.planner import largest_resident_batch, shape_from_preset
+
+    folder = Path(__file__).resolve().parents[1] / "results" / "decode" / "batch_sweep_h200"
+    shape = shape_from_preset("llama-3.1-8b")
+    for name in ("bench_decode_65536_quantkey_batches.json", "bench_decode_131072_quantkey_batches.json"):
+        data = json.loads((folder / name).read_text())
+        runs = sorted(data["runs"], key=lambda r: r["batch"])
+        device = 139 << 30  # the H200's memory as torch reports it, rounded down
+        measured = max(r["batch"] for r in runs if r["host_kv_bytes"] == 0)
+        assert any(r["batch"] == measured + 1 and r["host_kv_bytes"] > 0 for r in runs)
+        predicted = largest_resident_batch(shape, runs[0]["context"], device - shape.weights_bytes,
+                                           OffloadConfig(selector="quantkey"), margin_gib=8.0)  # fmt: skip
+        assert predicted == measured, (name, predicted, measured)

@@ -1,6 +1,6 @@
 """The tables of this folder's README from its JSON files: decode throughput of plain ``quantkey`` at 64K tokens,
 batch 12, by ``reselect_every``, with the steps that chose and the steps that reused apart, and the ratios to
-``DynamicCache`` in the same call (``run2``).
+``DynamicCache`` in the same call (``run2``); then the runs of ``run3.sh`` (other contexts and batches).
 
     python results/decode/reselect_h200/table.py
 """
@@ -44,5 +44,24 @@ def main() -> None:
         print(row(path, dyn["tokens_per_s"]))
 
 
+def run3() -> None:
+    """``run3.sh``: 128K, batch 6 (every block on the device) and 64K, batches 14 and 16 (part of the KV in host
+    memory), one process each."""
+    print("| file | commit | context | batch | reselect_every | steps | tok/s | mean ms | median ms | KV on host GiB | "
+          "read from host MB/step | hit rate | reused layer steps |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for path in sorted(HERE.glob("run3_bench_decode_*.json")):
+        data = json.loads(path.read_text())
+        run, meta = data["runs"][0], data["metadata"]
+        cells = [f"`{path.name}`", f"`{meta['git_commit'][:7]}`", run["context"], run["batch"],
+                 meta.get("reselect_every", 1), run["steps"], f"{run['tokens_per_s']:.1f}", f"{run['step_ms']:.2f}",
+                 f"{run['step_ms_median']:.2f}", f"{run['host_kv_bytes'] / 2**30:.1f}",
+                 f"{run['host_recalled_bytes_per_step'] / 1e6:.0f}", f"{run['hit_rate']:.2f}",
+                 run["stats"]["reused_selections"]]  # fmt: skip
+        print("| " + " | ".join(map(str, cells)) + " |")
+
+
 if __name__ == "__main__":
     main()
+    print()
+    run3()
