@@ -54,6 +54,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_decode_step import fill_random  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
+from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
 from hf_offload.kernels.quantkey import chosen_variant  # noqa: E402
 from hf_offload.kernels.tail import chosen_variant as tail_chosen_variant  # noqa: E402
@@ -661,7 +662,8 @@ def roofline(method: str, env: dict, batch: int, kv_tokens: float, pcie_per_step
 # ------------------------------------------------------------------------------------------------------------- e2e
 def run_e2e(model, env: dict, args) -> dict:
     """Prefill a random prompt of ``--e2e-context`` tokens at batch 1 (chunks of ``--e2e-prefill-chunk``), then
-    decode ``--e2e-steps`` tokens, with ``DynamicCache`` and with ``OffloadCache(selector="solohead")``.
+    decode ``--e2e-steps`` tokens, with ``DynamicCache`` and with ``OffloadCache`` (``--e2e-selector``: the library's
+    default selector unless set; every other setting the library's default, so every sealed block goes to the host).
 
     The prefill is exact with both caches, so the first generated token should agree (bf16 rounding of the two
     attention paths can still flip a near tie); ``first_token_identical`` reports it."""
@@ -675,7 +677,7 @@ def run_e2e(model, env: dict, args) -> dict:
     prompt = torch.randint(0, model.config.vocab_size, (1, n), device=device, generator=g)
     mask = torch.ones(1, n + args.e2e_steps + 1, dtype=torch.long, device=device)
     runs = []
-    for method in ("dynamic", "solohead"):
+    for method in ("dynamic", "offload"):
         release(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
@@ -683,7 +685,7 @@ def run_e2e(model, env: dict, args) -> dict:
             if method == "dynamic":
                 cache = DynamicCache(config=model.config)
             else:
-                cache = OffloadCache(model, budget_tokens=args.budget, selector="solohead")
+                cache = OffloadCache(model, budget_tokens=args.budget, selector=args.e2e_selector)
             sync(device)
             t0 = time.perf_counter()
             for s in range(0, n, chunk):
@@ -705,11 +707,12 @@ def run_e2e(model, env: dict, args) -> dict:
                 "first_token": int(first),
                 "peak_device_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
             }  # fmt: skip
-            if method == "solohead":
+            if method == "offload":
                 stats = cache.stats()
                 run["host_kv_bytes"], run["hit_rate"] = stats["host_kv_bytes"], stats["hit_rate"]
+                run["selector"] = args.e2e_selector
             del cache, out
-        if method == "solohead":
+        if method == "offload":
             disable_offload_attention(model)
         runs.append(run)
         print(f"e2e {method:9s} prefill {n:,} tokens {prefill_s:7.2f} s ({n / prefill_s:8.0f} tok/s); decode "
@@ -806,6 +809,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--e2e-context", type=int, default=32768)
     parser.add_argument("--e2e-prefill-chunk", type=int, default=4096, help="0: the whole prompt in one forward")
     parser.add_argument("--e2e-steps", type=int, default=16)
+    parser.add_argument("--e2e-selector", default=DEFAULT_SELECTOR,
+                        help="the OffloadCache selector of --e2e (default: the library's, %(default)s)")
     parser.add_argument("--seal-graphs", choices=("on", "off"), default="on",
                         help="off: seal full blocks op by op after replayed decode steps (OffloadLayer.seal_graphs)")
     parser.add_argument("--profile-seal", type=int, default=0, metavar="STEPS",
@@ -912,7 +917,8 @@ def run_isolated(args: argparse.Namespace, t_start: float) -> int:
             child = Path(tmp) / f"part{n:03d}.json"
             if method == "e2e":
                 extra = ["--e2e", "--e2e-context", str(args.e2e_context), "--e2e-prefill-chunk",
-                         str(args.e2e_prefill_chunk), "--e2e-steps", str(args.e2e_steps), "--contexts",
+                         str(args.e2e_prefill_chunk), "--e2e-steps", str(args.e2e_steps), "--e2e-selector",
+                         args.e2e_selector, "--contexts",
                          str(max(args.contexts)), "--methods", "--max-seconds", f"{max(left, 0):.1f}"]  # fmt: skip
             else:
                 extra = ["--contexts", str(context), "--methods", method, "--max-seconds", f"{max(left, 0):.1f}",

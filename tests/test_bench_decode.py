@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from hf_offload.config import DEFAULT_SELECTOR
 from hf_offload.kernels.gather import kernels_available
 
 from benchmarks import bench_decode
@@ -81,7 +82,8 @@ def test_every_method_decodes_and_reports_roofline_and_predictions(tmp_path, cap
     assert runs["headwise-copy"]["transfer"] == "torch"
 
     e2e = data["e2e"]
-    assert [r["method"] for r in e2e["runs"]] == ["dynamic", "solohead"]
+    assert [r["method"] for r in e2e["runs"]] == ["dynamic", "offload"]
+    assert e2e["runs"][1]["selector"] == DEFAULT_SELECTOR  # the library default unless --e2e-selector
     for r in e2e["runs"]:
         assert r["prefill_s"] > 0 and r["decode_step_ms"] > 0
     assert isinstance(e2e["first_token_identical"], bool)
@@ -148,7 +150,7 @@ def test_isolate_merges_one_process_per_sweep(tmp_path):
     assert data["complete"] and data["metadata"]["isolated"]
     assert sorted((r["method"], r["batch"]) for r in data["runs"]) == [("dynamic", 1), ("solohead", 2)]
     assert all(r["tokens_per_s"] > 0 for r in data["runs"])
-    assert {r["method"] for r in data["e2e"]["runs"]} == {"dynamic", "solohead"}
+    assert {r["method"] for r in data["e2e"]["runs"]} == {"dynamic", "offload"}
 
 
 def test_isolated_children_get_the_offload_settings():
