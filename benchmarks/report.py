@@ -1057,14 +1057,18 @@ def render_summary(folder: Path = SUMMARY) -> str | None:
     files = sorted(folder.glob("bench_decode*.json")) if folder.is_dir() else []
     if not files:
         return None
-    runs, e2es, metas = [], [], []
+    runs, e2es, metas = {}, [], []
     for path in files:
         data = json.loads(path.read_text())
         label = _method_label(data)
         metas.append(data["metadata"])
-        runs += [{**r, "method": label(r["method"]), "_file": path.name} for r in data["runs"]]
+        for r in data["runs"]:  # a later run of the same configuration (a rerun) replaces an earlier one
+            key = (label(r["method"]), r["context"], r["batch"])
+            if key not in runs or runs[key]["_time"] <= data["metadata"]["timestamp"]:
+                runs[key] = {**r, "method": key[0], "_file": path.name, "_time": data["metadata"]["timestamp"]}
         if data.get("e2e") and data["e2e"].get("runs"):
             e2es.append((path.name, data["e2e"]))
+    runs = list(runs.values())
     m = metas[0]
     commits = sorted({x["git_commit"][:7] for x in metas if x.get("git_commit")})
     order = [x for x in HF_METHODS if any(r["method"] == x for r in runs)]
@@ -1078,7 +1082,8 @@ def render_summary(folder: Path = SUMMARY) -> str | None:
         f"`run_*.sh` are the commands). {m['machine']['gpu']}, torch {m['versions']['torch']}, transformers "
         f"{m['versions']['transformers']}, commit(s) {', '.join(f'`{c}`' for c in commits)}. Llama-3.1-8B shape, "
         "random bf16 weights; decode-only (the KV filled with random values, no prefill), budget "
-        f"{m['args']['budget']} tokens. One process per method and context; within a context, one call.",
+        f"{m['args']['budget']} tokens. One process per method and context; within a context, one call, except "
+        "where a configuration was run again later: its latest run counts (the file column says which).",
         "",
         "Roofline: the step's weights and attended KV at the device-copy bandwidth plus the bytes read from the host at "
         "the pinned host-to-device bandwidth, both measured in the same process; \"with summaries\" adds the block "
