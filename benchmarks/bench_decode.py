@@ -526,11 +526,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             row["fill_transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
             if transfer == "torch":
                 for layer in cache.offload_layers:
-                    layer.use_kernels = False
-                    # What the first update derived from the kernel path follows it: no paged attention, no CUDA
-                    # graphs (a decode step of the torch path synchronises with the host, which a capture refuses).
-                    layer.paged = layer._want_paged()
-                    layer.resolve_lookahead()
+                    layer.switch_to_torch_transfer()
             row["transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
         else:
             fill_dense(cache, batch, fill_tokens, layers, kv_heads, head_dim, device)

@@ -476,6 +476,15 @@ class OffloadLayer(CacheLayerMixin):
             )
         return possible and (wanted == "paged" or self.device.type == "cuda")
 
+    def switch_to_torch_transfer(self) -> None:
+        """Move this layer's coming decode steps to the portable transfer path (``transfer="torch"``) after its
+        blocks were written through the kernels, and re-derive what the kernel path decided: no paged decode
+        attention, no CUDA graphs (a step of the torch path synchronises with the host, which a capture refuses).
+        Host contents, block table and summaries are the same on both paths."""
+        self.use_kernels = False
+        self.paged = self._want_paged()
+        self.resolve_lookahead()
+
     def resolve_lookahead(self) -> None:
         """Set :attr:`lookahead` and :attr:`graphs` from the config: ``None`` means on with the kernel path on CUDA
         (for graphs: unless lookahead or timing is on)."""

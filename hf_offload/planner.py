@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from .cache import SUMMARY_CHUNK_BLOCKS, _layer_types
@@ -253,16 +254,25 @@ def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_fr
     whose summaries take more than the other 20%). With ``device_memory_gib`` set, that limit is used as given."""
     config = config or OffloadConfig()
     tune = method == "offload" and config.admission == "auto" and config.device_memory_gib is None
-    best = 0
-    lo, hi = 1, limit
-    while lo <= hi:
-        mid = (lo + hi) // 2
+
+    def fits(batch: int) -> bool:
         cfg = config
         if tune:
             cfg = config.replace(device_memory_gib=suggested_device_memory_gib(
-                shape, context_tokens, mid, config, device_free_bytes, 0.0))  # fmt: skip
-        p = plan(shape, context_tokens, mid, method, cfg, device_free_bytes=device_free_bytes)
-        if p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes:
+                shape, context_tokens, batch, config, device_free_bytes, 0.0))  # fmt: skip
+        p = plan(shape, context_tokens, batch, method, cfg, device_free_bytes=device_free_bytes)
+        return p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes
+
+    return _largest(fits, limit)
+
+
+def _largest(fits: Callable[[int], bool], limit: int) -> int:
+    """The largest batch in ``[1, limit]`` for which ``fits`` holds (``fits`` monotone: true up to some batch),
+    by bisection; ``0`` where it holds for none."""
+    best, lo, hi = 0, 1, limit
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
             best, lo = mid, mid + 1
         else:
             hi = mid - 1
@@ -280,17 +290,13 @@ def largest_resident_batch(shape: ModelShape, context_tokens: int, device_free_b
     one H200 this batch decoded fastest (``docs/tuning.md``). ``0`` where not even one sequence fits that way.
     """
     config = (config or OffloadConfig()).replace(admission="auto")
-    best = 0
-    lo, hi = 1, limit
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        gib = suggested_device_memory_gib(shape, context_tokens, mid, config, device_free_bytes, margin_gib)
-        p = plan(shape, context_tokens, mid, "offload", config.replace(device_memory_gib=gib))
-        if p.host_kv_bytes == 0 and p.peak_device_bytes + margin_gib * GIB <= device_free_bytes:
-            best, lo = mid, mid + 1
-        else:
-            hi = mid - 1
-    return best
+
+    def fits(batch: int) -> bool:
+        gib = suggested_device_memory_gib(shape, context_tokens, batch, config, device_free_bytes, margin_gib)
+        p = plan(shape, context_tokens, batch, "offload", config.replace(device_memory_gib=gib))
+        return p.host_kv_bytes == 0 and p.peak_device_bytes + margin_gib * GIB <= device_free_bytes
+
+    return _largest(fits, limit)
 
 
 def _load_shape(model: str) -> ModelShape:
