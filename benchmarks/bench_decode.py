@@ -515,7 +515,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         cache, transfer = make_cache(method, model, context, args, device, config)
         if method in OFFLOAD_METHODS and getattr(args, "seal_graphs", "on") == "off":
             for layer in cache.offload_layers:
-                layer.seal_graphs = False  # every seal op by op (the comparison)
+                layer.graphs.seal_graphs = False  # every seal op by op (the comparison)
         sync(device)
         t0 = time.perf_counter()
         if method in OFFLOAD_METHODS:
@@ -523,11 +523,11 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             cache.reserve(context)  # summaries for the last step's length, allocated once (no growth, no fragments)
             fill_random(cache, batch, fill_tokens, kv_heads, head_dim, device)
             sync(device)
-            row["fill_transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
+            row["fill_transfer"] = "kernel" if cache.offload_layers[0].execution.use_kernels else "torch"
             if transfer == "torch":
                 for layer in cache.offload_layers:
-                    layer.switch_to_torch_transfer()
-            row["transfer"] = "kernel" if cache.offload_layers[0].use_kernels else "torch"
+                    layer.use_torch_transfer()
+            row["transfer"] = "kernel" if cache.offload_layers[0].execution.use_kernels else "torch"
         else:
             fill_dense(cache, batch, fill_tokens, layers, kv_heads, head_dim, device)
             sync(device)
@@ -581,7 +581,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             row["host_kv_bytes"] = stats["host_kv_bytes"]
             row["hit_rate"] = stats["hit_rate"]
             row["stats"] = stats
-            row["admitted_kv_bytes"] = sum(layer.host.used_bytes_on(True) for layer in cache.offload_layers
+            row["admitted_kv_bytes"] = sum(layer.blocks.host.used_bytes_on(True) for layer in cache.offload_layers
                                            if layer.is_initialized)  # fmt: skip
             recalled_per_step = stats["decode_recalled_bytes"] / steps
             pcie_per_step = stats["decode_host_bytes"] / steps  # blocks admitted to the device are not PCIe traffic

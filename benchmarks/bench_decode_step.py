@@ -186,15 +186,15 @@ def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, see
     first = layers[0]
     device = first.device
     per_head = first.selector.per_head
-    scratch = DeviceSlotPool(1, n, first.kv_heads, first.block_tokens, first.head_dim, first.dtype, device)
+    scratch = DeviceSlotPool(1, n, first.blocks.kv_heads, first.block_tokens, first.blocks.head_dim, first.blocks.dtype, device)
     g = torch.Generator().manual_seed(seed)
     steps = []
     for _ in range(repeats + 1):  # every index on its side before the clock starts; new blocks each repetition
         plans = []
         for layer in layers:
-            table = layer.block_table.flatten()
+            table = layer.blocks.block_table.flatten()
             ids = table[torch.randint(0, len(table), (n,), generator=g)]
-            heads = torch.randint(0, layer.kv_heads, (n,), generator=g).to(device) if per_head else None
+            heads = torch.randint(0, layer.blocks.kv_heads, (n,), generator=g).to(device) if per_head else None
             plans.append((layer, ids if path == "torch" else ids.to(device), heads))
         steps.append(plans)
     zeros, slots = torch.zeros(n, dtype=torch.int64, device=device), torch.arange(n, device=device)
@@ -202,7 +202,7 @@ def recall_alone_ms(cache, pieces_per_layer: float, path: str, repeats: int, see
 
     def one_step(plans):
         for layer, ids, heads in plans:
-            recall(layer.host, scratch, ids, zeros, slots, heads)
+            recall(layer.blocks.host, scratch, ids, zeros, slots, heads)
 
     cuda = device.type == "cuda"
     times = []

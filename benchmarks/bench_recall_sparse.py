@@ -4,7 +4,7 @@ A decode step launches the copy kernel over every selected entry (``batch x k``)
 so that the miss list never travels to the host. At 64K tokens, batch 12 (8B shape, budget 2048) that is 1524 entries
 of 16 pieces (one head's K or V, 4 KiB each) with about 3% misses, and the launch took 159 us per layer where the
 missed bytes alone need about 55 us at the PCIe limit (``results/decode/layer_graphs_h200/``). This benchmark times,
-in one run, the launch settings of :func:`hf_offload.transfer.recall_blocks_kernel` (words per program, warps,
+in one run, the launch settings of :func:`hf_offload.store.transfer.recall_blocks_kernel` (words per program, warps,
 pieces per program) at several miss shares, and the same misses alone (a compacted list: the floor), through the
 library's own recall call into a real slot pool from a pinned host pool, captured into a CUDA graph as a decode step
 runs it (replays back to back, so only device time is timed). Every setting is checked bit-exact against the host
@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import cuda_event_ms, run_metadata, write_results  # noqa: E402
-from hf_offload import transfer  # noqa: E402
+from hf_offload.store import transfer  # noqa: E402
 from hf_offload.store import DeviceSlotPool, HostBlockPool, HostMemoryBudget  # noqa: E402
 
 SETTINGS = {

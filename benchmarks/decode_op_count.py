@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def chunks():
         return [c for cache in live_caches for layer in cache.layers if isinstance(layer, OffloadLayer)
-                and layer.is_initialized for c in layer.host.chunks]  # fmt: skip
+                and layer.is_initialized for c in layer.blocks.host.chunks]  # fmt: skip
 
     with counted_copy_kernel(counter, chunks) as kernel_runs:
         if not args.no_dense:

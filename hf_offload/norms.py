@@ -24,7 +24,7 @@ import types
 
 import torch
 
-from .graphs import install_module_forwards, remove_module_forwards
+from .layer_calls import install_module_forwards, remove_module_forwards
 from .kernels.norm import rms_norm, rms_norm_supported
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_norms", default=False)

@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .cache import SUMMARY_CHUNK_BLOCKS, _layer_types
+from .cache import SUMMARY_CHUNK_BLOCKS, layer_types
 from .config import OffloadConfig
 from .selectors import get_selector
 
@@ -77,7 +77,7 @@ class ModelShape:
 def shape_from_config(config, dtype_bytes: int = 2, weights_bytes: int | None = None) -> ModelShape:
     """The :class:`ModelShape` of a transformers config (the decoder's text config is used)."""
     config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    types = _layer_types(config)
+    types = layer_types(config)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     sliding = sum(t != "full_attention" for t in types)

@@ -36,7 +36,7 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
-from .graphs import decoder_layers
+from .layer_calls import decoder_layers
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_projections", default=False)
 

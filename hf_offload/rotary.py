@@ -25,7 +25,7 @@ import types
 
 import torch
 
-from .graphs import install_module_forwards, remove_module_forwards
+from .layer_calls import install_module_forwards, remove_module_forwards
 from .kernels.rotary import rotary, rotary_supported
 from .norms import _same_code
 

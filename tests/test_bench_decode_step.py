@@ -64,7 +64,7 @@ def test_copies_skipped_takes_the_kernel_path_arguments(monkeypatch):
     import torch
 
     from benchmarks import bench_decode_step
-    from hf_offload import transfer
+    from hf_offload.store import transfer
 
     calls = []
 

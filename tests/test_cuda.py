@@ -36,8 +36,8 @@ def test_cuda_full_budget_token_identical_and_pinned(arch, selector):
     stats = cache.stats()
     assert stats["host_kv_bytes"] > 0 and stats["recalled_blocks"] > 0
     for layer in cache.offload_layers:
-        assert layer.host.pin_memory and all(chunk.is_pinned() for chunk in layer.host.chunks)
-        assert layer.pool.data.is_cuda
+        assert layer.blocks.host.pin_memory and all(chunk.is_pinned() for chunk in layer.blocks.host.chunks)
+        assert layer.blocks.pool.data.is_cuda
 
 
 def test_cuda_bf16_full_budget_logits_close():

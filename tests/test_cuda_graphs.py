@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-import hf_offload.attention as attention_module
-import hf_offload.cache as cache_module
+import hf_offload.attention.decode as attention_module
+import hf_offload.cache.shared as cache_module
 from hf_offload import OffloadCache
-from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
+from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, GraphRunner, OffloadLayer
 from hf_offload.config import DEFAULT_SELECTOR
 from hf_offload.kernels.gather import kernels_available
 from hf_offload.selectors import SoloHeadSelector, get_selector
@@ -60,7 +60,7 @@ def test_graphs_same_tokens_and_counters(arch, selector, capacity, monkeypatch):
     expected, eager = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=False,
                                 decode_capacity_blocks=eager_capacity)  # fmt: skip
     captures, replays, op_by_op = [], [], []
-    capture, replay, body = cache_module.capture, OffloadLayer.replay, attention_module._decode_body
+    capture, replay, body = cache_module.capture, GraphRunner.replay, attention_module.decode_body
 
     def counted_body(*args, **kwargs):
         if not (len(args) > 8 and args[8] is False):  # a step run op by op (not the body a capture records)
@@ -68,13 +68,13 @@ def test_graphs_same_tokens_and_counters(arch, selector, capacity, monkeypatch):
         return body(*args, **kwargs)
 
     monkeypatch.setattr(cache_module, "capture", lambda *a, **k: captures.append(1) or capture(*a, **k))
-    monkeypatch.setattr(OffloadLayer, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
-    monkeypatch.setattr(attention_module, "_decode_body", counted_body)
+    monkeypatch.setattr(GraphRunner, "replay", lambda self, *a: replays.append(1) or replay(self, *a))
+    monkeypatch.setattr(attention_module, "decode_body", counted_body)
     got, graphed = _generate(model, ids, mask, steps, selector=selector, cuda_graphs=True,
                              decode_capacity_blocks=capacity)  # fmt: skip
     assert torch.equal(got, expected)
     layers = len(graphed.offload_layers)
-    assert all(layer.capacity_blocks == eager_capacity for layer in graphed.offload_layers)
+    assert all(layer.execution.capacity_blocks == eager_capacity for layer in graphed.offload_layers)
     decode_calls = (steps - 1) * layers
     assert replays and captures
     assert len(replays) + len(op_by_op) == decode_calls  # every step either replays (maybe just captured) or not
@@ -101,7 +101,7 @@ def test_graphs_bf16_long_decode_matches_op_by_op():
     expected, _ = _generate(model, ids, mask, 500, cuda_graphs=False)
     got, cache = _generate(model, ids, mask, 500, cuda_graphs=True)
     assert torch.equal(got, expected)
-    assert all(layer.graphs for layer in cache.offload_layers)
+    assert all(layer.execution.graphs for layer in cache.offload_layers)
 
 
 def test_graphs_survive_reset_and_a_new_batch():
@@ -140,7 +140,7 @@ def test_capture_failure_falls_back_or_raises():
         got, cache = _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=None)
     assert torch.equal(got, expected)
     assert any("runs op by op" in str(w.message) for w in caught)
-    assert not any(layer.graphs for layer in cache.offload_layers)
+    assert not any(layer.execution.graphs for layer in cache.offload_layers)
     with pytest.raises(RuntimeError, match="capturing the decode step failed"):
         _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=True)
 

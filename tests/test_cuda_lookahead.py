@@ -48,8 +48,8 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
     assert torch.equal(outs["async"], outs["sync"])
     sync, cache = caches["sync"], caches["async"]
     # The asynchronous run really used side streams and lookahead (lookahead=None: on with the kernels on CUDA).
-    assert all(layer.streams is not None and layer.lookahead for layer in cache.offload_layers)
-    assert not any(layer.lookahead for layer in sync.offload_layers)
+    assert all(layer.execution.streams is not None and layer.execution.lookahead for layer in cache.offload_layers)
+    assert not any(layer.execution.lookahead for layer in sync.offload_layers)
     stats = cache.stats()
     assert stats["prefetched_blocks"] > 0 and stats["prefetch_used_blocks"] > 0
     assert stats["decode_steps"] == sync.stats()["decode_steps"] == STEPS - 1
@@ -62,7 +62,7 @@ def test_async_lookahead_matches_synchronous_path_over_200_steps(selector, corre
         tol = 1e-5 if attention == "pool" else 1e-4
         torch.testing.assert_close(dense_k, ref_k, rtol=tol, atol=tol)
         torch.testing.assert_close(dense_v, ref_v, rtol=tol, atol=tol)
-        pool, T = layer.pool, layer.block_tokens
+        pool, T = layer.blocks.pool, layer.block_tokens
         for b, h, s in (pool.block >= 0).nonzero().tolist():  # and no slot serves stale data
             j = pool.block[b, h, s].item()
             assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * T : (j + 1) * T])
@@ -88,7 +88,7 @@ def test_decode_loop_never_synchronises_with_the_host(selector):
     for layer, (k, v) in zip((first, second), kv):
         layer.update(k[:, :, :prompt], v[:, :, :prompt])
         offload_attention_forward(take_handoff(), torch.randn(B, HQ, prompt, D, device="cuda", generator=g), None)
-    assert first.lookahead and first.streams is not None
+    assert first.execution.lookahead and first.execution.streams is not None
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -131,7 +131,7 @@ def test_async_default_path_matches_synchronous_over_500_steps_of_a_real_shape()
             outs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
                                         max_new_tokens=steps, min_new_tokens=steps)  # fmt: skip
         stats[name] = cache.stats()
-        assert all((layer.streams is not None) == (name == "async") for layer in cache.offload_layers)
+        assert all((layer.execution.streams is not None) == (name == "async") for layer in cache.offload_layers)
     assert outs["async"].shape[1] == ids.shape[1] + steps
     assert torch.equal(outs["async"], outs["sync"])
     assert stats["async"]["decode_recalled_bytes"] == stats["sync"]["decode_recalled_bytes"] > 0

@@ -9,7 +9,7 @@ import torch
 
 from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.config import DEFAULT_SELECTOR
-from hf_offload.graphs import DecodeInputs
+from hf_offload.attention import DecodeInputs
 from hf_offload.selectors import QuantKeySelector, SoloHeadSelector, get_selector
 from hf_offload.selectors.base import Selector, key_bound_logits
 from hf_offload.selectors.roundrobin import RoundRobinSelector
@@ -40,9 +40,9 @@ def test_capacity_steps_give_the_tokens_of_sealed_block_steps(selector):
     for capacity in (8, 64):  # 8: the capacity grows from 24 to 32 blocks during the run; 64: one capacity
         got, cache = _generate(model, ids, mask, steps, selector=selector, decode_capacity_blocks=capacity)
         layer = cache.offload_layers[0]
-        assert layer.capacity_blocks == capacity
+        assert layer.execution.capacity_blocks == capacity
         last_n = layer.n_blocks - (1 if layer.keys.shape[-2] == 0 else 0)  # sealed blocks before the last step
-        assert layer.cache_decode_inputs(layer.device).capacity == -(-last_n // capacity) * capacity
+        assert layer.resources.decode_inputs(layer.device).capacity == -(-last_n // capacity) * capacity
         assert torch.equal(got.sequences, expected.sequences), capacity
         for a, b in zip(got.scores, expected.scores):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
@@ -113,11 +113,11 @@ def test_buffers_grow_by_capacity_and_hold_zeros_past_the_sealed_blocks():
         model(input_ids=ids, past_key_values=cache)
     layer = cache.offload_layers[0]
     n = layer.n_blocks
-    views = layer.summary_views(300)
+    views = layer.blocks.summary_views(300)
     assert all(v.shape[1] == 300 for v in views.values())
-    assert all(store.shape[1] == 512 for store in layer._summary_store.values())  # whole chunks of 256 blocks
+    assert all(store.shape[1] == 512 for store in layer.blocks.summary_store.values())  # whole chunks of 256 blocks
     assert all(not v[:, n:].any() for v in views.values())
-    assert all(torch.equal(layer.summaries[name], views[name][:, :n]) for name in views)
+    assert all(torch.equal(layer.blocks.summaries[name], views[name][:, :n]) for name in views)
 
 
 def test_capacity_settings_are_checked():
@@ -155,7 +155,7 @@ def test_capacity_settings_are_checked():
         cache = OffloadCache(model, **SMALL, **options)
         with torch.no_grad():
             model(input_ids=torch.randint(3, 90, (1, 40)), past_key_values=cache)
-        assert [layer.capacity_blocks for layer in cache.offload_layers] == [capacity] * len(cache.offload_layers)
+        assert [layer.execution.capacity_blocks for layer in cache.offload_layers] == [capacity] * len(cache.offload_layers)
 
 
 def test_chunk_tables_fill_in_place_while_the_pool_grows():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from hf_offload import OffloadCache, OffloadConfig
-from hf_offload.graphs import DecodeInputs
+from hf_offload.attention import DecodeInputs
 
 from .conftest import build_model
 
@@ -62,7 +62,7 @@ def test_cuda_graphs_option_is_validated():
     cache = OffloadCache(model, budget_tokens=32, block_tokens=8, cuda_graphs=None)
     with torch.no_grad():
         model(input_ids=ids, past_key_values=cache)
-    assert not any(layer.graphs for layer in cache.offload_layers)
+    assert not any(layer.execution.graphs for layer in cache.offload_layers)
 
 
 def test_set_options_changes_only_step_settings():
@@ -71,7 +71,7 @@ def test_set_options_changes_only_step_settings():
     with torch.no_grad():
         model(input_ids=torch.randint(3, 100, (1, 20)), past_key_values=cache)
     cache.set_options(timing=True, lookahead=True)
-    assert all(layer.lookahead and layer.timer is not None for layer in cache.offload_layers)
+    assert all(layer.execution.lookahead and layer.timer is not None for layer in cache.offload_layers)
     cache.set_options(timing=False)
     assert all(layer.timer is None for layer in cache.offload_layers)
     with pytest.raises(ValueError, match="build a new OffloadCache"):

@@ -29,7 +29,7 @@ def _assert_offloaded(cache: OffloadCache):
     assert stats["recalled_blocks"] > 0 and stats["recalled_bytes"] > 0
     assert stats["decode_steps"] == NEW_TOKENS - 1
     for layer in cache.offload_layers:
-        assert layer.n_blocks > layer.pool.slots  # the pool is smaller than the context
+        assert layer.n_blocks > layer.blocks.pool.slots  # the pool is smaller than the context
 
 
 @pytest.mark.parametrize("selector", sorted(SELECTORS))
@@ -151,18 +151,18 @@ def test_reserve_allocates_summaries_once_and_keeps_outputs():
     cache.reserve(tokens)
     assert torch.equal(_generate(model, ids, mask, cache), expected)
     for layer in cache.offload_layers:
-        assert {s.shape[1] for s in layer._summary_store.values()} == {2 * SUMMARY_CHUNK_BLOCKS}
-        assert all(view.shape[1] == layer.n_blocks for view in layer.summaries.values())
-    per_block = sum(s[0, 0].numel() * s.element_size() for s in cache.offload_layers[0]._summary_store.values())
+        assert {s.shape[1] for s in layer.blocks.summary_store.values()} == {2 * SUMMARY_CHUNK_BLOCKS}
+        assert all(view.shape[1] == layer.n_blocks for view in layer.blocks.summaries.values())
+    per_block = sum(s[0, 0].numel() * s.element_size() for s in cache.offload_layers[0].blocks.summary_store.values())
     assert cache.stats()["device_summary_bytes"] == per_block * 2 * 2 * SUMMARY_CHUNK_BLOCKS * len(cache.offload_layers)
 
     later = OffloadCache(model, budget_tokens=40, **SMALL)
     _generate(model, ids, mask, later)
-    before = {i: {k: v.clone() for k, v in layer.summaries.items()} for i, layer in enumerate(later.offload_layers)}
-    assert {s.shape[1] for s in later.offload_layers[0]._summary_store.values()} == {SUMMARY_CHUNK_BLOCKS}
+    before = {i: {k: v.clone() for k, v in layer.blocks.summaries.items()} for i, layer in enumerate(later.offload_layers)}
+    assert {s.shape[1] for s in later.offload_layers[0].blocks.summary_store.values()} == {SUMMARY_CHUNK_BLOCKS}
     later.reserve(tokens)
     for i, layer in enumerate(later.offload_layers):
-        assert {s.shape[1] for s in layer._summary_store.values()} == {2 * SUMMARY_CHUNK_BLOCKS}
-        assert all(torch.equal(layer.summaries[k], v) for k, v in before[i].items())
+        assert {s.shape[1] for s in layer.blocks.summary_store.values()} == {2 * SUMMARY_CHUNK_BLOCKS}
+        assert all(torch.equal(layer.blocks.summaries[k], v) for k, v in before[i].items())
     with pytest.raises(ValueError, match="tokens"):
         later.reserve(-1)

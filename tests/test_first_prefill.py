@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
-from hf_offload.attention import Handoff, OffloadMask, _first_prefill
+from hf_offload.attention import Handoff, OffloadMask
+from hf_offload.attention.prefill import first_prefill as _first_prefill
 
 
 def _inputs(batch=3, q_heads=6, kv_heads=2, q_len=37, dim=16, seed=0):
@@ -73,7 +74,8 @@ def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, tr
     from transformers import DynamicCache
 
     from hf_offload import OffloadCache
-    from hf_offload import attention
+    from hf_offload.attention import decode as attention_decode
+    from hf_offload.attention import forward as attention_forward
 
     from .conftest import build_model, left_padded
 
@@ -82,17 +84,17 @@ def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, tr
     if transfer == "kernel" and not kernels_available(torch.device("cpu")):
         pytest.skip("the kernel path needs Triton on CUDA (or TRITON_INTERPRET=1)")
     calls = []
-    original = attention._chunk_prefill
+    original = attention_forward.chunk_prefill
 
     def counted(*args, **kwargs):
         out = original(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(attention, "_chunk_prefill", counted)
+    monkeypatch.setattr(attention_forward, "chunk_prefill", counted)
     decode_calls = []
-    fused_decode = attention._decode_sdpa
-    monkeypatch.setattr(attention, "_decode_sdpa", lambda *a, **k: decode_calls.append(1) or fused_decode(*a, **k))
+    fused_decode = attention_decode.decode_sdpa
+    monkeypatch.setattr(attention_decode, "decode_sdpa", lambda *a, **k: decode_calls.append(1) or fused_decode(*a, **k))
     model = build_model("llama")
     ids, mask = left_padded([45, 20, 38], seed=2)  # sequence 1 is padded into the second chunk
     kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=16,

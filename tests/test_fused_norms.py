@@ -98,7 +98,7 @@ def test_config_validates_and_resolves():
     for setting, want in ((None, False), (False, False)):  # None: on CUDA only
         cache = OffloadCache(model, fused_norms=setting, **SMALL)
         model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        assert {layer.fusions[0] for layer in cache.offload_layers} == {want}
+        assert {layer.execution.fusions[0] for layer in cache.offload_layers} == {want}
     if not TRITON:  # the first layer call says so, before any token is cached
         cache = OffloadCache(model, fused_norms=True, **SMALL)
         with pytest.raises(RuntimeError, match="fused_norms=True needs Triton"):
@@ -147,7 +147,7 @@ def test_cuda_fused_norms_by_default_in_graphs_give_the_tokens_of_the_models_own
     for setting in (None, False):
         cache = OffloadCache(model, fused_norms=setting, cuda_graphs=None, **SMALL)
         runs[setting] = model.generate(**kwargs, past_key_values=cache)
-        assert {layer.fusions[0] for layer in cache.offload_layers} == {setting is None}
+        assert {layer.execution.fusions[0] for layer in cache.offload_layers} == {setting is None}
         assert sum(int(layer.stats.layer_graph_replays) for layer in cache.offload_layers) > 0
     calls = sum(m.forward.calls for m in model.modules() if isinstance(m.__dict__.get("forward"), FusedNorm))
     assert calls >= 2 * model.config.num_hidden_layers

@@ -167,7 +167,7 @@ def test_config_validates_resolves_and_set_options_builds_groups():
     assert fused_groups(model) == []
     ids, mask = left_padded([20])
     model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
-    assert {layer.fusions[2] for layer in cache.offload_layers} == {False}
+    assert {layer.execution.fusions[2] for layer in cache.offload_layers} == {False}
     assert cache.stats()["fusions"]["projection_groups"] == 0
     cache.set_options(fused_projections=True)
     assert len(fused_groups(model)) == 4 and cache.stats()["fusions"]["projection_groups"] == 4
@@ -183,7 +183,7 @@ def test_generate_through_the_cache_gives_the_tokens_of_separate_products(arch):
     for setting in (False, True):
         cache = OffloadCache(model, fused_projections=setting, **SMALL)
         runs[setting] = model.generate(**kwargs, past_key_values=cache)
-        assert {layer.fusions[2] for layer in cache.offload_layers} == {setting}
+        assert {layer.execution.fusions[2] for layer in cache.offload_layers} == {setting}
         assert cache.stats()["fusions"]["projections"] is setting
     assert sum(g.calls for g in fused_groups(model)) > 0
     assert torch.equal(runs[True].sequences, runs[False].sequences)
@@ -207,7 +207,7 @@ def test_cuda_fused_projections_by_default_in_graphs(arch):
     for setting in (False, None):
         cache = OffloadCache(model, fused_projections=setting, cuda_graphs=None, **SMALL)
         runs[setting] = model.generate(**kwargs, past_key_values=cache)
-        assert {layer.fusions[2] for layer in cache.offload_layers} == {setting is None}
+        assert {layer.execution.fusions[2] for layer in cache.offload_layers} == {setting is None}
         assert sum(int(layer.stats.layer_graph_replays) for layer in cache.offload_layers) > 0
     assert sum(g.calls for g in fused_groups(model)) >= 2 * model.config.num_hidden_layers
     same = (runs[None].sequences == runs[False].sequences).float().mean().item()

@@ -143,7 +143,7 @@ def test_config_validates_and_resolves():
     for setting in (None, False):  # None: on CUDA only
         cache = OffloadCache(model, fused_rotary=setting, **SMALL)
         model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, do_sample=False)
-        assert {layer.fusions[1] for layer in cache.offload_layers} == {False}
+        assert {layer.execution.fusions[1] for layer in cache.offload_layers} == {False}
     if not TRITON:
         cache = OffloadCache(model, fused_rotary=True, **SMALL)
         with pytest.raises(RuntimeError, match="fused_rotary=True needs Triton"):
@@ -186,7 +186,7 @@ def test_cuda_fused_rotary_by_default_in_graphs_gives_the_outputs_of_transformer
     for setting in (None, False):
         cache = OffloadCache(model, fused_rotary=setting, cuda_graphs=None, **SMALL)
         runs[setting] = model.generate(**kwargs, past_key_values=cache)
-        assert {layer.fusions[1] for layer in cache.offload_layers} == {setting is None}
+        assert {layer.execution.fusions[1] for layer in cache.offload_layers} == {setting is None}
         assert sum(int(layer.stats.layer_graph_replays) for layer in cache.offload_layers) > 0
     assert sum(f.rotary.calls for f in _fused(model)) >= model.config.num_hidden_layers
     assert torch.equal(runs[None].sequences, runs[False].sequences)

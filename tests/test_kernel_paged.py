@@ -142,8 +142,8 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, lookahead, monkeypa
         mask2 = torch.cat([mask, torch.ones_like(more[:, mask.shape[1]:])], 1)
         out = model.generate(more, attention_mask=mask2, past_key_values=cache, max_new_tokens=8, do_sample=False)
         layer = cache.offload_layers[0]
-        assert layer.paged == (attention == "paged")
-        assert 0 < layer.host.admitted_chunks < len(layer.host.chunks)
+        assert layer.execution.paged == (attention == "paged")
+        assert 0 < layer.blocks.host.admitted_chunks < len(layer.blocks.host.chunks)
         results[attention] = (out, cache.stats())
     assert torch.equal(results["paged"][0], results["pool"][0])
     assert results["paged"][1]["recalled_bytes"] < results["pool"][1]["recalled_bytes"]
@@ -181,14 +181,14 @@ def test_a_layer_with_every_chunk_admitted_skips_the_slot_pool(selector, monkeyp
                              host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention)  # fmt: skip
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
         layers = cache.offload_layers
-        assert all(layer.host.all_admitted for layer in layers)
+        assert all(layer.blocks.host.all_admitted for layer in layers)
         assert (len(assigned) == 0) == (attention == "paged")
         first = cache.stats()
         more = torch.cat([out, torch.randint(3, 90, (2, 20), generator=torch.Generator().manual_seed(2)).to(DEVICE)], 1)
         mask2 = torch.cat([mask, torch.ones_like(more[:, mask.shape[1]:])], 1)
         out2 = model.generate(more, attention_mask=mask2, past_key_values=cache, max_new_tokens=8, do_sample=False)
-        assert not any(layer.host.all_admitted for layer in layers)
-        assert all(0 < layer.host.admitted_chunks < len(layer.host.chunks) for layer in layers)
+        assert not any(layer.blocks.host.all_admitted for layer in layers)
+        assert all(0 < layer.blocks.host.admitted_chunks < len(layer.blocks.host.chunks) for layer in layers)
         results[attention] = (out, first, out2, cache.stats())
     (out_pool, first_pool, out2_pool, _), (out_paged, first_paged, out2_paged, last_paged) = results.values()
     assert torch.equal(out_paged, out_pool) and torch.equal(out2_paged, out2_pool)

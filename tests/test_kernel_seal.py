@@ -132,19 +132,19 @@ def test_a_layers_seal_work_leaves_the_state_of_its_op_by_op_seal(selector, admi
             model(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), past_key_values=cache)
         caches.append(cache)
     for fused, plain in zip(caches[0].offload_layers, caches[1].offload_layers):
-        assert fused.use_kernels and fused._seal_kernel() == selector.startswith("quantkey")
-        assert fused.host.all_admitted == (admission == "auto")
-        assert fused.paged or admission == "always"  # "auto": no copy into the slot pool (on CUDA "always" too)
+        assert fused.execution.use_kernels and fused.blocks.seal_is_one_launch() == selector.startswith("quantkey")
+        assert fused.blocks.host.all_admitted == (admission == "auto")
+        assert fused.execution.paged or admission == "always"  # "auto": no copy into the slot pool (on CUDA "always" too)
         for layer in (fused, plain):  # the open block (5 tokens, then what the buffer held) sealed as it stands
-            block_ids = layer.host.allocate(layer.batch)
+            block_ids = layer.blocks.host.allocate(layer.blocks.batch)
             if layer is fused:
-                layer._seal_from(block_ids, layer.seal_work)
+                layer.blocks.seal_from(block_ids, layer.blocks.seal_work)
             else:
-                layer._seal(layer._open_k, layer._open_v, 1, ids=block_ids)
+                layer.blocks.seal(layer.blocks.open_k, layer.blocks.open_v, 1, ids=block_ids)
             layer.finish_step()
         assert fused.n_blocks == plain.n_blocks
         _assert_same_sealed_state(fused, plain)
-        assert torch.equal(fused.pool.data, plain.pool.data)  # the window's copy in the slot pool
+        assert torch.equal(fused.blocks.pool.data, plain.blocks.pool.data)  # the window's copy in the slot pool
 
 
 def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_graphs):  # noqa: F811 (the fixture)
@@ -170,7 +170,7 @@ def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_gra
     (expected, eager), (got, graphed) = caches[False], caches[None]
     assert torch.equal(got, expected)
     for layer in graphed.offload_layers:
-        assert layer.host.chunk_blocks == 1 and len(layer.host.chunks) == 3 * 23  # 20 blocks + 3 decode seals each
-        assert layer.host.table_version == 2  # 64 entries, then 128 at the second decode seal
+        assert layer.blocks.host.chunk_blocks == 1 and len(layer.blocks.host.chunks) == 3 * 23  # 20 blocks + 3 decode seals each
+        assert layer.blocks.host.table_version == 2  # 64 entries, then 128 at the second decode seal
         assert int(layer.stats.seal_graph_captures) == 2 and int(layer.stats.seal_graph_replays) == 1
         _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])

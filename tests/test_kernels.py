@@ -72,7 +72,7 @@ def test_kernel_transfer_token_identical_to_dynamic_cache(selector):
         )
         cache = OffloadCache(model, budget_tokens=4096, selector=selector, transfer="kernel", **SMALL)
         got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
-    assert all(layer.use_kernels for layer in cache.offload_layers)
+    assert all(layer.execution.use_kernels for layer in cache.offload_layers)
     assert torch.equal(got, expected)
     assert cache.stats()["recalled_blocks"] > 0
 
@@ -114,9 +114,9 @@ def test_kernel_path_with_a_decode_capacity(selector):
                                  do_sample=False)  # fmt: skip
         runs[capacity] = (out, cache.stats())
         layer = cache.offload_layers[0]
-        assert layer.block_table_dev.shape[1] >= 16
-        assert torch.equal(layer.block_table_dev[:, : layer.n_blocks].cpu(), layer.block_table)
-        assert (layer.block_table_dev[:, layer.n_blocks :] == -1).all()
+        assert layer.blocks.block_table_dev.shape[1] >= 16
+        assert torch.equal(layer.blocks.block_table_dev[:, : layer.n_blocks].cpu(), layer.blocks.block_table)
+        assert (layer.blocks.block_table_dev[:, layer.n_blocks :] == -1).all()
     assert torch.equal(runs[16][0], runs[1][0])
     for key in ("recalled_blocks", "decode_recalled_blocks", "hit_rate"):
         assert runs[16][1][key] == runs[1][1][key], key
@@ -132,7 +132,7 @@ def test_kernel_path_slots_never_stale():
         layer.update(k, v)
         offload_attention_forward(take_handoff(), torch.randn(2, 4, q_len, 16, generator=g).to(DEVICE), None)
         dense_k, dense_v = layer.dense_kv()
-        pool = layer.pool
+        pool = layer.blocks.pool
         for b, h, s in (pool.block >= 0).nonzero().tolist():
             j = pool.block[b, h, s].item()
             assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * 8 : (j + 1) * 8])

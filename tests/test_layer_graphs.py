@@ -10,7 +10,7 @@ import torch
 
 from hf_offload import OffloadCache
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
-from hf_offload.graphs import DecoderLayerCall
+from hf_offload.layer_calls import DecoderLayerCall
 from hf_offload.kernels.gather import kernels_available
 
 from .conftest import ARCHS, build_model, left_padded
@@ -81,7 +81,7 @@ def test_layer_graphs_with_reuse_give_the_tokens_of_op_by_op(admission):
         assert a[name] == b[name], name
     assert b["reused_selections"] > 0
     for layer in cache.offload_layers:
-        reuse = sorted(key[2][-1] for key in layer._graphs if key[1:2] == ("layer",))
+        reuse = sorted(key[2][-1] for key in layer.graphs.graphs if key[1:2] == ("layer",))
         assert reuse == [False, True], reuse
         assert int(layer.stats.layer_graph_replays) > 80
 
@@ -102,7 +102,7 @@ def test_layer_graphs_bf16_long_decode_matches_op_by_op(admission):
         # the host pool); summaries, block tables and stored blocks as op by op.
         assert int(layer.stats.seal_graph_replays) >= 30
         _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
-        assert layer.host.all_admitted == (admission == "auto")
+        assert layer.blocks.host.all_admitted == (admission == "auto")
 
 
 def test_layer_graphs_survive_reset_and_a_new_batch():
@@ -144,7 +144,7 @@ def test_uncapturable_layer_code_falls_back_with_a_warning():
         del layer.mlp.forward
     assert torch.equal(got, expected)
     assert sum("capturing the whole decoder layer" in str(w.message) for w in caught) == 1
-    flags = [layer.layer_graphs for layer in cache.offload_layers]
+    flags = [layer.graphs.layer_graphs for layer in cache.offload_layers]
     assert flags[1] is False and all(flags[:1] + flags[2:])
     assert int(cache.offload_layers[1].stats.graph_replays) > 0  # its attention still replays
 

@@ -17,17 +17,8 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
-from hf_offload.graphs import (
-    CapturedDecode,
-    CapturedLayer,
-    CapturedWork,
-    DecoderLayerCall,
-    StaticInputs,
-    call_signature,
-    decoder_layers,
-    install_layer_calls,
-    remove_layer_calls,
-)
+from hf_offload.cache.capture import CapturedDecode, CapturedLayer, CapturedWork, StaticInputs, call_signature
+from hf_offload.layer_calls import DecoderLayerCall, decoder_layers, install_layer_calls, remove_layer_calls
 
 from .conftest import build_model, left_padded
 
@@ -59,9 +50,9 @@ def _stand_in_attention(device, body, query, held):
 def _buffers_read(layer) -> list:
     """The buffers a captured seal of ``layer`` reads and writes in place (a real graph keeps reading the ones it
     was captured with)."""
-    found = list(layer._summary_store.values())
-    if layer.use_kernels:
-        found += [layer.block_table_dev, layer.host._chunk_addrs]
+    found = list(layer.blocks.summary_store.values())
+    if layer.execution.use_kernels:
+        found += [layer.blocks.block_table_dev, layer.blocks.host._chunk_addrs]
     return found
 
 
@@ -90,15 +81,15 @@ def _stand_in_layer(layer, fail_layers=()):
         if layer.layer_idx in fail_layers:
             raise RuntimeError("operation not permitted when stream is capturing")
         buffers, static_args, static_kwargs = statics.load(args, kwargs)
-        mode = layer._layer_capture  # what the capture records: run again in that mode at each replay
+        mode = layer.graphs.layer_capture  # what the capture records: run again in that mode at each replay
         captured = CapturedLayer(graph=None, statics=buffers, inputs=statics, out=None, held=held)
 
         def run():
-            layer._layer_capture = mode
+            layer.graphs.layer_capture = mode
             try:
                 captured.out = forward(*static_args, **static_kwargs)
             finally:
-                layer._layer_capture = None
+                layer.graphs.layer_capture = None
 
         captured.graph = _Replay(run)
         return captured
@@ -117,7 +108,7 @@ def stand_in_graphs(monkeypatch, seal_capture_fails):
     """Offloaded layers on the CPU replay stand-in graphs; returns the set of layer indices whose whole-layer capture
     fails."""
     fail: set[int] = set()
-    resolve = OffloadLayer.resolve_lookahead
+    resolve = OffloadLayer.resolve
 
     def resolve_with_graphs(self):
         resolve(self)
@@ -130,7 +121,7 @@ def stand_in_graphs(monkeypatch, seal_capture_fails):
             self.cache_capture_layer = _stand_in_layer(self, fail)
             self.cache_capture_work = _stand_in_work(self, seal_capture_fails)
 
-    monkeypatch.setattr(OffloadLayer, "resolve_lookahead", resolve_with_graphs)
+    monkeypatch.setattr(OffloadLayer, "resolve", resolve_with_graphs)
     return fail
 
 
@@ -185,15 +176,15 @@ def _generate_with_warnings(model, steps, **options):
 
 def _assert_same_sealed_state(layer, eager):
     """Every summary, the block tables and the stored blocks of ``layer`` equal ``eager``'s."""
-    assert layer.summaries.keys() == eager.summaries.keys()
-    for name, summary in eager.summaries.items():
-        assert torch.equal(layer.summaries[name], summary), name
-    assert torch.equal(layer.block_table, eager.block_table)
-    if layer.use_kernels:
+    assert layer.blocks.summaries.keys() == eager.blocks.summaries.keys()
+    for name, summary in eager.blocks.summaries.items():
+        assert torch.equal(layer.blocks.summaries[name], summary), name
+    assert torch.equal(layer.blocks.block_table, eager.blocks.block_table)
+    if layer.execution.use_kernels:
         n = layer.n_blocks
-        assert torch.equal(layer.block_table_dev[:, :n], eager.block_table_dev[:, :n])
-    ids = layer.block_table.flatten()
-    assert torch.equal(layer.host.read(ids), eager.host.read(ids))
+        assert torch.equal(layer.blocks.block_table_dev[:, :n], eager.blocks.block_table_dev[:, :n])
+    ids = layer.blocks.block_table.flatten()
+    assert torch.equal(layer.blocks.host.read(ids), eager.blocks.host.read(ids))
 
 
 def test_a_seal_that_cannot_be_captured_warns_once_and_seals_op_by_op(stand_in_graphs, seal_capture_fails):
@@ -204,8 +195,8 @@ def test_a_seal_that_cannot_be_captured_warns_once_and_seals_op_by_op(stand_in_g
     assert torch.equal(got, expected)
     assert sum("capturing the seal of a block" in m for m in messages) == 1
     first, second = cache.offload_layers
-    assert not first.seal_graphs and int(first.stats.seal_graph_replays) == 0
-    assert second.seal_graphs and int(second.stats.seal_graph_replays) >= 2
+    assert not first.graphs.seal_graphs and int(first.stats.seal_graph_replays) == 0
+    assert second.graphs.seal_graphs and int(second.stats.seal_graph_replays) >= 2
     assert int(first.stats.layer_graph_replays) > 0  # the layer itself still replays
     for layer in cache.offload_layers:
         _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
@@ -228,7 +219,7 @@ def test_a_layer_that_cannot_be_captured_warns_once_and_keeps_its_attention_grap
     assert torch.equal(got, expected)
     assert sum("capturing the whole decoder layer" in m for m in messages) == 1
     first, second = cache.offload_layers
-    assert first.layer_graphs and not second.layer_graphs
+    assert first.graphs.layer_graphs and not second.graphs.layer_graphs
     assert int(second.stats.layer_graph_replays) == 0 and int(second.stats.graph_replays) > 0
     assert int(first.stats.layer_graph_replays) > 0
 

@@ -24,7 +24,7 @@ def test_cache_is_freed_without_cyclic_garbage_collection():
                            do_sample=False)  # fmt: skip
         assert cache.stats()["host_kv_bytes"] > 0
         refs = [weakref.ref(cache)] + [weakref.ref(layer) for layer in cache.offload_layers]
-        refs += [weakref.ref(chunk) for layer in cache.offload_layers for chunk in layer.host.chunks]
+        refs += [weakref.ref(chunk) for layer in cache.offload_layers for chunk in layer.blocks.host.chunks]
         del cache
         assert all(r() is None for r in refs)
     finally:

@@ -69,9 +69,9 @@ def test_default_is_off_without_cuda_kernels():
     model = _llama(2)
     cache = OffloadCache(model, budget_tokens=48, **SMALL)
     _generate(model, cache, new_tokens=3)
-    assert not any(layer.lookahead for layer in cache.offload_layers)
+    assert not any(layer.execution.lookahead for layer in cache.offload_layers)
     assert cache.stats()["prefetched_blocks"] == 0
-    assert [layer.next_layer for layer in cache.offload_layers] == [cache.layers[1], None]
+    assert [layer.recaller.next for layer in cache.offload_layers] == [cache.layers[1], None]
 
 
 # ---------------------------------------------------------------------------------------------- generate() level
@@ -139,9 +139,9 @@ def test_timing_counts_prefetch_as_its_own_phase():
     cache.reset_stats()
     assert cache.stats()["timing"] == {}
     cache.set_lookahead(False)
-    assert not any(layer.lookahead for layer in cache.offload_layers) and cache.config.lookahead is False
+    assert not any(layer.execution.lookahead for layer in cache.offload_layers) and cache.config.lookahead is False
     cache.set_lookahead(True)
-    assert all(layer.lookahead for layer in cache.offload_layers)
+    assert all(layer.execution.lookahead for layer in cache.offload_layers)
 
 
 # ------------------------------------------------------------------------------------------------- layer level
@@ -188,7 +188,7 @@ def test_speculative_plan_never_evicts_sink_or_window():
         offload_attention_forward(take_handoff(), torch.randn(B, HQ, q_len, D, generator=g), None)
         if q_len == 1:  # the speculative plan for the second layer has run; its forced blocks must be resident
             n = second.n_blocks
-            held = second.pool.block[:, 0]
+            held = second.blocks.pool.block[:, 0]
             for block in [0, *range(n - 2, n)]:
                 assert bool((held == block).any(-1).all()), (block, held)
         second.update(torch.randn(B, H, q_len, D, generator=g), torch.randn(B, H, q_len, D, generator=g))
@@ -198,7 +198,7 @@ def test_speculative_plan_never_evicts_sink_or_window():
 
 def _assert_slots_fresh(layer, dense_k, dense_v):
     """Each (sequence, head, slot) holds exactly the bytes of the block it claims to hold."""
-    pool = layer.pool
+    pool = layer.blocks.pool
     for b, h, s in (pool.block >= 0).nonzero().tolist():
         j = pool.block[b, h, s].item()
         assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * T : (j + 1) * T]), (layer.layer_idx, b, h, j)

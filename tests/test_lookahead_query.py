@@ -9,7 +9,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from hf_offload import OffloadCache
-from hf_offload.graphs import decoder_layers
+from hf_offload.layer_calls import decoder_layers
 from hf_offload.lookahead import speculative_query
 from .conftest import build_model
 
@@ -84,19 +84,19 @@ def _deep_llama(layers=6):
 def test_lookahead_never_changes_the_tokens(query, monkeypatch):
     """Tokens with lookahead (either query) are those without; with "next" every offloaded layer but the last
     plans its successor before it runs (the speculative plans' count), with "same" after its own plan."""
-    from hf_offload.cache import OffloadLayer
+    from hf_offload.cache import Recaller
 
     model = _deep_llama()
     ids = torch.randint(3, 90, (2, 300), generator=torch.Generator().manual_seed(1))
     ahead = []
-    original = OffloadLayer._lookahead_from_input
+    original = Recaller.lookahead_from_input
 
-    def counted(layer, args, kwargs):
-        did = original(layer, args, kwargs)
+    def counted(recaller, args, kwargs):
+        did = original(recaller, args, kwargs)
         ahead.append(did)
         return did
 
-    monkeypatch.setattr(OffloadLayer, "_lookahead_from_input", counted)
+    monkeypatch.setattr(Recaller, "lookahead_from_input", counted)
     outs = {}
     for lookahead in (False, True):
         cache = OffloadCache(model, budget_tokens=96, block_tokens=8, lookahead=lookahead, lookahead_query=query)
@@ -144,6 +144,6 @@ def test_interleaved_sliding_layers_plan_with_the_layers_own_query():
         outs[lookahead] = model.generate(ids, past_key_values=cache, max_new_tokens=10, do_sample=False)
         caches[lookahead] = cache
     layers = caches[True].offload_layers
-    assert len(layers) == 2 and all(layer.next_decoder is None for layer in layers)
+    assert len(layers) == 2 and all(layer.recaller.next_decoder is None for layer in layers)
     assert caches[True].stats()["prefetched_blocks"] > 0  # planned with the layer's own query
     assert torch.equal(outs[True], outs[False])

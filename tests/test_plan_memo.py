@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_offload import OffloadCache
-from hf_offload.graphs import DecodeInputs
+from hf_offload.attention import DecodeInputs
 
 
 def test_decode_inputs_built_once_per_forward(monkeypatch):
@@ -34,9 +34,9 @@ def test_decode_inputs_built_once_per_forward(monkeypatch):
     assert len(calls) == 4 * 4  # 4 layers x 4 decode forwards (the first token comes from the prompt's forward)
     assert len(fills) == 4  # once per forward
     layer = cache.offload_layers[0]
-    inputs = layer.cache_decode_inputs(layer.device)
+    inputs = layer.resources.decode_inputs(layer.device)
     n = layer.n_blocks - (1 if layer.keys.shape[-2] == 0 else 0)  # blocks before the last decode step
-    capacity = layer.capacity_blocks  # the sealed blocks rounded up to it (64 for solohead)
+    capacity = layer.execution.capacity_blocks  # the sealed blocks rounded up to it (64 for solohead)
     assert capacity == 64 and inputs.forced.shape == (2, -(-n // capacity) * capacity)
     assert not inputs.forced[:, n:].any()  # the blocks past the sealed ones are never forced
     # Sequence 1's sink starts at its first real block (37 padding tokens: block 2), sequence 0's at block 0.

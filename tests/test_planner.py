@@ -168,8 +168,8 @@ def test_admission_auto_prediction_equals_stats(device_memory_gib):
     assert predicted.device_kv_bytes == stats["device_kv_bytes"]
     assert predicted.host_kv_bytes == stats["host_kv_bytes"]
     assert predicted.host_reserved_bytes == stats["host_reserved_bytes"]
-    admitted_chunks = sum(sum(layer.host.chunk_admitted) for layer in cache.offload_layers)
-    chunk_bytes = cache.offload_layers[0].host.chunk_blocks * cache.offload_layers[0].host.block_bytes
+    admitted_chunks = sum(sum(layer.blocks.host.chunk_admitted) for layer in cache.offload_layers)
+    chunk_bytes = cache.offload_layers[0].blocks.host.chunk_blocks * cache.offload_layers[0].blocks.host.block_bytes
     assert predicted.admitted_reserved_bytes == admitted_chunks * chunk_bytes > 0
     always = plan(shape, cache.get_seq_length(), 3, "offload", config.replace(admission="always"))
     assert predicted.host_kv_bytes + predicted.admitted_kv_bytes == always.host_kv_bytes

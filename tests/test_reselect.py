@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_offload import OffloadCache, OffloadConfig
-from hf_offload.cache import OffloadLayer
+from hf_offload.cache import DecodePlanner, Recaller
 from hf_offload.config import DEFAULT_SELECTOR
 
 from .conftest import build_model, left_padded
@@ -34,23 +34,24 @@ def attended(monkeypatch):
     update has appended its token, and sealed the block it filled, by then)."""
     log: dict[int, list] = {}
     chosen: dict[int, bool] = {}
-    plan, rounds = OffloadLayer.plan_decode, OffloadLayer.resident_rounds
+    plan, rounds = DecodePlanner.plan_decode, Recaller.resident_rounds
 
     def spy_plan(self, query, scaling, n, k, inputs, reuse=False):
-        chosen[self.layer_idx] = not reuse
+        chosen[self.blocks.layer_idx] = not reuse
         return plan(self, query, scaling, n, k, inputs, reuse)
 
     def spy_rounds(self, selection, decode, *args, **kwargs):
-        if decode and self.layer_idx in chosen:
-            log.setdefault(self.layer_idx, []).append((
-                self.n_tokens - 1, (self.n_tokens - 1) // self.block_tokens, selection.blocks.clone(),
+        store = self.blocks
+        if decode and store.layer_idx in chosen:
+            log.setdefault(store.layer_idx, []).append((
+                store.n_tokens - 1, (store.n_tokens - 1) // store.block_tokens, selection.blocks.clone(),
                 selection.keep.clone(),
-                chosen.pop(self.layer_idx),
+                chosen.pop(store.layer_idx),
             ))  # fmt: skip
         return rounds(self, selection, decode, *args, **kwargs)
 
-    monkeypatch.setattr(OffloadLayer, "plan_decode", spy_plan)
-    monkeypatch.setattr(OffloadLayer, "resident_rounds", spy_rounds)
+    monkeypatch.setattr(DecodePlanner, "plan_decode", spy_plan)
+    monkeypatch.setattr(Recaller, "resident_rounds", spy_rounds)
     return log
 
 
@@ -119,7 +120,7 @@ def test_layer_graphs_with_reuse_give_the_tokens_of_op_by_op(arch, stand_in_grap
     assert b["reused_selections"] > 0
     for layer in graphed.offload_layers:
         # The choosing and the reusing step alternate: both layer graphs are kept and replayed.
-        layer_keys = [key for key in layer._graphs if key[1:2] == ("layer",)]
+        layer_keys = [key for key in layer.graphs.graphs if key[1:2] == ("layer",)]
         assert sorted(key[2][-1] for key in layer_keys) == [False, True]
         assert int(layer.stats.layer_graph_replays) >= 20
 

@@ -129,7 +129,7 @@ def test_plan_and_selection_match_offload_layer():
             layer.update(keys[:, :, :-1], values[:, :, :-1])
             take_handoff()
             layer.update(keys[:, :, -1:], values[:, :, -1:])
-            expected = layer.select(query, None, D**-0.5, take_handoff())
+            expected = layer.planner.select(query, None, D**-0.5, take_handoff())
             plan = plan_blocks(keys.shape[2], batch=B, budget_tokens=budget, block_tokens=T, sink_blocks=1,
                                window_blocks=2)
             sel = get_selector(selector)

@@ -75,8 +75,8 @@ def test_replay_equals_generate_with_offload_cache(tiny, selector):
         torch.testing.assert_close(values[0, :, :PROMPT_TOKENS], layer_kv[1], rtol=1e-4, atol=1e-4)
         got_layer, real_layer = filled.layers[layer_idx], real.layers[layer_idx]
         assert got_layer.n_tokens == PROMPT_TOKENS and got_layer.n_blocks == PROMPT_TOKENS // 16
-        for name, summary in got_layer.summaries.items():
-            torch.testing.assert_close(summary, real_layer.summaries[name][:, : got_layer.n_blocks], rtol=1e-4,
+        for name, summary in got_layer.blocks.summaries.items():
+            torch.testing.assert_close(summary, real_layer.blocks.summaries[name][:, : got_layer.n_blocks], rtol=1e-4,
                                        atol=1e-4)  # fmt: skip
 
 

@@ -67,7 +67,7 @@ def test_planted_blocks_found_and_output_matches(model, selector):
     take_handoff()
     layer.update(keys[:, :, -1:], values[:, :, -1:])  # the decode token
     handoff = take_handoff()
-    selection = layer.select(query.view(B, H, HQ // H, D), None, scaling, handoff)
+    selection = layer.planner.select(query.view(B, H, HQ // H, D), None, scaling, handoff)
     for b, blocks in PLANTED.items():
         for h in range(selection.blocks.shape[1]):
             chosen = set(selection.blocks[b, h][selection.keep[b, h]].tolist())
@@ -91,7 +91,7 @@ def test_streaming_attends_to_sink_and_window_only(model):
     take_handoff()
     layer.update(keys[:, :, -1:], values[:, :, -1:])
     handoff = take_handoff()
-    selection = layer.select(query.view(B, H, HQ // H, D), None, D**-0.5, handoff)
+    selection = layer.planner.select(query.view(B, H, HQ // H, D), None, D**-0.5, handoff)
     n = handoff.n_blocks_before
     for b in range(B):
         assert set(selection.blocks[b, 0][selection.keep[b, 0]].tolist()) == {0, n - 2, n - 1}
@@ -121,7 +121,7 @@ def test_tiers_reassemble_dense_kv_bit_for_bit(model, selector, budget_tokens, p
         assert torch.equal(dense_k, torch.cat(all_k, dim=-2))
         assert torch.equal(dense_v, torch.cat(all_v, dim=-2))
         # No slot serves stale data: each (sequence, head, slot) equals the block it claims to hold.
-        pool = layer.pool
+        pool = layer.blocks.pool
         for b, h, s in (pool.block >= 0).nonzero().tolist():
             j = pool.block[b, h, s].item()
             assert torch.equal(pool.data[0, b, h, s], dense_k[b, h, j * T : (j + 1) * T])
@@ -142,7 +142,7 @@ def test_sparse_generate_stays_within_budget_and_reports(model):
     assert set(stats["layers"]) == {0, 1}
     for layer in cache.offload_layers:
         # Device KV is the slot pool, whose last slot is the open block's buffer, independent of the context.
-        assert layer.device_kv_bytes() == layer.pool.nbytes == (layer.pool.slots + 1) * 2 * B * H * T * D * 4
+        assert layer.device_kv_bytes() == layer.blocks.pool.nbytes == (layer.blocks.pool.slots + 1) * 2 * B * H * T * D * 4
         assert layer.host_kv_bytes() == layer.n_blocks * B * 2 * H * T * D * 4
 
 

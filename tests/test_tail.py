@@ -261,13 +261,13 @@ def test_value_summaries_are_kept_and_counted():
     _logits(model, ids, mask, plain)
     _logits(model, ids, mask, tail)
     layer = tail.offload_layers[0]
-    assert {"vcodes", "vmin", "vstep"} <= set(layer.summaries)
-    assert layer.summaries["vcodes"].shape[1] == layer.n_blocks
+    assert {"vcodes", "vmin", "vstep"} <= set(layer.blocks.summaries)
+    assert layer.blocks.summaries["vcodes"].shape[1] == layer.n_blocks
     # 4-bit values, 8-token blocks, head_dim 16: codes 8 * 16 / 2 bytes plus min and step per channel (float32).
     per_block_head = 8 * 16 // 2 + 2 * 16 * 4
     extra = tail.stats()["device_summary_bytes"] - plain.stats()["device_summary_bytes"]
-    layers, (batch, _, heads, _, _) = len(tail.offload_layers), layer.summaries["vcodes"].shape
-    capacity = layer._summary_store["vcodes"].shape[1]
+    layers, (batch, _, heads, _, _) = len(tail.offload_layers), layer.blocks.summaries["vcodes"].shape
+    capacity = layer.blocks.summary_store["vcodes"].shape[1]
     assert extra == layers * batch * capacity * heads * per_block_head
     assert OffloadConfig(selector="quantkey[tail_bits=4]").selector == "quantkey[tail_bits=4]"
 

@@ -168,7 +168,7 @@ def test_block_piece_offsets_point_at_each_piece():
     """The whole-block recall's word offsets (``transfer.block_piece_offsets`` plus ``slot * piece_words``) land on
     the K or V of head ``h`` of the entry's block in the host pool and on slot ``slot`` of its sequence in the
     device pool, for every sequence, head and slot."""
-    from hf_offload.transfer import block_piece_offsets
+    from hf_offload.store.transfer import block_piece_offsets
 
     batch, heads, slots, tokens, dim = 3, 2, 5, 4, 8
     pool = DeviceSlotPool(batch=batch, slots=slots, kv_heads=heads, block_tokens=tokens, head_dim=dim,

@@ -15,7 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from .store import DeviceSlotPool, HostBlockPool
+from .device import DeviceSlotPool
+from .host import HostBlockPool
 
 
 def offload_blocks(host: HostBlockPool, ids: torch.Tensor, blocks: torch.Tensor) -> int:
@@ -76,7 +77,7 @@ def offload_blocks_kernel(host: HostBlockPool, ids: torch.Tensor, blocks: torch.
         ids: destination block ids, shape ``[n]``, ``torch.int64``, on the blocks' device.
         blocks: shape ``[n, 2, kv_heads, block_tokens, head_dim]``, contiguous, CUDA.
     """
-    from .kernels.gather import copy_pieces
+    from ..kernels.gather import copy_pieces
 
     words = host.block_words
     offsets = torch.arange(len(ids), device=blocks.device, dtype=torch.int64) * words
@@ -147,7 +148,7 @@ def recall_blocks_kernel(
             into the same entries at every step (then the launch computes one offset tensor instead of ten);
             ``None``: computed here.
     """
-    from .kernels.gather import copy_pieces
+    from ..kernels.gather import copy_pieces
 
     words = host.block_words
     _, batch, heads, total, _, _ = pool.data.shape

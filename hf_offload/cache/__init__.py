@@ -1,0 +1,27 @@
+"""The cache: :class:`OffloadCache` (the container) and :class:`OffloadLayer` (one full-attention layer), composed of
+parts that each own their state: ``blocks`` (storage), ``planner`` (selection), ``recaller`` (recall, prefetch,
+lookahead), ``graphs`` (capture and replay), ``stats`` (counters); ``execution`` holds how a layer runs."""
+
+from .blocks import SUMMARY_CHUNK_BLOCKS, BlockStore
+from .container import OffloadCache, generate_cache_kwarg, layer_types
+from .execution import GRAPH_CAPACITY_BLOCKS, LayerExecution
+from .graphs import GraphRunner
+from .layer import OffloadLayer
+from .planner import DecodePlanner
+from .recaller import Recaller
+from .stats import LayerStats
+
+__all__ = [
+    "GRAPH_CAPACITY_BLOCKS",
+    "SUMMARY_CHUNK_BLOCKS",
+    "BlockStore",
+    "DecodePlanner",
+    "GraphRunner",
+    "LayerExecution",
+    "LayerStats",
+    "OffloadCache",
+    "OffloadLayer",
+    "Recaller",
+    "generate_cache_kwarg",
+    "layer_types",
+]

@@ -1,0 +1,521 @@
+"""The block store of one offloaded layer: the open block, sealing, the block tables, the summaries, the reserve.
+
+State it owns (per layer, allocated at the first update):
+
+* the host pool (:class:`~hf_offload.store.HostBlockPool`): one block = K and V of all KV heads of
+  ``block_tokens`` tokens, ``[2, kv_heads, block_tokens, head_dim]``;
+* the device slot pool (:class:`~hf_offload.store.DeviceSlotPool`), whose last slot holds the open block (fewer
+  than ``block_tokens`` most recent tokens; fixed addresses, which captured graphs read in place);
+* the block table (host block id per sequence and block: ``[batch, n_blocks]``, ``torch.int64``, on the CPU, and on
+  the kernel path a device copy ``[batch, capacity]``, ``-1`` past the sealed blocks);
+* the selector's summaries of every sealed block, ``summaries[name]``: ``[batch, n_blocks, ...]`` views of device
+  buffers that grow by :data:`SUMMARY_CHUNK_BLOCKS` blocks at a time, so that a seal writes in place;
+* the events of the host writes (on the kernel path they run on the offload stream), which every read of a sealed
+  block waits for.
+
+Which blocks a step attends is not decided here (:mod:`.planner`), nor how missing ones come back (:mod:`.recaller`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..config import OffloadConfig
+from ..kernels.seal import seal_block, seal_block_supported
+from ..selectors import Selector
+from ..selectors.quantkey import QuantKeySelector
+from ..store import DeviceSlotPool, HostBlockPool, HostMemoryBudget, transfer
+from .execution import LayerExecution
+from .stats import LayerStats, count_recall
+
+# Block summaries are allocated this many blocks at a time per layer: a seal writes in place, and the buffers grow
+# (one copy) only every SUMMARY_CHUNK_BLOCKS blocks, instead of a new allocation of every summary at every seal,
+# whose freed predecessors fragment device memory when it is nearly full.
+SUMMARY_CHUNK_BLOCKS = 256
+
+
+class BlockStore:
+    """The KV of one offloaded layer, block by block, in every tier.
+
+    Args:
+        config: the cache's validated settings (block, pool and host sizes, the window).
+        selector: the selection policy whose summaries are kept.
+        layer_idx: index of the layer in the model (for messages).
+        budget: the cache-wide host memory budget.
+        admission: returns the device admission budget for a device, or ``None`` (every block offloaded).
+        stats: the layer's counters.
+        execution: the layer's execution decisions (transfer path, paged attention, streams).
+        capacity: ``blocks -> blocks``: what a decode step with that many sealed blocks scores (buffers hold it).
+
+    Attributes:
+        keys, values: the open block, ``[batch, kv_heads, < block_tokens, head_dim]``, views of fixed buffers.
+        n_tokens: tokens cached per sequence (padding included); ``n_blocks``: sealed blocks per sequence.
+        last_write: event after the host writes of every block sealed so far (``None``: none pending).
+        selectable_written: event after the host writes of the blocks the current forward may read.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        selector: Selector,
+        layer_idx: int,
+        budget: HostMemoryBudget,
+        admission: Callable,
+        stats: LayerStats,
+        execution: LayerExecution,
+        capacity: Callable[[int], int],
+    ):
+        self.config = config
+        self.selector = selector
+        self.layer_idx = layer_idx
+        self.block_tokens = config.block_tokens
+        self.budget = budget
+        self.admission = admission
+        self.stats = stats
+        self.execution = execution
+        self.capacity = capacity
+        self.is_initialized = False
+        self.keys = self.values = None
+        self.block_table_dev: torch.Tensor | None = None
+        self.summary_store: dict[str, torch.Tensor] = {}
+        self.summaries: dict[str, torch.Tensor] = {}
+        self.reserved_blocks = 0  # summary capacity asked for by reserve(); outlives release()
+        self.storage_epoch = 0  # counts replacements of the summary and block-table buffers (graphs read them)
+        self._clear()
+
+    def _clear(self) -> None:
+        self.n_tokens = 0
+        self.n_blocks = 0
+        self.window_insert: tuple[int, torch.Tensor] | None = None  # blocks that enter the slot pool after the step
+        self.seal_args: torch.Tensor | None = None  # [1 + batch], int64, device: what seal_work reads
+        self.last_write = None
+        self.selectable_written = None
+        self.seal_offloaded = None  # after the side-stream write of the last seal replayed from a graph
+
+    # ------------------------------------------------------------------------------------------------- life cycle
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Allocate the slot pool and an empty host pool for the shapes of the first update.
+
+        Args:
+            key_states, value_states: the first update's keys and values, ``[batch, kv_heads, q_len, head_dim]``.
+
+        Returns:
+            Whether the host pool is pinned.
+        """
+        batch, heads, _, head_dim = key_states.shape
+        if value_states.shape[-1] != head_dim:
+            raise NotImplementedError(
+                f"Layer {self.layer_idx}: keys and values of different head sizes ({head_dim} vs "
+                f"{value_states.shape[-1]}) are not supported."
+            )
+        self.batch, self.kv_heads, self.head_dim = batch, heads, head_dim
+        self.dtype, self.device = key_states.dtype, key_states.device
+        pin = self.config.pin_memory
+        if pin is None:
+            pin = self.device.type == "cuda"
+        self.host = HostBlockPool(
+            (2, heads, self.block_tokens, head_dim),
+            self.dtype,
+            pin_memory=bool(pin),
+            chunk_bytes=int(self.config.host_chunk_mib * (1 << 20)),
+            budget=self.budget,
+            admission=self.admission(self.device),
+        )
+        self.pool = DeviceSlotPool(
+            batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device, open_slot=True
+        )
+        # CPU: host block id per (sequence, block): the first n_blocks columns of a buffer that grows by whole chunks.
+        self._block_table_store = torch.full((batch, 0), -1, dtype=torch.int64)
+        self.block_table = self._block_table_store
+        self.summaries, self.summary_store = {}, {}
+        # The open block lives in the slot pool's open slot (one block; positions past the filled ones are never
+        # attended), so that decode attention reads it with the selected slots in one call.
+        self.open_k, self.open_v = self.pool.open_keys, self.pool.open_values
+        self.keys, self.values = self.open_k[:, :, :0], self.open_v[:, :, :0]
+        self.is_initialized = True
+        return bool(pin)
+
+    def start_device_table(self) -> None:
+        """Keep a device copy of the block table (the kernel path): ``[batch, capacity]``, ``-1`` past the sealed
+        blocks; it grows like the summaries, so that a seal writes in place and a captured graph reads it over
+        several seals."""
+        self.block_table_dev = torch.full((self.batch, 0), -1, dtype=torch.int64, device=self.device)
+
+    def release(self) -> None:
+        """Drop every token and free the pools (the reservation stays)."""
+        if self.is_initialized:
+            if self.execution.streams is not None:
+                # Side streams may still read or write the pools (kernels over pinned memory are invisible to the
+                # caching host allocator): finish them before the memory is freed.
+                torch.cuda.synchronize(self.device)
+            self.host.release()
+            del self.pool, self.block_table, self._block_table_store
+            self.summaries, self.summary_store = {}, {}
+            self.block_table_dev = None
+            self.keys = self.values = self.open_k = self.open_v = None
+            self.is_initialized = False
+        self._clear()
+
+    # ------------------------------------------------------------------------------------------------------ append
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append new tokens to the open block and seal the blocks they fill.
+
+        Args:
+            key_states, value_states: ``[batch, kv_heads, q_len, head_dim]``, the cache dtype, compute device.
+
+        Returns:
+            ``(keys, values)`` of the recent tokens: the previously open block followed by the new tokens.
+        """
+        T = self.block_tokens
+        open_n, end = self.keys.shape[-2], self.keys.shape[-2] + key_states.shape[-2]
+        if end <= T:  # decode, short chunks: the new tokens join the open block in its buffers
+            self.open_k[:, :, open_n:end] = key_states
+            self.open_v[:, :, open_n:end] = value_states
+            recent_k, recent_v = self.open_k[:, :, :end], self.open_v[:, :, :end]
+        else:
+            recent_k = torch.cat([self.keys, key_states], dim=-2)
+            recent_v = torch.cat([self.values, value_states], dim=-2)
+        n_new = recent_k.shape[-2] // T
+        left = recent_k.shape[-2] - n_new * T
+        if n_new:
+            self.seal(recent_k, recent_v, n_new)
+            if left:  # only after a concatenation: recent_k is not the buffer
+                self.open_k[:, :, :left] = recent_k[:, :, n_new * T :]
+                self.open_v[:, :, :left] = recent_v[:, :, n_new * T :]
+        self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+        self.n_tokens += key_states.shape[-2]
+        return recent_k, recent_v
+
+    def advance_open(self, filled: int) -> None:
+        """After a replayed decode step wrote its token into the open block: ``filled`` tokens are open now."""
+        self.n_tokens += 1
+        self.keys, self.values = self.open_k[:, :, :filled], self.open_v[:, :, :filled]
+
+    # -------------------------------------------------------------------------------------------------------- seal
+    def seal(self, recent_k: torch.Tensor, recent_v: torch.Tensor, n_new: int, ids: torch.Tensor | None = None) -> None:
+        """Write the first ``n_new`` full blocks of the recent tokens to the host, summarise and cache the newest.
+
+        Args:
+            recent_k, recent_v: the recent tokens, ``[batch, kv_heads, >= n_new * block_tokens, head_dim]``, the
+                cache dtype, compute device.
+            n_new: full blocks to seal.
+            ids: their host block ids, ``[batch * n_new]`` (sequence-major), ``torch.int64``, CPU; ``None``:
+                allocated here.
+        """
+        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        span = n_new * T
+        keys = recent_k[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)  # [B, n, H, T, D]
+        values = recent_v[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)
+        blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
+        if ids is None:
+            ids = self.host.allocate(batch * n_new)
+        flat = blocks.reshape(-1, 2, heads, T, D)
+        if self.execution.use_kernels:
+            # Stream order: the write runs on the offload stream behind the computation of these keys and values
+            # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
+            # The ids go through pinned memory so that their copy never blocks the host.
+            ids_dev = (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
+            self.last_write = self._offload_on_stream(ids_dev, flat)
+            self.block_table_dev = self._appended(self.block_table_dev, ids_dev.view(batch, n_new), fill=-1)
+            self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
+        else:
+            self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
+        for name, summary in self._summaries_of(keys, values).items():
+            self.summary_store[name] = self._appended(self.summary_store.get(name), summary)
+        self._sealed(ids, blocks, n_new)
+
+    def _summaries_of(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The selector's summaries of new blocks (of their values too where it estimates the unselected blocks).
+
+        Args:
+            keys, values: the new blocks' keys and values, ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the
+                cache dtype, compute device.
+        """
+        summaries = self.selector.summarize(keys)
+        if self.selector.estimates_tail:
+            summaries.update(self.selector.summarize_values(values))
+        return summaries
+
+    def _offload_on_stream(self, ids: torch.Tensor, flat: torch.Tensor):
+        """Write blocks into their host blocks on the offload stream, behind the computation of their keys and values
+        (``launch_on`` waits for the compute stream); returns the write's event, which every later recall of these
+        blocks waits for (``None`` without side streams: written now).
+
+        Args:
+            ids: host block ids, ``[n]``, ``torch.int64``, compute device.
+            flat: the blocks, ``[n, 2, kv_heads, block_tokens, head_dim]``, contiguous, compute device.
+        """
+        addrs = self.host.chunk_addrs(self.device)  # refreshed on the compute stream
+        streams = self.execution.streams
+        return transfer.launch_on(
+            streams.offload if streams is not None else None,
+            lambda: transfer.offload_blocks_kernel(self.host, ids, flat),
+            uses=(ids, flat, addrs),
+        )
+
+    def _sealed(self, ids: torch.Tensor, blocks: torch.Tensor | None, n_new: int) -> None:
+        """The host side of a seal whose device work is done (summaries and device block table written after the
+        :attr:`n_blocks` held blocks): the CPU block table, the views of the summaries, the window's entry into the
+        slot pool, :attr:`n_blocks`.
+
+        Args:
+            ids: the new blocks' host ids, ``[batch * n_new]`` (sequence-major), ``torch.int64``, CPU.
+            blocks: the new blocks, ``[batch, n_new, 2, kv_heads, block_tokens, head_dim]``, compute device; ``None``:
+                not made (nothing copies them into the slot pool: :meth:`finish_step`).
+            n_new: blocks sealed.
+        """
+        batch = self.batch
+        # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
+        self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1)
+        self.block_table = self._block_table_store[:, : self.n_blocks + n_new]
+        for name, store in self.summary_store.items():
+            self.summaries[name] = store[:, : self.n_blocks + n_new]
+        # The newest blocks are the next steps' window: they enter the slot pool once this step's attention is done
+        # (a prefill step first streams older blocks through the pool, which would evict them again).
+        keep_n = min(n_new, max(self.config.window_blocks, 1), self.pool.slots)
+        if blocks is None:
+            self.window_insert = None
+        else:
+            self.window_insert = (self.n_blocks + n_new - keep_n, blocks[:, n_new - keep_n :])
+        self.n_blocks += n_new
+
+    def seal_work(self) -> torch.Tensor | None:
+        """The device work of sealing the open block (full: ``block_tokens`` tokens in every sequence) at the block
+        position and with the host ids that the device buffer :meth:`seal_buffer` holds (``[1 + batch]``,
+        ``torch.int64``: the position, then one id per sequence): the block's copy into its host block where every
+        chunk of the host pool is admitted to the device (a device copy; else the caller writes it), its summaries
+        and its column of the device block table, written at that position into their buffers (which must hold it).
+        No host synchronisation and nothing allocated that outlives it, so that it can be captured.
+
+        With the plain ``quantkey`` selector all of it is one launch (:func:`~hf_offload.kernels.seal.seal_block`).
+
+        Returns:
+            The block, ``[batch, 1, 2, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device; ``None``
+            where nothing reads it (every chunk admitted and the paged attention: no copy into the slot pool).
+        """
+        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        pos, ids = self.seal_args[:1], self.seal_args[1:]
+        keys = self.open_k.reshape(batch, heads, 1, T, D).transpose(1, 2)  # [B, 1, H, T, D]
+        values = self.open_v.reshape(batch, heads, 1, T, D).transpose(1, 2)
+        use_kernels = self.execution.use_kernels
+        admitted = use_kernels and self.host.all_admitted
+        one_launch = self.seal_is_one_launch()
+        needed = not (one_launch and admitted and self.execution.paged)  # else nothing reads the stacked block
+        blocks = torch.stack([keys, values], dim=2) if needed else None  # [B, 1, 2, H, T, D]
+        if one_launch:
+            bits, value_bits = self.selector.bits, self.selector.tail_bits
+            addrs = self.host.chunk_addrs(self.device) if admitted else None
+            seal_block(self.open_k, self.open_v, self.seal_args, self.summary_store, bits, value_bits, addrs,
+                       self.host.chunk_blocks, self.block_table_dev)  # fmt: skip
+            return blocks
+        if use_kernels:
+            if admitted:
+                transfer.offload_blocks_kernel(self.host, ids, blocks.view(-1, 2, heads, T, D))
+            self.block_table_dev.index_copy_(1, pos, ids.view(batch, 1))
+        for name, summary in self._summaries_of(keys, values).items():
+            self.summary_store[name].index_copy_(1, pos, summary)
+        return blocks
+
+    def seal_buffer(self) -> torch.Tensor:
+        """The device buffer :meth:`seal_work` reads, ``[1 + batch]``, ``torch.int64`` (made at first use)."""
+        if self.seal_args is None:
+            self.seal_args = torch.zeros(1 + self.batch, dtype=torch.int64, device=self.device)
+        return self.seal_args
+
+    def seal_is_one_launch(self) -> bool:
+        """Whether :meth:`seal_work` is one launch of :func:`~hf_offload.kernels.seal.seal_block`: the kernel path,
+        a :class:`~hf_offload.selectors.quantkey.QuantKeySelector` whose summaries are its class's, and a block
+        and buffers the kernel takes."""
+        selector = self.selector
+        own = ("summarize", "summarize_values")
+        plain = isinstance(selector, QuantKeySelector) and all(
+            getattr(type(selector), name) is getattr(QuantKeySelector, name) for name in own
+        )
+        if not (self.execution.use_kernels and plain and self.block_table_dev is not None):
+            return False
+        return seal_block_supported(self.open_k, self.summary_store, selector.bits, selector.tail_bits)
+
+    def holds_next_block(self) -> bool:
+        """Whether the buffers hold one more sealed block without growing (a captured seal writes in place)."""
+        n = self.n_blocks
+        table = self.block_table_dev if self.execution.use_kernels else None
+        if table is not None and table.shape[1] <= n:
+            return False
+        return all(store.shape[1] > n for store in self.summary_store.values())
+
+    def seal_from(self, ids: torch.Tensor, work: Callable[[], torch.Tensor | None]) -> None:
+        """Seal the open block with host ids ``ids`` (``[batch]``, ``torch.int64``, CPU) by ``work``
+        (:meth:`seal_work` or its graph's replay; returns the block, or ``None`` where nothing reads it) reading the
+        position and ids from the device buffer; then the block's host write if ``work`` did not make it, and the
+        host side (:meth:`_sealed`)."""
+        # The offload stream's write of the last seal read the buffers that this one overwrites.
+        transfer.wait_event(self.seal_offloaded, self.device)
+        args = torch.cat([torch.tensor([self.n_blocks]), ids])
+        cuda = self.device.type == "cuda"
+        self.seal_buffer().copy_(args.pin_memory() if cuda else args, non_blocking=cuda)  # no host synchronisation
+        blocks = work()
+        heads, T, D = self.kv_heads, self.block_tokens, self.head_dim
+        use_kernels = self.execution.use_kernels
+        if not (use_kernels and self.host.all_admitted):  # seal_work wrote only blocks on the device
+            flat = blocks.reshape(-1, 2, heads, T, D)
+            if use_kernels:
+                self.last_write = self.seal_offloaded = self._offload_on_stream(self.seal_args[1:], flat)
+            else:
+                transfer.offload_blocks(self.host, ids, flat)
+        self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
+        self._sealed(ids, blocks, 1)
+
+    def allocate_seal_ids(self) -> torch.Tensor:
+        """Host block ids for sealing the open block, ``[batch]``, ``torch.int64``, CPU; on the kernel path a pool
+        grown by them enters the chunk tables now, before :meth:`storage_key` reads their version (tables that had to
+        be re-allocated are not the ones an earlier capture reads)."""
+        ids = self.host.allocate(self.batch)
+        if self.execution.use_kernels:
+            self.host.chunk_addrs(self.device)
+        return ids
+
+    # --------------------------------------------------------------------------------------------- per-block buffers
+    def _appended(self, store: torch.Tensor | None, new: torch.Tensor, fill: int = 0) -> torch.Tensor:
+        """``store`` (a per-block buffer: a summary, a block table; ``None``: none yet), grown by :meth:`_grown` if
+        it cannot hold them, with ``new`` (``[batch, n_new, ...]``) written after its :attr:`n_blocks` blocks."""
+        n, need = self.n_blocks, self.n_blocks + new.shape[1]
+        if store is None or store.shape[1] < need:
+            store = self._grown(store, new, need, fill)
+        store[:, n:need] = new
+        return store
+
+    def _grown(self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
+        """A per-block buffer (a summary, the device block table) for at least ``blocks`` blocks, the reservation
+        and the decode capacity of ``blocks`` (in whole SUMMARY_CHUNK_BLOCKS), holding ``store``'s first
+        :attr:`n_blocks` blocks and ``fill`` past them (blocks past the sealed ones are scored, masked, by a step of
+        a larger capacity: zeros keep their arithmetic finite); ``like``: any tensor of this name, ``[batch, n,
+        ...]``."""
+        blocks = max(blocks, self.reserved_blocks, self.capacity(blocks))
+        capacity = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
+        grown = like.new_full((like.shape[0], capacity, *like.shape[2:]), fill)
+        if store is not None and self.n_blocks:
+            grown[:, : self.n_blocks] = store[:, : self.n_blocks]
+        self.storage_epoch += 1
+        return grown
+
+    def summary_views(self, n: int) -> dict[str, torch.Tensor]:
+        """Every summary over its first ``n`` blocks, ``[batch, n, ...]`` views of the buffers (``n`` may exceed
+        :attr:`n_blocks` up to the decode capacity: those blocks hold zeros and are never valid)."""
+        stores = self.summary_store
+        if any(store.shape[1] < n for store in stores.values()):
+            for name, store in stores.items():  # a capacity larger than the buffers were made for
+                stores[name] = self._grown(store, store, n)
+                self.summaries[name] = stores[name][:, : self.n_blocks]
+        return {name: store[:, :n] for name, store in stores.items()}
+
+    def reserve(self, tokens: int) -> bool:
+        """Allocate the block summaries for ``tokens`` tokens per sequence now (and from the first seal on, if none
+        is sealed yet), so that they never grow while the cache fills. Never shrinks; outlives :meth:`release`.
+
+        Returns:
+            Whether a buffer was replaced (captured graphs read the old ones).
+        """
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise ValueError(f"reserve(tokens) takes a number of tokens >= 0, got {tokens!r}")
+        self.reserved_blocks = max(self.reserved_blocks, tokens // self.block_tokens)
+        replaced = False
+        for name, store in self.summary_store.items():
+            if store.shape[1] < self.reserved_blocks:
+                self.summary_store[name] = self._grown(store, store, self.reserved_blocks)
+                self.summaries[name] = self.summary_store[name][:, : self.n_blocks]
+                replaced = True
+        table = self.block_table_dev
+        if table is not None and table.shape[1] < self.reserved_blocks:
+            self.block_table_dev = self._grown(table, table, self.reserved_blocks, fill=-1)
+            replaced = True
+        return replaced
+
+    def storage_key(self) -> tuple:
+        """What a captured graph depends on besides its shapes: the versions of the summary and block-table buffers
+        and of the host pool's chunk tables, whether any chunk is admitted to the device, and whether all are."""
+        return self.storage_epoch, self.host.table_version, self.host.admitted_chunks > 0, self.host.all_admitted
+
+    def held_buffers(self) -> tuple:
+        """The buffers a captured graph reads that a later growth may replace (the graph keeps them alive)."""
+        tables = (self.block_table_dev, *self.host.chunk_tables(self.device)) if self.execution.use_kernels else ()
+        return (*self.summary_store.values(), *tables)
+
+    # ------------------------------------------------------------------------------------------------- after a step
+    def finish_step(self) -> None:
+        """After this step's attention: put the blocks sealed by this step into the slot pool (a block just written
+        is a hit next step), unless the paged attention reads every block of this layer in place. The caller has
+        waited for any prefetch into the pool."""
+        if self.window_insert is None:
+            return
+        first, blocks = self.window_insert
+        self.window_insert = None
+        if self.execution.paged and self.host.all_admitted:
+            return  # the paged attention reads every block of this layer where it lies: the pool would hold a copy
+        n = blocks.shape[1]
+        idx = torch.arange(first, first + n, device=self.device).expand(self.batch, 1, n)
+        slots, _ = self.pool.assign(idx, torch.ones_like(idx, dtype=torch.bool))
+        self.pool.write(slots, blocks)
+
+    # ---------------------------------------------------------------------------------------------------- reading
+    def sealed_kv(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first ``n_blocks`` sealed blocks of every sequence, recalled onto the device in
+        one pass (a prefill chunk attends to all of them; counted as recalled, not as decode traffic).
+
+        Args:
+            n_blocks: sealed blocks to read per sequence, at most :attr:`n_blocks`.
+
+        Returns:
+            ``(keys, values)``, each ``[batch, kv_heads, n_blocks * block_tokens, head_dim]``, compute device.
+        """
+        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        if self.execution.use_kernels:
+            scratch = DeviceSlotPool(batch, n_blocks, heads, T, D, self.dtype, self.device)
+            transfer.wait_event(self.selectable_written, self.device)
+            self.selectable_written = None
+            slots = torch.arange(n_blocks, device=self.device).repeat(batch)
+            rows = torch.arange(batch, device=self.device).repeat_interleave(n_blocks)
+            transfer.recall_blocks_kernel(self.host, scratch, self.block_table_dev[:, :n_blocks].flatten(), rows, slots)
+            keys, values = scratch.keys, scratch.values  # slot j holds block j: the pool is the sequence in order
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host writes may still be in flight
+            blocks = self.host.read(self.block_table[:, :n_blocks].flatten()).to(self.device)
+            blocks = blocks.view(batch, n_blocks, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
+            keys, values = blocks.reshape(2, batch, heads, n_blocks * T, D).unbind(0)
+        count_recall(self.stats, batch * n_blocks, self.host.block_bytes, decode=False)
+        return keys, values
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of this layer re-assembled from the host pool and the open block (for checks and export).
+
+        Returns:
+            ``(keys, values)``, each ``[batch, kv_heads, n_tokens, head_dim]``, on the compute device.
+        """
+        if self.n_blocks == 0:
+            return self.keys.clone(), self.values.clone()  # the open slot is overwritten by later steps
+        if self.execution.use_kernels and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the kernels write the host pool asynchronously
+        blocks = self.host.read(self.block_table.flatten()).to(self.device)
+        blocks = blocks.view(self.batch, self.n_blocks, 2, self.kv_heads, self.block_tokens, self.head_dim)
+        kv = blocks.permute(2, 0, 3, 1, 4, 5).reshape(2, self.batch, self.kv_heads, -1, self.head_dim)
+        return torch.cat([kv[0], self.keys], dim=-2), torch.cat([kv[1], self.values], dim=-2)
+
+    def device_kv_bytes(self) -> int:
+        """Device bytes of KV held: the slot pool (with the open block's slot) and admitted blocks."""
+        if not self.is_initialized:
+            return 0
+        return self.pool.nbytes + self.host.used_bytes_on(True)  # the pool holds the open block too
+
+    def device_summary_bytes(self) -> int:
+        """Device bytes of the block summaries (their buffers, allocated by SUMMARY_CHUNK_BLOCKS blocks)."""
+        return sum(s.numel() * s.element_size() for s in self.summary_store.values())
+
+    def host_kv_bytes(self) -> int:
+        """Host bytes of the sealed blocks (blocks admitted to the device excluded)."""
+        return self.host.used_bytes_on(False) if self.is_initialized else 0
+
+    def host_reserved_bytes(self) -> int:
+        """Host bytes the pool has reserved (whole chunks)."""
+        return self.host.reserved_bytes if self.is_initialized else 0

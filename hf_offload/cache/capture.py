@@ -1,0 +1,227 @@
+"""CUDA graphs of a layer's decode work: capture into a shared memory pool, replay with fresh inputs.
+
+A decode step of one offloaded layer is about a hundred small device operations (scoring, top-k, slot assignment,
+recall, gather, attention); launched one by one from Python they cost several times the device time they need.
+While the shapes of that work stay the same, each layer captures it once and replays it: one launch per layer and
+step. Everything a captured graph reads must keep its address while the graph lives: the step's shared inputs
+(:class:`~hf_offload.attention.inputs.DecodeInputs`), the layer's open block, its summaries and block table (which
+grow by whole chunks); what a growth replaces is held by the graph (:class:`CapturedDecode`), and a new graph is
+captured. :class:`StaticInputs` gives the arguments of a whole decoder layer's call fixed addresses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+
+@dataclass
+class CapturedDecode:
+    """One layer's captured decode attention.
+
+    Attributes:
+        graph: the CUDA graph.
+        query: its input, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA (copied into before each replay).
+        out: its output, ``[batch, 1, q_heads, head_dim]`` (overwritten by each replay).
+        held: tensors the graph reads that the layer may replace while the graph lives.
+    """
+
+    graph: torch.cuda.CUDAGraph
+    query: torch.Tensor
+    out: torch.Tensor
+    held: tuple
+
+
+def _capture_on(stream_device: torch.device, enqueue, pool, stream: torch.cuda.Stream | None):
+    """Capture ``enqueue()`` into a CUDA graph on ``stream`` (``None``: a new one); returns ``(graph, output)``."""
+    graph = torch.cuda.CUDAGraph()
+    current = torch.cuda.current_stream(stream_device)
+    stream = stream if stream is not None else torch.cuda.Stream(stream_device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool)
+        try:
+            out = enqueue()
+        except BaseException:
+            try:
+                graph.capture_end()
+            except Exception:
+                pass  # the capture was invalidated by the failure being raised (the caller starts a new pool)
+            raise
+        graph.capture_end()
+    current.wait_stream(stream)
+    return graph, out
+
+
+def capture(body, query: torch.Tensor, pool, held: tuple, stream: torch.cuda.Stream | None = None) -> CapturedDecode:
+    """Capture ``body(query_buffer)`` into a CUDA graph on a side stream; nothing runs on the device.
+
+    Args:
+        body: enqueues the work; takes the static query buffer and returns the output tensor. It must not
+            synchronise with the host, allocate pinned memory or create tensors that outlive it outside the graph.
+        query: an example input, ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA (its shape, dtype and
+            device are the graph's).
+        pool: the memory pool handle shared by the graphs of one cache (``torch.cuda.graph_pool_handle()``).
+        held: tensors to keep alive with the graph.
+        stream: the side stream to capture on; ``None``: a new one. Graphs that share ``pool`` should share this
+            stream too: the caching allocator reuses a freed block only for allocations on the stream that freed it,
+            so captures on different streams cannot share their temporaries.
+
+    Raises:
+        Whatever the capture raised; the stream is out of capture mode either way.
+    """
+    static = query.detach().clone()
+    graph, out = _capture_on(query.device, lambda: body(static), pool, stream)
+    return CapturedDecode(graph=graph, query=static, out=out, held=held)
+
+
+@dataclass
+class CapturedWork:
+    """Captured work that takes no arguments: it reads and writes buffers that keep their address while the graph
+    lives (a layer's seal of a full block: :meth:`~hf_offload.cache.OffloadLayer.seal_work`).
+
+    Attributes:
+        graph: the CUDA graph.
+        out: what the captured function returned (tensors overwritten by each replay).
+        held: tensors the graph reads that their owner may replace while the graph lives.
+    """
+
+    graph: torch.cuda.CUDAGraph
+    out: object
+    held: tuple
+
+
+def capture_work(
+    enqueue, device: torch.device, pool, held: tuple, stream: torch.cuda.Stream | None = None
+) -> CapturedWork:
+    """Capture ``enqueue()`` into a CUDA graph on a side stream; nothing runs on the device.
+
+    Args:
+        enqueue: enqueues the work on the current stream; the same rules as for :func:`capture`'s ``body``.
+        device: the CUDA device it runs on.
+        pool, held, stream: as for :func:`capture`.
+    """
+    graph, out = _capture_on(device, enqueue, pool, stream)
+    return CapturedWork(graph=graph, out=out, held=held)
+
+
+# ------------------------------------------------------------------------------------------- whole decoder layers
+@dataclass
+class CapturedLayer:
+    """One decoder layer's captured decode step (``OffloadConfig.graph_scope="layer"``).
+
+    Attributes:
+        graph: the CUDA graph.
+        statics: the fixed-address input buffers it reads, one per flattened argument (``None`` for a non-tensor).
+        inputs: the :class:`StaticInputs` that owns those buffers.
+        out: its outputs (the decoder layer's return value, tensors overwritten by each replay).
+        held: tensors the graph reads that the cache may replace while the graph lives.
+    """
+
+    graph: torch.cuda.CUDAGraph
+    statics: list
+    inputs: "StaticInputs"
+    out: object
+    held: tuple
+
+
+def capture_decoder_layer(forward, args: tuple, kwargs: dict, statics: "StaticInputs", pool, held: tuple,
+                  stream: torch.cuda.Stream | None = None) -> CapturedLayer:
+    """Capture one call ``forward(*args, **kwargs)`` of a decoder layer into a CUDA graph, its tensor arguments read
+    from ``statics``' buffers (filled with this call's values first, on the current stream).
+
+    Args:
+        forward: the decoder layer's own forward.
+        args, kwargs: the call's arguments (tensors on one CUDA device; any other value is fixed in the graph).
+        statics: the fixed-address input buffers (shared by the layers of a cache on one device).
+        pool, held, stream: as for :func:`capture`.
+    """
+    buffers, static_args, static_kwargs = statics.load(args, kwargs)
+    device = next(b.device for b in buffers if b is not None)
+    graph, out = _capture_on(device, lambda: forward(*static_args, **static_kwargs), pool, stream)
+    return CapturedLayer(graph=graph, statics=buffers, inputs=statics, out=out, held=held)
+
+
+def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict, flat: tuple | None = None):
+    """Fill the buffers ``captured`` reads with this call's tensor arguments, replay it and return fresh copies of
+    its outputs (the graph's own outputs are overwritten by its next replay). ``flat``: ``tree_flatten((args,
+    kwargs))`` where the caller has it (:func:`call_signature` made it)."""
+    buffers, _, _ = captured.inputs.load(args, kwargs, flat=flat, rebuild=False)
+    if any(a is not b for a, b in zip(buffers, captured.statics)):
+        raise RuntimeError("replay_layer: the static input buffers changed since the capture (shapes differ?)")
+    captured.graph.replay()
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, captured.out)
+
+
+def call_signature(args: tuple, kwargs: dict, flat: tuple | None = None) -> tuple:
+    """What a captured decoder-layer call depends on besides tensor contents: each tensor argument's position,
+    shape, dtype and device, and each other argument's type (its value, for a bool, number, string or ``None``).
+    ``flat``: ``tree_flatten((args, kwargs))`` if the caller has it."""
+    leaves, spec = tree_flatten((args, kwargs)) if flat is None else flat
+    sig = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sig.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            sig.append((type(leaf), leaf))
+        else:
+            sig.append(type(leaf))
+    return (str(spec), tuple(sig))
+
+
+class StaticInputs:
+    """The fixed-address input buffers of the decoder-layer graphs of one cache on one device.
+
+    A buffer belongs to an argument position (in the flattened ``(args, kwargs)``), shape and dtype, and is shared
+    by every layer: the layers replay one after the other on one stream, so the copy of layer ``i + 1``'s hidden
+    states into the buffer is ordered after layer ``i``'s replay read it. An argument whose tensor is the very
+    object copied last (the rotary embeddings, positions: one tensor per forward for every layer) is not copied
+    again.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple, torch.Tensor] = {}
+        self._last: dict[tuple, torch.Tensor] = {}
+
+    def load(
+        self, args: tuple, kwargs: dict, flat: tuple | None = None, rebuild: bool = True
+    ) -> tuple[list, tuple | None, dict | None]:
+        """Copy the tensor arguments into their buffers (on the current stream).
+
+        Args:
+            args, kwargs: the call's arguments.
+            flat: ``tree_flatten((args, kwargs))`` if the caller has it.
+            rebuild: also return the arguments rebuilt around the buffers (a capture needs them, a replay not).
+
+        Returns:
+            ``(buffers, static_args, static_kwargs)``: one buffer (or ``None``) per flattened argument, and the
+            arguments with every tensor replaced by its buffer (``None, None`` without ``rebuild``).
+        """
+        leaves, spec = tree_flatten((args, kwargs)) if flat is None else flat
+        buffers, static = [], []
+        for i, leaf in enumerate(leaves):
+            if not isinstance(leaf, torch.Tensor):
+                buffers.append(None)
+                static.append(leaf)
+                continue
+            slot = (i, tuple(leaf.shape), leaf.dtype, leaf.device)
+            buffer = self._buffers.get(slot)
+            if buffer is None:
+                buffer = self._buffers[slot] = torch.empty_like(leaf, memory_format=torch.contiguous_format)
+                self._last.pop(slot, None)
+            if self._last.get(slot) is not leaf:
+                buffer.copy_(leaf)
+                self._last[slot] = leaf
+            buffers.append(buffer)
+            static.append(buffer)
+        if not rebuild:
+            return buffers, None, None
+        static_args, static_kwargs = tree_unflatten(static, spec)
+        return buffers, static_args, static_kwargs
+
+    def clear(self) -> None:
+        """Forget the buffers (graphs that read them keep them alive)."""
+        self._buffers.clear()
+        self._last.clear()

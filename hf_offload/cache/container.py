@@ -1,0 +1,316 @@
+"""``OffloadCache``: a transformers ``Cache`` whose full-attention layers keep their KV in host memory.
+
+The container builds one :class:`~.layer.OffloadLayer` per full-attention layer (sliding-window layers of hybrid
+models, e.g. Gemma 3, keep transformers' own dense sliding-window layer on the device: their KV is bounded by the
+window), installs the model patches (:mod:`hf_offload.patches`), links each offloaded layer to the next one for
+lookahead, and reports :meth:`OffloadCache.stats`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
+
+from ..attention.switch import enable_offload_attention
+from ..config import OffloadConfig
+from ..layer_calls import decoder_layers, install_layer_calls
+from ..norms import FusedNorm, install_fused_norms
+from ..projections import fused_groups, install_fused_projections
+from ..rotary import RotaryForward, install_fused_rotary
+from ..selectors import Selector, get_selector
+from ..store import HostMemoryBudget
+from .execution import call_fusions, fused, projections_on
+from .layer import OffloadLayer
+from .shared import DeviceResources
+from .stats import summarize
+
+_SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
+
+def layer_types(config) -> list[str]:
+    """The attention type of each layer of a (text) model config that holds KV: ``"full_attention"``,
+    ``"sliding_attention"``, ``"chunked_attention"`` or another type (linear attention, state-space layers)."""
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        n = config.num_hidden_layers
+        if getattr(config, "sliding_window", None) is not None:
+            types = ["sliding_attention"] * n
+        elif getattr(config, "attention_chunk_size", None) is not None:
+            types = ["chunked_attention"] * n
+        else:
+            types = ["full_attention"] * n
+    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    return list(types[: len(types) - shared] if shared else types)
+
+
+
+def generate_cache_kwarg() -> str:
+    """The keyword under which the installed transformers' ``generate()`` takes a cache: ``"cache"`` where its
+    generation inputs are named so (transformers 5.24 renamed ``past_key_values`` and warns about the old name until
+    6.0), else ``"past_key_values"`` (transformers 5.17)."""
+    import inspect
+
+    from transformers.generation.utils import GenerationMixin
+
+    params = inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class OffloadCache(Cache):
+    """A KV cache that keeps full-attention layers in host memory and attends to a budget of blocks per step.
+
+    Building it switches ``model`` to the offload attention (idempotent); with any other cache the switched model
+    behaves exactly as before.
+
+    Args:
+        model: the transformers decoder model that will use this cache.
+        budget_tokens: KV tokens one decode query attends to, per sequence and layer (sink and window included).
+        config: a full :class:`~hf_offload.config.OffloadConfig`; other keyword arguments override its fields.
+        **overrides: any :class:`~hf_offload.config.OffloadConfig` field (``block_tokens``, ``sink_tokens``,
+            ``window_tokens``, ``selector``, ``pool_tokens``, ...).
+
+    Example:
+        >>> from hf_offload import OffloadCache
+        >>> cache = OffloadCache(model, budget_tokens=2048)  # doctest: +SKIP
+        >>> out = model.generate(**inputs, past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+        >>> cache.stats()["host_kv_bytes"]  # doctest: +SKIP
+
+        ``past_key_values=`` works on every supported transformers; newer releases (5.24) renamed it ``cache=`` and
+        warn about the old name. ``**cache.generate_kwargs()`` passes the cache under the name the installed
+        version expects: ``model.generate(**inputs, **cache.generate_kwargs(), max_new_tokens=64)``.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget_tokens: int | None = None, *, config=None, **overrides):
+        if config is None:
+            config = OffloadConfig(**({} if budget_tokens is None else {"budget_tokens": budget_tokens}), **overrides)
+        else:
+            changes = dict(overrides, **({} if budget_tokens is None else {"budget_tokens": budget_tokens}))
+            config = config.replace(**changes) if changes else config
+        text_config = _check_model(model)
+        self.config = config
+        self.selector = get_selector(config.selector)
+        if (config.decode_capacity_blocks or 1) > 1 and not self.selector.masks_invalid:
+            raise ValueError(
+                f"decode_capacity_blocks={config.decode_capacity_blocks} scores blocks past the sealed ones, masked, "
+                f"which selector {self.selector.name!r} does not support (its scores of valid blocks depend on every "
+                "block: Selector.masks_invalid is False). Use decode_capacity_blocks=None or 1, or give the selector a "
+                "masked_score() (every built-in selector has one or needs none)."
+            )
+        _check_reselect(config, self.selector)
+        self.model_config = text_config
+        self.host_budget = HostMemoryBudget(config.host_memory_gib)
+        # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
+        # holds is freed at once (its pinned host pools with it), not at the next cyclic garbage collection.
+        self._shared = DeviceResources(config)
+        types = layer_types(text_config)
+        unsupported = sorted(set(types) - {"full_attention", *_SLIDING_TYPES})
+        if unsupported:
+            raise ValueError(
+                f"OffloadCache serves attention layers only; {model.__class__.__name__} has layer types {unsupported} "
+                "(linear attention / state-space layers) that it cannot hold."
+            )
+        if "full_attention" not in types:
+            raise ValueError(
+                f"Every attention layer of {model.__class__.__name__} is a sliding-window layer "
+                f"(sliding_window={getattr(text_config, 'sliding_window', None)}); sliding layers stay on the device, "
+                "so nothing would be offloaded. Load the model with config.sliding_window=None if it was trained "
+                "with full attention, or use DynamicCache."
+            )
+        layers: list[CacheLayerMixin] = []
+        for idx, kind in enumerate(types):
+            if kind == "full_attention":
+                first = not any(isinstance(layer, OffloadLayer) for layer in layers)
+                layers.append(
+                    OffloadLayer(config, self.selector, idx, self.host_budget, id(self), text_config, self._shared, first)
+                )
+            else:
+                window = text_config.sliding_window if kind == "sliding_attention" else text_config.attention_chunk_size
+                layers.append(DynamicSlidingWindowLayer(sliding_window=window))
+        super().__init__(layers=layers)
+        offload = self.offload_layers
+        modules = dict((idx, module) for module, idx in decoder_layers(model))
+        for layer, nxt in zip(offload, offload[1:]):
+            layer.recaller.next = nxt.recaller  # lookahead goes from each offloaded layer to the next one
+            if nxt.layer_idx == layer.layer_idx + 1:  # its query predicted from this layer's input (same layer type)
+                layer.recaller.next_decoder = modules.get(nxt.layer_idx)
+        self.original_attn_implementation = enable_offload_attention(model)
+        install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
+        install_fused_norms(model)  # their norms run one kernel inside those calls where fused_norms is on
+        install_fused_rotary(model)  # and their rotary embedding where fused_rotary is on
+        self._install_projections(model)
+        self._model_ref = weakref.ref(model)
+
+    def _install_projections(self, model: torch.nn.Module) -> None:
+        """Fuse the sibling projections of ``model``'s decoder layers (:func:`install_fused_projections`) where
+        ``config.fused_projections`` would run them on the device of the decoder layers' weights."""
+        layers = decoder_layers(model)
+        weight = next((p for layer, _ in layers for p in layer.parameters()), None)
+        if weight is not None and projections_on(self.config, weight.device):
+            install_fused_projections(model)
+
+    def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
+        """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
+        arguments): offloaded layers may replay it from a CUDA graph (:meth:`OffloadLayer.run_decoder_layer`); other
+        layers call ``forward``. Called by the routing :func:`~hf_offload.graphs.install_layer_calls` puts in front
+        of each decoder layer."""
+        layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
+        if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
+            with fused(call_fusions(self.config, args, kwargs)):
+                return forward(*args, **kwargs)
+        return layer.run_decoder_layer(forward, args, kwargs)
+
+    def set_lookahead(self, lookahead: bool | None) -> None:
+        """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
+        decode steps, e.g. to compare both on one filled cache; see :class:`~hf_offload.config.OffloadConfig`."""
+        self.set_options(lookahead=lookahead)
+
+    def set_options(self, **changes) -> None:
+        """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
+        ``timing``, ``fused_norms``, ``fused_rotary``, ``fused_projections``, ``reselect_every``) on a filled cache,
+        e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
+
+        Raises:
+            ValueError: for any other field, or an invalid value (nothing is changed then).
+        """
+        options = {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms", "fused_rotary",
+                   "fused_projections", "reselect_every"}  # fmt: skip
+        other = set(changes) - options
+        if other:
+            raise ValueError(
+                f"set_options() changes {', '.join(sorted(options))} only; "
+                f"{sorted(other)} fix the cache's layout: build a new OffloadCache for them."
+            )
+        config = self.config.replace(**changes)
+        _check_reselect(config, self.selector)
+        self.config = config
+        model = self._model_ref()
+        if config.fused_projections is not False and model is not None:
+            self._install_projections(model)  # groups not built when the cache was
+        for layer in self.offload_layers:
+            layer.set_config(config)
+
+    def drop_graphs(self) -> None:
+        """Drop every captured decode graph; each layer captures again at its next decode step (e.g. after a
+        function its decode step calls was replaced)."""
+        for layer in self.offload_layers:
+            layer.graphs.clear()
+
+    @property
+    def offload_layers(self) -> list[OffloadLayer]:
+        """The offloaded (full-attention) layers."""
+        return [layer for layer in self.layers if isinstance(layer, OffloadLayer)]
+
+    def generate_kwargs(self) -> dict:
+        """``{name: self}`` for ``model.generate(**inputs, **cache.generate_kwargs())``: ``name`` is
+        :func:`generate_cache_kwarg`'s, so no deprecation warning on any supported transformers."""
+        return {generate_cache_kwarg(): self}
+
+    def stats(self) -> dict:
+        """Bytes per tier, recall counters and hit rates (overall and per offloaded layer).
+
+        Returns:
+            A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
+            ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
+            ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
+            ``decode_recalled_bytes`` (decode steps only, prefetches included), ``decode_host_bytes`` (the part of
+            ``decode_recalled_bytes`` read from host memory; the rest were blocks that ``admission="auto"`` keeps
+            on the device), ``prefetched_blocks``,
+            ``prefetched_bytes`` (speculative recalls of lookahead), ``prefetch_used_blocks`` (prefetched blocks
+            that the exact plan right after attended), ``offloaded_bytes``, ``graph_captures`` and
+            ``graph_replays`` (layer decode steps captured into / replayed from CUDA graphs), ``graph_capture_ms``
+            (host wall time of the layer decode steps that captured: the capture, and an op-by-op run first where the
+            geometry's kind had not run op by op yet; a graph is captured at the first decode step of each block
+            capacity, ``decode_capacity_blocks``, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
+            that failed and were redone after one; expected 0), ``seal_graph_captures`` and ``seal_graph_replays``
+            (seals of a full block after a replayed step captured into / replayed from a CUDA graph), ``timing``
+            (with ``timing=True``: mean ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
+            ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
+            with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
+            ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
+            blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
+            decode steps, sequences and query heads; else ``None``), ``reused_selections`` (layer decode steps that
+            attended the previous step's selection, ``reselect_every``), ``decode_steps`` and ``layers`` (the same
+            counters per
+            offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
+            model's RMS norm and attention modules that run one kernel where ``fused_norms`` / ``fused_rotary`` are
+            on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``projection_groups``: the groups of
+            sibling projections computed as one product where ``fused_projections`` is on,
+            :mod:`hf_offload.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded layers'
+            calls run them, ``None`` before the first call). Blocks are counted per KV head for
+            per-head selectors.
+        """
+        timing = self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None
+        return summarize(self.layers, timing, self._fusions())
+
+    def _fusions(self) -> dict:
+        """``stats()["fusions"]``: how many of the model's modules have a fused forward, and whether the offloaded
+        layers' calls run them."""
+        model = self._model_ref()
+        modules = list(model.modules()) if model is not None else []
+        on = next((f for layer in self.offload_layers if (f := getattr(layer, "fusions", None)) is not None), None)
+        return {
+            "norm_modules": sum(isinstance(m.__dict__.get("forward"), FusedNorm) for m in modules),
+            "rotary_modules": sum(isinstance(m.__dict__.get("forward"), RotaryForward) for m in modules),
+            "projection_groups": len(fused_groups(model)) if model is not None else 0,
+            "norms": None if on is None else on[0],
+            "rotary": None if on is None else on[1],
+            "projections": None if on is None else on[2],
+        }
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate every offloaded layer's block summaries for ``tokens`` tokens per sequence up front (see
+        :meth:`OffloadLayer.reserve`): useful before a chunked prefill of a known length, near the device's limit.
+
+        >>> cache.reserve(prompt_tokens + max_new_tokens)  # doctest: +SKIP
+        """
+        for layer in self.offload_layers:
+            layer.reserve(tokens)
+
+    def reset_stats(self) -> None:
+        """Zero the counters and the phase timing of :meth:`stats` (the cached tokens stay)."""
+        for layer in self.offload_layers:
+            layer.stats.reset()
+        if self._shared.phase_timer is not None:
+            self._shared.phase_timer.reset()
+
+    def dense_kv(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of one offloaded layer re-assembled from all tiers; see :meth:`OffloadLayer.dense_kv`."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, OffloadLayer):
+            raise ValueError(f"Layer {layer_idx} is a sliding-window layer; its KV is layers[{layer_idx}].keys.")
+        return layer.dense_kv()
+
+
+def _check_reselect(config: OffloadConfig, selector: Selector) -> None:
+    """Raise ``ValueError`` where ``config.reselect_every`` above 1 meets a selector whose estimate of the unselected
+    blocks needs every step's scores."""
+    if config.reselect_every > 1 and selector.estimates_tail:
+        raise ValueError(
+            f"reselect_every={config.reselect_every} reuses a selection without scoring, but selector "
+            f"{selector.name!r} estimates the attention outside its selection from every step's scores "
+            "(tail_bits). Use reselect_every=1 with it, or a selector without the estimate (e.g. 'quantkey')."
+        )
+
+
+def _check_model(model) -> object:
+    """Return the decoder text config of ``model`` or raise a clear error if the cache cannot serve it."""
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"OffloadCache(model, ...) takes the transformers model itself (it switches the model's attention), "
+            f"got {type(model).__name__}."
+        )
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise ValueError(
+            f"{model.__class__.__name__} is an encoder-decoder model; OffloadCache serves decoder-only models."
+        )
+    if not model.can_generate():
+        raise ValueError(
+            f"{model.__class__.__name__} is not a generative decoder model with a KV cache (it cannot generate); "
+            "load it with AutoModelForCausalLM."
+        )
+    return model.config.get_text_config(decoder=True)

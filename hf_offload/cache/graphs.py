@@ -1,0 +1,387 @@
+"""The graph runner of one offloaded layer: capture a decode step once per geometry, replay it after.
+
+Three kinds of graph, each keyed by what it depends on besides buffer contents:
+
+* the decode attention (``(n, k, query shape and dtype, scale, input rows, storage key, reuse)``): plan, recall
+  and attention of one step (:meth:`GraphRunner.run_decode`);
+* the whole decoder layer around it (``graph_scope="layer"``): norms, projections, MLP, the cache update and the
+  attention in one replay (:meth:`GraphRunner.run_decoder_layer`);
+* the seal of a block that a replayed step filled (:meth:`GraphRunner.seal_replayed`).
+
+A graph reads buffers at fixed addresses (the block store's open block, summaries and tables, the step's shared
+inputs); what a growth replaces is held by the graph and changes the storage key, so a new graph is captured. Side
+stream work a graph depends on is waited for outside it (a graph cannot wait on events recorded outside it).
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..attention.handoff import OffloadMask, plain_causal, take_handoff
+from ..config import OffloadConfig
+from ..selectors import Selector
+from .blocks import BlockStore
+from ..attention.inputs import DecodeInputs
+from .capture import CapturedDecode, CapturedLayer, call_signature, replay_layer
+from .execution import LayerExecution, hidden_states
+from .planner import DecodePlanner
+from .recaller import Recaller
+from .stats import LayerStats
+
+
+@dataclass
+class LayerCapture:
+    """What a decode step of a whole decoder layer being captured uses: the step's shared inputs, the blocks it
+    scores, the blocks the budget selects, and whether it reuses the layer's kept selection (``reselect_every``)."""
+
+    inputs: DecodeInputs
+    n: int
+    k: int
+    reuse: bool = False
+
+
+class GraphRunner:
+    """Captures and replays one offloaded layer's decode steps.
+
+    Args:
+        config: the cache's settings (``cuda_graphs``, ``graph_scope``, sink and window).
+        selector: the selection policy (its branch is part of a step's geometry).
+        layer_idx: index of the layer in the model (for messages).
+        blocks, planner, recaller: the layer's other parts.
+        execution: the layer's execution decisions (``graphs``; a failed capture turns it off).
+        stats: the layer's counters.
+        decode_inputs: returns the cache's shared :class:`~hf_offload.cache.capture.DecodeInputs` of a device.
+        capture_graph: ``(device, body, query, held) -> CapturedDecode``: captures a decode step in the memory pool
+            the cache's graphs on that device share.
+        capture_layer: ``(device, forward, args, kwargs, held) -> CapturedLayer``: likewise a whole decoder layer.
+        capture_work: ``(device, enqueue, held) -> CapturedWork``: likewise work without arguments (a seal).
+
+    Attributes:
+        layer_capture: set while a whole decoder layer is being captured (the cache update and the attention
+            record their step's work as this says).
+        layer_graphs: ``False`` once a capture of the whole decoder layer failed.
+        seal_graphs: whether seals after replayed steps replay captured graphs; ``False`` once a capture failed.
+        warm_geometries: :meth:`warm_for` values of the decode steps run op by op.
+    """
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        selector: Selector,
+        layer_idx: int,
+        blocks: BlockStore,
+        planner: DecodePlanner,
+        recaller: Recaller,
+        execution: LayerExecution,
+        stats: LayerStats,
+        decode_inputs: Callable[[torch.device], DecodeInputs],
+        capture_graph: Callable,
+        capture_layer: Callable,
+        capture_work: Callable,
+    ):
+        self.config = config
+        self.selector = selector
+        self.layer_idx = layer_idx
+        self.blocks = blocks
+        self.planner = planner
+        self.recaller = recaller
+        self.execution = execution
+        self.stats = stats
+        self.decode_inputs = decode_inputs
+        self._capture_graph = capture_graph
+        self._capture_layer = capture_layer
+        self._capture_work = capture_work
+        self.graphs: dict[tuple, object] = {}
+        self.warm_geometries: set[tuple] = set()
+        self.layer_capture: LayerCapture | None = None
+        self.layer_graphs = True
+        self.seal_graphs = True
+        self.last_key: tuple | None = None  # the graph key of this layer's last decode step
+
+    def clear(self) -> None:
+        """Drop every captured graph (each is captured again at its next step)."""
+        self.graphs.clear()
+
+    def reset(self) -> None:
+        """Drop the graphs and what the layer's earlier steps taught (a reset cache starts afresh)."""
+        self.graphs.clear()
+        self.warm_geometries.clear()
+        self.last_key = None
+
+    # --------------------------------------------------------------------------------------------- decode attention
+    def warm_for(self, n: int, k: int, query: torch.Tensor, scaling: float, reuse: bool = False) -> tuple:
+        """What a decode step's work compiles and plans for, besides buffer addresses: the selected blocks, the
+        query's shape and dtype, the scale, the branches that depend on the number of sealed blocks ``n`` (everything
+        selected; the selector's branch, :meth:`Selector.decode_branch
+        <hf_offload.selectors.base.Selector.decode_branch>`) and the integer specialisations Triton compiles for
+        (``n`` equal to 1, or a multiple of 16), and whether the step reuses the kept selection (``reuse``). A
+        geometry whose value is in :attr:`warm_geometries` has run op by op before and can be captured without
+        running it op by op first."""
+        return (k, tuple(query.shape), query.dtype, scaling, k >= n, n == 1, n % 16 == 0,
+                self.selector.decode_branch(n, k), reuse)  # fmt: skip
+
+    def run_decode(
+        self,
+        n: int,
+        k: int,
+        query: torch.Tensor,
+        scaling: float,
+        inputs: DecodeInputs,
+        reuse: bool,
+        op_by_op: Callable[[], torch.Tensor],
+        body: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """One decode step of the layer's attention: replayed where a graph of its geometry exists, else run op by
+        op (``op_by_op()``) and captured (``body(query_buffer)``) where graphs are on.
+
+        A geometry whose kind this layer has already run op by op (:meth:`warm_for`) is captured right away and
+        replayed for the step itself; otherwise the step first runs op by op (compiling kernels and planning what a
+        capture must not), then is captured.
+
+        Args:
+            n, k: blocks the step scores and selects.
+            query: ``[batch, q_heads, 1, head_dim]``, model dtype, compute device.
+            scaling: softmax scale.
+            inputs: the step's shared inputs.
+            reuse: the step attends the kept selection.
+            op_by_op: runs the step's work now (with timing and lookahead) and returns its output.
+            body: enqueues the step's work for a capture given the query buffer; returns the output buffer.
+
+        Returns:
+            ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
+        """
+        key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), self.blocks.storage_key(), reuse)
+        self.last_key = key
+        graph = self.graphs.get(key) if self.execution.graphs else None
+        warm = self.warm_for(n, k, query, scaling, reuse)
+        if graph is None and self.execution.graphs and warm in self.warm_geometries:
+            start = time.perf_counter()
+            graph = self._capture_decode(key, body, query, inputs, retry_op_by_op=True)
+            self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
+        if graph is not None:
+            return self.replay(graph, query)
+        start = time.perf_counter()
+        out = op_by_op()
+        self.warm_geometries.add(warm)
+        if self.execution.graphs:
+            self._capture_decode(key, body, query, inputs)
+            self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
+        return out
+
+    def replay(self, graph: CapturedDecode, query: torch.Tensor) -> torch.Tensor:
+        """One decode step of this layer's attention from its captured graph.
+
+        Args:
+            graph: a captured decode step.
+            query: ``[batch, q_heads, 1, head_dim]``, model dtype, CUDA.
+
+        Returns:
+            ``[batch, 1, q_heads, head_dim]``: the graph's output buffer (overwritten by its next replay).
+        """
+        self.recaller.wait_side_streams()
+        graph.query.copy_(query)
+        graph.graph.replay()
+        self.stats.add(("decode_steps", "graph_replays"), 1)
+        return graph.out
+
+    def _capture_decode(self, key: tuple, body: Callable[[torch.Tensor], torch.Tensor], query: torch.Tensor,
+                        inputs: DecodeInputs, retry_op_by_op: bool = False) -> CapturedDecode | None:
+        """Capture ``body`` (this layer's decode attention) for ``key``; returns the graph, or ``None``.
+
+        Graphs of an earlier geometry are dropped. If the capture fails, this layer runs op by op from then on
+        (with ``cuda_graphs=True``: the error is raised), unless ``retry_op_by_op``: then the failure is only counted
+        (``graph_capture_retries``) and the caller runs the step op by op and captures again.
+        """
+        self.graphs = {g: v for g, v in self.graphs.items() if g[0] in (key[0], "seal")}
+        self.stats.prepare_capture(self.blocks.device)
+        self.recaller.wait_side_streams()
+        held = (*self.blocks.held_buffers(), inputs.rows, inputs.valid, inputs.forced, inputs.sequence)
+        try:
+            self.graphs[key] = self._capture_graph(self.blocks.device, body, query, held)
+            self.stats.add(("graph_captures",), 1)
+            return self.graphs[key]
+        except Exception as error:
+            if retry_op_by_op:
+                self.stats.add(("graph_capture_retries",), 1)
+                return None
+            if self.config.cuda_graphs:
+                raise RuntimeError(f"Layer {self.layer_idx}: capturing the decode step failed: {error}") from error
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing the decode step into a CUDA graph failed ({error}); this layer "
+                "runs op by op from now on.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self.execution.graphs = False
+            self.graphs.clear()
+            return None
+
+    # ----------------------------------------------------------------------------------------- whole decoder layers
+    def layer_step(self, args: tuple, kwargs: dict) -> tuple | None:
+        """``(graph key, shared inputs, blocks scored, blocks selected, flattened arguments)`` of a decoder layer call
+        that a graph of the whole layer can serve, or ``None``: not a decode step of one token per sequence on this
+        layer's device, a mask other than plain causal, gradients on, or a geometry whose attention graph does not
+        exist (the attention was never captured for it, or runs another path: soft-capping, sink logits, a
+        selection larger than the slot pool)."""
+        store = self.blocks
+        if not (self.execution.graphs and self.layer_graphs and self.config.graph_scope == "layer"):
+            return None
+        if not store.is_initialized or not store.n_blocks or torch.is_grad_enabled() or len(args) > 1:
+            return None
+        hidden = hidden_states(args, kwargs)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (store.batch, 1):
+            return None
+        recent = store.keys.shape[-2] + 1  # this step's token included (block_tokens: it fills the open block)
+        if hidden.device != store.device:
+            return None
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (isinstance(mask, OffloadMask) and plain_causal(mask)):
+            return None
+        last = self.last_key
+        if last is None:
+            return None
+        n_before = store.n_blocks
+        k = self.planner.decode_blocks(n_before, recent)
+        n = self.planner.decode_capacity(n_before, k)
+        inputs = self.decode_inputs(store.device).update(
+            store.batch, n_before, store.block_tokens, n_before * store.block_tokens, recent,
+            None if mask is None else mask.padding, self.config.sink_blocks, self.config.window_blocks, store.device,
+            step=mask, capacity=n,
+        )  # fmt: skip
+        reuse = self.planner.reuses_selection(store.n_tokens, n_before, k, n)
+        attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), store.storage_key(), reuse)
+        # The last step's attention may have reused where this one chooses (or the reverse): the rest must match.
+        if attention_key[:-1] != last[:-1] or attention_key not in self.graphs:
+            return None
+        flat = tree_flatten((args, kwargs))  # read once: by the signature and by the replay's copies
+        return (n, "layer", attention_key, call_signature(args, kwargs, flat)), inputs, n, k, flat
+
+    def run_decoder_layer(self, step: tuple, forward: Callable, args: tuple, kwargs: dict):
+        """Run a decoder layer call that :meth:`layer_step` accepted (``step``): replay its graph (captured now if
+        it is the first step of its key), then do what the cache update and the attention do on the host in a step
+        run op by op: count the token, seal a block it filled, put sealed blocks into the slot pool."""
+        key, inputs, n, k, flat = step
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self._capture_whole_layer(key, forward, args, kwargs, inputs, n, k)
+            if graph is None:
+                return forward(*args, **kwargs)
+        if key[2][-1]:
+            self.stats.add(("reused_selections",), 1)
+        store = self.blocks
+        store.selectable_written = store.last_write
+        self.recaller.wait_side_streams()
+        out = replay_layer(graph, args, kwargs, flat)
+        left = store.keys.shape[-2] + 1
+        store.n_tokens += 1
+        if left == store.block_tokens:
+            # The token filled the open block: seal it now. A step run op by op seals it in update(), before its
+            # attention, which still reads it as recent tokens and selects among the blocks sealed before; so the
+            # same graph serves this step, and the seal (summaries, host write, slot) follows it.
+            self.seal_replayed()
+            left = 0
+        store.keys, store.values = store.open_k[:, :, :left], store.open_v[:, :, :left]
+        self.stats.add(("decode_steps", "graph_replays", "layer_graph_replays"), 1)
+        self.recaller.wait_prefetch()  # the slot written next may be one a prefetch was filling
+        store.finish_step()
+        return out
+
+    def _capture_whole_layer(self, key: tuple, forward: Callable, args: tuple, kwargs: dict, inputs: DecodeInputs,
+                             n: int, k: int) -> CapturedLayer | None:
+        """Capture the whole decoder layer's decode step for ``key``; returns the graph, or ``None`` after warning
+        once (the layer's code could not be captured: from then on this layer replays only its attention's graph).
+        Graphs of the whole layer for other keys are dropped, except the one that differs from ``key`` only in
+        whether the step reuses the kept selection (``reselect_every``: the two alternate)."""
+
+        def twin(g: tuple) -> bool:  # the same geometry, signature and buffers; the other kind of step
+            return g[0] == key[0] and g[2][:-1] == key[2][:-1] and g[3] == key[3]
+
+        self.graphs = {g: v for g, v in self.graphs.items() if g[1:2] != ("layer",) or twin(g)}
+        store = self.blocks
+        self.stats.prepare_capture(store.device)
+        store.selectable_written = store.last_write
+        self.recaller.wait_side_streams()
+        held = (*store.held_buffers(), inputs.rows, inputs.valid, inputs.forced, inputs.sequence, inputs.open_pos)
+        start = time.perf_counter()
+        self.layer_capture = LayerCapture(inputs, n, k, key[2][-1])
+        try:
+            graph = self._capture_layer(store.device, forward, args, kwargs, held)
+        except Exception as error:
+            take_handoff()  # an update the failed capture left for an attention that never ran
+            self.layer_graphs = False
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing the whole decoder layer into a CUDA graph failed ({error}); this "
+                "layer replays only its attention's graph from now on (graph_scope='attention').",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        finally:
+            self.layer_capture = None
+        self.graphs[key] = graph
+        self.stats.add(("layer_graph_captures",), 1)
+        self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
+        return graph
+
+    # --------------------------------------------------------------------------- seals after a replayed decode step
+    def seal_key(self) -> tuple:
+        """What a captured seal depends on: the buffers it writes and the host pool's chunk tables (the storage
+        key, which also says whether every chunk is admitted to the device: then the block's write is part of the
+        graph) and the batch."""
+        return ("seal", self.blocks.storage_key(), self.blocks.batch)
+
+    def seal_replayed(self) -> None:
+        """Seal the open block that a replayed decode step filled (``block_tokens`` tokens in every sequence).
+
+        The device work of a seal (:meth:`BlockStore.seal_work`: the block's copy, its summaries, its block-table
+        column) is a few dozen small operations; launched one by one from Python, the seals of every layer cost the
+        host several decode steps' worth of time. That work reads the block's position and host ids from a device
+        buffer (filled by one copy), so one CUDA graph serves every seal of one :meth:`seal_key`: the first seal of
+        a key runs it op by op (so that every kernel in it has run before the capture) and captures it, the later
+        ones replay it. A block whose host pool is not wholly admitted to the device is written to the host by the
+        offload stream after the work.
+        """
+        store = self.blocks
+        ids = store.allocate_seal_ids()
+        if not (self.seal_graphs and self.execution.graphs and store.holds_next_block()):
+            store.seal(store.open_k, store.open_v, 1, ids=ids)
+            return
+        key = self.seal_key()
+        graph = self.graphs.get(key)
+        if graph is None:
+            store.seal_from(ids, store.seal_work)
+            self._capture_seal(key)
+            return
+
+        def replay() -> torch.Tensor:
+            graph.graph.replay()
+            return graph.out
+
+        store.seal_from(ids, replay)
+        self.stats.add(("seal_graph_replays",), 1)
+
+    def _capture_seal(self, key: tuple) -> None:
+        """Capture the block store's seal work for ``key``, dropping the seal graph of an earlier key; warns once
+        and turns :attr:`seal_graphs` off if the capture fails."""
+        self.graphs = {k: g for k, g in self.graphs.items() if k[0] != "seal"}
+        store = self.blocks
+        held = (*store.held_buffers(), store.seal_buffer())
+        try:
+            graph = self._capture_work(store.device, store.seal_work, held)
+        except Exception as error:
+            self.seal_graphs = False
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing the seal of a block into a CUDA graph failed ({error}); this "
+                "layer seals op by op from now on.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+            return
+        self.graphs[key] = graph
+        self.stats.add(("seal_graph_captures",), 1)

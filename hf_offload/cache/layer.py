@@ -1,0 +1,321 @@
+"""``OffloadLayer``: the transformers cache layer of one full-attention layer, composed of parts that own its state.
+
+* :class:`~.blocks.BlockStore` (``layer.blocks``): open block, sealing, block tables, summaries, host and slot pools;
+* :class:`~.planner.DecodePlanner` (``layer.planner``): which blocks a query attends to;
+* :class:`~.recaller.Recaller` (``layer.recaller``): slot rounds, recalls, prefetch and lookahead;
+* :class:`~.graphs.GraphRunner` (``layer.graphs``): capture and replay of decode steps;
+* :class:`~.stats.LayerStats` (``layer.stats``): the counters.
+
+The layer itself keeps only the ``CacheLayerMixin`` surface (``update``, lengths, ``reset``) and the resolution of
+how it runs (:class:`~.execution.LayerExecution`), which every part reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..attention.handoff import Handoff, leave_handoff
+from ..config import OffloadConfig
+from ..kernels.append import append_token
+from ..selectors import Selector
+from ..store import HostMemoryBudget
+from .blocks import BlockStore
+from ..attention.inputs import DecodeInputs
+from .execution import LayerExecution, call_fusions, fused, resolve, want_kernels, want_paged
+from .graphs import GraphRunner
+from .planner import DecodePlanner
+from .recaller import Recaller
+from .stats import LayerStats
+
+
+class OffloadLayer(CacheLayerMixin):
+    """The KV state of one full-attention layer: open block on device, sealed blocks on host, hot blocks in slots.
+
+    ``self.keys`` / ``self.values`` hold the open block, shape ``[batch, kv_heads, < block_tokens, head_dim]``: views
+    of fixed buffers of one block, whose addresses never change (captured decode graphs read them in place).
+
+    Args:
+        config: the cache's validated settings.
+        selector: the block selection policy.
+        layer_idx: index of this layer in the model.
+        budget: the cache-wide host memory budget.
+        cache_id: identity of the owning cache.
+        model_config: the (text) config object of the model the cache was built for.
+        resources: the per-device objects the cache's layers share (:class:`~.shared.DeviceResources`).
+        is_first_offload_layer: whether this layer marks the start of each decode step for the timer.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(
+        self,
+        config: OffloadConfig,
+        selector: Selector,
+        layer_idx: int,
+        budget: HostMemoryBudget,
+        cache_id: int,
+        model_config,
+        resources,
+        is_first_offload_layer: bool = True,
+    ):
+        self.stats = LayerStats()
+        self.execution = LayerExecution()
+        self.blocks = BlockStore(config, selector, layer_idx, budget, resources.admission, self.stats, self.execution,
+                                 capacity=lambda n: self.planner.decode_capacity(n, 0))  # fmt: skip
+        self.planner = DecodePlanner(config, selector, self.blocks, self.execution, self.stats)
+        self.recaller = Recaller(config, selector, self.blocks, self.planner, self.execution, self.stats)
+        self.graphs = GraphRunner(
+            config, selector, layer_idx, self.blocks, self.planner, self.recaller, self.execution, self.stats,
+            resources.decode_inputs, resources.capture_graph, resources.capture_layer, resources.capture_work,
+        )  # fmt: skip
+        super().__init__()
+        self.config = config
+        self.selector = selector
+        self.layer_idx = layer_idx
+        self.block_tokens = config.block_tokens
+        self.resources = resources
+        self.is_first_offload_layer = is_first_offload_layer
+        self.cache_id = cache_id
+        self.model_config = model_config
+        self.model_name = getattr(model_config, "model_type", "?")
+        self.timer = None  # the cache's PhaseTimer when timing is on
+
+    # The CacheLayerMixin surface reads and writes these; the block store owns them.
+    @property
+    def keys(self):
+        return self.blocks.keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self.blocks.keys = value
+
+    @property
+    def values(self):
+        return self.blocks.values
+
+    @values.setter
+    def values(self, value) -> None:
+        self.blocks.values = value
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.blocks.is_initialized
+
+    @is_initialized.setter
+    def is_initialized(self, value: bool) -> None:
+        self.blocks.is_initialized = value
+
+    @property
+    def device(self) -> torch.device:
+        """The compute device (known after the first update)."""
+        return self.blocks.device
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens cached per sequence (padding included)."""
+        return self.blocks.n_tokens
+
+    @property
+    def n_blocks(self) -> int:
+        """Sealed blocks per sequence."""
+        return self.blocks.n_blocks
+
+    # ------------------------------------------------------------------------------------------------- life cycle
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Allocate the device slot pool and an empty host pool for the shapes of the first update, and resolve how
+        the layer runs on that device."""
+        pinned = self.blocks.allocate(key_states, value_states)
+        device = self.blocks.device
+        execution = self.execution
+        execution.use_kernels = want_kernels(self.config, device, pinned)
+        if execution.use_kernels:
+            self.blocks.start_device_table()
+        execution.paged = want_paged(self.config, execution.use_kernels, device, self.blocks.pool.data)
+        # Side streams only where the kernel path runs asynchronously (CUDA); elsewhere every copy is synchronous.
+        use_streams = execution.use_kernels and device.type == "cuda"
+        execution.streams = self.resources.streams(device) if use_streams else None
+        self.resolve()
+
+    def resolve(self) -> None:
+        """Resolve lookahead, CUDA graphs, the fused kernels and the block capacity from the config (again after
+        ``OffloadCache.set_options``); drops captured graphs."""
+        device = self.blocks.device if self.blocks.is_initialized else None
+        resolve(self.execution, self.config, device, self.selector.masks_invalid)
+        self.graphs.clear()
+
+    def set_config(self, config: OffloadConfig) -> None:
+        """Use ``config`` for the coming steps (only settings that leave the layout alone may differ)."""
+        self.config = config
+        for part in (self.blocks, self.planner, self.recaller, self.graphs):
+            part.config = config
+        if self.blocks.is_initialized:
+            self.timer = self.resources.timer(self.device) if config.timing else None
+            self.recaller.timer = self.timer
+        self.resolve()
+
+    def use_torch_transfer(self) -> None:
+        """Move the coming steps to the portable transfer path (``transfer="torch"``): no paged decode attention and
+        no CUDA graphs (a step of the torch path synchronises with the host). Host contents, block table and
+        summaries are the same on both paths."""
+        if self.blocks.is_initialized:
+            self.execution.use_kernels = False
+            self.execution.paged = want_paged(self.config, False, self.device, self.blocks.pool.data)
+        self.resolve()
+
+    def reset(self) -> None:
+        """Drop all tokens and free the pools; the next update starts afresh (any batch size)."""
+        if self.blocks.is_initialized:
+            self.resources.decode_inputs(self.device).invalidate()
+        self.blocks.release()
+        self.graphs.reset()
+        self.planner.reset()
+        self.recaller.clear()
+
+    # ------------------------------------------------------------------------------------------------------ update
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Append new tokens; seal full blocks to the host. Returns the device-resident recent tokens.
+
+        Args:
+            key_states: new keys, shape ``[batch, kv_heads, q_len, head_dim]``, compute device (after RoPE).
+            value_states: new values, same shape.
+
+        Returns:
+            ``(keys, values)`` of the recent tokens: the previously open block followed by the new tokens, shape
+            ``[batch, kv_heads, open + q_len, head_dim]``. The offload attention uses them together with the
+            sealed blocks it selects.
+        """
+        store = self.blocks
+        if not store.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            if self.config.timing:
+                self.timer = self.recaller.timer = self.resources.timer(self.device)
+        elif key_states.shape[0] != store.batch or key_states.shape[1] != store.kv_heads:
+            raise ValueError(
+                f"Layer {self.layer_idx} holds batch {store.batch} x {store.kv_heads} KV heads but got keys of shape "
+                f"{tuple(key_states.shape)}; use a new OffloadCache for a new batch (or call cache.reset())."
+            )
+        if key_states.dtype != store.dtype:
+            key_states, value_states = key_states.to(store.dtype), value_states.to(store.dtype)
+        capturing = self.graphs.layer_capture
+        if capturing is not None:
+            # A decode step captured with its whole decoder layer: the token goes into the open block at the position
+            # the step's shared inputs hold, so that every replay writes where its token belongs; the host-side state
+            # is left alone (each replay updates it). The whole open block is handed over, only its first tokens
+            # filled (the step's shared inputs mask the rest).
+            append_token(store.open_k, store.open_v, capturing.inputs.open_pos, key_states, value_states)
+            n_recent = store.keys.shape[-2] + 1
+            leave_handoff(Handoff(self, store.open_k, store.open_v, store.n_blocks * self.block_tokens, store.n_blocks,
+                                  n_recent))  # fmt: skip
+            return store.open_k, store.open_v
+        if self.timer is not None and self.is_first_offload_layer and key_states.shape[-2] == 1:
+            self.timer.step_start()
+        # This forward reads only blocks sealed before it: their host writes are the ones recalls wait for.
+        store.selectable_written = store.last_write
+        first_recent, n_before = store.n_blocks * self.block_tokens, store.n_blocks
+        recent_k, recent_v = store.append(key_states, value_states)
+        leave_handoff(Handoff(self, recent_k, recent_v, first_recent, n_before))
+        return recent_k, recent_v
+
+    def decode_inputs(self, handoff: Handoff, mask, capacity: int | None = None) -> DecodeInputs:
+        """The shared inputs of this decode step (built by the step's first offloaded layer on this device).
+
+        Args:
+            handoff: this step's handoff.
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask` (plain causal), or ``None``.
+            capacity: blocks the step scores (:meth:`DecodePlanner.decode_capacity`); ``None``: the sealed blocks.
+        """
+        store = self.blocks
+        return self.resources.decode_inputs(store.device).update(
+            store.batch, handoff.n_blocks_before, self.block_tokens, handoff.first_recent_pos, handoff.key.shape[-2],
+            None if mask is None else mask.padding, self.config.sink_blocks, self.config.window_blocks, store.device,
+            step=mask, capacity=capacity,
+        )  # fmt: skip
+
+    def finish_step(self) -> None:
+        """After this step's attention: the blocks it sealed enter the slot pool (after any prefetch into it)."""
+        self.recaller.wait_prefetch()  # the slot written next may be one a prefetch was filling
+        self.blocks.finish_step()
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate the block summaries for ``tokens`` tokens per sequence now (and from the first seal on, if none
+        is sealed yet), so that they never grow while the cache fills: growing buffers of a cache filled in many
+        pieces (chunked prefill) leave freed buffers behind that fragment a nearly full device. Never shrinks; the
+        reservation outlives :meth:`reset`.
+
+        Args:
+            tokens: tokens per sequence the cache will hold (prompt, padding and generated tokens).
+        """
+        if self.blocks.reserve(tokens):
+            self.graphs.clear()  # captured graphs read the old buffers
+
+    # ------------------------------------------------------------------------------------- whole decoder layers
+    def run_decoder_layer(self, forward: Callable, args: tuple, kwargs: dict):
+        """One call of the decoder layer this cache layer belongs to: replayed from a CUDA graph of the whole layer
+        (norms, projections, MLP, :meth:`update` and the offloaded attention) where the step allows it
+        (``graph_scope="layer"``, :meth:`GraphRunner.layer_step`), else ``forward(*args, **kwargs)`` as transformers
+        would call it (after starting the next layer's prefetch from this layer's input, ``lookahead_query="next"``).
+
+        Args:
+            forward: the decoder layer's own forward.
+            args, kwargs: the call's arguments (the hidden states ``[batch, 1, hidden]``, the rotary embeddings, the
+                lazy mask, this cache, ...).
+        """
+        fusions = self.execution.fusions
+        if fusions is None:  # the layer's first call: its device is the hidden states'
+            fusions = call_fusions(self.config, args, kwargs)
+        with fused(fusions):
+            step = self.graphs.layer_step(args, kwargs)
+            if step is not None:
+                return self.graphs.run_decoder_layer(step, forward, args, kwargs)
+            self.recaller.prefetched_ahead = self.recaller.lookahead_from_input(args, kwargs)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                self.recaller.prefetched_ahead = False
+
+    # ------------------------------------------------------------------------------------------------ bookkeeping
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` for the mask: every cached token plus the new ones, from position 0."""
+        return self.blocks.n_tokens + query_length, 0
+
+    def get_seq_length(self) -> int:
+        """Tokens cached in this layer (padding included)."""
+        return self.blocks.n_tokens
+
+    def get_max_length(self) -> int:
+        """No maximum (``-1``): the host pool grows."""
+        return -1
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole KV of this layer re-assembled from all tiers (:meth:`BlockStore.dense_kv`)."""
+        return self.blocks.dense_kv()
+
+    def _unsupported(self, what: str):
+        raise NotImplementedError(
+            f"OffloadCache does not support {what} yet (beam search, assisted or contrastive decoding); use greedy "
+            "or sampling with one sequence per prompt."
+        )
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Not supported yet (beam search)."""
+        self._unsupported("reordering the batch")
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Not supported yet (assisted decoding)."""
+        if tokens_to_remove:
+            self._unsupported("cropping")
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Only allowed while empty (generate expands inputs before the first forward)."""
+        if self.blocks.n_tokens and repeats != 1:
+            self._unsupported("expanding a filled cache")
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Not supported yet."""
+        if self.blocks.n_tokens:
+            self._unsupported("selecting sequences of a filled cache")

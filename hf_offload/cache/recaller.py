@@ -1,0 +1,358 @@
+"""The recaller of one offloaded layer: slot rounds, recalls of missed blocks, prefetch and lookahead.
+
+It owns what is in flight between the host pool and the device slot pool: the event of the pending speculative
+recall (prefetch), the slots it filled, and the index tensors its launches reuse. Stream order: every recall waits
+for the host writes of the blocks it may read (the block store's write events) and for the layer's pending
+prefetch; a prefetch runs on the prefetch stream behind everything issued so far on the compute stream.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from ..attention.handoff import OffloadMask
+from ..config import OffloadConfig
+from ..lookahead import speculative_query
+from ..selectors import Selection, Selector
+from ..store import transfer
+from .blocks import BlockStore
+from .execution import LayerExecution, hidden_states
+from .planner import DecodePlanner
+from .stats import LayerStats, count_recall
+
+
+class Recaller:
+    """Makes a layer's selected blocks resident in its slot pool.
+
+    Args:
+        config: the cache's settings (``lookahead_query``, ``lookahead_blocks``).
+        selector: the selection policy (``per_head``: head pieces move instead of whole blocks).
+        blocks: the layer's block store (host pool, slot pool, block tables, write events).
+        planner: the layer's planner (a prefetch plans the coming step speculatively).
+        execution: the layer's execution decisions (kernel path, paged attention, streams, lookahead).
+        stats: the layer's counters.
+
+    Attributes:
+        next: the next offloaded layer's recaller (the target of lookahead), or ``None``.
+        next_decoder: the next offloaded layer's decoder layer module where it is the adjacent one (the source of
+            the predicted query of ``lookahead_query="next"``), or ``None``.
+        prefetched_ahead: this step's lookahead ran before the layer (``lookahead_query="next"``).
+        timer: the cache's phase timer when timing is on, else ``None``.
+    """
+
+    def __init__(
+        self, config: OffloadConfig, selector: Selector, blocks: BlockStore, planner: DecodePlanner,
+        execution: LayerExecution, stats: LayerStats,
+    ):  # fmt: skip
+        self.config = config
+        self.selector = selector
+        self.blocks = blocks
+        self.planner = planner
+        self.execution = execution
+        self.stats = stats
+        self.next: Recaller | None = None
+        self.next_decoder: torch.nn.Module | None = None
+        self.prefetched_ahead = False
+        self.timer = None
+        self._memo: dict[tuple, object] = {}
+        self.clear()
+
+    def clear(self) -> None:
+        """Forget the pending prefetch and the index tensors (the pools they refer to are gone)."""
+        self._prefetch_event = None  # after the speculative recall into this layer's slot pool
+        self._prefetched_slots: torch.Tensor | None = None  # [batch, kv_heads, slots] bool: filled by that recall
+        self._memo = {}
+
+    # ------------------------------------------------------------------------------------------------- stream order
+    def wait_prefetch(self) -> None:
+        """Make the compute stream wait for this layer's pending speculative recall, if any."""
+        if self._prefetch_event is not None:
+            transfer.wait_event(self._prefetch_event, self.blocks.device)
+            self._prefetch_event = None
+
+    def wait_side_streams(self) -> None:
+        """Make the compute stream wait for the side-stream work a decode step depends on (a pending prefetch, the
+        host writes of the blocks this forward may read) and forget those events. A replay or a capture does this
+        outside the graph: a graph cannot wait on work recorded outside it."""
+        # Stream order, as in resident_rounds: the recall in the graph reads host blocks the offload stream wrote.
+        self.wait_prefetch()
+        transfer.wait_event(self.blocks.selectable_written, self.blocks.device)
+        self.blocks.selectable_written = None
+
+    # ------------------------------------------------------------------------------------------------------- rounds
+    def resident_rounds(
+        self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True, in_place: bool = False
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+        """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
+
+        Before its first recall the compute stream waits for the host writes of the blocks this forward may read
+        and for this layer's pending prefetch, if any (events, no host synchronisation).
+
+        With ``in_place`` (the paged decode attention reads blocks of admitted chunks where they are), only blocks
+        in host memory take slots and are recalled; the others count as hits (no bytes move for them). A decode step
+        of a layer whose every chunk is admitted skips the slot pool altogether (no assignment, no copy launch;
+        every slot reads 0, which the paged attention never uses for such blocks).
+
+        Yields:
+            ``(blocks, keep, slots, keys, values)`` per round: block indices ``[batch, 1 or kv_heads, n]``, which are
+            attended (same shape, bool), the slot of each entry (``[batch, kv_heads, n]``, int64), and the entries'
+            keys and values gathered from the pool, ``[batch, kv_heads, n * block_tokens, head_dim]`` (``None``
+            without ``gather``: the caller reads the pool in place).
+        """
+        store, pool = self.blocks, self.blocks.pool
+        total = selection.blocks.shape[-1]
+        per_round = pool.slots
+        prefetched, self._prefetched_slots = self._prefetched_slots, None
+        if decode and count_step:
+            self.stats.add(("decode_steps",), 1)
+        shared, heads = not self.selector.per_head, store.kv_heads
+        if in_place and decode and total <= per_round and store.host.all_admitted:
+            # Every block lies in device memory: nothing to assign or recall (the assignment, its arguments and an
+            # empty copy launch would cost more than the step's attention).
+            keep = selection.keep
+            self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
+            self.wait_side_streams()  # blocks sealed on a side stream reach their chunks first
+            yield selection.blocks, keep, self._zero_slots(total), None, None
+            return
+        for start in range(0, total, per_round):
+            if total <= per_round:
+                blocks, keep = selection.blocks, selection.keep
+            else:
+                blocks = selection.blocks[..., start : start + per_round]
+                keep = selection.keep[..., start : start + per_round]
+            slots, miss = pool.assign(blocks, self.pool_keep(blocks, keep) if in_place else keep)
+            if decode:
+                # Device-side counts, summed when stats() reads them.
+                self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
+                if prefetched is not None:
+                    used = keep.expand_as(miss) & ~miss & prefetched.gather(-1, slots)
+                    used = used if self.selector.per_head else used[:, :1]
+                    self.stats.count_later(("prefetch_used_blocks",), used)
+            if start == 0:
+                # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
+                # them; both must come after the prefetch. Recalled blocks must have reached the host.
+                self.wait_side_streams()
+            count, unit, host_count = self.recall(blocks, slots, miss)
+            count_recall(self.stats, count, unit, decode=decode, host_count=host_count)
+            if decode:
+                # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss of
+                # every head.
+                self.stats.add_later(("hits",), count, -heads if shared else -1)
+            keys, values = pool.gather(slots) if gather else (None, None)
+            yield blocks, keep, slots, keys, values
+
+    def pool_keep(self, blocks: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """``keep`` limited to the blocks in host memory (those the paged decode attention reads from slots).
+
+        Args:
+            blocks: block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``, compute device (below the device
+                block table's capacity).
+            keep: which entries are wanted, same shape, ``torch.bool``.
+        """
+        host = self.blocks.host
+        if not host.admitted_chunks:
+            return keep
+        _, on_host = host.chunk_tables(self.blocks.device)
+        table = self.blocks.block_table_dev
+        # Entries past the sealed blocks (a step's capacity) are never kept: any column serves them.
+        ids = table.gather(1, blocks.reshape(blocks.shape[0], -1).clamp(0, table.shape[1] - 1)).view(blocks.shape)
+        chunk = torch.where(ids >= 0, ids // host.chunk_blocks, len(on_host) - 1)  # -1 reads False
+        return keep & on_host[chunk]
+
+    # ------------------------------------------------------------------------------------------------------- recall
+    def recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
+        """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise).
+
+        Args:
+            blocks: block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``, compute device.
+            slots: slot per entry, ``[batch, kv_heads, n]``, ``torch.int64``, compute device.
+            miss: entries to recall, ``[batch, kv_heads, n]``, ``torch.bool``, compute device.
+            stream: kernel path on CUDA only: a side stream to run the copy on (its event becomes the pending
+                prefetch); ``None``: the current stream.
+
+        Returns:
+            ``(count, unit, host_count)``: pieces moved (a 0-d device tensor on the kernel path, an int otherwise),
+            the bytes of one piece, and how many of the pieces were read from host memory (``None``: all; the rest
+            came from blocks admitted to the device).
+        """
+        if self.execution.use_kernels:
+            return self._recall_kernel(blocks, slots, miss, stream)
+        store = self.blocks
+        if self.selector.per_head:
+            b, h, j = miss.nonzero(as_tuple=True)
+            block = blocks.expand_as(miss)[b, h, j]
+            ids = store.block_table[b.cpu(), block.cpu()]
+            transfer.recall_blocks(store.host, store.pool, ids, b, slots[b, h, j], head_idx=h)
+            return len(ids), store.host.block_bytes // store.kv_heads, store.host.count_on_host(ids)
+        # A shared selection keeps all heads of a slot on the same block: the misses of head 0 are all misses.
+        b, j = miss[:, 0].nonzero(as_tuple=True)
+        block = blocks[:, 0][b, j]
+        ids = store.block_table[b.cpu(), block.cpu()]
+        transfer.recall_blocks(store.host, store.pool, ids, b, slots[:, 0][b, j])
+        return len(ids), store.host.block_bytes, store.host.count_on_host(ids)
+
+    def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
+        """Kernel path of :meth:`recall`: one launch over every candidate entry; no host synchronisation.
+
+        The launch arguments are computed on the compute stream; only the copy runs on ``stream``.
+        """
+        store = self.blocks
+        host, table_dev = store.host, store.block_table_dev
+        batch, heads, n = miss.shape
+        if self.selector.per_head:
+            table = table_dev[:, None, :].expand(batch, heads, -1)
+            ids = torch.where(miss, table.gather(-1, blocks.expand(batch, heads, n)), -1).view(-1)
+            batch_idx, head_idx = self._entry_indices(n, per_head=True)
+            slot_idx = slots.view(-1)
+            count, unit = miss.sum(), host.block_bytes // heads
+        else:
+            missed = miss[:, :1]  # a shared selection: every head of a slot holds the same block
+            ids = torch.where(missed, table_dev[:, None, :].gather(-1, blocks), -1).view(-1)
+            batch_idx, head_idx = self._entry_indices(n, per_head=False)
+            slot_idx = slots[:, :1].reshape(-1)
+            count, unit = missed.sum(), host.block_bytes
+        offsets = None if head_idx is not None else self._block_offsets(n)
+        addrs = host.chunk_addrs(store.device)  # refreshed on the compute stream, before any side stream
+        uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,)) + (offsets or ())
+        event = transfer.launch_on(
+            stream,
+            lambda: transfer.recall_blocks_kernel(host, store.pool, ids, batch_idx, slot_idx, head_idx, offsets),
+            uses=uses,
+            wait_for=(store.last_write,) if stream is not None else (),
+        )
+        if stream is not None:
+            self._prefetch_event = event
+        return count, unit, host.count_on_host(ids)
+
+    def _block_offsets(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`~hf_offload.store.transfer.block_piece_offsets` of the ``n`` whole-block entries per sequence of
+        :meth:`_entry_indices`, built once per ``n`` (kept as long as the slot pool, like the indices)."""
+        key = (n, "offsets")
+        if key not in self._memo:
+            batch_idx, _ = self._entry_indices(n, per_head=False)
+            self._memo[key] = transfer.block_piece_offsets(self.blocks.host, self.blocks.pool, batch_idx)
+        return self._memo[key]
+
+    def _zero_slots(self, n: int) -> torch.Tensor:
+        """Slot 0 for each of ``n`` entries per sequence and KV head, ``[batch, kv_heads, n]``, ``torch.int64``,
+        compute device: what a step that takes no slots hands the paged attention (built once per ``n``)."""
+        key = (n, "zero_slots")
+        if key not in self._memo:
+            store = self.blocks
+            self._memo[key] = torch.zeros((store.batch, store.kv_heads, n), dtype=torch.long, device=store.device)
+        return self._memo[key]
+
+    def _entry_indices(self, n: int, per_head: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Sequence (and, per head, KV head) of each of ``n`` entries per row, flattened like ``[batch, kv_heads or
+        1, n]``: ``int64`` tensors on the compute device, built once per ``n``."""
+        key = (n, per_head)
+        if key not in self._memo:
+            store = self.blocks
+            heads = store.kv_heads if per_head else 1
+            shape = (store.batch, heads, n)
+            b = torch.arange(store.batch, device=store.device)[:, None, None].expand(shape).reshape(-1)
+            h = torch.arange(heads, device=store.device)[None, :, None].expand(shape).reshape(-1) if per_head else None
+            self._memo[key] = (b, h)
+        return self._memo[key]
+
+    # ---------------------------------------------------------------------------------------------------- lookahead
+    def lookahead_from_input(self, args: tuple, kwargs: dict) -> bool:
+        """Before this layer's decode step (``lookahead_query="next"``): plan :attr:`next`'s layer with its own query
+        predicted from this layer's input (:func:`~hf_offload.lookahead.speculative_query`) and start recalling its
+        misses (:meth:`prefetch`). Returns whether it did; where it cannot (not a one-token decode step, lookahead
+        off, no adjacent next decoder layer of the supported form), the step plans with its own query after its
+        plan as before."""
+        nxt, module = self.next, self.next_decoder
+        if not self.execution.lookahead or self.config.lookahead_query != "next" or module is None or nxt is None:
+            return False
+        store, other = self.blocks, nxt.blocks
+        if not (store.is_initialized and other.is_initialized and other.n_blocks and other.device == store.device):
+            return False
+        hidden = hidden_states(args, kwargs)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[:2] != (store.batch, 1):
+            return False
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not isinstance(mask, OffloadMask):
+            return False
+        timer = self.timer
+        start = timer.mark() if timer is not None else None
+        query = speculative_query(module, hidden, kwargs.get("position_embeddings"))
+        scaling = getattr(getattr(module, "self_attn", None), "scaling", None)
+        if query is None or scaling is None or query.shape[1] % other.kv_heads or query.shape[-1] != other.head_dim:
+            return False
+        batch, q_heads, _, head_dim = query.shape
+        nxt.prefetch(query.view(batch, other.kv_heads, q_heads // other.kv_heads, head_dim), mask, scaling)
+        if timer is not None:
+            timer.add("prefetch", start, timer.mark())
+        return True
+
+    def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:
+        """After this layer's decode plan: speculatively plan :attr:`next`'s layer with this layer's query and start
+        recalling its misses (see :meth:`prefetch`). A no-op unless lookahead is on and the next layer has the same
+        geometry on the same device.
+
+        Args:
+            query: this layer's decode query, ``[batch, kv_heads, group, head_dim]``, compute device.
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask`, or ``None``.
+            scaling: softmax scale.
+        """
+        nxt = self.next
+        if not self.execution.lookahead or nxt is None or not nxt.blocks.is_initialized:
+            return
+        other = nxt.blocks
+        if other.device != self.blocks.device or (other.batch, other.kv_heads, other.head_dim) != (
+            query.shape[0], query.shape[1], query.shape[-1]
+        ):
+            return
+        nxt.prefetch(query, mask, scaling)
+
+    def prefetch(self, query: torch.Tensor, mask, scaling: float) -> None:
+        """Speculative plan of this layer's coming decode step from an earlier layer's query; recalls its misses.
+
+        Runs before this layer's ``update`` of the step. The plan is the planner's over the blocks sealed so far,
+        bounded to ``lookahead_blocks`` blocks besides sink and window (forced blocks are always part of it, so
+        the slots it takes are never those of the sink and window blocks the exact plan will need). Its misses get
+        slots in this layer's pool (least recently used first, like any miss, but left ranked as never used, so a
+        wrong guess is the first victim of the exact plan) and are recalled on the prefetch stream, whose event the
+        exact plan waits on before it touches the pool's data (:meth:`resident_rounds`).
+        Without side streams (CPU, torch path) the recall runs synchronously. Never changes what is attended.
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, compute device (an earlier layer's decode query).
+            mask: the forward's :class:`~hf_offload.attention.OffloadMask`, or ``None``.
+            scaling: softmax scale.
+        """
+        store = self.blocks
+        n = store.n_blocks
+        if n == 0:
+            return
+        selection = self.planner.plan(query, mask, scaling, n, store.keys.shape[-2] + 1, store.n_tokens)
+        if selection.blocks.shape[-1] > store.pool.slots:
+            return  # the exact plan runs in rounds that cycle the whole pool: nothing would stay resident
+        keep = self._bounded(selection)
+        if self.execution.paged:  # blocks of admitted chunks are read in place: nothing to prefetch for them
+            keep = self.pool_keep(selection.blocks, keep)
+        slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
+        streams = self.execution.streams
+        count, unit, host_count = self.recall(selection.blocks, slots, miss, streams.prefetch if streams else None)
+        count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
+        filled = torch.zeros(store.pool.block.shape, dtype=torch.int32, device=store.device)
+        self._prefetched_slots = filled.scatter_add_(-1, slots, miss.int()) > 0
+
+    def _bounded(self, selection: Selection) -> torch.Tensor:
+        """``selection.keep`` limited to the forced blocks plus the ``lookahead_blocks`` best-scored others."""
+        limit = self.config.lookahead_blocks
+        keep = selection.keep
+        k = keep.shape[-1]
+        if limit is None or limit >= k:
+            return keep
+        rank = torch.arange(k, device=keep.device)
+        if selection.scores is None:  # every block is attended (select_all): the newest ones
+            return keep & (rank >= k - limit)
+        scores = selection.scores.gather(-1, selection.blocks)
+        forced = scores == float("inf")
+        others = scores.masked_fill(forced | ~keep, float("-inf"))
+        best = torch.zeros_like(keep).scatter_(-1, others.topk(limit, dim=-1).indices, True)
+        return keep & (forced | best)

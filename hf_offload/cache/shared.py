@@ -1,0 +1,119 @@
+"""What the offloaded layers of one cache share per device: admission budget, side streams, decode inputs, the
+memory pool and stream of their CUDA graphs, and the phase timer."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+
+from ..attention.inputs import DecodeInputs
+from ..config import OffloadConfig
+from ..store import DeviceAdmission, transfer
+from ..timing import PhaseTimer
+from .capture import (
+    CapturedDecode,
+    CapturedLayer,
+    CapturedWork,
+    StaticInputs,
+    capture,
+    capture_decoder_layer,
+    capture_work,
+)
+
+
+class DeviceResources:
+    """Per-device objects the offloaded layers of one cache share, created on first use: the device admission
+    budget, the side streams and the phase timer. Holds no reference to the cache or its layers."""
+
+    def __init__(self, config: OffloadConfig):
+        self.config = config
+        self.admissions: dict[torch.device, DeviceAdmission] = {}
+        self.transfer_streams: dict[torch.device, transfer.TransferStreams] = {}
+        self.phase_timer: PhaseTimer | None = None
+        self.inputs: dict[torch.device, DecodeInputs] = {}
+        self.graph_pools: dict[torch.device, tuple] = {}
+        self.capture_streams: dict[torch.device, torch.cuda.Stream] = {}
+        self.live_graphs: dict[torch.device, int] = {}
+        self.statics: dict[torch.device, StaticInputs] = {}
+
+    def admission(self, device: torch.device) -> DeviceAdmission | None:
+        """The device admission budget of ``device`` (one per device), or ``None`` unless admission is "auto"."""
+        if self.config.admission != "auto":
+            return None
+        if device not in self.admissions:
+            gib = self.config.device_memory_gib
+            self.admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
+        return self.admissions[device]
+
+    def streams(self, device: torch.device) -> transfer.TransferStreams:
+        """The side streams of a CUDA device (one set per device)."""
+        if device not in self.transfer_streams:
+            self.transfer_streams[device] = transfer.TransferStreams(device)
+        return self.transfer_streams[device]
+
+    def decode_inputs(self, device: torch.device) -> DecodeInputs:
+        """The shared inputs of the decode step on ``device`` (one per device)."""
+        return self.inputs.setdefault(device, DecodeInputs())
+
+    def capture_graph(self, device: torch.device, body, query: torch.Tensor, held: tuple) -> CapturedDecode:
+        """Capture a layer's decode step (:func:`~hf_offload.cache.capture.capture`) into the memory pool that the graphs of
+        the cache's layers on ``device`` share: they replay one after the other, in the order they were captured,
+        so their temporaries may share memory, which needs one capture stream for all of them (the allocator reuses
+        a block only on the stream that freed it). A pool lives as long as one of its graphs does; after the last
+        one is dropped (a reset), the next capture starts a new pool."""
+        return self._in_pool(device, lambda pool, stream: capture(body, query, pool, held, stream))
+
+    def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple) -> CapturedLayer:
+        """Capture a whole decoder layer's decode step (:func:`~hf_offload.cache.capture.capture_decoder_layer`) into the same pool
+        and on the same stream as :meth:`capture_graph`, its tensor arguments read from :meth:`static_inputs`."""
+        statics = self.static_inputs(device)
+        return self._in_pool(
+            device, lambda pool, stream: capture_decoder_layer(forward, args, kwargs, statics, pool, held, stream)
+        )
+
+    def capture_work(self, device: torch.device, enqueue, held: tuple) -> CapturedWork:
+        """Capture work without arguments (:func:`~hf_offload.cache.capture.capture_work`; a layer's seal of a block) into
+        the same pool and on the same stream as :meth:`capture_graph`."""
+        return self._in_pool(device, lambda pool, stream: capture_work(enqueue, device, pool, held, stream))
+
+    def _in_pool(self, device: torch.device, capture_with: Callable):
+        """``capture_with(pool, stream)`` with the pool and capture stream the cache's graphs on ``device`` share;
+        the captured graph is counted as one of the pool's (a failed capture sends later ones to a new pool)."""
+        self._pool(device)
+        try:
+            captured = capture_with(self.graph_pools[device], self.capture_streams[device])
+        except Exception:
+            self._pool_failed(device)
+            raise
+        return self._count_graph(device, captured)
+
+    def static_inputs(self, device: torch.device) -> StaticInputs:
+        """The fixed-address input buffers of the decoder-layer graphs on ``device``."""
+        return self.statics.setdefault(device, StaticInputs())
+
+    def _pool(self, device: torch.device) -> None:
+        if not self.live_graphs.get(device):
+            self.graph_pools[device] = torch.cuda.graph_pool_handle()
+        if device not in self.capture_streams:
+            self.capture_streams[device] = torch.cuda.Stream(device)
+
+    def _pool_failed(self, device: torch.device) -> None:
+        """After a failed capture: later captures go to a new pool (the allocator may still count the failed
+        capture as recording into the old one, which refuses every later capture into it)."""
+        self.graph_pools[device] = torch.cuda.graph_pool_handle()
+
+    def _count_graph(self, device: torch.device, captured):
+        self.live_graphs[device] = self.live_graphs.get(device, 0) + 1
+        weakref.finalize(captured, self._graph_dropped, device)
+        return captured
+
+    def _graph_dropped(self, device: torch.device) -> None:
+        self.live_graphs[device] -= 1
+
+    def timer(self, device: torch.device) -> PhaseTimer:
+        """The cache's phase timer."""
+        if self.phase_timer is None:
+            self.phase_timer = PhaseTimer(device)
+        return self.phase_timer

@@ -1,0 +1,237 @@
+"""Counters of one offloaded layer, and the ``stats()`` dict of a cache built from them."""
+
+from __future__ import annotations
+
+import torch
+
+class LayerStats:
+    """Counters of one layer.
+
+    Counters are Python ints or 0-d device tensors. Device counts of decode steps may be queued with
+    :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
+    Counts added while a CUDA graph is being captured go into a persistent device tensor instead, one entry per
+    distinct ``(fields, factor)`` of :meth:`add_later` (one in-place add per call, recorded in the graph; the factor
+    and the fields are applied when a counter is read), so that every replay of the graph counts; masks counted with
+    :meth:`count_later` go into a persistent count per element instead (one launch per replay).
+    """
+
+    FIELDS = (
+        "lookups",  # kept (sequence, head, block) entries looked up in decode
+        "hits",
+        "recalled_blocks",  # host-to-device transfers (whole blocks or single-head pieces)
+        "recalled_bytes",
+        "decode_recalled_blocks",  # the part of the two above recalled by decode steps
+        "decode_recalled_bytes",
+        "decode_host_bytes",  # the part of decode_recalled_bytes read from host memory (the rest: admitted blocks)
+        "offloaded_bytes",
+        "decode_steps",
+        "prefetched_blocks",  # speculative recalls (lookahead); included in the recall counters above
+        "prefetched_bytes",
+        "prefetch_used_blocks",  # prefetched blocks that the exact plan that followed attended
+        "graph_captures",  # decode steps captured into a CUDA graph (op by op first unless their geometry was warm)
+        "graph_replays",  # decode steps replayed from a captured graph
+        "graph_capture_us",  # host wall time of the decode steps that captured (any op-by-op run + the capture)
+        "graph_capture_retries",  # captures of a warm geometry that failed; the step then ran op by op
+        "layer_graph_captures",  # decode steps of a whole decoder layer captured into a CUDA graph
+        "layer_graph_replays",  # decode steps of a whole decoder layer replayed (included in graph_replays)
+        "seal_graph_captures",  # seals of a full block after a replayed step, captured into a CUDA graph
+        "seal_graph_replays",  # seals of a full block after a replayed step, replayed from that graph
+        "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
+        "tail_steps",  # decode steps with that estimate
+        "reused_selections",  # decode steps that attended the previous step's selection (reselect_every)
+    )
+    _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
+    _CAPTURE_SLOTS = 64  # distinct (fields, factor) counts that captured graphs may add into
+
+    def __init__(self) -> None:
+        # (fields, factor, mask shape) -> per-element counts of the masks captured graphs add (count_later)
+        self._captured_masks: dict[tuple[tuple[str, ...], int, tuple[int, ...]], torch.Tensor] = {}
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self._totals = dict.fromkeys(self.FIELDS, 0)
+        self._queued: dict[tuple[tuple[str, ...], int], list[torch.Tensor]] = {}
+        self._n_queued = 0
+        with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into them
+            if getattr(self, "_captured", None) is not None:
+                self._captured.zero_()
+            for buffer in self._captured_masks.values():
+                buffer.zero_()
+
+    def prepare_capture(self, device: torch.device) -> None:
+        """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
+        if getattr(self, "_captured", None) is None:
+            self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
+            self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
+
+    def add(self, fields: tuple[str, ...], value) -> None:
+        """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
+        for name in fields:
+            self._totals[name] = self._totals[name] + value
+
+    def add_later(self, fields: tuple[str, ...], value: torch.Tensor, factor: int = 1) -> None:
+        """Add ``factor * value`` to each of ``fields`` when the counters are next read (an int: now).
+
+        Args:
+            fields: counter names.
+            value: a 0-d integer tensor on the compute device, or an int.
+            factor: a constant multiplier (e.g. bytes per block, or ``-1``).
+        """
+        if not isinstance(value, torch.Tensor):
+            self.add(fields, value * factor)
+            return
+        if value.is_cuda and torch.cuda.is_current_stream_capturing():
+            slot = self._capture_slots.get((fields, factor))
+            if slot is None:
+                if len(self._capture_slots) == self._CAPTURE_SLOTS:
+                    raise RuntimeError(f"LayerStats: more than {self._CAPTURE_SLOTS} distinct counts in captured graphs")
+                slot = self._capture_slots[(fields, factor)] = len(self._capture_slots)
+            self._captured.select(0, slot).add_(value)
+            return
+        self._queued.setdefault((fields, factor), []).append(value)
+        self._n_queued += 1
+        if self._n_queued >= self._QUEUE:
+            self.settle()
+
+    def count_later(self, fields: tuple[str, ...], mask: torch.Tensor, factor: int = 1) -> None:
+        """Add ``factor`` times the number of ``True`` elements of ``mask`` to each of ``fields`` when the counters
+        are next read. While a CUDA graph is being captured, the mask itself is added into a persistent per-element
+        count of its shape (one launch per replay, where a sum and an add would take three), summed when read; that
+        count is allocated at the first call outside a capture (an allocation inside one would be the graph's, its
+        zeros replayed), so a capture that finds none counts through :meth:`add_later`.
+
+        Args:
+            fields: counter names.
+            mask: ``torch.bool``, any shape, on the compute device.
+            factor: a constant multiplier.
+        """
+        key = (fields, factor, tuple(mask.shape))
+        if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+            buffer = self._captured_masks.get(key)
+            if buffer is not None:
+                buffer.add_(mask)
+                return
+        elif mask.is_cuda and key not in self._captured_masks:  # made in the decode's own mode, as the graphs' adds
+            self._captured_masks[key] = torch.zeros(mask.shape, dtype=torch.int64, device=mask.device)
+        self.add_later(fields, mask.sum(), factor)
+
+    def settle(self) -> None:
+        """Sum the queued device counts into the counters (device operations only, no host synchronisation)."""
+        queued, self._queued, self._n_queued = self._queued, {}, 0
+        for (fields, factor), values in queued.items():
+            total = torch.stack(values).sum() * factor
+            self.add(fields, total)
+
+
+def _counter(name: str) -> property:
+    def get(self: LayerStats):
+        if self._n_queued:
+            self.settle()
+        total = self._totals[name]
+        for (fields, factor), slot in getattr(self, "_capture_slots", {}).items():
+            if name in fields:
+                total = total + self._captured[slot] * factor
+        for (fields, factor, _), buffer in getattr(self, "_captured_masks", {}).items():
+            if name in fields:
+                total = total + buffer.sum() * factor
+        return total
+
+    def set(self: LayerStats, value) -> None:
+        self._totals[name] = value
+
+    return property(get, set)
+
+
+for _name in LayerStats.FIELDS:
+    setattr(LayerStats, _name, _counter(_name))
+
+
+def count_recall(stats: LayerStats, count, unit: int, decode: bool, prefetch: bool = False, host_count=None) -> None:
+    """Add ``count`` recalled blocks (or pieces) of ``unit`` bytes each to ``stats``.
+
+    Args:
+        count: an int, or a 0-d integer tensor on the compute device (queued, no host synchronisation).
+        unit: bytes per block or piece.
+        decode: recalled by a decode step (else by a prefill chunk).
+        prefetch: a speculative recall (lookahead).
+        host_count: how many of them were read from host memory (the rest from blocks admitted to the device);
+            ``None``: all of them.
+    """
+    blocks = ("recalled_blocks",) + (("decode_recalled_blocks",) if decode else ()) + (
+        ("prefetched_blocks",) if prefetch else ()
+    )
+    stats.add_later(blocks, count)
+    stats.add_later(tuple(name.replace("_blocks", "_bytes") for name in blocks), count, unit)
+    if decode:
+        stats.add_later(("decode_host_bytes",), count if host_count is None else host_count, unit)
+
+
+def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
+    """The ``OffloadCache.stats()`` dict of a cache's layers (see that method for the keys).
+
+    Args:
+        layers: the cache's layers: offloaded ones (with ``stats`` and ``blocks``) and dense sliding-window ones.
+        timing: the phase timer's summary, or ``None``.
+        fusions: ``stats()["fusions"]``.
+    """
+    per_layer = {}
+    device = summaries = host = reserved = 0
+    offload = [layer for layer in layers if isinstance(getattr(layer, "stats", None), LayerStats)]
+    for layer in layers:
+        if layer in offload:
+            s, blocks = layer.stats, layer.blocks
+            lookups, hits = int(s.lookups), int(s.hits)
+            per_layer[layer.layer_idx] = {
+                "device_kv_bytes": blocks.device_kv_bytes(),
+                "host_kv_bytes": blocks.host_kv_bytes(),
+                "recalled_blocks": int(s.recalled_blocks),
+                "recalled_bytes": int(s.recalled_bytes),
+                "decode_recalled_bytes": int(s.decode_recalled_bytes),
+                "decode_host_bytes": int(s.decode_host_bytes),
+                "prefetched_blocks": int(s.prefetched_blocks),
+                "prefetch_used_blocks": int(s.prefetch_used_blocks),
+                "hit_rate": hits / lookups if lookups else None,
+                "lookups": lookups,
+                "tail_share": int(s.tail_ppm) / 1e6 / int(s.tail_steps) if int(s.tail_steps) else None,
+                "reused_selections": int(s.reused_selections),
+            }
+            device += blocks.device_kv_bytes()
+            summaries += blocks.device_summary_bytes()
+            host += blocks.host_kv_bytes()
+            reserved += blocks.host_reserved_bytes()
+        elif layer.is_initialized and layer.keys is not None:
+            device += 2 * layer.keys.numel() * layer.keys.element_size()
+
+    def total(name: str) -> int:
+        return sum(int(getattr(layer.stats, name)) for layer in offload)
+
+    lookups = total("lookups")
+    return {
+        "device_kv_bytes": device,
+        "device_summary_bytes": summaries,
+        "host_kv_bytes": host,
+        "host_reserved_bytes": reserved,
+        "recalled_blocks": total("recalled_blocks"),
+        "recalled_bytes": total("recalled_bytes"),
+        "decode_recalled_blocks": total("decode_recalled_blocks"),
+        "decode_recalled_bytes": total("decode_recalled_bytes"),
+        "decode_host_bytes": total("decode_host_bytes"),
+        "prefetched_blocks": total("prefetched_blocks"),
+        "prefetched_bytes": total("prefetched_bytes"),
+        "prefetch_used_blocks": total("prefetch_used_blocks"),
+        "offloaded_bytes": total("offloaded_bytes"),
+        "graph_captures": total("graph_captures"),
+        "graph_replays": total("graph_replays"),
+        "graph_capture_ms": total("graph_capture_us") / 1000,
+        "graph_capture_retries": total("graph_capture_retries"),
+        "seal_graph_captures": total("seal_graph_captures"),
+        "seal_graph_replays": total("seal_graph_replays"),
+        "hit_rate": total("hits") / lookups if lookups else None,
+        "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
+        "reused_selections": total("reused_selections"),
+        "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
+        "layers": per_layer,
+        "timing": timing,
+        "fusions": fusions,
+    }
