@@ -11,37 +11,28 @@ The original mask is built from them only if the original attention function nee
 the layers); the offload path evaluates the same mask function only at the positions it attends to, so no
 ``q_len x context`` mask is ever built.
 
-Nothing here is registered at import time; :func:`enable_offload_attention` registers on first use.
+The registration and the switch of a model live in :mod:`hf_offload.patches.attention`; nothing is registered
+at import time.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from .kernels import OnlineSoftmax
 from .kernels.paged import paged_decode
 from .kernels.tail import attention_lse
-from .graphs import DecodeInputs, remove_layer_calls
-from .norms import remove_fused_norms
-from .projections import remove_fused_projections
-from .rotary import remove_fused_rotary
+from .graphs import DecodeInputs
 from .selectors.base import Selection
 
 if TYPE_CHECKING:
     from .cache import OffloadLayer
-
-PREFIX = "hf_offload_"
-SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
-
 
 # ----------------------------------------------------------------------------------------------------------- handoff
 @dataclass
@@ -171,61 +162,6 @@ class OffloadMask:
         if key not in self._memo:
             self._memo[key] = build()
         return self._memo[key]
-
-
-def _make_mask_function(original: str):
-    def offload_mask(**kwargs) -> OffloadMask:
-        return OffloadMask(original, kwargs)
-
-    offload_mask.__name__ = f"{PREFIX}{original}_mask"
-    return offload_mask
-
-
-# --------------------------------------------------------------------------------------------------------- attention
-def _original_attention(original: str, module: torch.nn.Module):
-    if original == "eager":
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to hand over to.")
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[original]
-
-
-def _make_attention_function(original: str):
-    def offload_attention(module, query, key, value, attention_mask, **kwargs):
-        handoff = take_handoff()
-        if handoff is None:
-            mask = attention_mask.materialize() if isinstance(attention_mask, OffloadMask) else attention_mask
-            return _original_attention(original, module)(module, query, key, value, mask, **kwargs)
-        if handoff.key is not key:
-            raise RuntimeError(
-                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) changed the key states between "
-                "cache.update() and the attention call, which the offload attention cannot follow. This architecture "
-                "needs an adapter in hf_offload/patches/."
-            )
-        layer = handoff.layer
-        if getattr(module, "config", None) is not None and module.config is not layer.model_config:
-            raise RuntimeError(
-                f"This OffloadCache was built for {layer.model_name} and is being used by another model. Build one "
-                "OffloadCache(model) per model."
-            )
-        if attention_mask is not None and not isinstance(attention_mask, OffloadMask):
-            raise NotImplementedError(
-                "OffloadCache received a ready-made attention mask (e.g. a custom 4D mask); pass a 2D attention_mask "
-                "(padding) instead."
-            )
-        out = offload_attention_forward(
-            handoff,
-            query,
-            attention_mask,
-            scaling=kwargs.get("scaling"),
-            softcap=kwargs.get("softcap"),
-            sink_logits=kwargs.get("s_aux"),
-        )
-        return out, None
-
-    offload_attention.__name__ = f"{PREFIX}{original}"
-    return offload_attention
 
 
 def offload_attention_forward(
@@ -729,47 +665,3 @@ def _per_sequence(query, key, value, starts: list[int], attend) -> torch.Tensor:
                 query[b : b + 1, :, q_from:], key[b : b + 1, :, start:], value[b : b + 1, :, start:]
             )
     return out.transpose(1, 2).contiguous()
-
-
-# ---------------------------------------------------------------------------------------------------- model switching
-def _register(original: str) -> str:
-    name = PREFIX + original
-    if name not in ALL_ATTENTION_FUNCTIONS:
-        AttentionInterface.register(name, _make_attention_function(original))
-    if name not in ALL_MASK_ATTENTION_FUNCTIONS:
-        AttentionMaskInterface.register(name, _make_mask_function(original))
-    return name
-
-
-def original_implementation(model: torch.nn.Module) -> str:
-    """The attention implementation the model had before it was switched (or has now, if never switched)."""
-    current = model.config.get_text_config(decoder=True)._attn_implementation or "eager"
-    return current[len(PREFIX) :] if current.startswith(PREFIX) else current
-
-
-def enable_offload_attention(model: torch.nn.Module) -> str:
-    """Switch ``model`` to the offload attention (idempotent); returns the original implementation's name.
-
-    The switched model behaves exactly as before with any cache other than an ``OffloadCache``.
-    """
-    original = original_implementation(model)
-    if original not in SUPPORTED_IMPLEMENTATIONS:
-        raise ValueError(
-            f"OffloadCache supports models running attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; this model "
-            f"uses {original!r}. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
-        )
-    name = _register(original)
-    if model.config.get_text_config(decoder=True)._attn_implementation != name:
-        model.set_attn_implementation(name)
-    return original
-
-
-def disable_offload_attention(model: torch.nn.Module) -> None:
-    """Switch ``model`` back to its original attention implementation."""
-    current = model.config.get_text_config(decoder=True)._attn_implementation or ""
-    if current.startswith(PREFIX):
-        model.set_attn_implementation(current[len(PREFIX) :])
-    remove_layer_calls(model)
-    remove_fused_norms(model)
-    remove_fused_rotary(model)
-    remove_fused_projections(model)

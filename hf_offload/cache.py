@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_flatten
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
 from . import transfer
-from .attention import Handoff, OffloadMask, _plain_causal, enable_offload_attention, leave_handoff, take_handoff
+from .attention import Handoff, OffloadMask, _plain_causal, leave_handoff, take_handoff
 from .config import OffloadConfig
 from .kernels.append import append_token
 from .kernels.seal import seal_block, seal_block_supported
@@ -43,15 +43,15 @@ from .graphs import (
     capture,
     capture_decoder_layer,
     capture_work as _capture_work,
-    decoder_layers,
     forced_blocks,
-    install_layer_calls,
     replay_layer,
 )
 from .lookahead import speculative_query
-from .norms import FusedNorm, fused_norms_active, install_fused_norms
-from .projections import fused_groups, fused_projections_active, install_fused_projections
-from .rotary import RotaryForward, fused_rotary_active, install_fused_rotary
+from .patches import install as install_patches, installed as installed_patches
+from .patches.layers import decoder_layers
+from .patches.norms import FusedNorm, fused_norms_active
+from .patches.projections import fused_groups, fused_projections_active, projections_on
+from .patches.rotary import RotaryForward, fused_rotary_active
 from .selectors import Selection, Selector, get_selector
 from .selectors.base import unselected_tokens
 from .selectors.quantkey import QuantKeySelector
@@ -255,17 +255,10 @@ def call_fusions(config: OffloadConfig, args: tuple, kwargs: dict) -> tuple[bool
     return fusions_on(config, hidden.device) if isinstance(hidden, torch.Tensor) else (False, False, False)
 
 
-def projections_on(config: OffloadConfig, device: torch.device) -> bool:
-    """Whether decoder layers on ``device`` compute their sibling projections as one product
-    (``config.fused_projections``)."""
-    setting = config.fused_projections
-    return bool(device.type == "cuda" if setting is None else setting)
-
-
 def fusions_on(config: OffloadConfig, device: torch.device) -> tuple[bool, bool, bool]:
     """Whether decoder layer calls on ``device`` run their RMS norms (``config.fused_norms``) and their rotary
     embedding (``config.fused_rotary``) with the kernels, and their sibling projections as one product
-    (``config.fused_projections``, :func:`projections_on`).
+    (``config.fused_projections``, :func:`~hf_offload.patches.projections.projections_on`).
 
     Raises:
         RuntimeError: either set to ``True`` where Triton cannot run.
@@ -1945,26 +1938,17 @@ class OffloadCache(Cache):
             layer.next_layer = nxt  # lookahead goes from each offloaded layer to the next one
             if nxt.layer_idx == layer.layer_idx + 1:  # its query predicted from this layer's input (same layer type)
                 layer.next_decoder = modules.get(nxt.layer_idx)
-        self.original_attn_implementation = enable_offload_attention(model)
-        install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
-        install_fused_norms(model)  # their norms run one kernel inside those calls where fused_norms is on
-        install_fused_rotary(model)  # and their rotary embedding where fused_rotary is on
-        self._install_projections(model)
+        # The attention switch, whole-layer calls, fused norms / rotary / projections (shared by every cache of
+        # the model; hf_offload.patches.remove(model) or disable_offload_attention(model) gives the model back).
+        self.patches = install_patches(model, config)
+        self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
-
-    def _install_projections(self, model: torch.nn.Module) -> None:
-        """Fuse the sibling projections of ``model``'s decoder layers (:func:`install_fused_projections`) where
-        ``config.fused_projections`` would run them on the device of the decoder layers' weights."""
-        layers = decoder_layers(model)
-        weight = next((p for layer, _ in layers for p in layer.parameters()), None)
-        if weight is not None and projections_on(self.config, weight.device):
-            install_fused_projections(model)
 
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
         """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
         arguments): offloaded layers may replay it from a CUDA graph (:meth:`OffloadLayer.run_decoder_layer`); other
-        layers call ``forward``. Called by the routing :func:`~hf_offload.graphs.install_layer_calls` puts in front
-        of each decoder layer."""
+        layers call ``forward``. Called by the routing :func:`~hf_offload.patches.layers.install_layer_calls` puts in
+        front of each decoder layer."""
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
         if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
             with fused(call_fusions(self.config, args, kwargs)):
@@ -1996,8 +1980,8 @@ class OffloadCache(Cache):
         _check_reselect(config, self.selector)
         self.config = config
         model = self._model_ref()
-        if config.fused_projections is not False and model is not None:
-            self._install_projections(model)  # groups not built when the cache was
+        if config.fused_projections is not False and model is not None and installed_patches(model) is not None:
+            install_patches(model, config)  # projection groups not built when the cache was
         for layer in self.offload_layers:
             layer.config = config
             if layer.is_initialized:
@@ -2048,10 +2032,10 @@ class OffloadCache(Cache):
             counters per
             offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
             model's RMS norm and attention modules that run one kernel where ``fused_norms`` / ``fused_rotary`` are
-            on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``projection_groups``: the groups of
-            sibling projections computed as one product where ``fused_projections`` is on,
-            :mod:`hf_offload.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded layers'
-            calls run them, ``None`` before the first call). Blocks are counted per KV head for
+            on, see :mod:`hf_offload.patches.norms` and :mod:`hf_offload.patches.rotary`; ``projection_groups``: the
+            groups of sibling projections computed as one product where ``fused_projections`` is on,
+            :mod:`hf_offload.patches.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded
+            layers' calls run them, ``None`` before the first call). Blocks are counted per KV head for
             per-head selectors.
         """
         per_layer = {}

@@ -17,17 +17,8 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
-from hf_offload.graphs import (
-    CapturedDecode,
-    CapturedLayer,
-    CapturedWork,
-    DecoderLayerCall,
-    StaticInputs,
-    call_signature,
-    decoder_layers,
-    install_layer_calls,
-    remove_layer_calls,
-)
+from hf_offload.graphs import CapturedDecode, CapturedLayer, CapturedWork, StaticInputs, call_signature
+from hf_offload.patches.layers import DecoderLayerCall, decoder_layers, install_layer_calls, remove_layer_calls
 
 from .conftest import build_model, left_padded
 

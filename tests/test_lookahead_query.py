@@ -9,7 +9,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from hf_offload import OffloadCache
-from hf_offload.graphs import decoder_layers
+from hf_offload.patches.layers import decoder_layers
 from hf_offload.lookahead import speculative_query
 from .conftest import build_model
 
