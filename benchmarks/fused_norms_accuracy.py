@@ -28,7 +28,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from hf_offload import OffloadCache, disable_offload_attention  # noqa: E402
 from hf_offload.cache import generate_cache_kwarg  # noqa: E402
-from hf_offload.norms import FusedNorm  # noqa: E402
+from hf_offload.patches.norms import FusedNorm  # noqa: E402
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

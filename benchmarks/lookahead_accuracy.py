@@ -1,7 +1,7 @@
 """How well layer-ahead lookahead guesses the next layer's blocks, per query source, on a real or random model.
 
 For each setting (lookahead off; ``lookahead_query="same"``: the layer's own query; ``"next"``: the next layer's
-query predicted from the layer's input, ``hf_offload.lookahead``) the same needle prompts decode greedily through an
+query predicted from the layer's input, ``hf_offload.cache.lookahead``) the same needle prompts decode greedily through an
 ``OffloadCache`` (every block offloaded) and the script reports, from ``cache.stats()``: blocks prefetched per
 decode step, the share of them that the next layer's exact plan attended (``prefetch_used_blocks /
 prefetched_blocks``: the guess's precision), the share of the exact plans' misses that a prefetch had already

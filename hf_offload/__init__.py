@@ -20,8 +20,8 @@ _EXPORTS = {
     "OffloadCache": ".cache",
     "OffloadLayer": ".cache",
     "OffloadConfig": ".config",
-    "disable_offload_attention": ".attention",
-    "enable_offload_attention": ".attention",
+    "disable_offload_attention": ".patches",
+    "enable_offload_attention": ".patches",
     "generate_cache_kwarg": ".cache",
     "HeadwiseSelector": ".selectors",
     "MeanBoundSelector": ".selectors",
@@ -40,7 +40,7 @@ _EXPORTS = {
 __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
-    from .attention import disable_offload_attention, enable_offload_attention
+    from .patches import disable_offload_attention, enable_offload_attention
     from .cache import OffloadCache, OffloadLayer, generate_cache_kwarg
     from .config import OffloadConfig
     from .selectors import (

@@ -92,7 +92,7 @@ class OffloadConfig:
             speculative plan and recall run synchronously, for tests; no overlap).
         lookahead_query: what the speculative plan of the next layer scores with. ``"next"`` (default): the next
             layer's own query predicted from this layer's input (its input norm, query projection and rotary
-            embedding applied to this layer's input hidden states, after InfiniGen; ``hf_offload.lookahead``),
+            embedding applied to this layer's input hidden states, after InfiniGen; ``hf_offload.cache.lookahead``),
             planned before this layer runs, for decoder layers of the Llama / Mistral / Qwen form whose next
             offloaded layer is the adjacent one; elsewhere ``"same"``. ``"same"``: this layer's own query, planned
             right after this layer's plan.

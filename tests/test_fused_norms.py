@@ -1,7 +1,7 @@
-"""Fused RMS norms (``hf_offload.norms``): which modules are taken, that they run the kernel only inside the cache's
-decoder layer calls with ``fused_norms`` on, that outputs stay those of transformers' norms, and that removing the
-cache's routing gives every module its own forward back. The kernel runs where Triton runs: on CUDA, or on the CPU
-under Triton's interpreter (``TRITON_INTERPRET=1``); the rest runs everywhere."""
+"""Fused RMS norms (``hf_offload.patches.norms``): which modules are taken, that they run the kernel only inside the
+cache's decoder layer calls with ``fused_norms`` on, that outputs stay those of transformers' norms, and that
+removing the cache's routing gives every module its own forward back. The kernel runs where Triton runs: on CUDA, or
+on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``); the rest runs everywhere."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.norms import FusedNorm, fused_norms_active, install_fused_norms, norm_form, remove_fused_norms
+from hf_offload.patches.norms import FusedNorm, fused_norms_active, install_fused_norms, norm_form, remove_fused_norms
 
 from .conftest import ARCHS, build_model, left_padded
 

@@ -1,6 +1,6 @@
-"""Sibling projections as one product (``hf_offload.projections``): which groups are taken, that the weights become
-views with the same values and no added memory, that the product runs only inside the cache's decoder layer calls
-with ``fused_projections`` on, that outputs match the separate products, and that a changed model falls back."""
+"""Sibling projections as one product (``hf_offload.patches.projections``): which groups are taken, that the weights
+become views with the same values and no added memory, that the product runs only inside the cache's decoder layer
+calls with ``fused_projections`` on, that outputs match the separate products, and that a changed model falls back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.kernels.act import silu_mul, silu_mul_reference, silu_mul_supported
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.projections import (
+from hf_offload.patches.projections import (
     ProjectionForward,
     fused_groups,
     fused_mlps,

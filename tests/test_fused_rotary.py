@@ -1,5 +1,5 @@
-"""Fused rotary embedding (``hf_offload.rotary``): which attention modules are taken, that their copied forward runs
-the kernel only inside the cache's decoder layer calls with ``fused_rotary`` on, that outputs stay transformers'
+"""Fused rotary embedding (``hf_offload.patches.rotary``): which attention modules are taken, that their copied forward
+runs the kernel only inside the cache's decoder layer calls with ``fused_rotary`` on, that outputs stay transformers'
 bit for bit, and that removing the cache's routing gives every module its own forward back. The kernel runs where
 Triton runs: on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``); the rest runs everywhere."""
 
@@ -12,7 +12,7 @@ import torch
 
 from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.kernels.gather import kernels_available
-from hf_offload.rotary import (
+from hf_offload.patches.rotary import (
     RotaryForward,
     _with_global,
     fused_rotary_active,

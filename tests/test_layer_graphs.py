@@ -10,7 +10,7 @@ import torch
 
 from hf_offload import OffloadCache
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
-from hf_offload.layer_calls import DecoderLayerCall
+from hf_offload.patches.layers import DecoderLayerCall
 from hf_offload.kernels.gather import kernels_available
 
 from .conftest import ARCHS, build_model, left_padded

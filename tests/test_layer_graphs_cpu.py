@@ -18,7 +18,7 @@ from transformers import DynamicCache
 from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
 from hf_offload.cache.capture import CapturedDecode, CapturedLayer, CapturedWork, StaticInputs, call_signature
-from hf_offload.layer_calls import DecoderLayerCall, decoder_layers, install_layer_calls, remove_layer_calls
+from hf_offload.patches.layers import DecoderLayerCall, decoder_layers, install_layer_calls, remove_layer_calls
 
 from .conftest import build_model, left_padded
 

@@ -1,4 +1,4 @@
-"""The next layer's query predicted from a layer's input (``hf_offload.lookahead``, ``lookahead_query="next"``): it
+"""The next layer's query predicted from a layer's input (``hf_offload.cache.lookahead``, ``lookahead_query="next"``): it
 is exactly the query that layer computes when given that input; lookahead with it never changes the tokens, plans
 before the layer runs, and falls back to the layer's own query where the prediction is not available."""
 
@@ -9,8 +9,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from hf_offload import OffloadCache
-from hf_offload.layer_calls import decoder_layers
-from hf_offload.lookahead import speculative_query
+from hf_offload.patches.layers import decoder_layers
+from hf_offload.cache.lookahead import speculative_query
 from .conftest import build_model
 
 

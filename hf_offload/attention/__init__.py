@@ -5,18 +5,14 @@ tiled path (:mod:`.forward`)."""
 from .handoff import Handoff, OffloadMask, leave_handoff, plain_causal, take_handoff
 from .inputs import DecodeInputs, forced_blocks
 from .forward import offload_attention_forward
-from .switch import disable_offload_attention, enable_offload_attention, original_implementation
 
 __all__ = [
     "DecodeInputs",
     "Handoff",
     "OffloadMask",
-    "disable_offload_attention",
-    "enable_offload_attention",
     "forced_blocks",
     "leave_handoff",
     "offload_attention_forward",
-    "original_implementation",
     "plain_causal",
     "take_handoff",
 ]

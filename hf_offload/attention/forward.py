@@ -3,70 +3,12 @@ the general tiled path (other masks, soft-capping, sink logits) with an online s
 
 from __future__ import annotations
 
-import sys
-
 import torch
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from ..kernels import OnlineSoftmax
 from .decode import decode_step
-from .handoff import PREFIX, Handoff, OffloadMask, plain_causal, take_handoff
+from .handoff import Handoff, OffloadMask, plain_causal
 from .prefill import chunk_prefill, first_prefill
-
-
-def make_mask_function(original: str):
-    def offload_mask(**kwargs) -> OffloadMask:
-        return OffloadMask(original, kwargs)
-
-    offload_mask.__name__ = f"{PREFIX}{original}_mask"
-    return offload_mask
-
-
-# --------------------------------------------------------------------------------------------------------- attention
-def original_attention(original: str, module: torch.nn.Module):
-    if original == "eager":
-        fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-        if fn is None:
-            raise RuntimeError(f"{type(module).__name__} has no eager_attention_forward to hand over to.")
-        return fn
-    return ALL_ATTENTION_FUNCTIONS[original]
-
-
-def make_attention_function(original: str):
-    def offload_attention(module, query, key, value, attention_mask, **kwargs):
-        handoff = take_handoff()
-        if handoff is None:
-            mask = attention_mask.materialize() if isinstance(attention_mask, OffloadMask) else attention_mask
-            return original_attention(original, module)(module, query, key, value, mask, **kwargs)
-        if handoff.key is not key:
-            raise RuntimeError(
-                f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) changed the key states between "
-                "cache.update() and the attention call, which the offload attention cannot follow. This architecture "
-                "needs an adapter in hf_offload/patches/."
-            )
-        layer = handoff.layer
-        if getattr(module, "config", None) is not None and module.config is not layer.model_config:
-            raise RuntimeError(
-                f"This OffloadCache was built for {layer.model_name} and is being used by another model. Build one "
-                "OffloadCache(model) per model."
-            )
-        if attention_mask is not None and not isinstance(attention_mask, OffloadMask):
-            raise NotImplementedError(
-                "OffloadCache received a ready-made attention mask (e.g. a custom 4D mask); pass a 2D attention_mask "
-                "(padding) instead."
-            )
-        out = offload_attention_forward(
-            handoff,
-            query,
-            attention_mask,
-            scaling=kwargs.get("scaling"),
-            softcap=kwargs.get("softcap"),
-            sink_logits=kwargs.get("s_aux"),
-        )
-        return out, None
-
-    offload_attention.__name__ = f"{PREFIX}{original}"
-    return offload_attention
 
 
 def offload_attention_forward(

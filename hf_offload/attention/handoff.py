@@ -23,9 +23,6 @@ from typing import Any, Callable
 import torch
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-# Registered implementations are named PREFIX + the original implementation's name.
-PREFIX = "hf_offload_"
-
 
 # ----------------------------------------------------------------------------------------------------------- handoff
 @dataclass

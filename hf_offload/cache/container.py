@@ -14,15 +14,16 @@ from collections.abc import Callable
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
-from ..attention.switch import enable_offload_attention
 from ..config import OffloadConfig
-from ..layer_calls import decoder_layers, install_layer_calls
-from ..norms import FusedNorm, install_fused_norms
-from ..projections import fused_groups, install_fused_projections
-from ..rotary import RotaryForward, install_fused_rotary
+from ..patches import install as install_patches
+from ..patches import installed as installed_patches
+from ..patches.layers import decoder_layers
+from ..patches.norms import FusedNorm
+from ..patches.projections import fused_groups
+from ..patches.rotary import RotaryForward
 from ..selectors import Selector, get_selector
 from ..store import HostMemoryBudget
-from .execution import call_fusions, fused, projections_on
+from .execution import call_fusions, fused
 from .layer import OffloadLayer
 from .shared import DeviceResources
 from .stats import summarize
@@ -136,25 +137,16 @@ class OffloadCache(Cache):
             layer.recaller.next = nxt.recaller  # lookahead goes from each offloaded layer to the next one
             if nxt.layer_idx == layer.layer_idx + 1:  # its query predicted from this layer's input (same layer type)
                 layer.recaller.next_decoder = modules.get(nxt.layer_idx)
-        self.original_attn_implementation = enable_offload_attention(model)
-        install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given (run_decoder_layer)
-        install_fused_norms(model)  # their norms run one kernel inside those calls where fused_norms is on
-        install_fused_rotary(model)  # and their rotary embedding where fused_rotary is on
-        self._install_projections(model)
+        # The attention switch, whole-layer calls, fused norms / rotary / projections (shared by every cache of
+        # the model; hf_offload.patches.remove(model) or disable_offload_attention(model) gives the model back).
+        self.patches = install_patches(model, config)
+        self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
-
-    def _install_projections(self, model: torch.nn.Module) -> None:
-        """Fuse the sibling projections of ``model``'s decoder layers (:func:`install_fused_projections`) where
-        ``config.fused_projections`` would run them on the device of the decoder layers' weights."""
-        layers = decoder_layers(model)
-        weight = next((p for layer, _ in layers for p in layer.parameters()), None)
-        if weight is not None and projections_on(self.config, weight.device):
-            install_fused_projections(model)
 
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
         """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
         arguments): offloaded layers may replay it from a CUDA graph (:meth:`OffloadLayer.run_decoder_layer`); other
-        layers call ``forward``. Called by the routing :func:`~hf_offload.graphs.install_layer_calls` puts in front
+        layers call ``forward``. Called by the routing :func:`~hf_offload.patches.layers.install_layer_calls` puts in front
         of each decoder layer."""
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
         if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
@@ -187,8 +179,8 @@ class OffloadCache(Cache):
         _check_reselect(config, self.selector)
         self.config = config
         model = self._model_ref()
-        if config.fused_projections is not False and model is not None:
-            self._install_projections(model)  # groups not built when the cache was
+        if config.fused_projections is not False and model is not None and installed_patches(model) is not None:
+            install_patches(model, config)  # projection groups not built when the cache was
         for layer in self.offload_layers:
             layer.set_config(config)
 
@@ -236,9 +228,9 @@ class OffloadCache(Cache):
             counters per
             offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
             model's RMS norm and attention modules that run one kernel where ``fused_norms`` / ``fused_rotary`` are
-            on, see :mod:`hf_offload.norms` and :mod:`hf_offload.rotary`; ``projection_groups``: the groups of
+            on, see :mod:`hf_offload.patches.norms` and :mod:`hf_offload.patches.rotary`; ``projection_groups``: the groups of
             sibling projections computed as one product where ``fused_projections`` is on,
-            :mod:`hf_offload.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded layers'
+            :mod:`hf_offload.patches.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded layers'
             calls run them, ``None`` before the first call). Blocks are counted per KV head for
             per-head selectors.
         """

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import OffloadConfig
-from ..norms import fused_norms_active
-from ..projections import fused_projections_active
-from ..rotary import fused_rotary_active
+from ..patches.norms import fused_norms_active
+from ..patches.projections import fused_projections_active, projections_on
+from ..patches.rotary import fused_rotary_active
 from ..store import transfer
 
 # Blocks by which a decode step's scored blocks grow (decode_capacity_blocks=None and a selector with masks_invalid):
@@ -128,13 +128,6 @@ def call_fusions(config: OffloadConfig, args: tuple, kwargs: dict) -> tuple[bool
     projections as one product: :func:`fusions_on` for the device of its hidden states."""
     hidden = hidden_states(args, kwargs)
     return fusions_on(config, hidden.device) if isinstance(hidden, torch.Tensor) else (False, False, False)
-
-
-def projections_on(config: OffloadConfig, device: torch.device) -> bool:
-    """Whether decoder layers on ``device`` compute their sibling projections as one product
-    (``config.fused_projections``)."""
-    setting = config.fused_projections
-    return bool(device.type == "cuda" if setting is None else setting)
 
 
 def fusions_on(config: OffloadConfig, device: torch.device) -> tuple[bool, bool, bool]:

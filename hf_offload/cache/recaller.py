@@ -14,7 +14,7 @@ import torch
 
 from ..attention.handoff import OffloadMask
 from ..config import OffloadConfig
-from ..lookahead import speculative_query
+from .lookahead import speculative_query
 from ..selectors import Selection, Selector
 from ..store import transfer
 from .blocks import BlockStore
@@ -260,7 +260,7 @@ class Recaller:
     # ---------------------------------------------------------------------------------------------------- lookahead
     def lookahead_from_input(self, args: tuple, kwargs: dict) -> bool:
         """Before this layer's decode step (``lookahead_query="next"``): plan :attr:`next`'s layer with its own query
-        predicted from this layer's input (:func:`~hf_offload.lookahead.speculative_query`) and start recalling its
+        predicted from this layer's input (:func:`~hf_offload.cache.lookahead.speculative_query`) and start recalling its
         misses (:meth:`prefetch`). Returns whether it did; where it cannot (not a one-token decode step, lookahead
         off, no adjacent next decoder layer of the supported form), the step plans with its own query after its
         plan as before."""

@@ -25,8 +25,8 @@ import types
 
 import torch
 
-from .layer_calls import install_module_forwards, remove_module_forwards
-from .kernels.rotary import rotary, rotary_supported
+from ..kernels.rotary import rotary, rotary_supported
+from .layers import install_module_forwards, remove_module_forwards
 from .norms import _same_code
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_rotary", default=False)

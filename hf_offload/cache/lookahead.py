@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from .projections import ProjectionForward
+from ..patches.projections import ProjectionForward
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,10 @@ reduction after each (``results/decode/ring_h200/README.md``), where their 50 MB
 :func:`install_fused_projections` takes each group of sibling ``torch.nn.Linear`` modules inside the decoder layers
 that transformers' forwards call with the same input tensor, first one first (``q_proj``, ``k_proj``, ``v_proj``;
 ``gate_proj``, ``up_proj``), copies their weights (and biases) into one tensor and makes each module's weight a view
-of its rows: the values, names, shapes and dtypes of the parameters do not change and no memory is added (the old
-tensors are freed). The first module's forward then computes the product with all the rows at once while
-:func:`fused_projections_active` is on (the cache turns it on around the decoder layer calls it runs, see
+of its rows: the parameters stay the same objects with the same names, shapes, dtypes and values, and no memory is
+added (the old tensors are freed); :func:`remove_fused_projections` gives each parameter a tensor of its own again.
+The first module's forward then computes the product with all the rows at once while :func:`fused_projections_active`
+is on (the cache turns it on around the decoder layer calls it runs, see
 :attr:`~hf_offload.config.OffloadConfig.fused_projections`), returns its own columns and keeps the others for its
 siblings, which return them when they are called next with that same input tensor; any other call computes its own
 product. Outside the cache's layer calls (another cache, no cache) nothing changes. A gated MLP of
@@ -36,13 +37,21 @@ import contextvars
 import torch
 import torch.nn.functional as F
 
-from .layer_calls import decoder_layers
+from .layers import decoder_layers
+from .norms import _same_code
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_projections", default=False)
 
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 """Names of sibling projections, in the order transformers' forwards call them (Llama, Mistral, Qwen2, Qwen3,
 Gemma 3, Phi-3's MLP has its own fused ``gate_up_proj`` and is left as it is)."""
+
+
+def projections_on(config, device: torch.device) -> bool:
+    """Whether decoder layers on ``device`` compute their sibling projections as one product
+    (``config.fused_projections``, an :class:`~hf_offload.config.OffloadConfig`'s: ``None`` means on CUDA)."""
+    setting = config.fused_projections
+    return bool(device.type == "cuda" if setting is None else setting)
 
 
 @contextlib.contextmanager
@@ -61,8 +70,8 @@ class ProjectionGroup:
 
     Attributes:
         modules: the modules, in call order.
-        weight: ``[sum of out_features, in_features]``, the modules' dtype and device; module ``i``'s weight is rows
-            ``offsets[i] : offsets[i + 1]``.
+        weight: ``[sum of out_features, in_features]``, the modules' dtype and device; module ``i``'s weight (the
+            same ``Parameter`` object as before, its data replaced) is rows ``offsets[i] : offsets[i + 1]``.
         bias: ``[sum of out_features]`` or ``None``, laid out as ``weight``.
         sizes: each module's ``out_features``.
         calls: products computed for the whole group (for tests and benchmarks).
@@ -76,9 +85,11 @@ class ProjectionGroup:
             self.bias = torch.cat([m.bias for m in modules]) if modules[0].bias is not None else None
         start = 0
         for m, size in zip(modules, self.sizes):
-            m.weight = torch.nn.Parameter(self.weight[start : start + size], requires_grad=m.weight.requires_grad)
+            # The data, not the Parameter: the model keeps its parameter objects (optimizers, tied weights and
+            # anything else holding them see the same tensors), and the old storage is freed.
+            m.weight.data = self.weight[start : start + size]
             if self.bias is not None:
-                m.bias = torch.nn.Parameter(self.bias[start : start + size], requires_grad=m.bias.requires_grad)
+                m.bias.data = self.bias[start : start + size]
             start += size
         self.calls = 0
         self._input: torch.Tensor | None = None  # the input of the last fused product, while a sibling waits
@@ -96,6 +107,18 @@ class ProjectionGroup:
                 return False
             start += size
         return True
+
+    def separate(self) -> None:
+        """Give every module's weight (and bias) that is still a view of the group's tensors a tensor of its own,
+        with the same values (the parameter objects stay)."""
+        if not self.intact():
+            return  # each changed parameter has its own tensor already; the others share nothing with them
+        with torch.no_grad():
+            for m in self.modules:
+                m.weight.data = m.weight.data.clone(memory_format=torch.contiguous_format)
+                if m.bias is not None:
+                    m.bias.data = m.bias.data.clone(memory_format=torch.contiguous_format)
+        self._input, self._parts = None, []
 
     def first(self, x: torch.Tensor) -> torch.Tensor:
         """The first module's forward: the whole group's product where the fusion is on (the siblings' columns kept
@@ -140,8 +163,8 @@ class GatedMLPForward:
         self.module, self.group, self.calls = module, group, 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        from .kernels.act import silu_mul
-        from .kernels.gather import kernels_available
+        from ..kernels.act import silu_mul
+        from ..kernels.gather import kernels_available
 
         group, module = self.group, self.module
         grad = torch.is_grad_enabled() and (x.requires_grad or any(m.weight.requires_grad for m in group.modules))
@@ -157,8 +180,6 @@ def _gated_silu_mlp(module: torch.nn.Module) -> bool:
     """Whether ``module``'s class forward has the code of ``LlamaMLP.forward`` and its activation is the SiLU."""
     from transformers import activations
     from transformers.models.llama.modeling_llama import LlamaMLP
-
-    from .norms import _same_code
 
     silu = tuple(c for c in (getattr(activations, "SiLUActivation", None), torch.nn.SiLU) if c is not None)
     act = getattr(module, "act_fn", None)
@@ -203,8 +224,8 @@ def _takes(modules: list) -> bool:
 
 def install_fused_projections(model: torch.nn.Module) -> int:
     """Build a :class:`ProjectionGroup` for every group of :data:`GROUPS` inside the decoder layers of ``model``
-    that can form one (idempotent); returns how many groups have fused forwards. Undone (the forwards; the weights
-    stay views, with the same values) by :func:`remove_fused_projections`."""
+    that can form one (idempotent); returns how many groups have fused forwards. Undone by
+    :func:`remove_fused_projections`."""
     groups = 0
     for layer, _ in decoder_layers(model):
         for parent in layer.modules():
@@ -228,8 +249,11 @@ def install_fused_projections(model: torch.nn.Module) -> int:
 
 
 def remove_fused_projections(model: torch.nn.Module) -> None:
-    """Give each projection of ``model`` that :func:`install_fused_projections` changed its class's forward back
-    (its weight stays a view of the group's tensor, with the same values)."""
+    """Give each projection (and gated MLP) of ``model`` that :func:`install_fused_projections` changed its class's
+    forward back, and each of their parameters a tensor of its own with the same values (the group's tensor is
+    freed)."""
+    for group in fused_groups(model):
+        group.separate()
     for layer, _ in decoder_layers(model):
         for module in layer.modules():
             if isinstance(module.__dict__.get("forward"), (ProjectionForward, GatedMLPForward)):

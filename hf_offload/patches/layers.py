@@ -1,4 +1,14 @@
-"""Whole-layer calls and module forwards installed on a model."""
+"""Whole-layer calls: each decoder layer of a model hands its calls to the cache it is given.
+
+:func:`install_layer_calls` gives each decoder layer an instance forward, a :class:`DecoderLayerCall`, that passes
+the call to ``cache.run_decoder_layer`` where the cache it receives has one (an
+:class:`~hf_offload.cache.OffloadCache`, which may replay the call from a CUDA graph), and otherwise calls the
+layer's own forward unchanged. The class is never changed, so other models of the same class are not affected.
+
+The walk over the decoder layers (:func:`decoder_layers`) and the installation of instance forwards on the modules
+inside them (:func:`install_module_forwards`, :func:`remove_module_forwards`) are shared by the fused norms,
+rotary embedding and projections.
+"""
 
 from __future__ import annotations
 

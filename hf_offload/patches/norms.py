@@ -24,8 +24,8 @@ import types
 
 import torch
 
-from .layer_calls import install_module_forwards, remove_module_forwards
-from .kernels.norm import rms_norm, rms_norm_supported
+from ..kernels.norm import rms_norm, rms_norm_supported
+from .layers import install_module_forwards, remove_module_forwards
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_norms", default=False)
 
