@@ -14,7 +14,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_offload import OffloadCache, disable_offload_attention, enable_offload_attention, patches
+from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention, enable_offload_attention, patches
 from hf_offload.patches.attention import _configs
 from hf_offload.patches.layers import DecoderLayerCall
 from hf_offload.patches.norms import FusedNorm
@@ -114,6 +114,21 @@ def test_remove_gives_back_exactly_the_model_given(arch, tmp_path):
     with torch.no_grad():  # and it still computes what it did
         again = model.generate(**kwargs, past_key_values=DynamicCache(config=model.config))
     assert torch.equal(again, want)
+
+
+def test_remove_separates_the_views_left_after_a_parameter_was_replaced():
+    model = build_model("llama")
+    installed = patches.install(model, OffloadConfig(fused_projections=True))
+    assert installed.projection_groups == 2 * model.config.num_hidden_layers
+    attn = model.model.layers[0].self_attn
+    attn.k_proj.weight = torch.nn.Parameter(attn.k_proj.weight.detach().clone())  # q and v stay views
+    values = {name: p.detach().clone() for name, p in model.named_parameters()}
+    objects = [id(p) for p in model.parameters()]
+    installed.remove()
+    storages = [p.untyped_storage().data_ptr() for p in model.parameters()]
+    assert len(set(storages)) == len(storages)  # nothing shares the groups' tensors any more
+    assert [id(p) for p in model.parameters()] == objects
+    assert all(torch.equal(p, values[name]) for name, p in model.named_parameters())
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import OffloadMask, offload_attention_forward, take_handoff
+from .. import attention as offload  # its functions looked up at call time (benchmarks wrap them there)
+from ..attention import OffloadMask
 
 PREFIX = "hf_offload_"
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -46,7 +47,7 @@ def _original_attention(original: str, module: torch.nn.Module):
 
 def _make_attention_function(original: str):
     def offload_attention(module, query, key, value, attention_mask, **kwargs):
-        handoff = take_handoff()
+        handoff = offload.take_handoff()
         if handoff is None:
             mask = attention_mask.materialize() if isinstance(attention_mask, OffloadMask) else attention_mask
             return _original_attention(original, module)(module, query, key, value, mask, **kwargs)
@@ -67,7 +68,7 @@ def _make_attention_function(original: str):
                 "OffloadCache received a ready-made attention mask (e.g. a custom 4D mask); pass a 2D attention_mask "
                 "(padding) instead."
             )
-        out = offload_attention_forward(
+        out = offload.offload_attention_forward(
             handoff,
             query,
             attention_mask,

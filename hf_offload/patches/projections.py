@@ -111,13 +111,12 @@ class ProjectionGroup:
     def separate(self) -> None:
         """Give every module's weight (and bias) that is still a view of the group's tensors a tensor of its own,
         with the same values (the parameter objects stay)."""
-        if not self.intact():
-            return  # each changed parameter has its own tensor already; the others share nothing with them
+        shared = {t.untyped_storage().data_ptr() for t in (self.weight, self.bias) if t is not None}
         with torch.no_grad():
             for m in self.modules:
-                m.weight.data = m.weight.data.clone(memory_format=torch.contiguous_format)
-                if m.bias is not None:
-                    m.bias.data = m.bias.data.clone(memory_format=torch.contiguous_format)
+                for p in (m.weight, m.bias):  # a parameter replaced since (model.to(...), say) is left as it is
+                    if p is not None and p.untyped_storage().data_ptr() in shared:
+                        p.data = p.data.clone(memory_format=torch.contiguous_format)
         self._input, self._parts = None, []
 
     def first(self, x: torch.Tensor) -> torch.Tensor:
