@@ -113,13 +113,11 @@ def stand_in_graphs(monkeypatch, seal_capture_fails):
     def resolve_with_graphs(self):
         resolve(self)
         if self.config.cuda_graphs is not False:
-            self.graphs = True
-            if not hasattr(self, "block_table_dev"):  # the torch transfer path keeps no device block table
-                self.block_table_dev = None
-            self.capacity_blocks = self.config.decode_capacity_blocks
-            self.cache_capture_graph = _stand_in_attention
-            self.cache_capture_layer = _stand_in_layer(self, fail)
-            self.cache_capture_work = _stand_in_work(self, seal_capture_fails)
+            self.execution.graphs = True
+            self.execution.capacity_blocks = self.config.decode_capacity_blocks
+            self.graphs._capture_graph = _stand_in_attention
+            self.graphs._capture_layer = _stand_in_layer(self, fail)
+            self.graphs._capture_work = _stand_in_work(self, seal_capture_fails)
 
     monkeypatch.setattr(OffloadLayer, "resolve", resolve_with_graphs)
     return fail

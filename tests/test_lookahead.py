@@ -71,7 +71,7 @@ def test_default_is_off_without_cuda_kernels():
     _generate(model, cache, new_tokens=3)
     assert not any(layer.execution.lookahead for layer in cache.offload_layers)
     assert cache.stats()["prefetched_blocks"] == 0
-    assert [layer.recaller.next for layer in cache.offload_layers] == [cache.layers[1], None]
+    assert [layer.recaller.next for layer in cache.offload_layers] == [cache.layers[1].recaller, None]
 
 
 # ---------------------------------------------------------------------------------------------- generate() level

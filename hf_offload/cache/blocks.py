@@ -27,7 +27,7 @@ from ..kernels.seal import seal_block, seal_block_supported
 from ..selectors import Selector
 from ..selectors.quantkey import QuantKeySelector
 from ..store import DeviceSlotPool, HostBlockPool, HostMemoryBudget, transfer
-from .execution import LayerExecution
+from .execution import LayerExecution, decode_capacity
 from .stats import LayerStats, count_recall
 
 # Block summaries are allocated this many blocks at a time per layer: a seal writes in place, and the buffers grow
@@ -46,8 +46,8 @@ class BlockStore:
         budget: the cache-wide host memory budget.
         admission: returns the device admission budget for a device, or ``None`` (every block offloaded).
         stats: the layer's counters.
-        execution: the layer's execution decisions (transfer path, paged attention, streams).
-        capacity: ``blocks -> blocks``: what a decode step with that many sealed blocks scores (buffers hold it).
+        execution: the layer's execution decisions (transfer path, paged attention, streams, the capacity a decode
+            step scores: buffers hold it).
 
     Attributes:
         keys, values: the open block, ``[batch, kv_heads, < block_tokens, head_dim]``, views of fixed buffers.
@@ -65,7 +65,6 @@ class BlockStore:
         admission: Callable,
         stats: LayerStats,
         execution: LayerExecution,
-        capacity: Callable[[int], int],
     ):
         self.config = config
         self.selector = selector
@@ -75,7 +74,6 @@ class BlockStore:
         self.admission = admission
         self.stats = stats
         self.execution = execution
-        self.capacity = capacity
         self.is_initialized = False
         self.keys = self.values = None
         self.block_table_dev: torch.Tensor | None = None
@@ -392,7 +390,7 @@ class BlockStore:
         :attr:`n_blocks` blocks and ``fill`` past them (blocks past the sealed ones are scored, masked, by a step of
         a larger capacity: zeros keep their arithmetic finite); ``like``: any tensor of this name, ``[batch, n,
         ...]``."""
-        blocks = max(blocks, self.reserved_blocks, self.capacity(blocks))
+        blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
         capacity = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
         grown = like.new_full((like.shape[0], capacity, *like.shape[2:]), fill)
         if store is not None and self.n_blocks:

@@ -50,6 +50,12 @@ class LayerExecution:
     capacity_blocks: int = 1
 
 
+def decode_capacity(n: int, k: int, capacity_blocks: int) -> int:
+    """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to
+    ``capacity_blocks`` (the blocks past ``n`` are never valid), or ``n`` when every block is selected."""
+    return n if k >= n or capacity_blocks == 1 else -(-n // capacity_blocks) * capacity_blocks
+
+
 def want_kernels(config: OffloadConfig, device: torch.device, pinned: bool) -> bool:
     """Whether blocks move through the kernels (``config.transfer``) on ``device`` with a host pool that is
     ``pinned`` or not.

@@ -65,8 +65,7 @@ class OffloadLayer(CacheLayerMixin):
     ):
         self.stats = LayerStats()
         self.execution = LayerExecution()
-        self.blocks = BlockStore(config, selector, layer_idx, budget, resources.admission, self.stats, self.execution,
-                                 capacity=lambda n: self.planner.decode_capacity(n, 0))  # fmt: skip
+        self.blocks = BlockStore(config, selector, layer_idx, budget, resources.admission, self.stats, self.execution)
         self.planner = DecodePlanner(config, selector, self.blocks, self.execution, self.stats)
         self.recaller = Recaller(config, selector, self.blocks, self.planner, self.execution, self.stats)
         self.graphs = GraphRunner(

@@ -18,7 +18,7 @@ from ..selectors.transfer_cap import cap_transfers, resident_blocks
 from .blocks import BlockStore
 from ..attention.handoff import Handoff
 from ..attention.inputs import DecodeInputs, forced_blocks
-from .execution import LayerExecution
+from .execution import LayerExecution, decode_capacity
 from .stats import LayerStats
 
 
@@ -77,8 +77,7 @@ class DecodePlanner:
     def decode_capacity(self, n: int, k: int) -> int:
         """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to
         ``capacity_blocks`` (the blocks past ``n`` are never valid), or ``n`` when every block is selected."""
-        step = self.execution.capacity_blocks
-        return n if k >= n or step == 1 else -(-n // step) * step
+        return decode_capacity(n, k, self.execution.capacity_blocks)
 
     def select_all(self, n_blocks: int) -> Selection:
         """Every sealed block below ``n_blocks``, for every sequence (exact attention)."""
