@@ -29,6 +29,7 @@ import os
 import torch
 
 from .gather import kernels_available, tl, triton
+from .quant import dequantize_keys
 
 
 def block_lse_reference(
@@ -48,8 +49,6 @@ def block_lse_reference(
     Returns:
         ``[batch, kv_heads, group, n_blocks]``, float32.
     """
-    from ..selectors.quantkey import dequantize_keys
-
     n = codes.shape[1]
     parts = []
     for start in range(0, n, chunk_blocks):

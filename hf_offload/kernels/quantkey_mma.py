@@ -13,7 +13,7 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
   a word of 16 codes becomes 8 fragment registers with 3 shifts and 8 bitwise ands (no conversion, no subtraction),
   and the power-of-two factors are folded into the right-hand side. 4-bit codes take one shift and one and per
   register (a word of 8 codes, 4 registers), each code at bit 0. Which code lands in which k position follows
-  from the packing (:func:`hf_offload.selectors.quantkey.quantize_keys`); the right-hand side is built in the same
+  from the packing (:func:`hf_offload.kernels.quant.quantize_keys`); the right-hand side is built in the same
   order, so the format of the codes is unchanged.
 * **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at
   position ``k``, formed with one packed bfloat16 multiply per register (two channels) from the block's ``kstep``
@@ -59,6 +59,8 @@ import struct
 import warnings
 
 import torch
+
+from .quant import dequantize_keys
 
 SHIFT = 112
 """The right-hand side is ``kstep * q * 2**(SHIFT - s)``: a subnormal code times it is ``code * kstep * q *
@@ -807,8 +809,6 @@ def block_lse_emulated(
     Returns:
         ``[batch, kv_heads, group, n_blocks]``, float32.
     """
-    from ..selectors.quantkey import dequantize_keys
-
     head_dim = query.shape[-1]
     zero = torch.zeros_like(kmin)
     code = dequantize_keys(codes, zero, torch.ones_like(kmin), bits)  # [B, N, H, T, D] float32 codes

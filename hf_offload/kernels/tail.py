@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from .gather import kernels_available, tl, triton
+from .quant import dequantize_keys, take_blocks
 
 BLOCKS_PER_PROGRAM = 16
 """Blocks one program of the kernel walks (its partial softmax is merged with the others' in torch, or in
@@ -48,7 +49,7 @@ def tail_attention_reference(
             scale; ``channels`` is ``keys["kmin"]``'s last size (``head_dim`` padded to whole bytes of codes).
         keys: ``codes`` (``[batch, n_blocks, kv_heads, block_tokens, channels * key_bits // 8]``, ``torch.uint8``),
             ``kmin`` and ``kstep`` (``[batch, n_blocks, kv_heads, channels]``) from
-            :func:`hf_offload.selectors.quantkey.quantize_keys`, same device.
+            :func:`hf_offload.kernels.quant.quantize_keys`, same device.
         key_bits: bits per key code.
         values: ``codes``, ``kmin`` and ``kstep`` of the values quantized the same way (their own channel count).
         value_bits: bits per value code.
@@ -61,8 +62,6 @@ def tail_attention_reference(
         attended); ``lse`` ``[batch, kv_heads, group]``, float32, the log-sum-exp of the attended logits (``-inf``
         where none is attended).
     """
-    from ..selectors.quantkey import dequantize_keys
-
     n = tokens_ok.shape[1]
     batch, heads, group, _ = query.shape
     channels = values["kmin"].shape[-1]
@@ -520,8 +519,6 @@ def tail_partials(
                          f"first two sizes), got {index.dtype} {tuple(index.shape)}")  # fmt: skip
     if softcap is not None or not tail_kernel_supported(query, keys, values):
         if index is not None:
-            from ..selectors.quantkey import take_blocks
-
             rows = torch.arange(index.shape[0], device=index.device)[:, None]
             keys = {name: take_blocks(t, index, rows) for name, t in keys.items()}
             values = {name: take_blocks(t, index, rows) for name, t in values.items()}

@@ -44,6 +44,7 @@ import warnings
 
 import torch
 
+from .quant import dequantize_keys
 from .quantkey_mma import CUDA_COMMON, SHIFT
 
 BLOCKS_PER_WARP = 16
@@ -568,7 +569,6 @@ def tail_emulated(
     Returns:
         ``(out, lse)`` as :func:`~hf_offload.kernels.tail.tail_attention_reference`'s.
     """
-    from ..selectors.quantkey import dequantize_keys
     from .quantkey_mma import _round_bf16 as round_bf16
 
     head_dim = query.shape[-1]
