@@ -11,7 +11,7 @@ import torch
 from hf_offload.kernels import quantkey_mma
 from hf_offload.kernels.quantkey import _launch_block_lse, block_lse, block_lse_reference
 from hf_offload.kernels.quantkey_mma import block_lse_emulated, mma_supported
-from hf_offload.selectors.quantkey import dequantize_keys, quantize_keys
+from hf_offload.kernels.quant import dequantize_keys, quantize_keys
 
 HAS_MMA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 needs_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA device of compute capability 9.0 or newer")

@@ -11,7 +11,7 @@ import hf_offload.kernels.tail as tail_module
 from hf_offload.kernels import tail_mma
 from hf_offload.kernels.tail import tail_attention, tail_attention_reference
 from hf_offload.kernels.tail_mma import mma_supported, tail_emulated
-from hf_offload.selectors.quantkey import quantize_keys
+from hf_offload.kernels.quant import quantize_keys
 
 HAS_MMA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 needs_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA device of compute capability 9.0 or newer")
