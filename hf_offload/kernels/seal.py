@@ -3,9 +3,8 @@ into the summary buffers, its column of the device block table.
 
 Sealing a block after a decode step is, op by op, a stack of the keys and values, the copy kernel, about twenty
 small kernels of :func:`~hf_offload.kernels.quant.quantize_keys` (twice with ``tail_bits``) and one copy per
-buffer. Even replayed from a CUDA graph each of those launches costs a few microseconds of device time: with plain
-``quantkey`` at 64K tokens, batch 12, on the 8B shape (H200) the seal steps took 14.3 ms against 11.8 for the other
-steps, 2.5 ms more for the 32 layers' seals (``results/decode/seal_h200/``). Here one program per (sequence, KV head)
+buffer. Even replayed from a CUDA graph each of those launches costs a few microseconds of device time, in every
+layer of a sealing step. Here one program per (sequence, KV head)
 reads the block's ``[block_tokens, head_dim]`` keys and values once and writes everything.
 
 The codes, minima and steps are :func:`~hf_offload.kernels.quant.quantize_keys`' bit for bit: the minimum and

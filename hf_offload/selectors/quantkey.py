@@ -1,11 +1,10 @@
 """Quantized keys: attention mass per block estimated from every key of the block at a few bits per element.
 
-Block summaries (Quest's bounds, mean keys) compress 16 keys into one to three vectors, and the selectors built on
-them lose most of their accuracy to the oracle on retrieval among many similar keys (``docs/results/selection.md``):
-a block's bound is set by its most extreme coordinates, not by the key that matches the query. This policy keeps
-every key of every block on the compute device, quantized to ``bits`` bits per element with one minimum and one step
-per block, KV head and channel (keys vary per channel, so they are quantized per channel, as KIVI does for its
-key cache, Liu et al., 2024), and scores blocks like the oracle: per KV head, the softmax at the attention's scale
+Why: block summaries (Quest's bounds, mean keys) compress 16 keys into one to three vectors, and a block's bound is
+set by its most extreme coordinates, not by the key that matches the query, so such selectors lose most of their
+accuracy to the oracle on retrieval among many similar keys. This policy keeps every key of every block on the
+compute device, quantized to ``bits`` bits per element with one minimum and one step per block, KV head and channel
+(:mod:`hf_offload.kernels.quant`; keys vary per channel, as KIVI's key cache assumes, Liu et al., 2024), and scores blocks like the oracle: per KV head, the softmax at the attention's scale
 over the logits of all quantized keys, its mass summed per block over tokens, query heads and KV heads (one shared
 selection of whole blocks, SoloHead style). Double Sparsity (Yang et al., 2024) and InfiniGen (Lee et al., 2024)
 also score tokens from a reduced copy of the keys held on the device; here the reduction is precision, which needs
@@ -15,10 +14,9 @@ Summaries: ``codes`` (``[batch, n_blocks, kv_heads, block_tokens, head_dim * bit
 ``kmin`` and ``kstep`` (``[batch, n_blocks, kv_heads, head_dim]``, cache dtype). Per block and KV head:
 ``block_tokens * head_dim * bits / 8 + 2 * head_dim * itemsize`` bytes; at 16-token blocks and bf16 that is
 ``(2 * bits + 4) * head_dim`` bytes, 6 / 8 / 12 x ``head_dim`` at 1 / 2 / 4 bits, against SoloHead's
-``4 x head_dim``, ``meanbound``'s ``6 x head_dim`` and the block's own K and V, ``64 x head_dim``. Scoring reads every code once (one matrix product over
-all keys: one Triton launch per layer and step where Triton runs (``hf_offload.kernels.quantkey``), which
-dequantizes in registers; elsewhere pure torch, ``chunk_blocks`` blocks at a time to bound the dequantized
-temporary).
+``4 x head_dim``, ``meanbound``'s ``6 x head_dim`` and the block's own K and V, ``64 x head_dim``. Scoring reads
+every code once: one kernel launch per layer and step where a kernel runs (:mod:`hf_offload.kernels.quantkey`,
+decoding in registers); elsewhere pure torch, ``chunk_blocks`` blocks at a time to bound the dequantized temporary.
 
 With ``tail_bits`` set, the values of every block are kept on the device too, quantized the same way (per block,
 head and channel), and each decode query adds the attention over the blocks it did not select, estimated from the
