@@ -56,8 +56,6 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
 from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
-from hf_offload.kernels.quantkey import chosen_variant  # noqa: E402
-from hf_offload.kernels.tail import chosen_variant as tail_chosen_variant  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
 from hf_offload.planner import plan, shape_from_config, suggested_device_memory_gib  # noqa: E402
 from hf_offload.store.host import available_host_bytes  # noqa: E402
@@ -986,8 +984,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{bandwidth['h2d_pinned_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)  # fmt: skip
     result = {
         "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
-                                 device=str(device), quantkey_kernel=chosen_variant(),
-                                 tail_kernel=tail_chosen_variant(),
+                                 device=str(device),
                                  graph_scope=args.graph_scope, fused_norms=args.fused_norms,
                                  fused_rotary=args.fused_rotary,
                                  fused_projections=args.fused_projections, seal_graphs=args.seal_graphs,

@@ -53,8 +53,6 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, transfer  # noqa: E402
 from hf_offload.bench import fill_random  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
-from hf_offload.kernels.quantkey import chosen_variant  # noqa: E402
-from hf_offload.kernels.tail import chosen_variant as tail_chosen_variant  # noqa: E402
 from hf_offload.store import DeviceSlotPool  # noqa: E402
 
 LOOKAHEAD = {"off": [False], "on": [True], "both": [False, True]}
@@ -289,8 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     note = "decode-only: the KV is filled with random values without a prefill; random weights"
 
     def save(complete: bool) -> None:
-        meta = run_metadata(args, model_build_s=build_s, note=note, quantkey_kernel=chosen_variant(),
-                            tail_kernel=tail_chosen_variant())
+        meta = run_metadata(args, model_build_s=build_s, note=note)
         write_results(args.out, {"metadata": meta, "runs": runs,
                                  "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
 

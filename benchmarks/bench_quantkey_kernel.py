@@ -1,16 +1,14 @@
-"""The ``quantkey`` scoring kernel (block log-sum-exp over quantized keys) against its first version, in one run.
+"""The ``quantkey`` scoring kernels (block log-sum-exp over quantized keys) at their launch and compile settings.
 
 For one decode shape (default: Llama-3.1-8B, batch 8, 8 KV heads of 4 query heads each, 2048 blocks of 16 tokens,
 head_dim 128) and each ``--bits``, on CUDA, it times:
 
-* ``v1``: the first kernel (``hf_offload.kernels.quantkey``, variant ``v1``), at its own launch settings;
 * ``v2``: the Triton kernel, at every launch setting of the grid ``--warps`` x ``--rows-per-thread`` (warps per
   program; token rows of a block per thread), with as many blocks per program as fill the warps (a block is
   spread over a fixed number of threads, see ``_default_config``); the setting ``block_lse`` uses by default is
   marked ``*`` (and timed even where the grid leaves it out);
-* ``mma`` and ``mma-magic``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``) with its two ways
-  of decoding codes, where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
-  9.0+), and ``mma`` loading the next block ahead (``mma-pf``), with 8 warps per program, with a ring of ``S``
+* ``mma``: the tensor-core CUDA kernel (``hf_offload.kernels.quantkey_mma``), where it takes the shape (2-bit codes, 16-token blocks, bfloat16 summaries, compute capability
+  9.0+), and the same loading the next block ahead (``mma-pf``), with 8 warps per program, with a ring of ``S``
   blocks in flight through asynchronous copies (``-sS``, :data:`~hf_offload.kernels.quantkey_mma.STAGES`), with two
   accumulators (``-c2``, ``CHAINS``), with registers capped for ``B`` programs per multiprocessor (``-bB``,
   ``MIN_BLOCKS``), and with each block's log-sum-exp reduced through a tile in shared memory instead of warp
@@ -22,7 +20,7 @@ Kernels are timed inside a CUDA graph of ``--calls`` launches alternating betwee
 finds little of its data in L2, as in a decode step where each layer scores its own codes): CUDA events around one
 replay, median of ``--reps`` replays after ``--warmup``, divided by ``--calls``. Each kernel's output is checked
 against the reference (largest absolute difference). Prints a table (microseconds per call, GB/s of code bytes,
-GB/s of all bytes read, speed-up over ``v1``, largest error, registers per thread and spilled bytes of the compiled
+GB/s of all bytes read, speed-up over the first setting, largest error, registers per thread and spilled bytes of the compiled
 kernel, seconds of the first call, compilation included) and writes JSON (machine, versions, git commit, settings,
 every timing) to ``--out``.
 
@@ -119,7 +117,7 @@ def graph_time(launch, sets: list[dict], outs: list[torch.Tensor], args) -> floa
 
 def compiled_stats(variant: str) -> dict:
     """Registers per thread, spilled bytes and shared memory of the kernel compiled last for ``variant``."""
-    fn = {"v1": "_block_lse_kernel_v1", "v2": "_block_lse_kernel"}
+    fn = {"v2": "_block_lse_kernel"}
     try:
         cache = getattr(quantkey, fn[variant]).device_caches[torch.cuda.current_device()][0]
         kernel = list(cache.values())[-1]
@@ -130,8 +128,8 @@ def compiled_stats(variant: str) -> dict:
 
 
 def settings(args, bits: int) -> list[dict]:
-    """The launch settings to time for one bit width: ``v1``, then ``v2`` over the grid (its default included)."""
-    chosen = [{"variant": "v1", "block_n": None, "num_warps": None, "rows_per_thread": None}]
+    """The launch settings to time for one bit width: ``v2`` over the grid (its default included), then ``mma``."""
+    chosen = []
     for warps in args.warps:
         for rows in sorted({min(r, args.tokens) for r in args.rows_per_thread}, reverse=True):
             config = _default_config(args.tokens, args.head_dim, bits, args.group, warps, rows)
@@ -140,15 +138,15 @@ def settings(args, bits: int) -> list[dict]:
     if mine not in chosen:
         chosen.append(mine)
     # The tensor-core CUDA kernel, where it takes the shape (2-bit codes, ...): its default, then one change at a
-    # time (loading the next block ahead, two blocks per loop iteration, 8 warps per program), and the other decode.
+    # time (loading the next block ahead, two blocks per loop iteration, 8 warps per program, ...).
     base = {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False, "unroll": 1,
             "stages": 0, "chains": 1, "min_blocks": 0, "transpose": False}  # fmt: skip
     for change in ({}, {"prefetch": True}, {"num_warps": 8}, {"stages": 2}, {"stages": 3}, {"stages": 4},
                    {"chains": 2}, {"stages": 2, "min_blocks": 8}, {"stages": 2, "chains": 2},
                    {"transpose": True}, {"stages": 2, "transpose": True}, {"stages": 3, "transpose": True},
                    {"stages": 4, "transpose": True}, {"stages": 2, "transpose": True, "num_warps": 8},
-                   {"stages": 2, "transpose": True, "min_blocks": 8}, {"stages": 2, "transpose": True, "chains": 2}, {"stages": 3, "transpose": True, "min_blocks": 7},
-                   {"variant": "mma-magic"}):  # fmt: skip
+                   {"stages": 2, "transpose": True, "min_blocks": 8}, {"stages": 2, "transpose": True, "chains": 2},
+                   {"stages": 3, "transpose": True, "min_blocks": 7}):  # fmt: skip
         chosen.append({**base, **change})
     return chosen
 
@@ -178,7 +176,7 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
     for setting in settings(args, bits):
 
         def launch(s, o, setting=setting):
-            if setting["variant"].startswith("mma"):  # compile-time settings of the CUDA kernel
+            if setting["variant"] == "mma":  # compile-time settings of the CUDA kernel
                 quantkey_mma.PREFETCH, quantkey_mma.UNROLL = setting["prefetch"], setting["unroll"]
                 quantkey_mma.WARPS, quantkey_mma.STAGES = setting["num_warps"], setting["stages"]
                 quantkey_mma.CHAINS, quantkey_mma.MIN_BLOCKS = setting["chains"], setting["min_blocks"]
@@ -188,7 +186,7 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             _launch_block_lse(s["query"], s["codes"], s["kmin"], s["kstep"], bits, o, **options)
 
         row = {**setting, "default": setting == default}
-        if setting["variant"].startswith("mma") and not quantkey_mma.mma_supported(
+        if setting["variant"] == "mma" and not quantkey_mma.mma_supported(
             first["query"], first["codes"], first["kmin"], bits
         ):
             continue
@@ -201,7 +199,7 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
             row["seconds"] = graph_time(launch, sets, outs, args)
             launch(first, outs[0])
             row["max_abs_err"] = (outs[0] - reference).abs().max().item()
-            if setting["variant"].startswith("mma"):  # against the rounding the kernel is meant to do
+            if setting["variant"] == "mma":  # against the rounding the kernel is meant to do
                 emulated = quantkey_mma.block_lse_emulated(first["query"], first["codes"], first["kmin"], first["kstep"],
                                                            bits)
                 row["max_abs_err_vs_emulated"] = (outs[0] - emulated).abs().max().item()
@@ -214,10 +212,10 @@ def bench_bits(args, bits: int, g: torch.Generator) -> dict:
 
 
 HEADER = f"{'variant':<9} {'blk':>4} {'warps':>5} {'rows':>4} {'us/call':>9} {'code GB/s':>9} {'read GB/s':>9} " \
-         f"{'x v1':>6} {'max err':>9} {'regs':>4} {'spill':>5} {'first s':>7}"  # fmt: skip
+         f"{'x 1st':>6} {'max err':>9} {'regs':>4} {'spill':>5} {'first s':>7}"  # fmt: skip
 
 
-def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | None) -> str:
+def table_line(row: dict, code_bytes: int, read_bytes: int, first_seconds: float | None) -> str:
     """One row of the table: setting, microseconds per call, GB/s of codes and of all bytes read, speed-up, error."""
     name = row["variant"] + ("*" if row.get("default") else "") + ("-pf" if row.get("prefetch") else "")
     name += f"-u{row['unroll']}" if row.get("unroll", 1) > 1 else ""
@@ -229,7 +227,7 @@ def table_line(row: dict, code_bytes: int, read_bytes: int, v1_seconds: float | 
     if "error" in row:
         return f"{head} failed: {row['error'][:120]}"
     s = row["seconds"]
-    ratio = f"{v1_seconds / s:.2f}" if v1_seconds else "-"
+    ratio = f"{first_seconds / s:.2f}" if first_seconds else "-"
     return f"{head} {s * 1e6:>9.1f} {code_bytes / s / 1e9:>9.0f} {read_bytes / s / 1e9:>9.0f} {ratio:>6} " \
            f"{row['max_abs_err']:>9.2e} {row.get('n_regs', '-'):>4} {row.get('n_spills', '-'):>5} " \
            f"{row['first_call_seconds']:>7.1f}"  # fmt: skip

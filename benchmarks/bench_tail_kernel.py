@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from hf_offload.kernels import tail, tail_mma
     from hf_offload.kernels.quantkey import block_lse
-    from hf_offload.selectors.quantkey import quantize_keys
+    from hf_offload.kernels.quant import quantize_keys
 
     B, n, H, G, T, D = args.batch, args.blocks, args.kv_heads, args.group, args.tokens, args.head_dim
     g = torch.Generator(device=dev).manual_seed(0)

@@ -29,13 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.selection_candidates import RoundRobinSelector, TemperedVoteSelector  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import SELECTORS, get_selector  # noqa: E402
 from hf_offload.selectors.quality import block_keys, evaluate_selector  # noqa: E402
 from hf_offload.kernels.quantkey_mma import block_lse_emulated  # noqa: E402
-from hf_offload.selectors.quantkey import QuantKeySelector, grid_codes, padded_channels  # noqa: E402
-from hf_offload.selectors.roundrobin import RoundRobinSelector  # noqa: E402
-from hf_offload.selectors.tempered import TemperedVoteSelector  # noqa: E402
+from hf_offload.kernels.quant import grid_codes, padded_channels  # noqa: E402
+from hf_offload.selectors.quantkey import QuantKeySelector  # noqa: E402
 
 class BF16QuantKeySelector(QuantKeySelector):
     """``quantkey`` as a bfloat16 cache runs it: keys rounded to bfloat16 before quantization (summaries in

@@ -5,14 +5,13 @@ from __future__ import annotations
 from benchmarks import bench_quantkey_kernel
 
 
-def test_settings_time_v1_then_the_v2_grid_then_the_tensor_core_kernel():
+def test_settings_time_the_v2_grid_then_the_tensor_core_kernel():
     args = bench_quantkey_kernel.parse_args(["--warps", "2", "4", "--rows-per-thread", "16", "8"])
     chosen = bench_quantkey_kernel.settings(args, 2)
-    assert chosen[0]["variant"] == "v1"
-    triton = [s for s in chosen[1:] if s["variant"] == "v2"]
-    assert len(triton) == 4 and chosen[1:5] == triton  # 2 warps x 2 rows (the default among them)
-    cuda = chosen[5:]
-    assert [s["variant"] for s in cuda] == ["mma"] * 17 + ["mma-magic"]  # the base, then changes from it
+    triton = [s for s in chosen if s["variant"] == "v2"]
+    assert len(triton) == 4 and chosen[:4] == triton  # 2 warps x 2 rows (the default among them)
+    cuda = chosen[4:]
+    assert [s["variant"] for s in cuda] == ["mma"] * 17  # the base, then changes from it
     assert cuda[0] == {"variant": "mma", "block_n": None, "num_warps": 4, "rows_per_thread": None, "prefetch": False,
                        "unroll": 1, "stages": 0, "chains": 1, "min_blocks": 0, "transpose": False}  # fmt: skip
     changed = [{k: v for k, v in s.items() if v != cuda[0][k]} for s in cuda[1:17]]
@@ -22,8 +21,8 @@ def test_settings_time_v1_then_the_v2_grid_then_the_tensor_core_kernel():
     assert len({tuple(sorted(c.items())) for c in changed}) == 16  # no setting twice
     narrow = bench_quantkey_kernel.parse_args(["--head-dim", "32", "--warps", "1"])
     chosen = bench_quantkey_kernel.settings(narrow, 2)
-    triton = [s for s in chosen if s["variant"] in ("v1", "v2")]
-    assert {s["variant"] for s in triton} == {"v1", "v2"}
+    triton = [s for s in chosen if s["variant"] == "v2"]
+    assert triton
     assert triton[-1]["num_warps"] == 4  # the default setting is timed even where the grid leaves it out
 
 

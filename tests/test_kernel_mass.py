@@ -62,7 +62,8 @@ def test_rows_without_valid_blocks_and_infinite_logits():
 def test_the_quantkey_selection_is_the_one_of_the_torch_scores():
     """QuantKeySelector.select through the kernels picks the blocks that the torch scores of the same block
     log-sum-exps pick (plain and with the bounded estimate's ranking)."""
-    from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
+    from hf_offload.kernels.quant import quantize_keys
+    from hf_offload.selectors.quantkey import QuantKeySelector
 
     g = torch.Generator().manual_seed(3)
     batch, heads, group, n, tokens, dim, k = 2, 2, 2, 40, 16, 32, 7

@@ -8,16 +8,18 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_offload.kernels import quantkey_mma
 from hf_offload.kernels.gather import kernels_available
+from hf_offload.kernels.quant import quantize_keys
 from hf_offload.kernels.quantkey import (
-    _VARIANTS,
+    VARIANTS,
     _default_config,
     _launch_block_lse,
     block_lse,
     block_lse_reference,
     block_lse_supported,
 )
-from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
+from hf_offload.selectors.quantkey import QuantKeySelector
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
@@ -27,7 +29,7 @@ pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Tri
 def _triton_kernel(monkeypatch):
     """These tests are of the Triton kernels (float32 throughout): ``block_lse`` runs ``v2`` here, not the
     tensor-core kernel it prefers on a recent GPU (``tests/test_kernel_quantkey_mma.py``)."""
-    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "v2")
+    monkeypatch.setattr(quantkey_mma, "mma_supported", lambda *args: False)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
@@ -56,7 +58,7 @@ def _inputs(shape, bits, dtype=torch.bfloat16, seed=0):
 
 @pytest.mark.parametrize(
     "variant, num_warps, rows",
-    [("v1", None, None), ("v2", None, None), ("v2", 1, None), ("v2", 8, None), ("v2", 2, 4), ("v2", 4, 2)],
+    [("v2", None, None), ("v2", 1, None), ("v2", 8, None), ("v2", 2, 4), ("v2", 4, 2)],
 )
 def test_launch_settings_match_the_reference(variant, num_warps, rows):
     # 70 blocks: not a multiple of any block_n; 32 tokens: more than one thread's rows per block.
@@ -69,7 +71,7 @@ def test_launch_settings_match_the_reference(variant, num_warps, rows):
     assert torch.allclose(got, expected, atol=1e-4, rtol=1e-4), (got - expected).abs().max()
     with pytest.raises(ValueError, match="variant"):
         _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], 2, out, variant="v0")
-    assert set(_VARIANTS) == {"v1", "v2", "mma", "mma-magic"}  # the CUDA ones: tests/test_kernel_quantkey_mma.py
+    assert set(VARIANTS) == {"v2", "mma"}  # the CUDA one: tests/test_kernel_quantkey_mma.py
 
 
 @pytest.mark.parametrize(
@@ -143,10 +145,10 @@ def test_selector_scores_through_the_kernel_match_the_reference_path():
     assert torch.allclose(scores, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["v1", "v2"])  # the CUDA kernel's: tests/test_kernel_quantkey_mma.py
+@pytest.mark.parametrize("variant", ["v2"])  # the CUDA kernel's: tests/test_kernel_quantkey_mma.py
 def test_reads_the_first_blocks_of_a_buffer_with_capacity(variant):
     """Summaries are views of the first blocks of buffers allocated with spare capacity (OffloadLayer): the kernel
-    reads them in place (v2; v1 copies them) and scores only those blocks."""
+    reads them in place and scores only those blocks."""
     from hf_offload.kernels.quantkey import summaries_layout_ok
 
     query, s = _inputs((3, 40, 2, 4, 16, 64), 2, seed=5)

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hf_offload.kernels import quantkey_mma
+from hf_offload.kernels.quant import dequantize_keys, quantize_keys
 from hf_offload.kernels.quantkey import _launch_block_lse, block_lse, block_lse_reference
 from hf_offload.kernels.quantkey_mma import block_lse_emulated, mma_supported
-from hf_offload.selectors.quantkey import dequantize_keys, quantize_keys
 
 HAS_MMA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 needs_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA device of compute capability 9.0 or newer")
@@ -65,13 +65,6 @@ def test_rounding_scheme_ranks_blocks_like_the_reference():
     assert (got - expected).abs().sum() < 0.05 * expected.sum()
 
 
-def test_an_unknown_kernel_name_is_refused(monkeypatch):
-    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "v9")
-    query, s, _ = _inputs(1, 4, 1, 4, 128)
-    with pytest.raises(ValueError, match="HF_OFFLOAD_QUANTKEY_KERNEL must be one of"):
-        block_lse(query, s["codes"], s["kmin"], s["kstep"], 2)
-
-
 def test_mma_is_not_taken_without_its_requirements():
     query, s, _ = _inputs(1, 4, 1, 4, 128)
     assert not mma_supported(query, s["codes"], s["kmin"], 2)  # CPU tensors
@@ -91,17 +84,15 @@ def test_mma_is_not_taken_without_its_requirements():
 @needs_mma
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("decode", ["subnormal", "magic"])
 @pytest.mark.parametrize("shape", [(2, 70, 2, 4, 128), (1, 16, 3, 7, 64), (3, 129, 1, 8, 256), (1, 1, 2, 1, 128),
                                    (1, 23, 2, 6, 128), (2, 9, 1, 2, 64)])  # fmt: skip
 @pytest.mark.parametrize("transpose", [True, False])
-def test_kernel_matches_its_scheme_and_the_reference(monkeypatch, transpose, decode, shape, bits):
+def test_kernel_matches_its_scheme_and_the_reference(monkeypatch, transpose, shape, bits):
     monkeypatch.setattr(quantkey_mma, "TRANSPOSE", transpose)
     batch, n, heads, group, head_dim = shape
     query, s, _ = _inputs(batch, n, heads, group, head_dim, device="cuda", seed=n, bits=bits)
     out = torch.full((batch, heads, group, n), float("nan"), device="cuda")
-    variant = "mma" if decode == "subnormal" else "mma-magic"
-    got = _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], bits, out, variant=variant)
+    got = _launch_block_lse(query, s["codes"], s["kmin"], s["kstep"], bits, out, variant="mma")
     emulated = block_lse_emulated(query, s["codes"], s["kmin"], s["kstep"], bits)
     expected = block_lse_reference(query, s["codes"], s["kmin"], s["kstep"], bits)
     assert not torch.isnan(got).any()
@@ -112,8 +103,8 @@ def test_kernel_matches_its_scheme_and_the_reference(monkeypatch, transpose, dec
 
 @needs_mma
 @pytest.mark.cuda
-def test_kernel_reads_blocks_of_a_larger_buffer_and_replays_in_a_graph(monkeypatch):
-    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "mma")  # what block_lse runs by default on such a GPU
+def test_kernel_reads_blocks_of_a_larger_buffer_and_replays_in_a_graph():
+    # block_lse runs the mma kernel by itself on such a GPU
     query, s, _ = _inputs(3, 90, 2, 4, 128, device="cuda", seed=5)
     views = {k: v[:, :77] for k, v in s.items()}  # the first 77 of 90 blocks per sequence, in place
     expected = block_lse_emulated(query, *(views[k].contiguous() for k in ("codes", "kmin", "kstep")))
@@ -286,8 +277,7 @@ def test_an_unscaled_query_of_any_dtype_is_scaled_as_torch_scales_it():
 @needs_mma
 @pytest.mark.cuda
 @pytest.mark.parametrize("bits", [2, 4])
-def test_a_bfloat16_query_is_scaled_inside_the_kernel_bit_for_bit(monkeypatch, bits):
-    monkeypatch.setenv("HF_OFFLOAD_QUANTKEY_KERNEL", "mma")
+def test_a_bfloat16_query_is_scaled_inside_the_kernel_bit_for_bit(bits):
     query, s, _ = _inputs(3, 70, 2, 4, 128, device="cuda", seed=17, bits=bits)
     raw = (query * 11.3).to(torch.bfloat16)
     scaling = 128**-0.5

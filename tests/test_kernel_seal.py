@@ -11,7 +11,7 @@ import torch
 
 from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.seal import seal_block, seal_block_supported
-from hf_offload.selectors.quantkey import quantize_keys
+from hf_offload.kernels.quant import quantize_keys
 
 from .test_layer_graphs_cpu import _assert_same_sealed_state
 from .test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)

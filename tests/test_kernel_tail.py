@@ -16,7 +16,8 @@ from hf_offload.kernels.tail import (
     tail_attention_reference,
     tail_kernel_supported,
 )
-from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
+from hf_offload.kernels.quant import quantize_keys
+from hf_offload.selectors.quantkey import QuantKeySelector
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")

@@ -19,7 +19,7 @@ from hf_offload.kernels.tail import (
     tail_attention_merged,
     tail_partials,
 )
-from hf_offload.selectors.quantkey import quantize_keys
+from hf_offload.kernels.quant import quantize_keys
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 needs_kernels = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")

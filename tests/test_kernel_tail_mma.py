@@ -11,7 +11,7 @@ import hf_offload.kernels.tail as tail_module
 from hf_offload.kernels import tail_mma
 from hf_offload.kernels.tail import tail_attention, tail_attention_reference
 from hf_offload.kernels.tail_mma import mma_supported, tail_emulated
-from hf_offload.selectors.quantkey import quantize_keys
+from hf_offload.kernels.quant import quantize_keys
 
 HAS_MMA = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 needs_mma = pytest.mark.skipif(not HAS_MMA, reason="needs a CUDA device of compute capability 9.0 or newer")
@@ -92,16 +92,6 @@ def test_unsupported_inputs_are_declined():
         assert not mma_supported(q, dev, 4, f32, 2)  # float32 parameters
 
 
-def test_environment_names_the_kernel(monkeypatch):
-    monkeypatch.setenv("HF_OFFLOAD_TAIL_KERNEL", "dot")
-    assert tail_module.chosen_variant() == "dot"
-    monkeypatch.setenv("HF_OFFLOAD_TAIL_KERNEL", "fast")
-    with pytest.raises(ValueError, match="HF_OFFLOAD_TAIL_KERNEL"):
-        tail_module.chosen_variant()
-    monkeypatch.delenv("HF_OFFLOAD_TAIL_KERNEL")
-    assert tail_module.chosen_variant() == "mma"
-
-
 @pytest.mark.cuda
 @needs_mma
 @pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (2, 2), (4, 4), (2, 4)])
@@ -146,17 +136,17 @@ def test_kernel_reads_blocks_through_an_index():
 @pytest.mark.cuda
 @needs_mma
 def test_default_is_the_tensor_core_kernel_and_the_merged_path_uses_it(monkeypatch):
-    """``tail_attention`` runs the ``mma`` kernel by default (the same result as asking for it), ``dot`` where the
-    environment says so, and ``tail_attention_merged`` merges the kernel's ranges as the torch merge does."""
+    """``tail_attention`` runs the ``mma`` kernel by default (the same result as asking for it), ``dot`` where
+    ``mma`` cannot run, and ``tail_attention_merged`` merges the kernel's ranges as the torch merge does."""
     query, kq, vq, ok = _inputs(2, 40, 2, 4, 128, 4, 2, "cuda")
     mma = tail_attention(query, kq, 4, vq, 2, ok, variant="mma")
     default = tail_attention(query, kq, 4, vq, 2, ok)
     assert torch.equal(default[0], mma[0]) and torch.equal(default[1], mma[1])
-    monkeypatch.setenv("HF_OFFLOAD_TAIL_KERNEL", "dot")
-    dot = tail_attention(query, kq, 4, vq, 2, ok)
+    with monkeypatch.context() as patch:
+        patch.setattr(tail_mma, "mma_supported", lambda *args: False)
+        dot = tail_attention(query, kq, 4, vq, 2, ok)
     assert not torch.equal(dot[0], mma[0])
     _assert_near(dot, mma, SCHEME)
-    monkeypatch.delenv("HF_OFFLOAD_TAIL_KERNEL")
     sel_out = torch.randn(2, 2, 4, 128, device="cuda")
     sel_lse = torch.randn(2, 2, 4, device="cuda") + 3
     out, lse = tail_module.tail_attention_merged(query, kq, 4, vq, 2, ok, sel_out, sel_lse)

@@ -163,7 +163,7 @@ def test_fp8_grid_covers_each_range_with_8_bit_float_parameters():
     """The quantkey-fp8 candidate's grid: minimum and step are exact e4m3 values, the minimum at or below each
     range's, the top of the grid at or above its maximum, so every key is within half a step of its code."""
     from benchmarks.selection_recall import Fp8QuantKeySelector, fp8_covering
-    from hf_offload.selectors.quantkey import dequantize_keys
+    from hf_offload.kernels.quant import dequantize_keys
 
     g = torch.Generator().manual_seed(0)
     scale = torch.tensor([1e-3, 0.05, 1.0, 30.0])[torch.randint(0, 4, (2, 6, 2, 32), generator=g)]

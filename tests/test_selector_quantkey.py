@@ -8,7 +8,8 @@ import torch
 
 from hf_offload.selectors import SELECTORS, get_selector
 from hf_offload.selectors.oracle import OracleSelector
-from hf_offload.selectors.quantkey import QuantKeySelector, dequantize_keys, quantize_keys
+from hf_offload.kernels.quant import dequantize_keys, quantize_keys
+from hf_offload.selectors.quantkey import QuantKeySelector
 
 from ._selector_checks import check_full_budget_token_identical, check_planted
 

@@ -15,7 +15,7 @@ from hf_offload.kernels import OnlineSoftmax
 from hf_offload.kernels.tail import attention_lse, attention_lse_reference, merge_attention, tail_attention_reference
 from hf_offload.selectors import get_selector
 from hf_offload.selectors.base import Selector
-from hf_offload.selectors.quantkey import dequantize_keys, quantize_keys
+from hf_offload.kernels.quant import dequantize_keys, quantize_keys
 
 from .conftest import build_model, left_padded
 

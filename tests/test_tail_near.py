@@ -10,7 +10,7 @@ import torch
 
 from hf_offload.kernels.tail import merge_attention
 from hf_offload.selectors import QuantKeySelector, get_selector
-from hf_offload.selectors.quantkey import take_blocks
+from hf_offload.kernels.quant import take_blocks
 
 B, N, H, G, T, D = 2, 40, 2, 3, 16, 64
 

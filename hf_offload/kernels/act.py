@@ -1,8 +1,7 @@
 """The gated MLP's activation and product, ``silu(gate) * up``, in one launch from the fused ``[gate | up]`` product.
 
 transformers' gated MLPs (Llama, Mistral, Qwen2, Qwen3, ...) compute ``act_fn(gate_proj(x)) * up_proj(x)``: two
-elementwise kernels after the products, each a few microseconds of launch and tail at decode sizes (3.6 and 3.3 us
-per layer on an H200, 8B shape, batch 12; ``results/decode/projections_h200/``). Here one program reads a piece of a
+elementwise kernels after the products, each a few microseconds of launch and tail at decode sizes. Here one program reads a piece of a
 row of the ``[..., 2 * intermediate]`` output of :mod:`hf_offload.projections`' fused product and writes
 ``silu(gate) * up`` with torch's roundings: the SiLU in float32 as torch's CUDA kernel computes it (``x / (1 +
 exp(-x))``, with the same ``expf`` and an IEEE division), rounded to the dtype, then the product in float32 (exact for

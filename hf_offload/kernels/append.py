@@ -2,9 +2,8 @@
 
 In a decode step of a whole decoder layer replayed from a CUDA graph, the step's new token is written into the
 open block at a position that a device tensor holds (the graph is replayed for every position of the block). Two
-``index_copy_`` calls, one for the keys and one for the values, were two kernels of 2.6-2.9 us each per layer at
-64K tokens, batch 12, 8B shape on an H200 (``results/decode/step_trace_h200/``); here one program per (sequence, KV
-head) copies both rows. The result is the two ``index_copy_`` calls' bit for bit (:func:`append_token_reference`),
+``index_copy_`` calls, one for the keys and one for the values, are two kernels per layer; here one program per
+(sequence, KV head) copies both rows. The result is the two ``index_copy_`` calls' bit for bit (:func:`append_token_reference`),
 which the tests check on the CPU under Triton's interpreter and on CUDA.
 """
 

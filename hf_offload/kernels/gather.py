@@ -1,8 +1,8 @@
 """Block copies between the pinned host pool and device memory in one launch, reading and writing host memory
 directly through unified virtual addressing (UVA).
 
-One cudaMemcpy per block costs ~10 us of fixed overhead (0.25 GB/s at 2 KB blocks on an H200), and a host-side
-gather into a staging buffer halves the bandwidth; one kernel in which every program copies one piece straight from
+One cudaMemcpy per block pays a fixed overhead that dominates at block sizes of a few KB, and a host-side gather into
+a staging buffer halves the bandwidth; one kernel in which every program copies one piece straight from
 pinned memory reaches the PCIe limit instead. The pieces are described by device tensors, so the caller never reads
 indices on the host: an id of ``-1`` means "skip", which lets the caller launch over every candidate without first
 compacting the misses (no host synchronisation in the decode loop).

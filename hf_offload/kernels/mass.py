@@ -4,17 +4,14 @@
 block log-sum-exps, summed over the query heads, with blocks that may not be attended left out of every softmax,
 then sink and window blocks forced in (``+inf``) and blocks that may not be attended kept out (``-inf``). In torch
 that is about nine operations (the masks, two masked fills, the softmax, the sum over heads, two more masked fills),
-each a kernel of 1-7 us inside a decode step's CUDA graph: 30.5 us per layer at 64K tokens, batch 12 on an H200
-(``results/decode/layer_graphs_h200/``, the kernel trace of one layer). The result is the torch code's
+each a kernel of a few microseconds inside a decode step's CUDA graph. The result is the torch code's
 (:func:`block_scores_reference`) up to float32 rounding (the sums run in another order), with the same ``+inf`` and
 ``-inf`` entries; the tests compare the two on the CPU under Triton's interpreter and on CUDA.
 
 Two launches: per sequence and head the maximum and sum of exponentials over its valid blocks (one program per row,
 up to ``STATS_BLOCK_N`` blocks at a time, the running sum rescaled to each new maximum; the step count is a power of
 two, so the kernel compiles once per power of two of the block count); per sequence and chunk of ``BLOCK_N`` blocks
-the masses summed over heads and the final scores. Until the second version there were three: the chunk statistics
-(4.6 us per layer at 64K tokens, batch 12 on an H200) and their combination (1.6 us) were two launches of fixed
-width.
+the masses summed over heads and the final scores.
 """
 
 from __future__ import annotations
@@ -28,9 +25,7 @@ BLOCK_N = 128
 
 STATS_BLOCK_N = 4096
 """Most blocks per step of the first launch's loop (one program per sequence and head; rows of fewer blocks take one
-step of the next power of two). On an H200 (batch 12, 32 rows of 4,096 blocks, 4 warps, inside CUDA graphs;
-``results/decode/step_trace_h200/gemm_probe.json``) one step of 4,096 took 3.67 us, 2, 4 and 8 steps of 2,048,
-1,024 and 512 blocks 4.54, 6.15 and 8.77 us: the loop's steps wait on each other."""
+step of the next power of two). Large: the loop's steps wait on each other, so fewer, wider steps are faster."""
 
 MAX_CHUNKS = 1024
 """Most ``BLOCK_N``-block chunks per sequence the kernels take (131,072 blocks, 2M tokens at 16-token blocks);

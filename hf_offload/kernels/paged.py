@@ -2,9 +2,7 @@
 
 With IO-adaptive admission most sealed blocks sit in device memory (in the block pool's admitted chunks), yet the
 slot-pool path copies every selected block that the pool does not hold into a slot before one attention call reads
-the pool: on an H200 at 64K tokens and batch 12 (8B shape, plain ``quantkey``) that copy was 2.6 GB and 5.4 ms of
-each 32 ms step, at a hit rate of 0.19 (``results/decode/profile_decode_step_quantkey_auto_64k_b12_eager_h200.txt``,
-``results/decode/capture_counters_h200/``). Here one kernel walks each sequence's and KV head's selection, reads a
+the pool, a copy of most of the attended bytes where the pool's hit rate is low. Here one kernel walks each sequence's and KV head's selection, reads a
 block from its admitted chunk when it is there and from its slot otherwise (blocks in host memory are recalled into
 slots as before), and the open block from the pool's last slot; only blocks in host memory are ever copied.
 
@@ -265,13 +263,8 @@ if triton is not None:
 
 
 def default_splits(entries: int, block_e: int) -> int:
-    """Splits of each (sequence, KV head) pair's entries: one tile of ``block_e`` entries per program.
-
-    Timed inside CUDA graphs on an H200 (8B shape, batch 12, 129 entries of 16 tokens, bfloat16, every block
-    admitted; ``results/decode/paged_graph_h200/``): one tile of 4 entries per program took 38.8 us per call and one
-    of 8 entries 39.9, against 49.9 for two tiles of 8 (the setting before) and 41.0-62.5 for two or more tiles of
-    4 by pipelining depth: a program's tiles are too few for pipelining to pay, and more programs keep more loads in
-    flight."""
+    """Splits of each (sequence, KV head) pair's entries: one tile of ``block_e`` entries per program (a program's
+    tiles are too few for pipelining to pay, and more programs keep more loads in flight)."""
     return max(1, -(-entries // block_e))
 
 

@@ -1,34 +1,24 @@
 """Block log-sum-exp of decode logits over quantized keys, in one launch (the ``quantkey`` selector's scoring).
 
-The pure-torch scoring dequantizes every key into a float32 temporary (four bytes per element where the codes take
-a quarter or an eighth of one) and runs a matrix product over it: on an H200 that took 184 ms per decode step for
-the 8B shape at 32K tokens and batch 8 (``results/selection/selector_cost_quantkey_h200.json``). The kernel reads
-each code once, decodes it in registers and reduces each block's logits to their log-sum-exp per query head, so only
-``[batch, kv_heads, group, n_blocks]`` floats leave it; the softmax over blocks that follows is exactly the softmax
-over all keys summed per block. :func:`block_lse_reference` is the pure-torch reference the tests compare it with
-(CPU, or any tensors the kernel does not take).
+Why a kernel: the pure-torch scoring dequantizes every key into a float32 temporary, four bytes per element where
+the codes take a quarter or an eighth of one. The kernel reads each code once, decodes it in registers and reduces
+each block's logits to their log-sum-exp per query head, so only ``[batch, kv_heads, group, n_blocks]`` floats leave
+it; the softmax over blocks that follows is exactly the softmax over all keys summed per block.
 
-Two kernels, chosen by :func:`_launch_block_lse`'s ``variant``: ``v2``, the one :func:`block_lse` runs
-(:data:`DEFAULT_VARIANT`), and ``v1``, the first kernel, kept so that ``benchmarks/bench_quantkey_kernel.py`` can
-time both in one run (on an H200 ``v2`` took 117 us per call where ``v1`` took 519, 2-bit codes). ``v1`` spends about
-30 instructions per code (it loads each byte once per code it holds, builds a float32 key tile and reduces it
-across threads once per query head; 0.52 ms per call for the 8B shape at batch 8 and 2048 blocks on an H200).
-``v2`` gives each thread a channel range of whole token rows, so that decoding a code takes one bitwise and one
-float operation, every query head adds one fused multiply-add per code, and the main loop uses no shared memory:
-compiled for sm_90 it spends about 8 instructions per code for 2-bit codes and 4 query heads per KV head. The
-arithmetic is float32 throughout (no tensor-core products), as in the reference. A tensor-core candidate, ``v3``
-(matrix products over dequantized rows), lost on the H200 and was removed: at best 386.6 us per call at 2 bits and
-408.0 at 4 bits, where ``v2`` took 111.4 and 113.7 at its best settings (llama-8b shape, batch 8, 2048 blocks;
-``results/selection/bench_quantkey_kernel_v3_h200.json``).
+:func:`block_lse` picks the kernel by itself: the tensor-core CUDA kernel of :mod:`hf_offload.kernels.quantkey_mma`
+where :func:`~hf_offload.kernels.quantkey_mma.mma_supported` allows it (2- or 4-bit codes, 16-token blocks, bfloat16
+summaries, compute capability 9.0+), else the Triton kernel below (float32 multiply-adds, any supported shape), else
+:func:`block_lse_reference`, the pure-torch reference the tests compare both with. Nothing is chosen through the
+environment. The codes' layout is :mod:`hf_offload.kernels.quant`'s.
 """
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from . import quantkey_mma
 from .gather import kernels_available, tl, triton
+from .quant import dequantize_keys
 
 
 def block_lse_reference(
@@ -48,8 +38,6 @@ def block_lse_reference(
     Returns:
         ``[batch, kv_heads, group, n_blocks]``, float32.
     """
-    from ..selectors.quantkey import dequantize_keys
-
     n = codes.shape[1]
     parts = []
     for start in range(0, n, chunk_blocks):
@@ -72,47 +60,6 @@ def block_lse_supported(query: torch.Tensor, codes: torch.Tensor) -> bool:
 
 
 if triton is not None:
-
-    @triton.jit
-    def _block_lse_kernel_v1(
-        q_ptr,  # float32 [B, H, G, D]
-        codes_ptr,  # uint8 [B, N, H, T, D // PER]
-        kmin_ptr,  # [B, N, H, D]
-        kstep_ptr,  # [B, N, H, D]
-        out_ptr,  # float32 [B, H, G, N]
-        n_blocks,
-        heads,
-        G: tl.constexpr,
-        T: tl.constexpr,
-        D: tl.constexpr,
-        BITS: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        # The first kernel, kept for comparison (benchmarks/bench_quantkey_kernel.py): every byte is loaded once
-        # per code it holds and each query head reduces a [BLOCK_N, T, D] key tile across threads.
-        PER: tl.constexpr = 8 // BITS
-        DB: tl.constexpr = D // PER
-        bh = tl.program_id(0).to(tl.int64)
-        b = bh // heads
-        h = bh % heads
-        n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        t = tl.arange(0, T)
-        d = tl.arange(0, D)
-        live = n < n_blocks
-        row = (b * n_blocks + n) * heads + h
-        params = row[:, None] * D + d[None, :]
-        kmin = tl.load(kmin_ptr + params, mask=live[:, None], other=0.0).to(tl.float32)
-        kstep = tl.load(kstep_ptr + params, mask=live[:, None], other=0.0).to(tl.float32)
-        where = (row[:, None, None] * T + t[None, :, None]) * DB + (d // PER)[None, None, :]
-        byte = tl.load(codes_ptr + where, mask=live[:, None, None], other=0).to(tl.int32)
-        code = (byte >> ((d % PER) * BITS)[None, None, :]) & ((1 << BITS) - 1)
-        keys = kmin[:, None, :] + code.to(tl.float32) * kstep[:, None, :]
-        for g in tl.static_range(G):
-            q = tl.load(q_ptr + (bh * G + g) * D + d)
-            logits = tl.sum(keys * q[None, None, :], axis=2)
-            top = tl.max(logits, axis=1)
-            lse = top + tl.log(tl.sum(tl.exp(logits - top[:, None]), axis=1))
-            tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
     @triton.jit
     def _block_lse_kernel(
@@ -223,11 +170,10 @@ if triton is not None:
             tl.store(out_ptr + (bh * G + g) * n_blocks + n, lse, mask=live)
 
 
-_VARIANTS = ("v1", "v2", "mma", "mma-magic")
-"""Kernels :func:`_launch_block_lse` can run: ``v1``, the first kernel (kept for comparison), ``v2`` (Triton, float32
-multiply-adds), and the tensor-core CUDA kernel of :mod:`hf_offload.kernels.quantkey_mma` with its codes decoded to
-subnormal bfloat16 values (``mma``) or through 128.0's bits (``mma-magic``, kept for comparison); the ``mma`` ones
-take only what :func:`~hf_offload.kernels.quantkey_mma.mma_supported` allows."""
+VARIANTS = ("v2", "mma")
+"""Kernels :func:`_launch_block_lse` can run: ``v2`` (Triton, float32 multiply-adds; any device Triton runs on) and
+``mma`` (the tensor-core CUDA kernel of :mod:`hf_offload.kernels.quantkey_mma`, only where
+:func:`~hf_offload.kernels.quantkey_mma.mma_supported` allows it). :func:`block_lse` chooses between them."""
 
 
 def _layout(tokens: int, head_dim: int, bits: int, group: int) -> dict:
@@ -261,21 +207,6 @@ def _default_config(
     return {"block_n": max(1, 32 * num_warps // per_block), "num_warps": num_warps, "rows_per_thread": rows}
 
 
-DEFAULT_VARIANT = "mma"
-"""The kernel :func:`block_lse` runs, unless the environment variable ``HF_OFFLOAD_QUANTKEY_KERNEL`` names another of
-:data:`_VARIANTS`: ``mma``, the tensor-core CUDA kernel, where
-:func:`~hf_offload.kernels.quantkey_mma.mma_supported` allows it (2-bit codes, 16-token blocks, bfloat16
-summaries, compute capability 9.0+), else ``v2``. On an H200 (8B shape, 2-bit codes) ``mma`` took 154.3 us per
-call at 64K tokens and batch 12 where ``v2`` took 324.4, and 62.4 against 116.6 at 32K and batch 8
-(``results/selection/mma_h200/``). ``v2`` took 117 us per call at 2 bits (``v1``: 519 us) and 114 us at 4 bits
-(``v1``: 773 us), llama-8b shape, batch 8, 2048 blocks (results/selection/bench_quantkey_kernel_h200.json). Three
-tensor-core candidates in Triton lost to ``v2``: ``v3`` (products over dequantized rows) at best 386.6 us at 2 bits
-and 408.0 us at 4 bits, where ``v2`` took 111.4 and 113.7 us at its best settings
-(results/selection/bench_quantkey_kernel_v3_h200.json); ``v4`` (float16 ``code * kstep`` rows times the queries)
-643.6 us at best and ``v5`` (codes decoded to float16 two at a time by inline PTX, products per block) 420.0, where
-``v2`` took 324.6 (results/selection/tensor_core_h200/, 8B shape at 64K tokens, batch 12)."""
-
-
 def _launch_block_lse(
     query: torch.Tensor,
     codes: torch.Tensor,
@@ -293,52 +224,42 @@ def _launch_block_lse(
 
     Args:
         query: ``[batch, kv_heads, group, head_dim]``, float32 (already scaled), contiguous, CUDA (or CPU under the
-            interpreter); for the ``mma`` variants also bfloat16, scaled inside the kernel (``scaling``).
+            interpreter); for ``mma`` also bfloat16, scaled inside the kernel (``scaling``).
         codes: ``[batch, n_blocks, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``, same device;
-            contiguous, or (``v2``) the first ``n_blocks`` blocks of a contiguous ``[batch, capacity, ...]`` buffer.
+            the first ``n_blocks`` blocks of a ``[batch, capacity, ...]`` buffer, contiguous past the block
+            dimension (:func:`summaries_layout_ok`).
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``, float dtype, same device; laid out like ``codes`` (the same
             capacity).
         kstep: same shape, dtype, device and layout as ``kmin``.
-        bits: bits per code (1, 2, 4 or 8).
+        bits: bits per code (1, 2, 4 or 8; ``mma``: 2 or 4).
         out: ``[batch, kv_heads, group, n_blocks]``, float32, contiguous, same device; written in full.
-        variant: one of :data:`_VARIANTS`.
-        block_n: blocks per program, a power of two; ``None``: the variant's default (``v2``: the fewest that
-            fill the warps, :func:`_default_config`).
-        num_warps: warps per program; ``None``: the variant's default.
+        variant: one of :data:`VARIANTS`.
+        block_n: ``v2`` only: blocks per program, a power of two; ``None``: the fewest that fill the warps
+            (:func:`_default_config`).
+        num_warps: ``v2`` only: warps per program; ``None``: 4.
         rows_per_thread: ``v2`` only: token rows of a block per thread; ``None``: :func:`_default_config`'s.
-        scaling: ``mma`` variants only: the kernel scores ``query.float() * scaling``.
+        scaling: ``mma`` only: the kernel scores ``query.float() * scaling``.
 
     Returns:
         ``out``.
     """
     batch, heads, group, head_dim = query.shape
     n_blocks, tokens = codes.shape[1], codes.shape[3]
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {VARIANTS}")
     if n_blocks == 0:
         return out
-    if variant in ("mma", "mma-magic"):
-        from . import quantkey_mma
-
-        decode = "magic" if variant == "mma-magic" else "subnormal"
+    if variant == "mma":
         stride = block_stride(codes, kmin, kstep)
-        return quantkey_mma.launch(query, codes, kmin, kstep, out, stride, bits=bits, decode=decode, scaling=scaling)
-    if variant == "v1":
-        codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
+        return quantkey_mma.launch(query, codes, kmin, kstep, out, stride, bits=bits, scaling=scaling)
     args = (query, codes, kmin, kstep, out, n_blocks, heads)
-    if variant == "v1":
-        block_n = block_n or max(1, min(16, 4096 // (tokens * head_dim)))
-        grid = (batch * heads, triton.cdiv(n_blocks, block_n))
-        _block_lse_kernel_v1[grid](*args, G=group, T=tokens, D=head_dim, BITS=bits, BLOCK_N=block_n,
-                                   num_warps=num_warps or 4)  # fmt: skip
-        return out
-    if variant != "v2":
-        raise ValueError(f"unknown block_lse kernel variant {variant!r}; expected one of {_VARIANTS}")
     config = _default_config(tokens, head_dim, bits, group, num_warps or 4, rows_per_thread)
     block_n = block_n or config["block_n"]
     layout = {"VB": _layout(tokens, head_dim, bits, group)["VB"], "TT": config["rows_per_thread"]}
     unit = 4 if layout["VB"] % 4 == 0 and codes.data_ptr() % 4 == 0 else 1
     grid = (batch * heads, triton.cdiv(n_blocks, block_n))
-    _block_lse_kernel[grid](*args, block_stride(codes, kmin, kstep), G=group, T=tokens, D=head_dim, BITS=bits, UNIT=unit, BLOCK_N=block_n,
-                            num_warps=config["num_warps"], **layout)  # fmt: skip
+    _block_lse_kernel[grid](*args, block_stride(codes, kmin, kstep), G=group, T=tokens, D=head_dim, BITS=bits,
+                            UNIT=unit, BLOCK_N=block_n, num_warps=config["num_warps"], **layout)  # fmt: skip
     return out
 
 
@@ -371,19 +292,6 @@ def summaries_layout_ok(codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Te
     return None not in caps and len(caps - {-1}) <= 1
 
 
-def chosen_variant() -> str:
-    """The kernel :func:`block_lse` prefers: ``HF_OFFLOAD_QUANTKEY_KERNEL`` where set, else :data:`DEFAULT_VARIANT`
-    (``mma`` still falls back to ``v2`` where it cannot run).
-
-    Raises:
-        ValueError: the variable names no kernel of :data:`_VARIANTS`.
-    """
-    variant = os.environ.get("HF_OFFLOAD_QUANTKEY_KERNEL", DEFAULT_VARIANT)
-    if variant not in _VARIANTS:
-        raise ValueError(f"HF_OFFLOAD_QUANTKEY_KERNEL must be one of {_VARIANTS} (or unset), got {variant!r}")
-    return variant
-
-
 def block_lse(
     query: torch.Tensor,
     codes: torch.Tensor,
@@ -393,15 +301,18 @@ def block_lse(
     chunk_blocks: int = 512,
     scaling: float = 1.0,
 ) -> torch.Tensor:
-    """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys: the :data:`DEFAULT_VARIANT`
-    kernel (or the one ``HF_OFFLOAD_QUANTKEY_KERNEL`` names) at its default settings where
-    :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or float32), else :func:`block_lse_reference`.
-    The ``mma`` kernel rounds ``kstep * q`` to bfloat16 (see :mod:`hf_offload.kernels.quantkey_mma`); the others
-    compute in float32. Arguments and result as the reference's (``chunk_blocks`` is used by the reference only),
-    except that ``query`` may have any float dtype and is scored as ``query.float() * scaling``: a contiguous
-    bfloat16 query goes to the ``mma`` kernel as it is (no conversion launch). The kernel allocates only the result
-    and never waits for the device, so it can be captured in a CUDA graph once it has run (compiled) outside one."""
-    variant = chosen_variant()
+    """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys, by the fastest path that can
+    run: the ``mma`` kernel where :func:`~hf_offload.kernels.quantkey_mma.mma_supported`, else the ``v2`` kernel
+    where :func:`block_lse_supported` (and ``kmin`` is bfloat16, float16 or float32), else
+    :func:`block_lse_reference`.
+
+    Arguments and result as the reference's (``chunk_blocks`` is read by the reference only), except that ``query``
+    may have any float dtype and is scored as ``query.float() * scaling``: a contiguous bfloat16 query goes to the
+    ``mma`` kernel as it is (no conversion launch). The ``mma`` kernel rounds ``kstep * q`` to bfloat16 (see
+    :mod:`hf_offload.kernels.quantkey_mma`); the others compute in float32.
+
+    CUDA graphs: the kernels allocate only the result and never wait for the device, so a call can be captured once
+    it has run (compiled) outside the capture."""
 
     def scaled() -> torch.Tensor:  # float32 [batch, kv_heads, group, head_dim], contiguous, times the scale
         q = query.float()
@@ -416,13 +327,9 @@ def block_lse(
         return block_lse_reference(scaled(), codes, kmin, kstep, bits, chunk_blocks)
     batch, heads, group, _ = query.shape
     out = torch.empty((batch, heads, group, codes.shape[1]), dtype=torch.float32, device=query.device)
-    if variant.startswith("mma"):
-        from .quantkey_mma import mma_supported
-
-        if not mma_supported(query, codes, kmin, bits):
-            variant = "v2"
-    if variant == "v1" or not summaries_layout_ok(codes, kmin, kstep):
+    variant = "mma" if quantkey_mma.mma_supported(query, codes, kmin, bits) else "v2"
+    if not summaries_layout_ok(codes, kmin, kstep):
         codes, kmin, kstep = codes.contiguous(), kmin.contiguous(), kstep.contiguous()
-    if not (variant.startswith("mma") and query.dtype == torch.bfloat16 and query.is_contiguous()):
-        query, scaling = scaled(), 1.0  # the Triton kernels read a scaled float32 query
+    if not (variant == "mma" and query.dtype == torch.bfloat16 and query.is_contiguous()):
+        query, scaling = scaled(), 1.0  # the Triton kernel reads a scaled float32 query
     return _launch_block_lse(query, codes, kmin, kstep, bits, out, variant=variant, scaling=scaling)

@@ -1,11 +1,9 @@
 """Block log-sum-exp over 2- or 4-bit quantized keys on tensor cores: a CUDA kernel compiled at run time (NVRTC).
 
-The Triton kernel (:mod:`hf_offload.kernels.quantkey`, ``v2``) forms every logit with float32 multiply-adds, about
-8 instructions per code, and is bound by that arithmetic (325 us per layer call at 64K tokens, batch 12, 8B shape on
-an H200, a third of a decode step). Three tensor-core versions in Triton lost to it: with 16 rows per block and a
-different right-hand side per block (``kstep * q``), the layout conversions and reductions that Triton puts around
-the small products cost more than the multiply-adds they replace. This kernel is written in CUDA so that it controls
-the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) itself:
+Why CUDA: the Triton kernel (:mod:`hf_offload.kernels.quantkey`, ``v2``) forms every logit with float32
+multiply-adds and is bound by that arithmetic; with 16 rows per block and a different right-hand side per block
+(``kstep * q``), the layout conversions Triton puts around small tensor-core products cost more than they save. This
+kernel controls the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) itself:
 
 * **Codes go straight into the A fragments.** A fragment register holds two bfloat16 values, one in each 16-bit half.
   Masking a 32-bit word of packed 2-bit codes with ``0x00030003 << s`` leaves one code in each half, at bit ``s``:
@@ -13,7 +11,7 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
   a word of 16 codes becomes 8 fragment registers with 3 shifts and 8 bitwise ands (no conversion, no subtraction),
   and the power-of-two factors are folded into the right-hand side. 4-bit codes take one shift and one and per
   register (a word of 8 codes, 4 registers), each code at bit 0. Which code lands in which k position follows
-  from the packing (:func:`hf_offload.selectors.quantkey.quantize_keys`); the right-hand side is built in the same
+  from the packing (:func:`hf_offload.kernels.quant.quantize_keys`); the right-hand side is built in the same
   order, so the format of the codes is unchanged.
 * **One right-hand side per block**, ``B[k, g] = kstep[c] * q[g, c] * 2**(112 - s)`` for the channel ``c`` at
   position ``k``, formed with one packed bfloat16 multiply per register (two channels) from the block's ``kstep``
@@ -25,32 +23,23 @@ the register layouts of ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) 
   products per 16 blocks.
 * **Log-sum-exp through a tile.** Each lane writes the four logits it holds into a tile in shared memory; every 8
   blocks each lane reduces one (block, query head) row of 16 tokens by itself, adds the block's constant and writes
-  ``[batch, kv_heads, group, n_blocks]``, float32, as the Triton kernel does (:data:`TRANSPOSE`; the reduction
-  with warp shuffles across the lanes of a column is kept to compare).
+  ``[batch, kv_heads, group, n_blocks]``, float32, as the Triton kernel does (:data:`TRANSPOSE`).
 * **Loads ahead through shared memory.** Each warp copies its next blocks' codes and steps into a small ring in
   shared memory with ``cp.async`` (:data:`STAGES` blocks) while it scores the current one, so the loads in flight
   hold no registers.
 
 The only rounding beyond float32 is of ``kstep * q`` to bfloat16 (twice: the scaled query, then the product; relative
-error under 2**-8 per channel), small against the error of the codes themselves (in the tests a twentieth of it at 2
-bits, under a sixth at 4); :func:`block_lse_emulated` computes exactly that rounding in pure torch, so the CPU tests
-check the scheme's accuracy against :func:`~hf_offload.kernels.quantkey.block_lse_reference`, and the CUDA tests
-check the kernel against both. On real queries the selections do not change (selection recall of Qwen2.5-Coder-0.5B
-at 4K: .980 / .981 at 2 bits and .993 at 4, with or without this rounding; ``results/selection/mma_h200/``).
+error under 2**-8 per channel), small against the error of the codes themselves. :func:`block_lse_emulated` computes
+exactly that rounding in pure torch, so the CPU tests check the scheme's accuracy against
+:func:`~hf_offload.kernels.quantkey.block_lse_reference`, and the CUDA tests check the kernel against both.
 
 Limits: 2- or 4-bit codes, 16-token blocks, ``head_dim`` 64, 128 or 256, at most 8 query heads per KV head, bfloat16
 ``kmin`` / ``kstep``, an NVIDIA GPU of compute capability 9.0 or newer (``mul.bf16x2``), and
 ``torch.cuda._compile_kernel`` (PyTorch's NVRTC wrapper). :func:`mma_supported` says whether all hold; the caller
-falls back to the Triton kernel otherwise. On an H200 (8B shape, 64K tokens, batch 12) it takes 146.2 us per call
-where the Triton kernel takes 324.9 (2-bit codes; 173.8 against 324.5 at 4 bits), about 2.3 instructions per code in
-its compiled loop (``results/selection/mma_h200/sass_count.txt``); decode steps with plain ``quantkey`` go from 30.4 to
-23.8 ms (``results/decode/mma_h200/``). With the ring of 2, 152.7-153.2 us against 158.0-158.8 without in the same
-runs at 2 bits and 167.0-167.6 against 193.2-193.8 at 4 (``results/selection/ring_h200/``). At 2 bits the kernel was
-bound by its instructions at the occupancy its 72 registers allow, not by its reads (52% of DRAM bandwidth under
-Nsight Compute); the tile took the 12 shuffles per block out (and the work of the empty columns past the group),
-at the cost of 4 stores per block and an eighth of a row reduction: 134.4 us against 148.8 with the ring of 3 at 2
-bits, 154.8 against 162.0 at 4 (``results/selection/transpose_h200/``). Two blocks per right-hand side (:data:`PAIR`)
-took the 2-bit kernel from 129.8 to 115.4 us (``results/selection/pair_h200/``).
+falls back to the Triton kernel otherwise.
+
+The module constants below are compile-time settings of the one kernel (read when a kernel is compiled; a
+benchmark may set them before the first call); the library runs their defaults.
 """
 
 from __future__ import annotations
@@ -59,6 +48,8 @@ import struct
 import warnings
 
 import torch
+
+from .quant import dequantize_keys
 
 SHIFT = 112
 """The right-hand side is ``kstep * q * 2**(SHIFT - s)``: a subnormal code times it is ``code * kstep * q *
@@ -69,25 +60,19 @@ BLOCKS_PER_WARP = 16
 """Blocks one warp scores per pass (the rows of the product that gives each block's ``q . kmin``)."""
 
 WARPS = 4
-"""Warps per program (read when a kernel is compiled and launched; the benchmark times others)."""
+"""Warps per program (read when a kernel is compiled and launched)."""
 
 PASSES = 1
 """Passes of 16 blocks one warp scores (read when a kernel is compiled and launched): the query's preparation (its
 scaling, the right-hand side factors and the bfloat16 high and low parts) is done once for them all, and every
-pass's constants are computed up front into shared memory. Under Nsight Compute the per-warp part of the kernel
-(that preparation, the constants and the setup: 538 instructions) was 16% of the executed instructions and 28% of
-the stall samples at 64K tokens, batch 12 (``results/selection/pair_h200/``); but the state kept across passes
-costs registers (96 instead of 80 per thread), and 2 and 4 passes took 118.8-124.1 us against 114.9-115.4 for one
-(2-bit codes, paired blocks). Kept at 1."""
+pass's constants are computed up front into shared memory; more passes keep more state in registers."""
 
 PAIR = True
 """Whether two blocks share one right-hand side (read when a kernel is compiled; used where a KV head has at most 4
 query heads, with :data:`TRANSPOSE` and a ring): at 4 query heads the product's columns 4-7 are empty, so lanes
 ``g >= 4`` build the next block's ``kstep * q`` there and the next block's product reads its logits from those
 columns. Each block then costs half the step multiplies and permutes, and a pass runs two independent chains of
-products. On an H200 (8B shape, 64K tokens, batch 12; ``results/selection/pair_h200/``) 115.2-115.4 us per call
-against 128.8-129.8 unpaired at 2 bits (ring of 2 pairs; 120.0 with 3), 145.8-148.6 against 150.4-152.6 at 4; the
-decode step went from 11.83 to 11.4 ms."""
+products."""
 
 PAIR_STAGES = 2
 """The ring depth in pairs of blocks where two blocks share a right-hand side (:data:`PAIR`; at most :data:`STAGES`):
@@ -96,12 +81,10 @@ the ring then holds ``2 * PAIR_STAGES`` blocks."""
 FAST_LOG = True
 """Whether a block's log-sum-exp takes the logarithm of its sum of exponentials (a number in [1, 16]) from the
 hardware's base-2 logarithm (``lg2.approx``, absolute error about 2**-22) instead of ``logf``'s exact rounding
-(about 20 instructions per (block, head); read when a kernel is compiled). 114.9 against 115.2 us paired, 127.6
-against 128.8 unpaired (2 bits, ``results/selection/pair_h200/variants_153c9ce.json``)."""
+(read when a kernel is compiled)."""
 
 UNROLL = 1
-"""Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled; the benchmark times
-others)."""
+"""Blocks of a warp's pass unrolled into one loop iteration (read when a kernel is compiled)."""
 
 CUDA_COMMON = r"""
 typedef unsigned int u32;
@@ -114,11 +97,6 @@ __device__ __forceinline__ u32 bf16x2_of(float hi, float lo) {  // {hi: upper ha
 __device__ __forceinline__ u32 mul_bf16x2(u32 a, u32 b) {
     u32 r;
     asm("mul.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
-    return r;
-}
-__device__ __forceinline__ u32 sub_bf16x2(u32 a, u32 b) {
-    u32 r;
-    asm("sub.rn.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
     return r;
 }
 __device__ __forceinline__ float bf16_lo(u32 x) { return __uint_as_float(x << 16); }
@@ -174,9 +152,6 @@ __device__ __forceinline__ u32 take(u32 x, int p, int s) {
     } else {
         v = (x >> (4 * p + 8 * s)) & m;
     }
-#if MAGIC  // as normal numbers: 128 + v, less 128 (exact)
-    v = sub_bf16x2(v | 0x43004300u, 0x43004300u);
-#endif
     return v;
 }
 
@@ -588,16 +563,9 @@ extern "C" __global__ void BOUNDS quantkey_mma(
 }
 """
 
-DECODES = ("subnormal", "magic")
-"""How codes become bfloat16 fragment values: ``subnormal`` (the masked bits read as a subnormal number, no further
-instruction; the default) or ``magic`` (the bits OR 128.0's, less 128.0: one more instruction per two codes, normal
-numbers only), kept to compare the two on a GPU."""
-
 PREFETCH = False
-"""Whether a warp loads the next block's codes and steps before scoring the current one (read when a kernel is
-compiled; ``benchmarks/bench_quantkey_kernel.py`` times both). Off: on an H200 at 64K tokens, batch 12 (8B shape)
-the prefetching kernel took 154.2 us per call and the plain one 146.4 (``results/selection/mma_h200/``), the extra
-registers costing more than the hidden latency gains."""
+"""Whether a warp loads the next block's codes and steps into registers before scoring the current one, where there
+is no ring (read when a kernel is compiled). Off: the extra registers cost more than the latency they hide."""
 
 CHAINS = 1
 """Accumulators per block (read when a kernel is compiled): 1, or 2 (the products of odd register pairs go to a
@@ -607,8 +575,7 @@ the float32 sum runs in another order)."""
 MIN_BLOCKS: int | None = 0
 """Programs per multiprocessor the compiler is asked to fit (``__launch_bounds__``' second argument; read when a
 kernel is compiled): 0 leaves the registers to the compiler, 8 caps them at 64 per thread, 7 at 72; ``None``: 7
-for ``head_dim`` up to 128, 0 above. On the H200 (64K tokens, batch 12, 8B shape) decode took 11.79 ms per steady step uncapped
-against 11.89 at 7 programs (``results/decode/projections_h200/``)."""
+for ``head_dim`` up to 128, 0 above."""
 
 
 def min_blocks(head_dim: int) -> int:
@@ -617,25 +584,19 @@ def min_blocks(head_dim: int) -> int:
         return 7 if head_dim <= 128 else 0
     return MIN_BLOCKS
 
+
 STAGES = 3
 """Blocks a warp keeps in flight through asynchronous copies into a ring in shared memory (``cp.async``; read when a
-kernel is compiled; ``benchmarks/bench_quantkey_kernel.py`` times several): block ``j + STAGES - 1``'s codes and
-steps are copied while block ``j`` is scored, without holding registers as :data:`PREFETCH` does. 0: each block is
-loaded straight into registers when the previous one is done. Capped where the ring would not fit the 48 KiB of
-static shared memory (:func:`stages`). On an H200 (8B shape, 64K tokens, batch 12; ``results/selection/ring_h200/``)
-a ring of 2 took 152.7-153.2 us per call against 158.0-158.8 without at 2 bits, and 167.0-167.6 against 193.2-193.8
-at 4 bits (3.6 TB/s of reads); deeper rings, two accumulators (:data:`CHAINS`) and capped registers
-(:data:`MIN_BLOCKS`) gained nothing more. With :data:`TRANSPOSE` (``results/selection/transpose_h200/``) rings of
-2 / 3 / 4 took 135.7 / 134.4 / 132.6 us at 2 bits and 157.4 / 154.8 / 161.1 at 4: 3, the best at 4 bits (the
-default selector's keys) and within 1.4% at 2."""
+kernel is compiled): block ``j + STAGES - 1``'s codes and steps are copied while block ``j`` is scored, without
+holding registers as :data:`PREFETCH` does. 0: each block is loaded straight into registers when the previous one
+is done. Capped where the ring would not fit the 48 KiB of static shared memory (:func:`stages`)."""
 
 TRANSPOSE = True
-"""How a block's 16 logits per query head become its log-sum-exp (read when a kernel is compiled;
-``benchmarks/bench_quantkey_kernel.py`` times both). ``True``: each lane writes the four logits it holds into a
-tile in shared memory, and every 8 blocks each lane reduces one (block, head) row of 16 tokens by itself, so a block
-costs 4 stores and an eighth of one lane's row reduction (at 4 query heads) instead of 12 dependent warp shuffles,
-and heads past the group cost nothing. ``False``: the shuffles, every lane reducing its rows of heads ``2t, 2t + 1``
-across the 8 lanes that share ``t``."""
+"""How a block's 16 logits per query head become its log-sum-exp (read when a kernel is compiled). ``True``: each lane
+writes the four logits it holds into a tile in shared memory, and every 8 blocks each lane reduces one (block, head)
+row of 16 tokens by itself, so a block costs 4 stores and an eighth of one lane's row reduction instead of 12
+dependent warp shuffles, and heads past the group cost nothing. ``False``: the shuffles, every lane reducing its
+rows of heads ``2t, 2t + 1`` across the 8 lanes that share ``t``."""
 
 TILE_ROW = 20
 """Floats per (block, head) row of the transposed tile: 16 tokens and 4 of padding, so that the stores of one
@@ -676,21 +637,17 @@ _COMPILED: dict[tuple, object] = {}
 _FAILED: str | None = None  # why compiling failed, once it has (then the kernel is not offered again)
 
 
-def _kernel(head_dim: int, bits: int = 2, decode: str = "subnormal", group: int = 8, query_bf16: bool = False):
-    """The compiled kernel for ``head_dim``, ``bits``, ``decode``, ``group`` query heads per KV head (1-8), a
+def _kernel(head_dim: int, bits: int = 2, group: int = 8, query_bf16: bool = False):
+    """The compiled kernel for ``head_dim``, ``bits``, ``group`` query heads per KV head (1-8), a
     bfloat16 (``query_bf16``) or float32 query and the current :data:`PREFETCH`, :data:`WARPS`, :data:`UNROLL`,
     :data:`CHAINS`, :data:`MIN_BLOCKS`, :data:`TRANSPOSE` and :func:`stages` (compiled once per process each)."""
     bounds, depth = min_blocks(head_dim), stages(head_dim, bits, group)
     pair = paired(group, depth)
-    key = (head_dim, bits, decode, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth,
+    key = (head_dim, bits, group, query_bf16, PREFETCH, WARPS, UNROLL, CHAINS, bounds, TRANSPOSE, depth,
            PASSES, pair, FAST_LOG)
     fn = _COMPILED.get(key)
     if fn is None:
-        if decode not in DECODES:
-            raise ValueError(f"quantkey_mma: decode must be one of {DECODES}, got {decode!r}")
-        magic = decode == "magic"
-        bexp, aexp = (0, 0) if magic else (SHIFT, 133 - SHIFT)
-        defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "MAGIC": int(magic), "BEXP": bexp, "AEXP": aexp,
+        defines = {"D": head_dim, "BITS": bits, "WARPS": WARPS, "BEXP": SHIFT, "AEXP": 133 - SHIFT,
                    "PREFETCH": int(PREFETCH), "UNROLL": UNROLL, "CHAINS": CHAINS, "MINBLOCKS": bounds,
                    "STAGES": depth, "GROUP": group, "TRANSPOSE": int(TRANSPOSE), "TP": TILE_ROW,
                    "QBF16": int(query_bf16), "PASSES": PASSES, "PAIR": int(pair),
@@ -722,7 +679,7 @@ def mma_supported(query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, 
     return compiled(head_dim, bits, group=query.shape[2]) is not None
 
 
-def compiled(head_dim: int, bits: int, decode: str = "subnormal", group: int = 8):
+def compiled(head_dim: int, bits: int, group: int = 8):
     """The kernel for these settings, compiled on first use; ``None`` (with one warning per process) where NVRTC
     cannot build it (no NVRTC library, a toolkit too old for sm_90's instructions, ...), so that the caller falls
     back to the Triton kernel instead of failing a decode step."""
@@ -730,12 +687,12 @@ def compiled(head_dim: int, bits: int, decode: str = "subnormal", group: int = 8
     if _FAILED is not None:
         return None
     try:
-        return _kernel(head_dim, bits, decode, group)
+        return _kernel(head_dim, bits, group)
     except Exception as e:  # the reason is kept and reported once; the Triton kernel scores from here on
         _FAILED = f"{type(e).__name__}: {e}"
         warnings.warn(
             f"hf_offload: the tensor-core quantkey kernel could not be compiled ({_FAILED[:300]}); scoring with "
-            "the Triton kernel instead. Set HF_OFFLOAD_QUANTKEY_KERNEL=v2 to skip the attempt.",
+            "the Triton kernel instead.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -750,7 +707,6 @@ def launch(
     out: torch.Tensor,
     block_stride: int,
     bits: int = 2,
-    decode: str = "subnormal",
     scaling: float = 1.0,
 ) -> torch.Tensor:
     """Run the kernel into ``out`` (no checks of the inputs, no host synchronisation; call :func:`mma_supported`
@@ -767,7 +723,6 @@ def launch(
         out: ``[batch, kv_heads, group, n_blocks]``, float32, contiguous, same device; written in full.
         block_stride: blocks from one sequence's summaries to the next's.
         bits: bits per code, 2 or 4.
-        decode: one of :data:`DECODES`.
         scaling: the softmax scale, applied in float32.
 
     Returns:
@@ -780,7 +735,7 @@ def launch(
     per_program = WARPS * BLOCKS_PER_WARP * PASSES
     grid = (batch * heads, -(-n_blocks // per_program), 1)
     qscale_bits = struct.unpack("<i", struct.pack("<f", scaling))[0]  # rounded to float32 as torch rounds it
-    kernel = _kernel(head_dim, bits, decode, group, query.dtype == torch.bfloat16)
+    kernel = _kernel(head_dim, bits, group, query.dtype == torch.bfloat16)
     kernel(grid=grid, block=(32 * WARPS, 1, 1),
            args=[query, codes, kmin, kstep, out, n_blocks, heads, block_stride, group, qscale_bits])  # fmt: skip
     return out
@@ -807,8 +762,6 @@ def block_lse_emulated(
     Returns:
         ``[batch, kv_heads, group, n_blocks]``, float32.
     """
-    from ..selectors.quantkey import dequantize_keys
-
     head_dim = query.shape[-1]
     zero = torch.zeros_like(kmin)
     code = dequantize_keys(codes, zero, torch.ones_like(kmin), bits)  # [B, N, H, T, D] float32 codes

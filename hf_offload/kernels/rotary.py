@@ -2,9 +2,8 @@
 
 transformers applies the rotary embedding (``apply_rotary_pos_emb`` of Llama and the models generated from it) as
 about ten small kernels per attention call on CUDA: for each of the query and key states a product with ``cos``, the
-halves of ``rotate_half`` (a negation and a concatenation), a product with ``sin`` and a sum. On the 8B shape at 64K
-tokens and batch 12 they took about 21 us of a layer's ~450 us decode step on an H200
-(``results/decode/fused_norms_h200/README.md``), launch and tail time more than bytes. Here one launch rotates both:
+halves of ``rotate_half`` (a negation and a concatenation), a product with ``sin`` and a sum: at decode sizes,
+launch and tail time more than bytes. Here one launch rotates both:
 a program takes one position of one sequence and a group of heads (query heads, then key heads), loads ``cos`` and
 ``sin`` of that position once and writes every element as
 

@@ -2,13 +2,12 @@
 into the summary buffers, its column of the device block table.
 
 Sealing a block after a decode step is, op by op, a stack of the keys and values, the copy kernel, about twenty
-small kernels of :func:`~hf_offload.selectors.quantkey.quantize_keys` (twice with ``tail_bits``) and one copy per
-buffer. Even replayed from a CUDA graph each of those launches costs a few microseconds of device time: with plain
-``quantkey`` at 64K tokens, batch 12, on the 8B shape (H200) the seal steps took 14.3 ms against 11.8 for the other
-steps, 2.5 ms more for the 32 layers' seals (``results/decode/seal_h200/``). Here one program per (sequence, KV head)
+small kernels of :func:`~hf_offload.kernels.quant.quantize_keys` (twice with ``tail_bits``) and one copy per
+buffer. Even replayed from a CUDA graph each of those launches costs a few microseconds of device time, in every
+layer of a sealing step. Here one program per (sequence, KV head)
 reads the block's ``[block_tokens, head_dim]`` keys and values once and writes everything.
 
-The codes, minima and steps are :func:`~hf_offload.selectors.quantkey.quantize_keys`' bit for bit: the minimum and
+The codes, minima and steps are :func:`~hf_offload.kernels.quant.quantize_keys`' bit for bit: the minimum and
 maximum over the block's tokens in float32, the step ``(max - min) / levels`` as torch computes it (on CUDA torch
 divides by a Python number as a product with its float32 reciprocal, on the CPU it divides), both rounded to the
 cache dtype, then each code ``(key - min) / step`` (an IEEE division; a zero step divides by one) rounded half to even

@@ -2,9 +2,7 @@
 
 :meth:`~hf_offload.store.DeviceSlotPool.assign` in torch is about seventeen small operations (a compare of every
 wanted block with every slot, a sort of the slots by last use, a cumulative sum that ranks the misses, two scatters);
-inside a decode step's CUDA graph each is a kernel of a few microseconds, and the sort alone took 25-30 us per layer
-at 64K tokens, batch 12 on an H200 (``results/decode/profile_decode_step_quantkey_auto_64k_b12_eager_h200.txt``).
-Here one program handles one (sequence, KV head) row of the pool: it loads the row's slots and the wanted blocks,
+inside a decode step's CUDA graph each is a kernel of a few microseconds, the sort the longest of them. Here one program handles one (sequence, KV head) row of the pool: it loads the row's slots and the wanted blocks,
 finds hits, ranks the unprotected slots by last use by counting (no sort: each slot's rank is the number of slots
 before it in (last use, slot) order), gives the i-th miss the i-th of them and writes the row's new state. The
 result, and the pool's state after it, are those of the torch code (``DeviceSlotPool.assign_reference``), which the

@@ -1,21 +1,23 @@
 """Attention over the blocks a decode step did not select, estimated from low-precision copies of their keys and values.
 
-A budget of 1/16 of the context misses 10-20% of the attention mass on real models (``docs/results/selection.md``);
-attending only to the selection renormalises that mass onto the selected tokens. Keeping every block's keys and
-values on the compute device at a few bits, per block and channel (KIVI's per-channel layout, Liu et al., 2024),
-lets each decode query add the blocks it did not select as an estimate: exact attention where it matters, low
-precision for the rest, as MiKV (Yang et al., 2024) keeps unimportant tokens at low precision and RetroInfer
-(Chen et al., 2025) estimates the attention of the clusters it does not retrieve. The two parts are merged through
-their log-sum-exp, so the result is one softmax over selection and estimate.
+Why: attending only to the selection renormalises the attention mass it misses onto the selected tokens. Keeping
+every block's keys and values on the compute device at a few bits, per block and channel (KIVI's per-channel layout,
+Liu et al., 2024; :mod:`hf_offload.kernels.quant`), lets each decode query add the blocks it did not select as an
+estimate: exact attention where it matters, low precision for the rest, as MiKV (Yang et al., 2024) keeps
+unimportant tokens at low precision and RetroInfer (Chen et al., 2025) estimates the attention of the clusters it
+does not retrieve. The two parts are merged through their log-sum-exp, so the result is one softmax over selection
+and estimate.
 
-:func:`tail_attention` runs one Triton launch where Triton runs (each program walks a range of blocks of one
-sequence and KV head, decodes keys and values in registers and keeps an online softmax for every query head of the
-KV head; the ranges are merged in torch; the default ``dot`` kernel forms the products over 64 token rows at a time
-with ``tl.dot``) and :func:`tail_attention_reference` elsewhere: pure torch, ``chunk_blocks``
-blocks dequantized at a time (the float32 temporary is bounded). Neither waits for the host, so a captured CUDA
-graph can hold them. A decode step calls :func:`tail_attention_merged`, whose one more launch merges the ranges,
-adds the blocks counted by their mass alone and merges the estimate with the selection's attention; with the
-bounded estimate :func:`tail_plan` finds the near blocks' tokens and the far blocks in one launch before it.
+:func:`tail_attention` picks its kernel by itself (:func:`tail_partials`): the tensor-core CUDA kernel of
+:mod:`hf_offload.kernels.tail_mma` where it can run, else the Triton ``dot`` kernel (products over 64 token rows at a
+time with ``tl.dot``) where its tiles fit, else the Triton ``loop`` kernel (one block at a time); each program walks a
+range of blocks of one sequence and KV head, decodes keys and values in registers and keeps an online softmax for
+every query head of the KV head. Without Triton on the device, :func:`tail_attention_reference` computes the same in
+pure torch, ``chunk_blocks`` blocks dequantized at a time. Nothing is chosen through the environment. None of them
+waits for the host, so a captured CUDA graph can hold them. A decode step calls :func:`tail_attention_merged`,
+whose one more launch merges the ranges, adds the blocks counted by their mass alone and merges the estimate with
+the selection's attention; with the bounded estimate :func:`tail_plan` finds the near blocks' tokens and the far
+blocks in one launch before it.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import warnings
 import torch
 
 from .gather import kernels_available, tl, triton
+from .quant import dequantize_keys, take_blocks
 
 BLOCKS_PER_PROGRAM = 16
 """Blocks one program of the kernel walks (its partial softmax is merged with the others' in torch, or in
@@ -48,7 +51,7 @@ def tail_attention_reference(
             scale; ``channels`` is ``keys["kmin"]``'s last size (``head_dim`` padded to whole bytes of codes).
         keys: ``codes`` (``[batch, n_blocks, kv_heads, block_tokens, channels * key_bits // 8]``, ``torch.uint8``),
             ``kmin`` and ``kstep`` (``[batch, n_blocks, kv_heads, channels]``) from
-            :func:`hf_offload.selectors.quantkey.quantize_keys`, same device.
+            :func:`hf_offload.kernels.quant.quantize_keys`, same device.
         key_bits: bits per key code.
         values: ``codes``, ``kmin`` and ``kstep`` of the values quantized the same way (their own channel count).
         value_bits: bits per value code.
@@ -61,8 +64,6 @@ def tail_attention_reference(
         attended); ``lse`` ``[batch, kv_heads, group]``, float32, the log-sum-exp of the attended logits (``-inf``
         where none is attended).
     """
-    from ..selectors.quantkey import dequantize_keys
-
     n = tokens_ok.shape[1]
     batch, heads, group, _ = query.shape
     channels = values["kmin"].shape[-1]
@@ -123,10 +124,7 @@ def attention_lse(
     One fused attention call that returns its log-sum-exp (torch's memory-efficient kernel on CUDA, its flash
     kernel on the CPU) where :func:`_fused_lse_supported`, else :func:`attention_lse_reference`. The fused kernels
     accumulate in float32 and round the output to the inputs' dtype; the reference multiplies in float32 and casts
-    every key to it first (on an H200, 8B shape at batch 8 over a 2,576-token slot pool, in CUDA graphs: 302.7 us per
-    call against 125.5 fused and 68.7 for plain ``scaled_dot_product_attention`` without the log-sum-exp;
-    ``results/decode/bench_estimate_path_32k_b8_fused_h200.json``). No host synchronisation: a CUDA graph can hold
-    it.
+    every key to it first (several times slower). No host synchronisation: a CUDA graph can hold it.
 
     Args:
         query: ``[batch, kv_heads, group, head_dim]`` (the query heads of one KV head in the query-length
@@ -412,33 +410,9 @@ def tail_kernel_supported(query: torch.Tensor, keys: dict[str, torch.Tensor], va
 VARIANTS = ("mma", "dot", "loop")
 """Kernels :func:`tail_attention` can run: ``mma`` (the tensor-core CUDA kernel of :mod:`hf_offload.kernels.tail_mma`,
 where :func:`~hf_offload.kernels.tail_mma.mma_supported` allows it), ``dot`` (Triton: matrix products over ``NB *
-block_tokens`` rows at a time, where its tiles fit, see :func:`dot_kernel_fits`) and ``loop`` (the first Triton
-kernel: one block at a time, products as broadcast sums; it runs where ``dot`` does not fit).
-``benchmarks/bench_tail_kernel.py`` times them side by side."""
-
-DEFAULT_VARIANT = "mma"
-"""The kernel :func:`tail_attention` runs, unless the environment variable ``HF_OFFLOAD_TAIL_KERNEL`` names another of
-:data:`VARIANTS`: ``mma`` where it can run, else ``dot`` where it fits, else ``loop``. A ``rows`` candidate (the
-``dot`` kernel's products from two-dimensional tiles only, no reshapes) lost to ``dot`` on the H200: for the 8B
-shape at 32K, batch 8, 4-bit keys and 2-bit values, ``dot`` took 886 us at its defaults (771 us at 2 warps) and
-``rows`` 996-1397 us across blocks per program (``results/selection/bench_tail_kernel_rows_h200.json``), and in the
-kernel tests ``rows`` ran out of shared memory (286-321 KB needed, 232 KB available) for the bf16 shape (1, 5, 3,
-4, 8, 128)."""
-
-
-def chosen_variant() -> str:
-    """The kernel :func:`tail_attention` prefers: ``HF_OFFLOAD_TAIL_KERNEL`` where set, else :data:`DEFAULT_VARIANT`
-    (``mma`` falls back to ``dot`` or ``loop`` where it cannot run).
-
-    Raises:
-        ValueError: the variable names no kernel of :data:`VARIANTS`.
-    """
-    import os
-
-    variant = os.environ.get("HF_OFFLOAD_TAIL_KERNEL", DEFAULT_VARIANT)
-    if variant not in VARIANTS:
-        raise ValueError(f"HF_OFFLOAD_TAIL_KERNEL must be one of {VARIANTS} (or unset), got {variant!r}")
-    return variant
+block_tokens`` rows at a time, where its tiles fit, see :func:`dot_kernel_fits`) and ``loop`` (Triton: one block at
+a time, products as broadcast sums; where ``dot`` does not fit). Left to itself, :func:`tail_attention` takes the
+first of them that can run."""
 
 
 def dot_kernel_fits(tokens: int, channels: int, key_bits: int, value_bits: int) -> bool:
@@ -481,9 +455,10 @@ def tail_attention(
         blocks_per_program: blocks of one sequence and KV head one program walks (their partial softmaxes are merged
             in torch); the ``dot`` kernel rounds it up to whole iterations; not read by ``mma`` (one range per warp
             of :data:`hf_offload.kernels.tail_mma.BLOCKS_PER_WARP` blocks).
-        variant: one of :data:`VARIANTS`; ``None``: :func:`chosen_variant`'s, where it can run (``mma`` where
-            :func:`~hf_offload.kernels.tail_mma.mma_supported`, else ``dot`` where :func:`dot_kernel_fits`, else
-            ``loop``). Asking for ``mma`` or ``dot`` where it cannot run raises ``ValueError``.
+        variant: one of :data:`VARIANTS` (what the tests and benchmarks use to run one kernel); ``None``: the
+            first that can run (``mma`` where :func:`~hf_offload.kernels.tail_mma.mma_supported`, else ``dot``
+            where :func:`dot_kernel_fits`, else ``loop``). Asking for ``mma`` or ``dot`` where it cannot run raises
+            ``ValueError``.
         precision: the ``dot`` kernel's matrix-product input precision: ``"tf32"`` (tensor cores; products of
             float32 inputs rounded to 10 mantissa bits, an error far below that of the 2-4-bit codes) or
             ``"ieee"`` (exact float32, as the reference).
@@ -520,8 +495,6 @@ def tail_partials(
                          f"first two sizes), got {index.dtype} {tuple(index.shape)}")  # fmt: skip
     if softcap is not None or not tail_kernel_supported(query, keys, values):
         if index is not None:
-            from ..selectors.quantkey import take_blocks
-
             rows = torch.arange(index.shape[0], device=index.device)[:, None]
             keys = {name: take_blocks(t, index, rows) for name, t in keys.items()}
             values = {name: take_blocks(t, index, rows) for name, t in values.items()}
@@ -537,7 +510,7 @@ def tail_partials(
         raise ValueError(f"tail_attention: unknown variant {variant!r}; expected one of {VARIANTS}")
     if precision not in ("tf32", "ieee"):
         raise ValueError(f"tail_attention: precision must be 'tf32' or 'ieee', not {precision!r}")
-    wanted = variant or chosen_variant()
+    wanted = variant or "mma"
     if wanted == "mma":
         if tail_mma.mma_supported(query, keys, key_bits, values, value_bits, index is not None):
             strides = (0, 0) if n == 0 else (block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
@@ -751,10 +724,7 @@ def tail_attention_merged(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention`, completed by the far blocks' mass and merged with the selection's attention
     (:func:`finish_tail_reference`): where the estimate's kernel runs, the merge of its ranges, the far blocks'
-    log-sum-exp and the merge with the selection are one more launch. At 64K tokens, batch 10, 8B shape on an H200
-    (``results/decode/default_trace_h200/``) the 51 kernels between the estimate's and the output projection took
-    114.9 us per layer in torch; with this launch (6.3 us) 10 kernels, 17.6 us (the rest: the estimate's share,
-    counted for ``stats()``).
+    log-sum-exp and the merge with the selection are one more launch (instead of dozens of small torch kernels).
 
     Args:
         query, keys, key_bits, values, value_bits, tokens_ok, index, softcap: as :func:`tail_attention`'s.
@@ -891,12 +861,9 @@ if triton is not None:
 def tail_plan(
     rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, scores: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tail_plan_reference` in one launch where Triton runs on ``rows``' device; the same result. At 64K
-    tokens, batch 10, 8B shape on an H200 (``results/decode/default_trace_h200/``) the kernels between the paged
-    attention and the estimate's went from 19 (50.1 us per layer) to 4 (17.0 us, this one 11.7: one program per
-    sequence). Arguments and result as the reference's (any
-    strides with the last dimension contiguous; ``rows``' ``block_tokens`` a power of two). Allocates only its
-    results and never waits for the device."""
+    """:func:`tail_plan_reference` in one launch (one program per sequence) where Triton runs on ``rows``' device;
+    the same result. Arguments and result as the reference's (any strides with the last dimension contiguous;
+    ``rows``' ``block_tokens`` a power of two). Allocates only its results and never waits for the device."""
     batch, n, tokens = rows.shape
     k, near = blocks.shape[-1], index.shape[-1]
     if (not kernels_available(rows.device) or tokens & (tokens - 1) or n == 0

@@ -1,12 +1,9 @@
 """The estimate of the unselected blocks' attention on tensor cores: a CUDA kernel compiled at run time (NVRTC).
 
-The Triton ``dot`` kernel (:mod:`hf_offload.kernels.tail`) decodes every key and value into float32 tiles and forms
-the products in TF32; its compiled loop spends about 1,500 instructions and 34 barriers on 4 blocks (168 registers,
-0 spills, sm_90a; most of it layout conversions through shared memory) and took 254.8 us per layer for the default
-selector's 381 near blocks per sequence at 64K tokens, batch 10 (8B shape, H200; 41% of a decode step's layer,
-``results/decode/default_trace_h200/``). This kernel forms both products of a block with ``mma.sync.m16n8k16``
-(bfloat16 in, float32 accumulate) and decodes the codes straight into fragment registers, the way the scoring kernel
-does (:mod:`hf_offload.kernels.quantkey_mma`):
+Why CUDA: the Triton ``dot`` kernel (:mod:`hf_offload.kernels.tail`) decodes every key and value into float32 tiles
+and spends most of its loop on layout conversions through shared memory. This kernel forms both products of a block
+with ``mma.sync.m16n8k16`` (bfloat16 in, float32 accumulate) and decodes the codes straight into fragment registers,
+the way the scoring kernel does (:mod:`hf_offload.kernels.quantkey_mma`):
 
 * **Logits**: the block's 16 key rows are the rows of the product, the query heads its 8 columns, with the right-hand
   side ``kstep * q`` (per block; the scoring kernel's decode of the key codes and its right-hand side, unchanged).
@@ -44,6 +41,7 @@ import warnings
 
 import torch
 
+from .quant import dequantize_keys
 from .quantkey_mma import CUDA_COMMON, SHIFT
 
 BLOCKS_PER_WARP = 16
@@ -444,7 +442,7 @@ def compiled(head_dim: int, key_bits: int, value_bits: int, has_index: bool):
         _FAILED = f"{type(e).__name__}: {e}"
         warnings.warn(
             f"hf_offload: the tensor-core tail kernel could not be compiled ({_FAILED[:300]}); estimating with the "
-            "Triton kernel instead. Set HF_OFFLOAD_TAIL_KERNEL=dot to skip the attempt.",
+            "Triton kernel instead.",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -568,20 +566,17 @@ def tail_emulated(
     Returns:
         ``(out, lse)`` as :func:`~hf_offload.kernels.tail.tail_attention_reference`'s.
     """
-    from ..selectors.quantkey import dequantize_keys
-    from .quantkey_mma import _round_bf16 as round_bf16
-
     head_dim = query.shape[-1]
     kmin, kstep = keys["kmin"], keys["kstep"]
     code = dequantize_keys(keys["codes"], torch.zeros_like(kmin), torch.ones_like(kmin), key_bits)  # [B, n, H, T, D]
     p = torch.arange(head_dim, device=query.device) % 4
     bit = torch.where((p < 3) & (key_bits == 2), 2 * p, torch.zeros_like(p)).float()
     f = torch.exp2(SHIFT - bit)
-    qs = round_bf16(query.float() * f)  # [B, H, G, D]
-    w = round_bf16(kstep.float()[:, :, :, None, :] * qs[:, None]) / f  # [B, n, H, G, D], exact division
+    qs = _round_bf16(query.float() * f)  # [B, H, G, D]
+    w = _round_bf16(kstep.float()[:, :, :, None, :] * qs[:, None]) / f  # [B, n, H, G, D], exact division
     logits = torch.einsum("bnhtd,bnhgd->bhgnt", code, w)
-    hi = round_bf16(query.float())
-    lo = round_bf16(query.float() - hi)  # the constant from the query's bfloat16 high and low parts
+    hi = _round_bf16(query.float())
+    lo = _round_bf16(query.float() - hi)  # the constant from the query's bfloat16 high and low parts
     const = torch.einsum("bnhd,bhgd->bhgn", kmin.float(), hi) + torch.einsum("bnhd,bhgd->bhgn", kmin.float(), lo)
     logits = logits + const[..., None]
     logits = logits.masked_fill(~tokens_ok[:, None, None], float("-inf"))  # [B, H, G, n, T]
@@ -591,7 +586,7 @@ def tail_emulated(
     total = prob.sum(dim=(-2, -1))  # [B, H, G]
     vcode = dequantize_keys(values["codes"], torch.zeros_like(values["kmin"]), torch.ones_like(values["kmin"]),
                             value_bits)  # fmt: skip
-    numer = torch.einsum("bhgnt,bnhtd,bnhd->bhgd", round_bf16(prob), vcode, values["kstep"].float())
+    numer = torch.einsum("bhgnt,bnhtd,bnhd->bhgd", _round_bf16(prob), vcode, values["kstep"].float())
     numer = numer + torch.einsum("bhgnt,bnhd->bhgd", prob, values["kmin"].float())
     some = total > 0
     out = torch.where(some[..., None], numer / torch.where(some, total, torch.ones_like(total))[..., None], 0.0)

@@ -1,7 +1,7 @@
 """Two-tier top-k of block scores (the ``k`` best, then the next ``ranked - k``) in one launch.
 
-A decode step picks its blocks from per-row block scores with a top-k. ``torch.topk`` on ``[12, 1, 4096]`` float32
-with ``k = 128`` costs ~32 us per call on an H200, launched with only 12 blocks. Here one program handles one
+A decode step picks its blocks from per-row block scores with a top-k; ``torch.topk`` on a few rows of a few thousand
+scores launches only one block per row and is slow at that size. Here one program handles one
 (sequence, row): it loads the row, maps each score to an order-preserving 32-bit integer key, finds the key of the
 ``k``-th and the ``ranked``-th entry of the order by a 32-step bisection (each step one count over the row), ranks
 the entries tied with a threshold by a cumulative sum and writes each selected entry straight to its output
@@ -10,10 +10,9 @@ position (a second cumulative sum), with no sort.
 On CUDA the same algorithm runs as a CUDA kernel compiled at run time (NVRTC, :data:`CUDA_SOURCE`), which Triton
 cannot express as cheaply: one program of up to 1,024 threads per row, each thread holding a few consecutive
 entries in registers; a bisection step is one warp-wide ``redux`` sum and one barrier (the per-warp counts
-double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans. On an H200 at
-``[12, 1, 4096]`` (k = 128) the Triton kernel takes 16.9 us per call, most of it the 32 steps' block-wide reductions,
-the CUDA kernel 13.3 (``results/selection/topk_h200/``). The CUDA kernel also writes the ``keep`` mask of tier 1
-(``values > -inf``), one launch less.
+double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans; the Triton
+kernel spends most of its time in the 32 steps' block-wide reductions. The CUDA kernel also writes the ``keep`` mask
+of tier 1 (``values > -inf``), one launch less.
 
 The result is defined exactly by :func:`ranked_topk_reference` (a stable sort, then each tier sorted by index); the
 kernel's is the same bit for bit, which the tests check on the CPU under Triton's interpreter and on CUDA.
@@ -178,9 +177,8 @@ CUDA_MAX_N = 32768
 """Most entries per row the CUDA kernel takes (1,024 threads of 32 entries)."""
 
 CUDA_AUTO_MAX_N = 8192
-"""Most entries per row for which :data:`BACKEND` ``None`` picks the CUDA kernel, the lengths where it was measured
-faster than the Triton kernel on an H200 (``results/selection/topk_h200/``): 9.3 against 12.8 us at ``[8, 1,
-2048]``, 13.3 against 16.9 at ``[12, 1, 4096]``, 22.9 against 28.0 at ``[6, 1, 8192]`` (k = 128)."""
+"""Most entries per row for which :data:`BACKEND` ``None`` picks the CUDA kernel (the row lengths where it is the
+faster of the two)."""
 
 BACKEND: str | None = None
 """Which kernel :func:`ranked_topk` runs on CUDA: ``None`` (the CUDA kernel where it compiles, else Triton),
@@ -192,9 +190,7 @@ _CUDA_FAILED: str | None = None
 
 def _cuda_layout(n: int) -> tuple[int, int]:
     """``(threads, entries per thread)`` of the CUDA kernel for rows of ``n`` entries: 8 entries per thread up to
-    2,048 entries (at least one warp), 16 up to 16,384, then 32 (1,024 threads). At ``[12, 1, 4096]`` on an H200,
-    256 threads of 16 took 13.5 us, 512 of 8 15.2, 1,024 of 4 24.8 and 128 of 32 17.4
-    (``results/selection/topk_h200/``)."""
+    2,048 entries (at least one warp), 16 up to 16,384, then 32 (1,024 threads)."""
     if n <= 2048:
         return max(32, 1 << max(0, (n - 1).bit_length() - 3)), 8
     if n <= 16384:

@@ -1,7 +1,7 @@
 """Headwise (Quest-style) selection: each KV head picks its own blocks by per-block key bounds (Tang et al., 2024).
 
-The baseline SoloHead is measured against: accurate per head, but recall fragments into ``2 x kv_heads`` pieces
-per block.
+Accurate per head, but recall fragments into ``2 x kv_heads`` pieces per block (SoloHead shares one selection
+instead).
 """
 
 from __future__ import annotations

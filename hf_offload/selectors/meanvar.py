@@ -16,8 +16,7 @@ larger than the exponential of the mean. This policy keeps two things per block 
 A block's log-mass estimate, per query head, is the log-sum-exp over its sub-blocks of ``s * q . m_p`` plus
 ``variance * s^2 / 2 * (q^2) . v``; each head votes with a softmax of these over the blocks and the votes are summed
 over heads, as in SoloHead (PulseInfer), so one selection is shared by all KV heads. The defaults (``parts=2``,
-``variance=0.5``) were picked on RULER seeds disjoint from those they are reported on
-(``benchmarks/selection_recall.py``, ``results/selection/``).
+``variance=0.5``) were tuned on held-out RULER seeds.
 
 Summaries: ``kmeans`` (``[batch, n_blocks, parts, kv_heads, head_dim]``) and ``kstd`` (``[batch, n_blocks,
 kv_heads, head_dim]``), ``parts + 1`` key-sized vectors per KV head: with ``parts=2`` as many bytes as

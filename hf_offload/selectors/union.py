@@ -11,8 +11,7 @@ blocks, per sequence, computed on the device (no host synchronisation).
 A head's own score (``head_score``): ``"quest"``, the largest Quest bound over the head's query heads (headwise's
 score; keeps ``kmin``/``kmax`` besides meanvar's summaries: ``parts + 3`` key-sized vectors per block and KV head,
 2.5x SoloHead's bytes at ``parts=2``), or ``"meanvar"``, the head's own meanvar votes summed over its query heads
-(no extra bytes). Measured with ``benchmarks/selection_replay.py`` (``results/selection/README.md``); not the
-default.
+(no extra bytes).
 """
 
 from __future__ import annotations
