@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
-from hf_offload.bench import SHAPES as BENCH_SHAPES  # noqa: E402
+from hf_offload.tools.bench import SHAPES as BENCH_SHAPES  # noqa: E402
 
 # The shapes of ``hf-offload bench`` under their short names here (``--shape llama-8b`` in the results READMEs).
 SHAPES = {"tiny": BENCH_SHAPES["tiny"], "llama-1b": BENCH_SHAPES["llama-3.2-1b"], "llama-8b": BENCH_SHAPES["llama-3.1-8b"]}

@@ -4,7 +4,7 @@ On a GPU every aten operation is a kernel launch or at least a trip through the 
 each), and the decode step of an offloaded 8B model is bound by that host-side work, not by the device. This script
 counts the operations on the CPU (the count does not depend on the device, only on the code path): it builds a
 small random Llama with real head geometry (32 query heads, 8 KV heads of 128), fills the cache with random KV
-without a prefill (:func:`hf_offload.bench.fill_random`), runs a few warm-up decode steps through
+without a prefill (:func:`hf_offload.tools.bench.fill_random`), runs a few warm-up decode steps through
 ``generate()``, then counts every aten operation of ``--steps`` decode steps under a ``TorchDispatchMode``.
 
 Per offloaded layer and decode step (mean over the counted steps; ``--steps`` a multiple of ``block_tokens``
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from hf_offload import OffloadCache
-    from hf_offload.bench import fill_random
+    from hf_offload.tools.bench import fill_random
     from hf_offload.cache import OffloadLayer
 
     model = build_model(args)

@@ -49,8 +49,8 @@ def _decode(model, ids: torch.Tensor, budget: int, steps: int, fused: bool, sele
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen05", help="a name of hf_offload.models, or 'random' (a small random "
-                        "Llama and random prompts, for tests)")  # fmt: skip
+    parser.add_argument("--model", default="qwen05", help="a name of hf_offload.tools.models, or 'random' (a small "
+                        "random Llama and random prompts, for tests)")  # fmt: skip
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--prompts", type=int, default=2)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         ids_list = [torch.randint(3, 512, (1, args.context), generator=g) for _ in range(args.prompts)]
     else:
         from eval_harness.needle import make_needle_prompts
-        from hf_offload.models import load
+        from hf_offload.tools.models import load
 
         model, tokenizer = load(args.model, dtype=DTYPES[args.dtype])
         model.eval()

@@ -48,7 +48,7 @@ def prompts(args) -> tuple[object, list[torch.Tensor]]:
         g = torch.Generator().manual_seed(0)
         return model, [torch.randint(3, 4096, (1, args.context), generator=g) for _ in range(args.prompts)]
     from eval_harness.needle import make_needle_prompts
-    from hf_offload.models import load
+    from hf_offload.tools.models import load
 
     model, tokenizer = load(args.model, dtype=torch.float32)
     samples = make_needle_prompts(tokenizer, args.context, n=args.prompts, seed=0, chat=True)
@@ -57,7 +57,8 @@ def prompts(args) -> tuple[object, list[torch.Tensor]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="random", help="'random' (a random Llama) or a name of hf_offload.models")
+    parser.add_argument("--model", default="random",
+                        help="'random' (a random Llama) or a name of hf_offload.tools.models")
     parser.add_argument("--layers", type=int, default=8, help="--model random: decoder layers")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens")
     parser.add_argument("--prompts", type=int, default=2)

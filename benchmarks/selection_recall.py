@@ -206,7 +206,7 @@ def capture_sample(model, input_ids: list[int], decode_steps: int) -> dict:
 def load_captures(args, seeds: list[int]) -> list[dict]:
     """Captures of ``args.samples`` samples per task and seed, from ``args.capture_dir`` or computed (and saved)."""
     from eval_harness.ruler import make_ruler_samples
-    from hf_offload.models import load
+    from hf_offload.tools.models import load
 
     folder = Path(args.capture_dir)
     folder.mkdir(parents=True, exist_ok=True)

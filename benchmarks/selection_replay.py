@@ -252,7 +252,7 @@ def main(argv=None) -> dict:
         return payload
 
     from eval_harness.ruler import RulerSuite
-    from hf_offload.models import load
+    from hf_offload.tools.models import load
 
     torch.set_grad_enabled(False)
     model, tokenizer = load(args.model, dtype=torch.float32, device="cpu")

@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload.bench import SHAPES  # noqa: E402
+from hf_offload.tools.bench import SHAPES  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import get_selector  # noqa: E402
 

@@ -33,9 +33,9 @@ def load_model(recipe: Recipe):
     else:
         dtype = getattr(torch, recipe.dtype)
     if not recipe.gguf_file and not recipe.tokenizer:
-        # Registry names of hf_offload.models (e.g. "qwen05") are fetched and converted once; any other name or
+        # Registry names of hf_offload.tools.models (e.g. "qwen05") are fetched and converted once; any other name or
         # path goes to from_pretrained unchanged.
-        from hf_offload import models
+        from hf_offload.tools import models
 
         model, tokenizer = models.load(
             recipe.model, dtype=dtype, device=device, attn_implementation=recipe.attn_implementation

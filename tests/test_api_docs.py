@@ -23,7 +23,7 @@ def test_public_modules_cover_the_packages_and_skip_private_ones():
     modules = _build_api().public_modules()
     for name in ("hf_offload", "hf_offload.cache", "hf_offload.config", "hf_offload.selectors",
                  "hf_offload.selectors.base", "hf_offload.store", "hf_offload.store.host", "hf_offload.kernels",
-                 "hf_offload.planner", "hf_offload.bench", "eval_harness", "eval_harness.runner",
+                 "hf_offload.planner", "hf_offload.tools.bench", "eval_harness", "eval_harness.runner",
                  "eval_harness.ruler"):  # fmt: skip
         assert name in modules
     assert not [name for name in modules if any(part.startswith("_") for part in name.split("."))]
@@ -59,7 +59,7 @@ def test_api_reference_builds_and_documents_the_public_names(tmp_path):
     assert {"HostBlockPool", "DeviceSlotPool"} <= documented("hf_offload.store")
     assert "OnlineSoftmax" in documented("hf_offload.kernels")
     assert {"plan", "ModelShape", "largest_batch", "largest_resident_batch"} <= documented("hf_offload.planner")
-    assert {"run_bench", "fill_random"} <= documented("hf_offload.bench")
+    assert {"run_bench", "fill_random"} <= documented("hf_offload.tools.bench")
     assert documented("eval_harness.runner")
     # Docstrings are rendered (Google style: "Args:" becomes an argument list), and packages link their modules.
     config = page("hf_offload.config")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hf_offload import OffloadConfig
-from hf_offload.bench import SHAPES, build_model, fill_random, main, run_bench
+from hf_offload.tools.bench import SHAPES, build_model, fill_random, main, run_bench
 from hf_offload.planner import PRESETS, plan, shape_from_config
 
 MIB = 1 << 20
@@ -70,7 +70,7 @@ def test_bench_prints_and_writes_speed_and_bytes(tmp_path, capsys):
 
 
 def test_bench_help_shows_an_example(capsys):
-    from hf_offload.cli import main as cli_main
+    from hf_offload.tools.cli import main as cli_main
 
     with pytest.raises(SystemExit) as done:
         cli_main(["bench", "--help"])

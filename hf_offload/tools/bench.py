@@ -72,8 +72,8 @@ def fill_random(cache, batch: int, context: int, kv_heads: int, head_dim: int, d
         chunk: tokens per ``update`` call.
         dtype: dtype of the keys and values, the model's dtype.
     """
-    from .attention import take_handoff
-    from .cache import OffloadLayer
+    from .. import OffloadLayer
+    from ..attention import take_handoff
 
     g = torch.Generator(device=device).manual_seed(0)
     if hasattr(cache, "reserve"):  # an OffloadCache: summaries allocated once, not grown chunk by chunk
@@ -137,7 +137,7 @@ def _decode(model, cache, batch: int, context: int, steps: int, device: torch.de
     """Decode ``steps`` tokens after a filled cache; returns the mean seconds per step, the first two excluded."""
     from transformers import LogitsProcessorList
 
-    from .cache import generate_cache_kwarg
+    from .. import generate_cache_kwarg
 
     ids = torch.randint(0, model.config.vocab_size, (batch, context + 1), device=device)
     clock = _StepClock(device)
@@ -160,8 +160,7 @@ def check_settings(budget: int, selectors, transfer: str, overrides: dict) -> No
         transfer: ``OffloadConfig.transfer``.
         overrides: further :class:`~hf_offload.config.OffloadConfig` fields.
     """
-    from .config import OffloadConfig
-    from .selectors import get_selector
+    from .. import OffloadConfig, get_selector
 
     for name in selectors:
         get_selector(OffloadConfig(budget_tokens=budget, selector=name, transfer=transfer, **overrides).selector)
@@ -195,8 +194,7 @@ def run_bench(shape: str = "tiny", context: int = 4096, batch: int = 1, budget: 
     import transformers
     from transformers import DynamicCache
 
-    from . import __version__
-    from .cache import OffloadCache
+    from .. import OffloadCache, __version__
 
     if steps < 3:
         raise ValueError(
@@ -267,7 +265,7 @@ def format_table(result: dict) -> str:
 
 def _parse_overrides(parser: argparse.ArgumentParser, items: list[str]) -> dict:
     """``["pool_tokens=2048", ...]`` as OffloadConfig overrides; values are Python literals or plain strings."""
-    from .config import OffloadConfig
+    from .. import OffloadConfig
 
     fields = sorted(f.name for f in dataclasses.fields(OffloadConfig) if f.init)
     taken = {"budget_tokens": "--budget", "selector": "--selector", "transfer": "--transfer"}

@@ -1,0 +1,131 @@
+"""``hf-offload plan``: device / host bytes of a cache for a model, context and batch, and the largest batch.
+
+The numbers come from :mod:`hf_offload.planner`; this module only finds the model's shape (a preset, a model of
+``hf-offload models``, a local folder or a hub name) and prints them.
+
+Examples::
+
+    hf-offload plan llama-3.1-8b --context 65536 --batch 8
+    hf-offload plan /path/to/model --context 32768 --batch 4 --budget 2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import OffloadConfig, planner
+from ..planner import (
+    GIB,
+    PRESETS,
+    ModelShape,
+    largest_batch,
+    largest_resident_batch,
+    plan,
+    shape_from_config,
+    shape_from_preset,
+    suggested_device_memory_gib,
+)
+
+
+def load_shape(model: str) -> ModelShape:
+    """The :class:`ModelShape` of a preset, a registry model, a local model folder or a hub name.
+
+    Raises:
+        ValueError: ``model`` is none of those, or its config could not be read (the message says what to pass).
+    """
+    import difflib
+    import os
+
+    if model in PRESETS:
+        return shape_from_preset(model)
+    from transformers import AutoConfig
+
+    from . import models
+
+    if models._lookup(model) is not None:  # a registry model: its converted folder (fetched on first use)
+        return shape_from_config(AutoConfig.from_pretrained(models.fetch(model)))
+    what = (f"a preset ({', '.join(sorted(PRESETS))}), a model of `hf-offload models`, a local model folder or a "
+            f"hub name (owner/name)")  # fmt: skip
+    close = difflib.get_close_matches(model, list(PRESETS), n=1, cutoff=0.6)
+    if close and "/" not in model and not os.path.exists(model):  # a mistyped preset: no hub round trip
+        raise ValueError(f"Unknown model {model!r}: did you mean the preset {close[0]!r}? Pass {what}.")
+    try:
+        return shape_from_config(AutoConfig.from_pretrained(model))
+    except Exception as err:  # noqa: BLE001 -- the hub and config errors differ by version; all mean the same here
+        raise ValueError(f"Could not read the config of {model!r} ({type(err).__name__}: {str(err)[:200]}). "
+                         f"Pass {what}.") from err
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``hf-offload plan`` entry point."""
+    parser = argparse.ArgumentParser(
+        prog="hf-offload plan", description=planner.__doc__.split("\n\n")[0],
+        epilog="example: hf-offload plan llama-3.1-8b --context 65536 --batch 8 --device-gib 139 --host-gib 120",
+    )  # fmt: skip
+    parser.add_argument("model", help=f"a preset ({', '.join(sorted(PRESETS))}), a local model folder or a hub name")
+    parser.add_argument("--context", type=int, required=True, help="tokens per sequence")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
+    parser.add_argument("--selector", default=OffloadConfig.selector, help="block selector (default: %(default)s)")
+    parser.add_argument("--device-gib", type=float, default=None, help="device memory for weights + cache")
+    parser.add_argument("--host-gib", type=float, default=None, help="host memory for the offloaded cache")
+    parser.add_argument("--admission", choices=("always", "auto"), default=OffloadConfig.admission,
+                        help="OffloadCache admission (default: %(default)s)")  # fmt: skip
+    parser.add_argument("--device-memory-gib", type=float, default=None,
+                        help="admission='auto': device memory for admitted blocks (default: 80%% of the device "
+                        "memory left after the weights, from --device-gib)")  # fmt: skip
+    parser.add_argument("--margin-gib", type=float, default=8.0,
+                        help="admission='auto' with --device-gib: device memory to leave for the decode step's "
+                        "temporaries, CUDA graphs and allocator fragmentation when suggesting device_memory_gib "
+                        "(default %(default)s: an 8B-shape model on an H200 ran 64K tokens at batches 10-13 and 128K "
+                        "at 6-7 with it, 3 GiB ran out of memory)")
+    args = parser.parse_args(argv)
+    if args.device_memory_gib is not None and args.admission != "auto":
+        parser.error("--device-memory-gib is the limit of --admission auto; add --admission auto")
+    if args.admission == "auto" and args.device_memory_gib is None and args.device_gib is None:
+        parser.error("--admission auto needs --device-gib (the admission limit is 80% of the device memory left after "
+                     "the weights) or --device-memory-gib")
+    try:
+        shape = load_shape(args.model)
+    except ValueError as err:
+        parser.error(str(err))
+    config = OffloadConfig(budget_tokens=args.budget, selector=args.selector, admission=args.admission,
+                           device_memory_gib=args.device_memory_gib)  # fmt: skip
+    weights = shape.weights_bytes or 0
+    device_free = None if args.device_gib is None else int(args.device_gib * GIB) - weights
+    print(f"{args.model}: {shape.full_layers} full + {shape.sliding_layers} sliding layers, {shape.kv_heads} KV heads, "
+          f"head_dim {shape.head_dim}: {shape.kv_bytes_per_token * (shape.full_layers + shape.sliding_layers) / 1024:.0f}"
+          f" KiB of KV per token (bf16)\n")  # fmt: skip
+    print(f"{'method':8s} {'device KV GiB':>14s} {'(admitted)':>11s} {'summaries GiB':>14s} {'step GiB':>9s} "
+          f"{'host KV GiB':>12s} {'host reserved GiB':>18s}")  # fmt: skip
+    for method in ("dense", "static", "offload"):
+        p = plan(shape, args.context, args.batch, method, config, device_free_bytes=device_free)
+        print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.admitted_kv_bytes / GIB:11.2f} "
+              f"{p.device_summary_bytes / GIB:14.2f} {p.step_transient_bytes / GIB:9.2f} {p.host_kv_bytes / GIB:12.2f} "
+              f"{p.host_reserved_bytes / GIB:18.2f}")  # fmt: skip
+    print("(dense: DynamicCache; static: StaticCache; step: what a decode step allocates beyond the cache)")
+    if device_free is not None and args.admission == "auto":
+        p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
+        suggest = suggested_device_memory_gib(shape, args.context, args.batch, config, device_free, args.margin_gib)
+        print(f"\nadmission='auto': {p.admitted_reserved_bytes / GIB:.2f} GiB admitted, "
+              f"{(device_free - p.device_bytes) / GIB:.2f} GiB of the device left after weights and cache; to leave "
+              f"{args.margin_gib:g} GiB for the decode step, pass device_memory_gib={suggest:.1f}")  # fmt: skip
+    if device_free is not None:
+        host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
+        print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"
+              f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}; weights {weights / GIB:.1f} GiB):")
+        for method in ("dense", "static", "offload"):
+            print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config)}")
+        resident = largest_resident_batch(shape, args.context, device_free, config, args.margin_gib)
+        gib = suggested_device_memory_gib(shape, args.context, max(resident, 1), config.replace(admission="auto"),
+                                          device_free, args.margin_gib)  # fmt: skip
+        print(f"  offload, every block on the device (admission='auto', {args.margin_gib:g} GiB margin): {resident}"
+              + (f" (device_memory_gib={gib:.1f})" if resident else "")
+              + "\n(past that batch a decode step reads the blocks it selects from host memory, at PCIe speed: "
+              "usually the fastest decode is at the every-block-on-the-device batch)")  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
