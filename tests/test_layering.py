@@ -149,8 +149,6 @@ def test_the_library_never_imports_the_tools_the_evaluation_or_the_benchmarks():
     assert not wrong, "the library imports a layer above it:\n" + "\n".join(wrong)
 
 
-@pytest.mark.xfail(strict=False, reason="the quantized-key kernels still import their layout from "
-                   "hf_offload.selectors.quantkey; it moves into hf_offload.kernels")
 def test_kernels_import_nothing_above_them():
     wrong = [
         f"{name} (line {i.line}) imports {i.target}"
