@@ -8,13 +8,15 @@
 Memory and execution settings change memory and speed, never which tokens are attended: outputs agree up to float
 rounding (the fields that round differently say so).
 
-:class:`OffloadConfig` holds all three and reads flat as well; these two are equal:
+:class:`OffloadConfig` holds all three and takes and reads them flat as well:
 
->>> OffloadConfig(budget_tokens=4096, lookahead=True)  # doctest: +SKIP
->>> OffloadConfig(attended=Attended(budget_tokens=4096), execution=Execution(lookahead=True))  # doctest: +SKIP
+>>> config = OffloadConfig(budget_tokens=4096, lookahead=True)
+>>> config == OffloadConfig(attended=Attended(budget_tokens=4096), execution=Execution(lookahead=True))
+True
+>>> config.budget_tokens == config.attended.budget_tokens == 4096
+True
 
-and ``config.budget_tokens`` is ``config.attended.budget_tokens``. ``docs/tuning.md`` says what each setting costs
-and how to choose it.
+``docs/tuning.md`` says what each setting costs and how to choose it.
 """
 
 from __future__ import annotations
@@ -32,28 +34,22 @@ the rest) and joins the softmax; see :mod:`hf_offload.selectors.quantkey`."""
 
 @dataclass(frozen=True)
 class Attended:
-    """What a decode query attends to. These settings change the outputs. Token counts are per sequence and layer.
+    """What a decode query attends to: these settings change the outputs. Token counts are per sequence and layer.
 
     Attributes:
         budget_tokens: KV tokens one decode query attends to, sink, window and open block included; at least
-            ``sink_tokens + window_tokens + block_tokens``. At or above the context length the output is dense
-            attention's. Default 2048.
+            ``sink_tokens + window_tokens + block_tokens``, and at or above the context exactly dense. Default 2048.
         block_tokens: tokens per block, the unit of selection, storage and transfer; a power of two. Default 16.
-        sink_tokens: first (non-padding) tokens of each sequence that every decode query attends to; a multiple of
-            ``block_tokens``. ``None`` (default): ``budget_tokens // 32`` clamped to ``[block_tokens, 64]``.
-        window_tokens: most recent sealed tokens that every decode query attends to, besides the open block (its
-            fewer than ``block_tokens`` tokens are always attended); a multiple of ``block_tokens``. ``None``
-            (default): ``budget_tokens // 8`` clamped to ``[block_tokens, 256]``.
-        selector: what chooses the blocks that fill the rest of the budget: a registered selector's name, with
-            settings if any (``"quantkey"``, ``"quantkey[bits=4]"``, ``"solohead"``, ``"headwise"``, ...), or a
-            :class:`~hf_offload.selectors.Selector` instance. Default :data:`DEFAULT_SELECTOR`.
-        reselect_every: each layer chooses its blocks at one decode step in this many (and at the step after each
-            seal); the steps between attend to its last choice, with no scoring and no recall. A positive integer;
-            above 1 needs a selector without an estimate of the unselected blocks (``"quantkey"``, not
-            ``"quantkey[tail_bits=2]"``). Default 1: every step chooses.
-        transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer; past it, a
-            resident block within ``transfer_cap_margin`` of a missing block's score is attended instead. A
-            non-negative integer, or ``None`` (default): no cap.
+        sink_tokens: first (non-padding) tokens of each sequence, always attended; a multiple of ``block_tokens``.
+            ``None`` (default): ``budget_tokens // 32`` clamped to ``[block_tokens, 64]``.
+        window_tokens: most recent sealed tokens, always attended (as is the open block); a multiple of
+            ``block_tokens``. ``None`` (default): ``budget_tokens // 8`` clamped to ``[block_tokens, 256]``.
+        selector: what fills the rest of the budget with blocks: a registered selector's name, with settings if any
+            (``"quantkey[bits=4]"``), or a :class:`~hf_offload.selectors.Selector`. Default :data:`DEFAULT_SELECTOR`.
+        reselect_every: decode steps per choice of blocks (a step after a seal always chooses); the steps between
+            reuse it. A positive integer; above 1 needs a selector without a tail estimate. Default 1.
+        transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer, resident blocks
+            within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
         transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
     """
 
@@ -72,23 +68,20 @@ class Memory:
     """Where blocks live and how much memory they may take; never which tokens are attended.
 
     Attributes:
-        pool_tokens: capacity of the device slot pool (blocks kept on the device across decode steps), per sequence
-            and layer; a multiple of ``block_tokens``, at least one block. A pool smaller than a step's selection
-            attends it in several rounds. ``None`` (default): ``1.25 x budget_tokens`` rounded up to whole blocks
-            (``"streaming"``: sink, window and two blocks).
-        prefill_chunk_tokens: queries (and keys) per attention tile during prefill, which bounds its score matrix
-            to ``batch x heads x prefill_chunk_tokens**2`` floats; a positive integer. Default 1024.
-        host_chunk_mib: MiB of one host pool allocation (the pool grows by whole chunks); positive. Default 16.
+        pool_tokens: device slot pool capacity per sequence and layer, whole blocks (a larger selection is attended
+            in rounds). ``None`` (default): ``1.25 x budget_tokens`` in whole blocks; sink + window + 2 blocks for
+            ``"streaming"``.
+        prefill_chunk_tokens: queries per attention tile in prefill, which bounds its score matrix to ``batch x heads
+            x prefill_chunk_tokens**2`` floats; positive. Default 1024.
+        host_chunk_mib: MiB per host pool allocation (the pool grows by whole chunks); positive. Default 16.
         host_memory_gib: GiB the host pools of the whole cache may take; positive, or ``None`` (default): no bound
             beyond the machine's available memory.
-        pin_memory: page-lock the host pool, which asynchronous copies and the copy kernels need. ``None``
-            (default): pin when the model runs on CUDA.
-        admission: which sealed blocks move to host memory. ``"always"`` (default): every block. ``"auto"``: block
-            pool chunks stay on the device while the cache fits ``device_memory_gib``, and only the rest moves (less
-            recall traffic, the same output).
-        device_memory_gib: GiB of device memory that ``admission="auto"`` may give blocks, for the whole cache;
-            ``>= 0``. ``None`` (default): 80% of the free device memory when the first block is sealed (none on
-            CPU-only machines).
+        pin_memory: page-lock the host pool (asynchronous copies and the copy kernels need it). ``None`` (default):
+            pin when the model runs on CUDA.
+        admission: which sealed blocks go to host memory: ``"always"`` (default): every one; ``"auto"``: only those
+            past ``device_memory_gib`` (less recall traffic, the same output).
+        device_memory_gib: GiB of device memory that ``admission="auto"`` keeps blocks in, for the whole cache;
+            ``>= 0``. ``None`` (default): 80% of the free device memory when the first block is sealed.
     """
 
     pool_tokens: int | None = None
@@ -102,49 +95,37 @@ class Memory:
 
 @dataclass(frozen=True)
 class Execution:
-    """How a step runs; never which tokens are attended. Settings of three values take ``None`` for "on where it
-    can run", ``True`` for "on" and ``False`` for "off".
+    """How a step runs; never which tokens are attended. A switch of three values is on where it can run with
+    ``None``, on with ``True`` (an error where it cannot run, unless said otherwise) and off with ``False``.
 
     Attributes:
-        transfer: how blocks move between host and device. ``"kernel"``: one Triton launch per layer and step that
-            reads and writes pinned memory directly (CUDA, pinned pool); ``"torch"``: the portable path (a gather on
-            the host, one copy); ``"auto"`` (default): ``"kernel"`` where it can run.
-        decode_attention: how a decode step reads its selected blocks. ``"paged"``: one Triton kernel reads each
-            block where it lies, and only blocks in host memory are copied, into the slot pool (needs the kernel
-            transfer path); ``"pool"``: every selected block is made resident in the slot pool and one
-            ``scaled_dot_product_attention`` reads the pool. ``"auto"`` (default): ``"paged"`` on CUDA with the
-            kernel transfer path, else ``"pool"``. The two agree up to float rounding.
-        cuda_graphs: replay each offloaded layer's decode step from a CUDA graph instead of launching its
-            operations one by one. Needs CUDA and the kernel transfer path; prefill, masks other than causal with
-            padding, and steps with ``timing`` or ``lookahead`` on run op by op. ``None`` (default): on where it can
-            run; ``True``: on, an error where it cannot; ``False``: off.
-        graph_scope: what a replayed graph covers. ``"layer"`` (default): the whole decoder layer of a decode step
-            (a layer whose code cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the
-            offloaded attention only.
-        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, the blocks
-            past them masked out, so that its shapes (and graph) last that many seals. A positive integer; above 1
-            needs a selector whose ``masks_invalid`` is true. ``None`` (default): 64 for such selectors (every
-            built-in one), else 1.
-        lookahead: prefetch the next offloaded layer's likely blocks on a side stream while this layer computes;
-            the next layer's own plan still decides what it attends. ``False`` (default): off; ``None``: on where
-            blocks move through the copy kernels on CUDA; ``True``: on everywhere (without CUDA synchronously, with
-            no overlap).
-        lookahead_query: the query that the lookahead plan scores with. ``"next"`` (default): the next layer's query
-            predicted from this layer's input, for decoder layers of the Llama / Mistral / Qwen form whose next
-            offloaded layer is adjacent (elsewhere ``"same"``); ``"same"``: this layer's own query.
-        lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one lookahead plan
-            selects besides sink and window; a non-negative integer, or ``None`` (default): as many as the budget.
-        fused_norms: run the RMS norms of the decoder layers this cache runs as one Triton launch each
-            (:mod:`hf_offload.norms`); an output element can move by one unit in the last place. ``None`` (default):
-            on where Triton runs on the layer's CUDA device; ``True``: wherever Triton runs (its CPU interpreter
-            too), an error elsewhere; ``False``: transformers' norms, bit for bit.
-        fused_rotary: apply the rotary embedding of queries and keys as one Triton launch (:mod:`hf_offload.rotary`),
-            bit for bit, in attention modules that call Llama's ``apply_rotary_pos_emb``. ``None`` (default), ``True``
-            and ``False`` as for ``fused_norms``.
-        fused_projections: compute each decoder layer's sibling projections (q, k, v; gate, up) as one matrix
-            product (:mod:`hf_offload.projections`), their weights made row blocks of one tensor with no added
-            memory; results can differ in their last bits. ``None`` (default): on where the decoder layers are on
-            CUDA; ``True``: on any device; ``False``: the weights left as they are.
+        transfer: how blocks move between host and device: ``"kernel"`` (Triton reads and writes pinned memory
+            directly; CUDA), ``"torch"`` (a host gather, one copy); ``"auto"`` (default): ``"kernel"`` where it runs.
+        decode_attention: ``"paged"``: one Triton kernel reads each selected block where it lies (needs the kernel
+            transfer path); ``"pool"``: the slot pool holds every selected block, one SDPA reads it. ``"auto"``
+            (default): ``"paged"`` on CUDA with the kernel transfer path, else ``"pool"``.
+        cuda_graphs: replay each offloaded layer's decode step from a CUDA graph (CUDA and the kernel transfer path;
+            prefill and steps with ``timing`` or ``lookahead`` on run op by op). Default ``None``.
+        graph_scope: what a replayed graph covers: ``"layer"`` (default): the whole decoder layer (a layer that
+            cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the offloaded attention.
+        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, so its
+            shapes and graph last that many seals; positive, above 1 only for a selector whose ``masks_invalid``
+            holds. ``None`` (default): 64 for such a selector (every built-in one), else 1.
+        lookahead: prefetch the next offloaded layer's likely blocks on a side stream (its own plan still decides
+            what it attends). ``False`` (default); ``None``: on where blocks move through the copy kernels on CUDA;
+            ``True``: on everywhere, without CUDA synchronously.
+        lookahead_query: what the lookahead plan scores with: ``"next"`` (default): the next layer's query predicted
+            from this layer's input (Llama-form layers, next offloaded layer adjacent; else ``"same"``); ``"same"``:
+            this layer's query.
+        lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) a lookahead plan selects
+            besides sink and window; ``>= 0``, or ``None`` (default): as many as the budget.
+        fused_norms: the decoder layers' RMS norms as one Triton launch each (:mod:`hf_offload.norms`); an element
+            can move by one unit in the last place. Default ``None``; ``True`` runs Triton's CPU interpreter too.
+        fused_rotary: the rotary embedding of queries and keys as one Triton launch, bit for bit
+            (:mod:`hf_offload.rotary`; modules calling Llama's ``apply_rotary_pos_emb``). As ``fused_norms``.
+        fused_projections: each layer's sibling projections (q, k, v; gate, up) as one matrix product, no added
+            memory (:mod:`hf_offload.projections`); last bits can differ. Default ``None`` (on CUDA); ``True``: on
+            any device.
         timing: record per-phase milliseconds of decode steps into ``cache.stats()["timing"]``. Default ``False``.
     """
 
@@ -202,8 +183,8 @@ def _unknown_settings(names) -> TypeError:
     what = "an unexpected keyword argument" if len(hints) == 1 else "unexpected keyword arguments"
     message = f"OffloadConfig.__init__() got {what} {', '.join(hints)}."
     if unmatched:
-        groups = "; ".join(f"{group}: {', '.join(f.name for f in dataclasses.fields(cls))}" for group, cls in GROUPS.items())
-        message += f" The settings are, by group, {groups}."
+        names = (f"{group}: {', '.join(f.name for f in dataclasses.fields(cls))}" for group, cls in GROUPS.items())
+        message += f" The settings are, by group, {'; '.join(names)}."
     return TypeError(message)
 
 
@@ -214,7 +195,8 @@ def _either(names: list[str]) -> str:
 
 def _flat_fields(cls):
     """Give ``cls`` every field of the settings groups as a dataclass field of its own (same type and default), so
-    that flat keywords, flat attributes and :func:`dataclasses.fields` see the 27 settings by name."""
+    that flat keywords, flat attributes, class-level defaults and :func:`dataclasses.fields` see every setting by
+    name."""
     cls.__annotations__ = {f.name: f.type for group in GROUPS.values() for f in dataclasses.fields(group)}
     for group in GROUPS.values():
         for f in dataclasses.fields(group):
@@ -429,8 +411,9 @@ def _signature() -> inspect.Signature:
     params.append(inspect.Parameter("budget_tokens", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=2048))
     params += [inspect.Parameter(name, keyword, default=None, annotation=f"{cls.__name__} | None")
                for name, cls in GROUPS.items()]  # fmt: skip
-    params += [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
-               for group in GROUPS.values() for f in dataclasses.fields(group) if f.name != "budget_tokens"]  # fmt: skip
+    for group in GROUPS.values():
+        params += [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+                   for f in dataclasses.fields(group) if f.name != "budget_tokens"]  # fmt: skip
     return inspect.Signature(params, return_annotation=None)
 
 
