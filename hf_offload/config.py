@@ -1,151 +1,56 @@
-"""Typed, validated settings of an :class:`~hf_offload.cache.OffloadCache`."""
+"""Typed, validated settings of an :class:`~hf_offload.cache.OffloadCache`, grouped by what they change.
+
+* :class:`Attended`: which KV tokens a decode query attends to. These settings change the outputs.
+* :class:`Memory`: where blocks live and how much memory they may take.
+* :class:`Execution`: how a step runs: transfer path, attention kernel, CUDA graphs, lookahead, fused kernels,
+  timing.
+
+Memory and execution settings change memory and speed, never which tokens are attended: outputs agree up to float
+rounding (the fields that round differently say so).
+
+:class:`OffloadConfig` holds all three and takes and reads them flat as well:
+
+>>> config = OffloadConfig(budget_tokens=4096, lookahead=True)
+>>> config == OffloadConfig(attended=Attended(budget_tokens=4096), execution=Execution(lookahead=True))
+True
+>>> config.budget_tokens == config.attended.budget_tokens == 4096
+True
+
+``docs/tuning.md`` says what each setting costs and how to choose it.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
-
-
-def _round_to_block(tokens: int, block_tokens: int) -> int:
-    return max(block_tokens, (tokens // block_tokens) * block_tokens)
-
+import difflib
+import inspect
+from dataclasses import dataclass
 
 DEFAULT_SELECTOR = "quantkey[bits=4,tail_bits=2,tail_near=3]"
-"""The selector of :class:`OffloadConfig`: 4-bit keys rank the blocks, 2-bit values estimate the attention the
-selection leaves out (``hf_offload.selectors.quantkey``). RULER at a budget of 1/16, 4K / 8K / 16K: 74.6 / 71.7 / 65.3
-against dense 74.9 / 73.1 / 65.9 on Qwen2.5-Coder-0.5B-Instruct (``docs/results/ruler_qwen05_tail.md``), 85.3 / 77.9 /
-73.5 against 85.9 / 78.8 / 73.5 on the 1.5B (``docs/results/ruler_qwen15.md``), both with the Triton estimate; with
-the tensor-core estimate (the default on compute capability 9.0+) 74.7 / 70.9 / 65.0 on the 0.5B
-(``docs/results/ruler_qwen05_tail_mma.md``)."""
+"""The default selector: every key on the device at 4 bits ranks the blocks, and the attention the selection leaves
+out is estimated from 2-bit values (token by token for the ``3k`` best unselected blocks, by block log-sum-exps for
+the rest) and joins the softmax; see :mod:`hf_offload.selectors.quantkey`."""
 
 
-@dataclass
-class OffloadConfig:
-    """Settings of an offloaded KV cache. Sizes carry their unit in the name; all token counts are per sequence and
-    per layer.
+@dataclass(frozen=True)
+class Attended:
+    """What a decode query attends to: these settings change the outputs. Token counts are per sequence and layer.
 
     Attributes:
-        budget_tokens: how many KV tokens one decode query attends to, sink and window included. A budget at least
-            as large as the context means "attend to everything": the output equals dense attention.
-        block_tokens: tokens per block, the unit of selection, storage and transfer. A positive power of two.
-        sink_tokens: first tokens of each sequence (its first non-padding tokens) that every decode query attends
-            to. ``None``: ``budget_tokens // 32`` clamped to ``[block_tokens, 64]``. A multiple of ``block_tokens``.
-        window_tokens: most recent sealed tokens that every decode query attends to, besides the open block of fewer
-            than ``block_tokens`` tokens that is always attended. ``None``: ``budget_tokens // 8`` clamped to
-            ``[block_tokens, 256]``. A multiple of ``block_tokens``.
-        selector: name of a registered selector (``"quantkey"``, ``"meanbound"``, ``"meanvar"``, ``"union"``,
-            ``"solohead"``, ``"headwise"``, ``"streaming"``, ``"oracle"``), optionally with settings
-            (``"quantkey[bits=4]"``), or a :class:`~hf_offload.selectors.Selector` instance. The default,
-            :data:`DEFAULT_SELECTOR` (``"quantkey[bits=4,tail_bits=2,tail_near=3]"``), is SoloHead-style (one
-            selection per layer and sequence, whole blocks): every key on the device at 4 bits ranks the blocks by
-            their estimated attention mass, and the attention the selection leaves out is estimated and joins the
-            softmax (2-bit values; token by token for the ``3k`` best unselected blocks, by block log-sum-exps for
-            the rest). On RULER at a budget of 1/16 it is within 0.8 points of dense on Qwen2.5-Coder-0.5B and 0.5
-            on 1.5B (4K-16K average). ``"quantkey"`` (2-bit keys, selection alone) is the fast choice: 1.6-2x the
-            decode throughput (8B shape, H200) and 2/5 of the summary bytes, 1.6 points below dense on the 0.5B (3.1
-            at 16K).
-            ``docs/tuning.md`` compares the selectors, with links to the measurements.
-        pool_tokens: capacity of the device slot pool (hot blocks kept across decode steps). ``None``: 1.25 x
-            ``budget_tokens``, rounded up to whole blocks. A smaller pool still gives exact results; selected blocks
-            are then attended in several rounds.
-        prefill_chunk_tokens: queries (and keys) processed per attention tile during prefill; bounds the size of the
-            score matrix, ``batch x heads x prefill_chunk_tokens**2`` floats.
-        host_chunk_mib: size of one host pool allocation, in MiB; the pool grows by whole chunks.
-        host_memory_gib: upper bound on the host pool of the whole cache, in GiB; ``None``: no bound beyond the
-            machine's available memory.
-        pin_memory: pin the host pool (page-locked, needed for fast asynchronous copies). ``None``: pin when the
-            model runs on CUDA.
-        transfer: how blocks move between host and device. ``"kernel"``: one Triton launch per layer and step that
-            reads/writes pinned memory directly and never synchronises with the host (CUDA, pinned pool, Triton);
-            ``"torch"``: the portable path (host-side gather, one copy); ``"auto"``: ``"kernel"`` where it can run.
-        admission: where sealed blocks are stored. ``"always"``: every block goes to the host pool (offloaded).
-            ``"auto"``: IO-adaptive admission (PulseInfer): block pool chunks stay in device memory while the cache
-            fits ``device_memory_gib``, and only the rest is offloaded; selection and budget are unchanged, so the
-            output is identical, only the recall traffic differs.
-        device_memory_gib: device memory that ``admission="auto"`` may use for blocks, in GiB, for the whole cache.
-            ``None``: 80% of the free device memory when the first block is sealed (nothing on CPU-only machines).
-        transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer; beyond it a
-            resident block within ``transfer_cap_margin`` of a missing block's score is attended instead (NOSA's
-            locality idea). ``None``: no cap.
-        transfer_cap_margin: relative score margin of the transfer cap.
-        reselect_every: a decode step chooses its blocks anew every this many steps of a layer; the steps in between
-            attend to the blocks the last choice made (with the open block and its new token), skipping the
-            selector's scoring and top-k, and recalling nothing. A step that follows a seal always chooses anew (the
-            sealed block count changed). 1 (default): every step chooses. Larger values trade the selection's
-            freshness for speed: the step that reuses skips the work that costs the most at long contexts (with
-            plain ``quantkey`` at 64K tokens on an H200, 8B shape, batch 12, about 143 of a layer's 326 us), and
-            selection recall drops by how much consecutive queries differ (TokenSelect, Wu et al., 2024, reuses a
-            selection while consecutive queries stay similar; this is the fixed-interval form). Needs a selector
-            without an estimate of the unselected blocks (that estimate reads every step's scores): plain
-            ``quantkey``, not ``quantkey[tail_bits=...]``. ``docs/tuning.md`` has the measured trade-off.
-        timing: record per-phase times of decode steps (select, prefetch, recall, attention, rest; ms per step)
-            into ``cache.stats()["timing"]``.
-        lookahead: layer-ahead prefetch in decode (training-free, after InfiniGen / SparDA): a speculative plan of
-            the next offloaded layer (with the query ``lookahead_query`` says) scores that layer's block summaries
-            and its likely misses start moving on a side stream, so its exact plan finds them resident. Only moves data
-            early: what is attended is decided by each layer's exact plan, so outputs do not change. ``False``
-            (default): off: lookahead runs op by op (it excludes CUDA graphs), and there the step is bound by
-            host-side launch work: 8B shape, 32K, batch 8, every block offloaded, on an H200, it hid 0.78-1.11 of
-            the recall but took 166-192 ms per step, against 61-73 ms from the layer graphs without it
-            (``results/recall/lookahead_next_h200/``); ``None``: on where blocks move
-            through the copy kernels on CUDA, off elsewhere; ``True``: on everywhere (elsewhere the same
-            speculative plan and recall run synchronously, for tests; no overlap).
-        lookahead_query: what the speculative plan of the next layer scores with. ``"next"`` (default): the next
-            layer's own query predicted from this layer's input (its input norm, query projection and rotary
-            embedding applied to this layer's input hidden states, after InfiniGen; ``hf_offload.cache.lookahead``),
-            planned before this layer runs, for decoder layers of the Llama / Mistral / Qwen form whose next
-            offloaded layer is the adjacent one; elsewhere ``"same"``. ``"same"``: this layer's own query, planned
-            right after this layer's plan.
-        lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) that one speculative plan
-            selects besides the sink and window blocks, which bounds the bytes a wrong guess costs. ``None``: as
-            many as the budget selects.
-        cuda_graphs: replay each offloaded layer's decode attention (selection, slot assignment, recall, attention)
-            from a CUDA graph instead of launching its ~120 small operations one by one from Python. A layer's
-            graph is captured at the first decode step of each block capacity (``decode_capacity_blocks``: the
-            blocks a step scores fix the shapes) and replayed for the other steps; the outputs are those of the step
-            run op by op.
-            Needs a CUDA device and the kernel transfer path; the steps it cannot serve (timing or lookahead on,
-            prefill, masks other than causal with padding) run op by op. ``None`` (default): on where it can run;
-            ``False``: off; ``True``: on, and an error where it cannot run.
-        graph_scope: what a replayed graph covers. ``"layer"``: the whole decoder layer of a decode step (its
-            norms, projections and MLP, the cache update and the offloaded attention), one replay per layer instead
-            of the model's own few dozen launches around the attention's graph; a step whose token fills the open
-            block seals it after the replay. A layer whose code cannot be captured warns once and keeps
-            ``"attention"``. ``"attention"``: the offloaded attention only. Used only while graphs are on
-            (``cuda_graphs``).
-        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, the blocks
-            past the sealed ones masked out of the selection and the estimate, so its shapes (and its CUDA graph)
-            stay the same over that many seals. Larger: fewer graph captures, a little more scoring work (at most
-            ``decode_capacity_blocks - 1`` blocks of codes per step). ``None``: 64 where the selector leaves blocks
-            it may not attend out of every block's score (``Selector.masks_invalid``: every built-in selector), with
-            CUDA graphs or without, so that a step computes the same sums either way; else 1 (the sealed blocks).
-            Other values need such a selector.
-        fused_norms: compute the RMS norms of the decoder layer calls this cache runs (offloaded and sliding-window
-            layers, prefill and decode: the norms before attention and MLP, and query / key norms) with one Triton
-            launch each (:mod:`hf_offload.norms`) instead of
-            transformers' nine small kernels; the same roundings, only the float32 sum of squares added in another
-            order (an output element can move by one unit in the last place). ``None`` (default): on where Triton
-            runs on the layer's CUDA device; ``True``: on wherever Triton runs (also its CPU interpreter), an error
-            elsewhere; ``False``: off, transformers' own norms, bit for bit.
-        fused_rotary: compute the rotary embedding of the query and key states in the decoder layer calls this
-            cache runs with one Triton launch (:mod:`hf_offload.rotary`) instead of transformers' ten small kernels,
-            bit for bit (for attention modules that call Llama's ``apply_rotary_pos_emb``: Llama, Mistral, Qwen2,
-            Qwen3, Gemma 3, ...; others keep theirs). ``None`` (default): on where Triton runs on the layer's CUDA
-            device; ``True``: on wherever Triton runs (also its CPU interpreter), an error elsewhere; ``False``:
-            off, transformers' own function.
-        fused_projections: compute each decoder layer's sibling projections (q, k and v; gate and up) as one matrix
-            product in the decoder layer calls this cache runs (:mod:`hf_offload.projections`: their weights become
-            row blocks of one tensor when the cache is built, the same values and no added memory). The same sums,
-            possibly added in another order by the matrix library (an output element can differ in its last bits).
-            ``None`` (default): on where the model's decoder layers are on CUDA; ``True``: on for any device;
-            ``False``: off, the weights left as they are.
-        decode_attention: how a decode step attends its selected blocks. ``"paged"``: one Triton kernel reads each
-            block where it lies: blocks of admitted chunks (``admission="auto"``) in place, blocks in host memory
-            from the slot pool after their recall, so only those are ever copied (needs the kernel transfer path).
-            ``"pool"``: every selected block is made resident in the slot pool (admitted ones copied within the
-            device) and one ``scaled_dot_product_attention`` reads the pool. ``"auto"``: ``"paged"`` on CUDA with the
-            kernel transfer path, else ``"pool"``. The outputs agree to float rounding (both are exact attention over
-            the same tokens).
+        budget_tokens: KV tokens one decode query attends to, sink, window and open block included; at least
+            ``sink_tokens + window_tokens + block_tokens``, and at or above the context exactly dense. Default 2048.
+        block_tokens: tokens per block, the unit of selection, storage and transfer; a power of two. Default 16.
+        sink_tokens: first (non-padding) tokens of each sequence, always attended; a multiple of ``block_tokens``.
+            ``None`` (default): ``budget_tokens // 32`` clamped to ``[block_tokens, 64]``.
+        window_tokens: most recent sealed tokens, always attended (as is the open block); a multiple of
+            ``block_tokens``. ``None`` (default): ``budget_tokens // 8`` clamped to ``[block_tokens, 256]``.
+        selector: what fills the rest of the budget with blocks: a registered selector's name, with settings if any
+            (``"quantkey[bits=4]"``), or a :class:`~hf_offload.selectors.Selector`. Default :data:`DEFAULT_SELECTOR`.
+        reselect_every: decode steps per choice of blocks (a step after a seal always chooses); the steps between
+            reuse it. A positive integer; above 1 needs a selector without a tail estimate. Default 1.
+        transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer, resident blocks
+            within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
+        transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
     """
 
     budget_tokens: int = 2048
@@ -153,37 +58,215 @@ class OffloadConfig:
     sink_tokens: int | None = None
     window_tokens: int | None = None
     selector: object = DEFAULT_SELECTOR
+    reselect_every: int = 1
+    transfer_cap_blocks: int | None = None
+    transfer_cap_margin: float = 0.1
+
+
+@dataclass(frozen=True)
+class Memory:
+    """Where blocks live and how much memory they may take; never which tokens are attended.
+
+    Attributes:
+        pool_tokens: device slot pool capacity per sequence and layer, whole blocks (a larger selection is attended
+            in rounds). ``None`` (default): ``1.25 x budget_tokens`` in whole blocks; sink + window + 2 blocks for
+            ``"streaming"``.
+        prefill_chunk_tokens: queries per attention tile in prefill, which bounds its score matrix to ``batch x heads
+            x prefill_chunk_tokens**2`` floats; positive. Default 1024.
+        host_chunk_mib: MiB per host pool allocation (the pool grows by whole chunks); positive. Default 16.
+        host_memory_gib: GiB the host pools of the whole cache may take; positive, or ``None`` (default): no bound
+            beyond the machine's available memory.
+        pin_memory: page-lock the host pool (asynchronous copies and the copy kernels need it). ``None`` (default):
+            pin when the model runs on CUDA.
+        admission: which sealed blocks go to host memory: ``"always"`` (default): every one; ``"auto"``: only those
+            past ``device_memory_gib`` (less recall traffic, the same output).
+        device_memory_gib: GiB of device memory that ``admission="auto"`` keeps blocks in, for the whole cache;
+            ``>= 0``. ``None`` (default): 80% of the free device memory when the first block is sealed.
+    """
+
     pool_tokens: int | None = None
     prefill_chunk_tokens: int = 1024
     host_chunk_mib: float = 16
     host_memory_gib: float | None = None
     pin_memory: bool | None = None
-    transfer: str = "auto"
     admission: str = "always"
     device_memory_gib: float | None = None
-    transfer_cap_blocks: int | None = None
-    transfer_cap_margin: float = 0.1
-    reselect_every: int = 1
-    timing: bool = False
-    lookahead: bool | None = False
-    lookahead_query: str = "next"
-    lookahead_blocks: int | None = None
+
+
+@dataclass(frozen=True)
+class Execution:
+    """How a step runs; never which tokens are attended. A switch of three values is on where it can run with
+    ``None``, on with ``True`` (an error where it cannot run, unless said otherwise) and off with ``False``.
+
+    Attributes:
+        transfer: how blocks move between host and device: ``"kernel"`` (Triton reads and writes pinned memory
+            directly; CUDA), ``"torch"`` (a host gather, one copy); ``"auto"`` (default): ``"kernel"`` where it runs.
+        decode_attention: ``"paged"``: one Triton kernel reads each selected block where it lies (needs the kernel
+            transfer path); ``"pool"``: the slot pool holds every selected block, one SDPA reads it. ``"auto"``
+            (default): ``"paged"`` on CUDA with the kernel transfer path, else ``"pool"``.
+        cuda_graphs: replay each offloaded layer's decode step from a CUDA graph (CUDA and the kernel transfer path;
+            prefill and steps with ``timing`` or ``lookahead`` on run op by op). Default ``None``.
+        graph_scope: what a replayed graph covers: ``"layer"`` (default): the whole decoder layer (a layer that
+            cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the offloaded attention.
+        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, so its
+            shapes and graph last that many seals; positive, above 1 only for a selector whose ``masks_invalid``
+            holds. ``None`` (default): 64 for such a selector (every built-in one), else 1.
+        lookahead: prefetch the next offloaded layer's likely blocks on a side stream (its own plan still decides
+            what it attends). ``False`` (default); ``None``: on where blocks move through the copy kernels on CUDA;
+            ``True``: on everywhere, without CUDA synchronously.
+        lookahead_query: what the lookahead plan scores with: ``"next"`` (default): the next layer's query predicted
+            from this layer's input (Llama-form layers, next offloaded layer adjacent; else ``"same"``); ``"same"``:
+            this layer's query.
+        lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) a lookahead plan selects
+            besides sink and window; ``>= 0``, or ``None`` (default): as many as the budget.
+        fused_norms: the decoder layers' RMS norms as one Triton launch each (:mod:`hf_offload.patches.norms`); an element
+            can move by one unit in the last place. Default ``None``; ``True`` runs Triton's CPU interpreter too.
+        fused_rotary: the rotary embedding of queries and keys as one Triton launch, bit for bit
+            (:mod:`hf_offload.patches.rotary`; modules calling Llama's ``apply_rotary_pos_emb``). As ``fused_norms``.
+        fused_projections: each layer's sibling projections (q, k, v; gate, up) as one matrix product, no added
+            memory (:mod:`hf_offload.patches.projections`); last bits can differ. Default ``None`` (on CUDA); ``True``: on
+            any device.
+        timing: record per-phase milliseconds of decode steps into ``cache.stats()["timing"]``. Default ``False``.
+    """
+
+    transfer: str = "auto"
+    decode_attention: str = "auto"
     cuda_graphs: bool | None = None
     graph_scope: str = "layer"
     decode_capacity_blocks: int | None = None
-    decode_attention: str = "auto"
+    lookahead: bool | None = False
+    lookahead_query: str = "next"
+    lookahead_blocks: int | None = None
     fused_norms: bool | None = None
     fused_rotary: bool | None = None
     fused_projections: bool | None = None
-    # Fields that were None and got a value derived from the others (recomputed by replace()).
-    _derived: tuple = field(default=(), init=False, repr=False, compare=False)
+    timing: bool = False
 
-    def __post_init__(self) -> None:
-        self._derived = tuple(n for n in ("sink_tokens", "window_tokens", "pool_tokens") if getattr(self, n) is None)
+
+GROUPS: dict[str, type] = {"attended": Attended, "memory": Memory, "execution": Execution}
+"""The settings groups of :class:`OffloadConfig`: keyword argument and attribute name -> class."""
+
+_GROUP_OF = {f.name: group for group, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+# Sizes that None derives from the others; replace() derives them again from its new values.
+_DERIVED = ("sink_tokens", "window_tokens", "pool_tokens")
+_UNSET = object()
+
+
+def _round_to_block(tokens: int, block_tokens: int) -> int:
+    return max(block_tokens, (tokens // block_tokens) * block_tokens)
+
+
+def _values(group) -> dict:
+    """A settings group's fields as a flat dict (no copies: a selector instance stays the same object)."""
+    return {f.name: getattr(group, f.name) for f in dataclasses.fields(group)}
+
+
+def _checked_group(name: str, group):
+    cls = GROUPS[name]
+    if not isinstance(group, cls):
+        raise TypeError(
+            f"{name}= takes a {cls.__name__} (hf_offload.config.{cls.__name__}), got {type(group).__name__}; single "
+            f"settings go in as flat keywords, e.g. OffloadConfig({dataclasses.fields(cls)[0].name}=...)."
+        )
+    return group
+
+
+def _unknown_settings(names) -> TypeError:
+    """The error for keyword arguments that name no setting: a ``TypeError``, as Python's own, with the closest
+    names, or every name where none is close."""
+    known = [*_GROUP_OF, *GROUPS]
+    hints, unmatched = [], False
+    for name in sorted(names):
+        close = difflib.get_close_matches(name, known, n=3)
+        unmatched |= not close
+        hints.append(f"{name!r} (did you mean {_either(close)}?)" if close else repr(name))
+    what = "an unexpected keyword argument" if len(hints) == 1 else "unexpected keyword arguments"
+    message = f"OffloadConfig.__init__() got {what} {', '.join(hints)}."
+    if unmatched:
+        names = (f"{group}: {', '.join(f.name for f in dataclasses.fields(cls))}" for group, cls in GROUPS.items())
+        message += f" The settings are, by group, {'; '.join(names)}."
+    return TypeError(message)
+
+
+def _either(names: list[str]) -> str:
+    quoted = [repr(name) for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _flat_fields(cls):
+    """Give ``cls`` every field of the settings groups as a dataclass field of its own (same type and default), so
+    that flat keywords, flat attributes, class-level defaults and :func:`dataclasses.fields` see every setting by
+    name."""
+    cls.__annotations__ = {f.name: f.type for group in GROUPS.values() for f in dataclasses.fields(group)}
+    for group in GROUPS.values():
+        for f in dataclasses.fields(group):
+            setattr(cls, f.name, f.default)
+    return cls
+
+
+@dataclass(frozen=True, init=False, repr=False)
+@_flat_fields
+class OffloadConfig:
+    """Settings of an offloaded KV cache: what is attended (:class:`Attended`), memory (:class:`Memory`) and
+    execution (:class:`Execution`). Sizes carry their unit in the name; token counts are per sequence and layer.
+
+    Built from groups, from flat keyword arguments (any field of any group), or both; flat keywords apply over the
+    groups. ``budget_tokens`` may come first without its name. Every setting reads flat (``config.pool_tokens``) or
+    through its group (``config.memory.pool_tokens``). Sizes left at ``None`` are derived on construction, and the
+    whole config is validated once, then immutable: :meth:`replace` makes a changed copy. It is plain data: equal
+    when the settings are, hashable when its selector is (a name always is), and it copies and pickles.
+
+    >>> config = OffloadConfig(budget_tokens=2048, lookahead=True)
+    >>> config == OffloadConfig(attended=Attended(budget_tokens=2048), execution=Execution(lookahead=True))
+    True
+    >>> config.window_tokens, config.attended.window_tokens, config.replace(budget_tokens=512).window_tokens
+    (256, 256, 64)
+
+    Raises:
+        TypeError: for a keyword that names no setting (with the closest names), or a group of the wrong class.
+        ValueError: for an invalid value, saying what to change (see :meth:`validate`).
+    """
+
+    def __init__(self, budget_tokens=_UNSET, *, attended: Attended | None = None, memory: Memory | None = None,
+                 execution: Execution | None = None, **settings):  # fmt: skip
+        if budget_tokens is not _UNSET:
+            settings["budget_tokens"] = budget_tokens
+        unknown = settings.keys() - _GROUP_OF.keys()
+        if unknown:
+            raise _unknown_settings(unknown)
+        values = {}
+        for name, group in (("attended", attended), ("memory", memory), ("execution", execution)):
+            values.update(_values(GROUPS[name]() if group is None else _checked_group(name, group)))
+        values.update(settings)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "_derived", tuple(name for name in _DERIVED if values[name] is None))
         self.validate()
+
+    @property
+    def attended(self) -> Attended:
+        """The settings that decide what a decode query attends to (derived sizes filled in)."""
+        return Attended(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Attended)})
+
+    @property
+    def memory(self) -> Memory:
+        """The settings of where blocks live (derived sizes filled in)."""
+        return Memory(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Memory)})
+
+    @property
+    def execution(self) -> Execution:
+        """The settings of how a step runs."""
+        return Execution(**{f.name: getattr(self, f.name) for f in dataclasses.fields(Execution)})
+
+    def __repr__(self) -> str:
+        return f"OffloadConfig(attended={self.attended!r}, memory={self.memory!r}, execution={self.execution!r})"
 
     def validate(self) -> None:
         """Fill the ``None`` defaults and raise ``ValueError`` with what to change if a setting is invalid."""
+
+        def fill(name: str, value) -> None:  # the config is frozen; only validation fills in derived sizes
+            object.__setattr__(self, name, value)
+
         if isinstance(self.host_chunk_mib, bool) or not isinstance(self.host_chunk_mib, (int, float)) or not self.host_chunk_mib > 0:
             raise ValueError(f"host_chunk_mib must be a positive number, got {self.host_chunk_mib!r}.")
         for name in ("budget_tokens", "block_tokens", "prefill_chunk_tokens"):
@@ -197,9 +280,9 @@ class OffloadConfig:
                 "selection and transfer, and power-of-two blocks keep host chunks and kernels aligned."
             )
         if self.sink_tokens is None:
-            self.sink_tokens = min(64, _round_to_block(self.budget_tokens // 32, block))
+            fill("sink_tokens", min(64, _round_to_block(self.budget_tokens // 32, block)))
         if self.window_tokens is None:
-            self.window_tokens = min(256, _round_to_block(self.budget_tokens // 8, block))
+            fill("window_tokens", min(256, _round_to_block(self.budget_tokens // 8, block)))
         for name in ("sink_tokens", "window_tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value % block:
@@ -217,10 +300,9 @@ class OffloadConfig:
             )
         if self.pool_tokens is None:
             if self.selector == "streaming":  # reads only the sink and the window (plus the block being sealed)
-                self.pool_tokens = self.sink_tokens + self.window_tokens + 2 * block
+                fill("pool_tokens", self.sink_tokens + self.window_tokens + 2 * block)
             else:
-                blocks = -(-self.budget_tokens * 5 // 4 // block)
-                self.pool_tokens = blocks * block
+                fill("pool_tokens", -(-self.budget_tokens * 5 // 4 // block) * block)
         if isinstance(self.pool_tokens, bool) or not isinstance(self.pool_tokens, int) or self.pool_tokens < block:
             raise ValueError(f"pool_tokens must be an integer >= block_tokens={block}, got {self.pool_tokens!r}.")
         if self.pool_tokens % block:
@@ -307,10 +389,32 @@ class OffloadConfig:
         """Device slot pool capacity in blocks, per sequence and layer."""
         return self.pool_tokens // self.block_tokens
 
-    def replace(self, **changes) -> "OffloadConfig":
-        """Return a validated copy with ``changes`` applied; sizes that were derived (sink, window, pool left at
-        ``None``) are derived again from the new values."""
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        values.update({name: None for name in self._derived})
-        values.update(changes)
-        return OffloadConfig(**values)
+    def replace(self, **changes) -> OffloadConfig:
+        """Return a validated copy with ``changes`` applied: flat settings, whole groups (``execution=...``), or
+        both, flat ones over the groups. Sizes that were derived (sink, window, pool left at ``None``) are derived
+        again from the new values."""
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        values.update(dict.fromkeys(self._derived))
+        for name in GROUPS:
+            if name in changes:
+                values.update(_values(_checked_group(name, changes.pop(name))))
+        if changes.keys() - _GROUP_OF.keys():
+            raise _unknown_settings(changes.keys() - _GROUP_OF.keys())
+        return OffloadConfig(**{**values, **changes})
+
+
+def _signature() -> inspect.Signature:
+    """``OffloadConfig(budget_tokens=2048, *, attended=None, memory=None, execution=None, block_tokens=16, ...)``:
+    the keywords it takes, for ``help()`` and the API reference (the ``__init__`` itself takes ``**settings``)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params.append(inspect.Parameter("budget_tokens", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=2048))
+    params += [inspect.Parameter(name, keyword, default=None, annotation=f"{cls.__name__} | None")
+               for name, cls in GROUPS.items()]  # fmt: skip
+    for group in GROUPS.values():
+        params += [inspect.Parameter(f.name, keyword, default=f.default, annotation=f.type)
+                   for f in dataclasses.fields(group) if f.name != "budget_tokens"]  # fmt: skip
+    return inspect.Signature(params, return_annotation=None)
+
+
+OffloadConfig.__init__.__signature__ = _signature()
