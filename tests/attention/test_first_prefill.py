@@ -75,7 +75,7 @@ def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, tr
     from hf_offload import OffloadCache
     from hf_offload import attention
 
-    from .conftest import build_model, left_padded
+    from ..helpers import build_model, left_padded
 
     from hf_offload.kernels.gather import kernels_available
 

@@ -9,7 +9,7 @@ from hf_offload import OffloadCache
 from hf_offload.attention import offload_attention_forward, take_handoff
 from hf_offload.selectors import SELECTORS
 
-from .conftest import build_model
+from ..helpers import build_model
 
 B, HQ, H, D, T = 2, 4, 2, 16, 8
 PLANTED = {0: [5, 11, 17], 1: [3, 14, 20]}  # blocks that hold the attention mass, per sequence
@@ -130,7 +130,7 @@ def test_tiers_reassemble_dense_kv_bit_for_bit(model, selector, budget_tokens, p
 
 
 def test_sparse_generate_stays_within_budget_and_reports(model):
-    from .conftest import left_padded
+    from ..helpers import left_padded
 
     ids, mask = left_padded([120, 90], seed=5)
     cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=16)
@@ -149,7 +149,7 @@ def test_sparse_generate_stays_within_budget_and_reports(model):
 def test_window_blocks_stay_resident_after_chunked_prefill(model):
     """Blocks sealed by the last prefill chunk are hits at the first decode step, although the chunk streamed all
     older blocks through the slot pool."""
-    from .conftest import left_padded
+    from ..helpers import left_padded
 
     ids, mask = left_padded([100])
     cache = OffloadCache(model, budget_tokens=64, block_tokens=8, sink_tokens=8, window_tokens=16, pool_tokens=32,
@@ -164,7 +164,7 @@ def test_window_blocks_stay_resident_after_chunked_prefill(model):
 
 
 def test_timing_reports_phases_per_decode_step(model):
-    from .conftest import left_padded
+    from ..helpers import left_padded
 
     ids, mask = left_padded([90])
     cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=16, timing=True)
@@ -200,7 +200,7 @@ def test_transfer_cap_swaps_lowest_misses_for_close_resident_blocks():
 
 
 def test_transfer_cap_bounds_recall_in_generate(model):
-    from .conftest import left_padded
+    from ..helpers import left_padded
 
     ids, mask = left_padded([150, 120], seed=8)
     recalled = {}

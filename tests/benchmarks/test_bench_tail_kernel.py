@@ -13,7 +13,7 @@ from hf_offload.kernels.gather import kernels_available
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.triton
 def test_tiny_run_checks_the_kernel_and_writes_json(tmp_path):
     out = tmp_path / "tail.json"
     assert bench_tail_kernel.main(["--batch", "2", "--kv-heads", "2", "--group", "3", "--blocks", "24",
@@ -30,12 +30,12 @@ def test_tiny_run_checks_the_kernel_and_writes_json(tmp_path):
             assert k["us"] > 0 and k["partials_us"] > 0
 
 
-@pytest.mark.skipif(kernels_available(DEVICE), reason="the kernel runs here")
+@pytest.mark.skipif(kernels_available(DEVICE), reason="checks the message without Triton; Triton runs here")
 def test_without_the_kernel_it_says_so():
     assert bench_tail_kernel.main(["--blocks", "8"]) == 2
 
 
-@pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.triton
 def test_near_blocks_through_an_index_and_the_tensor_core_kernel(tmp_path):
     """``--near``: the bounded estimate's shape (blocks read through an index); on a GPU of compute capability 9.0+
     the tensor-core kernel is timed too, its default first and last."""

@@ -9,14 +9,10 @@ from transformers import DynamicCache
 from hf_offload import OffloadCache
 from hf_offload.attention import offload_attention_forward, take_handoff
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_PREFILL as SMALL
+from ..helpers import build_model, left_padded
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
-]
-
-SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=16, prefill_chunk_tokens=16)
+pytestmark = pytest.mark.cuda
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "phi3"])

@@ -13,19 +13,13 @@ import hf_offload.cache as cache_module
 from hf_offload import OffloadCache
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS, OffloadLayer
 from hf_offload.config import DEFAULT_SELECTOR
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.selectors import SoloHeadSelector, get_selector
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_SPARSE as SMALL
+from ..helpers import build_model, left_padded
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and kernels_available(torch.device("cuda"))), reason="needs CUDA and Triton"
-    ),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]
 
-SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
 COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "offloaded_bytes", "decode_steps",
             "hit_rate", "host_kv_bytes", "device_kv_bytes", "tail_share")  # fmt: skip
 

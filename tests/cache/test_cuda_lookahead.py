@@ -9,20 +9,14 @@ import torch
 
 from hf_offload import OffloadCache
 from hf_offload.attention import OffloadMask, offload_attention_forward, take_handoff
-from hf_offload.kernels.gather import kernels_available
 
-from .conftest import left_padded
+from ..helpers import TINY_BLOCKS as SMALL
+from ..helpers import left_padded
 from .test_lookahead import _llama
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and kernels_available(torch.device("cuda"))), reason="needs CUDA and Triton"
-    ),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]
 
 STEPS = 200
-SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8)
 
 
 @pytest.mark.parametrize("selector", ["solohead", "headwise"])

@@ -15,9 +15,9 @@ from hf_offload.selectors.base import Selector, key_bound_logits
 from hf_offload.selectors.roundrobin import RoundRobinSelector
 from hf_offload.selectors.tempered import TemperedVoteSelector
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_BLOCKS, build_model, left_padded
 
-SMALL = dict(budget_tokens=64, block_tokens=8, sink_tokens=8, window_tokens=16, prefill_chunk_tokens=64)
+SMALL = dict(TINY_BLOCKS, budget_tokens=64, window_tokens=16, prefill_chunk_tokens=64)
 
 
 def _generate(model, ids, mask, steps, **options):

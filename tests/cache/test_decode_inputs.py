@@ -8,7 +8,7 @@ import torch
 from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.graphs import DecodeInputs
 
-from .conftest import build_model
+from ..helpers import build_model
 
 
 def _reference(padding, n, T, first, n_recent, sink, window, batch):

@@ -9,10 +9,10 @@ from transformers import DynamicCache
 from hf_offload import OffloadCache
 from hf_offload.selectors import SELECTORS
 
-from .conftest import build_model, left_padded
-
 # Small blocks and a slot pool of 2 blocks, far smaller than the context: every decode step recalls from the host.
-SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=16, prefill_chunk_tokens=16)
+from ..helpers import TINY_PREFILL as SMALL
+from ..helpers import build_model, left_padded
+
 NEW_TOKENS = 10
 
 

@@ -11,19 +11,13 @@ import torch
 from hf_offload import OffloadCache
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
 from hf_offload.graphs import DecoderLayerCall
-from hf_offload.kernels.gather import kernels_available
 
-from .conftest import ARCHS, build_model, left_padded
+from ..helpers import TINY_SPARSE as SMALL
+from ..helpers import ARCHS, build_model, left_padded
 from .test_layer_graphs_cpu import _assert_same_sealed_state
 
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(
-        not (torch.cuda.is_available() and kernels_available(torch.device("cuda"))), reason="needs CUDA and Triton"
-    ),
-]
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]
 
-SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
 COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "decode_host_bytes", "offloaded_bytes",
             "decode_steps", "hit_rate", "host_kv_bytes", "device_kv_bytes", "tail_share")  # fmt: skip
 

@@ -29,10 +29,9 @@ from hf_offload.graphs import (
     remove_layer_calls,
 )
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_SPARSE, build_model, left_padded
 
-SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48,
-             decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
+SMALL = dict(TINY_SPARSE, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)
 COUNTERS = ("recalled_blocks", "recalled_bytes", "decode_recalled_blocks", "offloaded_bytes", "decode_steps",
             "hit_rate", "host_kv_bytes", "device_kv_bytes")  # fmt: skip
 

@@ -15,10 +15,10 @@ from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.attention import offload_attention_forward, take_handoff
 from hf_offload.kernels.gather import kernels_available
 
-from .conftest import _common, left_padded
+from ..helpers import TINY_BLOCKS as SMALL
+from ..helpers import _common, left_padded
 
 TRANSFERS = ["torch"] + (["kernel"] if kernels_available(torch.device("cpu")) else [])
-SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8)
 B, HQ, H, D, T = 2, 4, 2, 16, 8
 
 

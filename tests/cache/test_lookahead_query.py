@@ -11,7 +11,7 @@ from transformers import AttentionInterface, DynamicCache
 from hf_offload import OffloadCache
 from hf_offload.graphs import decoder_layers
 from hf_offload.lookahead import speculative_query
-from .conftest import build_model
+from ..helpers import build_model
 
 
 def _capture(model, ids):

@@ -11,10 +11,9 @@ from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.cache import OffloadLayer
 from hf_offload.config import DEFAULT_SELECTOR
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_SPARSE as SMALL
+from ..helpers import build_model, left_padded
 from .test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401  (fixtures)
-
-SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
 
 
 def _generate(model, steps, seed=3, **options):

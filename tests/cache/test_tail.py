@@ -17,7 +17,7 @@ from hf_offload.selectors import get_selector
 from hf_offload.selectors.base import Selector
 from hf_offload.selectors.quantkey import dequantize_keys, quantize_keys
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_BLOCKS, build_model, left_padded
 
 
 def _direct(q, k, v, ok):
@@ -124,7 +124,6 @@ def test_attention_lse_falls_back_to_the_reference_once_the_fused_kernel_fails(m
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [2576, 37])
 @pytest.mark.parametrize("mask_heads", [1, 3])
@@ -170,7 +169,7 @@ def test_tail_bits_is_validated_and_other_selectors_do_not_estimate():
 
 
 # Tiny models: small blocks and budget, a context of 10-20 blocks, so most blocks are outside the selection.
-SMALL = dict(budget_tokens=32, block_tokens=8, sink_tokens=8, window_tokens=8)
+SMALL = dict(TINY_BLOCKS, budget_tokens=32)
 
 
 def _logits(model, ids, mask, cache, new_tokens=6):

@@ -17,7 +17,7 @@ import pytest
 
 from hf_offload.selectors import SELECTORS
 
-NOTEBOOK_DIR = Path(__file__).resolve().parents[1] / "notebooks"
+NOTEBOOK_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 SIZE_SWITCH = 'SIZE = os.environ.get("HF_OFFLOAD_NOTEBOOK_SIZE", "small")'
 

@@ -23,7 +23,7 @@ from eval_harness.longbench import (
     middle_truncate,
 )
 
-from .fixtures.tiny import LONGBENCH_DIR, tiny_tokenizer
+from ..fixtures.tiny import LONGBENCH_DIR, tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

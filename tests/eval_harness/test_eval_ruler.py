@@ -10,7 +10,7 @@ import pytest
 from eval_harness.ruler import NOT_BUILT, TASKS, RulerSuite, make_ruler_samples
 from eval_harness.ruler.niah import RULER_DEPTHS
 
-from .fixtures.tiny import tiny_tokenizer
+from ..fixtures.tiny import tiny_tokenizer
 
 
 @pytest.fixture(scope="module")

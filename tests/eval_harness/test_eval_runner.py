@@ -19,7 +19,7 @@ from eval_harness.ruler import RulerSuite
 from eval_harness.runner import parse_budget, read_study, run_study
 from hf_offload import OffloadCache
 
-from .fixtures.tiny import LONGBENCH_DIR, tiny_model, tiny_tokenizer
+from ..fixtures.tiny import LONGBENCH_DIR, tiny_model, tiny_tokenizer
 
 LB_TASKS = ["hotpotqa", "trec", "passage_count", "lcc", "samsum"]
 

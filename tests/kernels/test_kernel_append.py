@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from hf_offload.kernels.append import append_token, append_token_reference, append_token_supported
-from hf_offload.kernels.gather import kernels_available
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -24,7 +23,7 @@ def _case(batch, heads, tokens, dim, dtype, seed):
     return pool, key, value
 
 
-@pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+@pytest.mark.triton
 @pytest.mark.parametrize("batch,heads,tokens,dim,dtype", [(3, 2, 16, 64, torch.bfloat16),
                                                           (1, 8, 16, 128, torch.float16),
                                                           (2, 1, 8, 96, torch.float32)])  # fmt: skip

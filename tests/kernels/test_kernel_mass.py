@@ -8,11 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.mass import BLOCK_N, block_scores, block_scores_reference, block_scores_supported
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 
 def _inputs(batch, heads, group, n, seed, spread=8.0):

@@ -11,7 +11,6 @@ import itertools
 import pytest
 import torch
 
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.norm import (
     MAX_HIDDEN,
     rms_norm,
@@ -22,7 +21,7 @@ from hf_offload.kernels.norm import (
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 SHAPES = [(1, 1, 64), (3, 1, 4096), (12, 1, 4096), (2, 5, 896), (4, 1, 1536), (896,)]

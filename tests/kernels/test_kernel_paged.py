@@ -12,13 +12,12 @@ import torch
 from hf_offload import OffloadCache
 import hf_offload.kernels.quantkey as quantkey_kernels
 import hf_offload.kernels.tail as tail_kernels
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.paged import paged_decode, paged_decode_reference, paged_decode_supported
 from hf_offload.store.device import DeviceSlotPool
-from .conftest import build_model, left_padded
+from ..helpers import build_model, left_padded
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 # Triton's interpreter keeps bfloat16 as raw 16-bit integers and its tl.dot multiplies those bits (triton 3.6,
 # interpreter.create_dot), so on the CPU the half-precision case is float16.
@@ -85,7 +84,6 @@ def test_paged_decode_matches_the_reference(per_head, splits, dtype):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("block_e,splits", [(4, None), (8, 3), (2, 1)])
 def test_paged_decode_at_a_real_shape(block_e, splits):
     """The 8B shape's heads, 16-token blocks, 60 selected blocks in many tiles per program, bfloat16."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.quantkey import (
     _VARIANTS,
     _default_config,
@@ -20,7 +19,7 @@ from hf_offload.kernels.quantkey import (
 from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,6 @@ from hf_offload.kernels.rotary import rotary, rotary_reference, rotary_supported
 
 TRITON = kernels_available(torch.device("cpu"))
 needs_triton = pytest.mark.skipif(not TRITON, reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
-CUDA = torch.cuda.is_available() and kernels_available(torch.device("cuda"))
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
@@ -134,7 +133,7 @@ def test_inputs_it_cannot_take_are_refused_with_what_to_change():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch, seq, q_heads, kv_heads, head_dim",
                          [(12, 1, 32, 8, 128), (1, 333, 14, 2, 64), (3, 5, 7, 3, 256)])  # fmt: skip
@@ -146,7 +145,7 @@ def test_cuda_bit_for_bit_with_transformers(dtype, batch, seq, q_heads, kv_heads
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.triton
 def test_cuda_replays_in_a_graph():
     dtype = torch.bfloat16
     q = _states(4, 1, 8, 128, dtype, device="cuda", seed=1)

@@ -9,15 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.seal import seal_block, seal_block_supported
 from hf_offload.selectors.quantkey import quantize_keys
 
-from .test_layer_graphs_cpu import _assert_same_sealed_state
-from .test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
+from ..cache.test_layer_graphs_cpu import _assert_same_sealed_state
+from ..cache.test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 BATCH, HEADS, TOKENS, DIM, CAPACITY, CHUNK_BLOCKS = 3, 2, 16, 64, 6, 4
 
@@ -118,7 +117,7 @@ def test_a_layers_seal_work_leaves_the_state_of_its_op_by_op_seal(selector, admi
     operations for other selectors) and the op-by-op seal leave the same summaries, block tables and stored blocks."""
     from hf_offload import OffloadCache
 
-    from .conftest import build_model, left_padded
+    from ..helpers import build_model, left_padded
 
     model = build_model("llama").to(DEVICE)
     ids, mask = left_padded([45, 30], seed=5)
@@ -154,7 +153,7 @@ def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_gra
     from hf_offload import OffloadCache
     from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
 
-    from .conftest import build_model, left_padded
+    from ..helpers import build_model, left_padded
 
     model = build_model("llama").to(DEVICE)
     ids, mask = left_padded([160, 160, 160], seed=6)

@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.slots import MAX_SLOTS, assign_supported
 from hf_offload.store import DeviceSlotPool
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 
 def _pools(batch, heads, slots):

@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import hf_offload.kernels.tail as tail_module
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.tail import (
     dot_kernel_fits,
     tail_attention,
@@ -19,7 +18,7 @@ from hf_offload.kernels.tail import (
 from hf_offload.selectors.quantkey import QuantKeySelector, quantize_keys
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 
 def _inputs(batch, n, heads, group, tokens, dim, key_bits, value_bits, dtype, capacity=None, seed=0):

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 import hf_offload.kernels.tail as tail_module
-from hf_offload.kernels.gather import kernels_available
 from hf_offload.kernels.tail import (
     finish_tail_reference,
     merge_attention,
@@ -22,7 +21,7 @@ from hf_offload.kernels.tail import (
 from hf_offload.selectors.quantkey import quantize_keys
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-needs_kernels = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+needs_kernels = pytest.mark.triton
 
 
 def _inputs(batch, capacity, n, heads, group, tokens, dim, seed=0):

@@ -11,13 +11,14 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache
 from hf_offload.attention import offload_attention_forward, take_handoff
-from hf_offload.kernels.gather import copy_pieces, copy_pieces_reference, kernels_available
+from hf_offload.kernels.gather import copy_pieces, copy_pieces_reference
 from hf_offload.store import HostBlockPool, HostMemoryBudget
 
-from .conftest import build_model, left_padded
+from ..helpers import TINY_PREFILL as SMALL
+from ..helpers import build_model, left_padded
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-pytestmark = pytest.mark.skipif(not kernels_available(DEVICE), reason="needs Triton on CUDA (or TRITON_INTERPRET=1)")
+pytestmark = pytest.mark.triton
 
 
 def _pool(block_shape, dtype, chunk_blocks=3):
@@ -55,9 +56,6 @@ def test_copy_pieces_bit_exact_against_reference(dtype, to_host, group, split):
     assert torch.equal(got_device.cpu().view(torch.int8), ref_device.view(torch.int8))
     for got, ref in zip(host.chunks, ref_chunks):
         assert torch.equal(got.view(torch.int8), ref.view(torch.int8))
-
-
-SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=16, prefill_chunk_tokens=16)
 
 
 @pytest.mark.parametrize("selector", ["solohead", "headwise"])

@@ -13,11 +13,11 @@ from hf_offload import OffloadCache, disable_offload_attention
 from hf_offload.kernels.gather import kernels_available
 from hf_offload.norms import FusedNorm, fused_norms_active, install_fused_norms, norm_form, remove_fused_norms
 
-from .conftest import ARCHS, build_model, left_padded
+from ..helpers import TINY_SPARSE as SMALL
+from ..helpers import ARCHS, build_model, left_padded
 
 TRITON = kernels_available(torch.device("cpu"))
 needs_triton = pytest.mark.skipif(not TRITON, reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
-SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
 
 
 def _norms(model) -> list[torch.nn.Module]:
@@ -129,11 +129,8 @@ def test_decode_with_fused_norms_matches_the_model_s_own(arch):
     assert not any("forward" in m.__dict__ for m in _norms(model))
 
 
-CUDA = torch.cuda.is_available() and kernels_available(torch.device("cuda"))
-
-
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_cuda_fused_norms_by_default_in_graphs_give_the_tokens_of_the_models_own(arch):
     """On CUDA ``fused_norms`` is on by default, inside the whole-layer graphs too: bfloat16 decode with the cache's

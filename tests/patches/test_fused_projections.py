@@ -19,10 +19,9 @@ from hf_offload.projections import (
     remove_fused_projections,
 )
 
-from .conftest import ARCHS, build_model, left_padded
+from ..helpers import TINY_SPARSE as SMALL
+from ..helpers import ARCHS, build_model, left_padded
 
-SMALL = {"budget_tokens": 48, "block_tokens": 8, "sink_tokens": 8, "window_tokens": 8, "pool_tokens": 48}
-CUDA = torch.cuda.is_available() and kernels_available(torch.device("cuda"))
 TRITON = kernels_available(torch.device("cpu"))  # the CPU interpreter (TRITON_INTERPRET=1)
 GROUPED = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}  # Phi-3 has its own qkv_proj and gate_up_proj
 
@@ -194,7 +193,7 @@ def test_generate_through_the_cache_gives_the_tokens_of_separate_products(arch):
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3"])
 def test_cuda_fused_projections_by_default_in_graphs(arch):
     """On CUDA ``fused_projections`` is on by default, inside the whole-layer graphs too: bfloat16 decode below the
@@ -253,7 +252,7 @@ def test_silu_mul_reference_is_transformers_mlp_product():
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_cuda_silu_mul_is_torch_bit_for_bit(dtype):
     g = torch.Generator(device="cuda").manual_seed(1)

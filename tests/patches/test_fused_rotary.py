@@ -21,12 +21,11 @@ from hf_offload.rotary import (
     rotary_function,
 )
 
-from .conftest import ARCHS, build_model, left_padded
+from ..helpers import TINY_SPARSE as SMALL
+from ..helpers import ARCHS, build_model, left_padded
 
 TRITON = kernels_available(torch.device("cpu"))
 needs_triton = pytest.mark.skipif(not TRITON, reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")
-CUDA = torch.cuda.is_available() and kernels_available(torch.device("cuda"))
-SMALL = dict(budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=48)
 TAKEN = {"llama", "mistral", "qwen2", "qwen3", "gemma3"}  # Phi-3's partial rotary has its own function
 
 
@@ -173,7 +172,7 @@ def test_generate_through_the_cache_gives_the_tokens_and_logits_of_transformers_
 
 
 @pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="needs CUDA and Triton")
+@pytest.mark.triton
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
 def test_cuda_fused_rotary_by_default_in_graphs_gives_the_outputs_of_transformers(arch):
     """On CUDA ``fused_rotary`` is on by default, inside the whole-layer graphs too: bfloat16 decode below the full

@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache, disable_offload_attention
 
-from .conftest import build_model, left_padded
+from ..helpers import build_model, left_padded
 
 
 @pytest.mark.parametrize("implementation", ["sdpa", "eager"])

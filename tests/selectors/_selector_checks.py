@@ -1,6 +1,6 @@
 """Checks every new selector's tests run: planted attention mass is found within the budget and the output matches
-dense attention (the style of tests/test_sparse.py), and at a budget covering the context OffloadCache generates
-exactly what DynamicCache does on a tiny Llama."""
+dense attention (the style of tests/attention/test_sparse.py), and at a budget covering the context OffloadCache
+generates exactly what DynamicCache does on a tiny Llama."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ from transformers import DynamicCache
 from hf_offload import OffloadCache
 from hf_offload.attention import offload_attention_forward, take_handoff
 
-from .conftest import build_model, left_padded
+from ..helpers import build_model, left_padded
 
-# The planted-mass inputs of tests/test_sparse.py: a few blocks hold >= 99% of the decode query's attention mass.
-from .test_sparse import B, D, H, HQ, PLANTED, T  # noqa: F401
-from .test_sparse import _planted_inputs as planted_inputs
+# The planted-mass inputs of tests/attention/test_sparse.py: a few blocks hold >= 99% of the decode query's attention
+# mass.
+from ..attention.test_sparse import B, D, H, HQ, PLANTED, T  # noqa: F401
+from ..attention.test_sparse import _planted_inputs as planted_inputs
 
 
 def check_planted(selector) -> None:

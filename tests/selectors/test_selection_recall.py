@@ -20,7 +20,7 @@ from hf_offload.selectors.quality import (
     selection_recall,
 )
 
-from .conftest import build_model
+from ..helpers import build_model
 
 B, HQ, H, D, T = 2, 4, 2, 16, 8
 PLANTED = {0: [5, 11, 17], 1: [3, 14, 20]}

@@ -97,7 +97,7 @@ def test_selector_names_carry_settings():
     from hf_offload.selectors import get_selector
     from hf_offload.selectors.union import UnionSelector
 
-    from .conftest import build_model
+    from ..helpers import build_model
 
     assert get_selector("quantkey[bits=4]") == QuantKeySelector(bits=4)
     assert get_selector("quantkey[ bits = 1 , chunk_blocks=8 ]") == QuantKeySelector(bits=1, chunk_blocks=8)

@@ -26,7 +26,7 @@ def test_models_list_runs(capsys):
 def test_demo_runs_dense_and_offloaded_side_by_side():
     from hf_offload.demo import run_demo
 
-    from .fixtures.tiny import tiny_model, tiny_tokenizer
+    from ..fixtures.tiny import tiny_model, tiny_tokenizer
 
     tokenizer = tiny_tokenizer()
     model = tiny_model(len(tokenizer))
