@@ -59,9 +59,8 @@ def pytest_runtest_makereport(item, call):
         path, line, reason = report.longrepr
         found = _NOT_IMPORTED.search(reason)
         if found:
-            module = found.group(1)
-            top = module.split(".")[0]
-            report.longrepr = (path, line, f"Skipped: needs {module}: {INSTALL.get(top, f'pip install {top}')}")
+            module = found.group(1).split(".")[0]
+            report.longrepr = (path, line, f"Skipped: needs {module}: {INSTALL.get(module, f'pip install {module}')}")
     return report
 
 

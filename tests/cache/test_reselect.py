@@ -1,6 +1,6 @@
 """Decode steps that reuse the previous step's selection (``OffloadConfig.reselect_every``), on the CPU: which steps
 choose, what the others attend, the same tokens op by op and through (stand-in) layer graphs, and the settings'
-errors. ``tests/test_layer_graphs.py`` runs the same comparison with real CUDA graphs."""
+errors. ``tests/cache/test_layer_graphs.py`` runs the same comparison with real CUDA graphs."""
 
 from __future__ import annotations
 

@@ -103,7 +103,7 @@ def test_default_config_fills_the_warps():
     assert _default_config(16, 128, 2, 4) == {"block_n": 64, "num_warps": 4, "rows_per_thread": 16}
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA graphs")
+@pytest.mark.cuda  # CUDA graphs
 def test_block_lse_replays_in_a_cuda_graph():
     query, s = _inputs((2, 100, 2, 4, 16, 128), 2)
     block_lse(query, s["codes"], s["kmin"], s["kstep"], 2)  # compiles outside the capture
