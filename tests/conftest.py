@@ -1,72 +1,39 @@
-"""Shared fixtures: tiny random decoder models built from configs (no downloads)."""
+"""Shared fixtures and the markers that say what a test needs.
+
+Markers (declared in pyproject.toml) are applied here, so a test states its need once and the skip names it:
+
+- ``cuda``: needs a CUDA device.
+- ``triton``: needs the Triton kernels to run: Triton on CUDA, or Triton's CPU interpreter (``TRITON_INTERPRET=1``)
+  without one.
+
+Every skip reason says what would make the test run; the end of a run counts the skips by reason.
+"""
 
 from __future__ import annotations
 
+import collections
+import re
+
 import pytest
 import torch
-import transformers
 
-VOCAB = 97
+from hf_offload.kernels.gather import kernels_available
 
+from .helpers import ARCHS
 
-def _common(**extra):
-    base = dict(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    base.update(extra)
-    return base
+NEEDS_CUDA = "needs a CUDA device"
+NEEDS_TRITON = "needs Triton on CUDA, or TRITON_INTERPRET=1 with triton installed"
 
-
-def build_config(arch: str):
-    """A tiny config of ``arch``; sliding windows shorter than the test prompts where the architecture has them."""
-    if arch == "llama":
-        return transformers.LlamaConfig(**_common())
-    if arch == "mistral":
-        # Every Mistral layer would be a sliding layer (kept dense on the device); None makes them full attention.
-        return transformers.MistralConfig(**_common(sliding_window=None))
-    if arch == "qwen2":
-        return transformers.Qwen2Config(**_common())
-    if arch == "qwen3":
-        return transformers.Qwen3Config(**_common(head_dim=16))
-    if arch == "phi3":
-        return transformers.Phi3Config(**_common(sliding_window=None, pad_token_id=0))
-    if arch == "gemma3":
-        return transformers.Gemma3TextConfig(
-            **_common(
-                num_hidden_layers=4,
-                head_dim=16,
-                sliding_window=12,
-                layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-            )
-        )
-    raise ValueError(arch)
-
-
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
-
-
-def build_model(arch: str, attn_implementation: str = "sdpa", seed: int = 0):
-    """A tiny random ``arch`` causal LM in float32, eval mode, on the CPU."""
-    torch.manual_seed(seed)
-    config = build_config(arch)
-    config._attn_implementation = attn_implementation
-    cls = transformers.Gemma3ForCausalLM if arch == "gemma3" else transformers.AutoModelForCausalLM
-    model = cls.from_config(config, attn_implementation=attn_implementation) if cls is not transformers.Gemma3ForCausalLM else cls(config)
-    # Larger weights give peaked, well-separated logits, so greedy decoding is not decided by float rounding.
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0, 0.2)
-    return model.eval()
+# The install command of each optional module a test imports with ``pytest.importorskip``.
+INSTALL = {
+    "pdoc": "pip install 'hf-offload[docs]'",
+    "datasets": "pip install 'hf-offload[eval]'",
+    "jieba": "pip install 'hf-offload[eval]'",
+    "gguf": "pip install 'hf-offload[test]'",
+    "rouge": "pip install rouge (the reference implementation the metric is compared with)",
+    "fuzzywuzzy": "pip install fuzzywuzzy (the reference implementation the metric is compared with)",
+}
+_NOT_IMPORTED = re.compile(r"could not import '([\w.]+)'")
 
 
 @pytest.fixture(params=ARCHS)
@@ -74,13 +41,36 @@ def arch(request):
     return request.param
 
 
-def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random prompts of the given lengths, left-padded with token 0: ``(input_ids, attention_mask)``."""
-    g = torch.Generator().manual_seed(seed)
-    width = max(lengths)
-    ids = torch.zeros((len(lengths), width), dtype=torch.long)
-    mask = torch.zeros((len(lengths), width), dtype=torch.long)
-    for row, n in enumerate(lengths):
-        ids[row, width - n :] = torch.randint(3, VOCAB, (n,), generator=g)
-        mask[row, width - n :] = 1
-    return ids, mask
+def pytest_collection_modifyitems(config, items):
+    cuda = torch.cuda.is_available()
+    triton = kernels_available(torch.device("cuda" if cuda else "cpu"))
+    for item in items:
+        if not cuda and item.get_closest_marker("cuda"):
+            item.add_marker(pytest.mark.skip(reason=NEEDS_CUDA))
+        elif not triton and item.get_closest_marker("triton"):
+            item.add_marker(pytest.mark.skip(reason=NEEDS_TRITON))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skip for a missing optional module names the command that installs it."""
+    report = yield
+    if report.skipped and isinstance(report.longrepr, tuple):
+        path, line, reason = report.longrepr
+        found = _NOT_IMPORTED.search(reason)
+        if found:
+            module = found.group(1).split(".")[0]
+            report.longrepr = (path, line, f"Skipped: needs {module}: {INSTALL.get(module, f'pip install {module}')}")
+    return report
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The skipped tests counted by reason, most first."""
+    reasons = collections.Counter()
+    for report in terminalreporter.stats.get("skipped", []):
+        if isinstance(report.longrepr, tuple):
+            reasons[report.longrepr[2].removeprefix("Skipped: ")] += 1
+    if reasons:
+        terminalreporter.write_sep("-", "skipped tests by reason")
+        for reason, count in reasons.most_common():
+            terminalreporter.write_line(f"{count:5d}  {reason}")

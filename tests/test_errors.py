@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache, OffloadConfig
 
-from .conftest import build_model, left_padded
+from .helpers import build_model, left_padded
 
 
 def test_budget_smaller_than_sink_plus_window():

@@ -10,7 +10,7 @@ from transformers.generation.utils import GenerationMixin
 
 from hf_offload import OffloadCache, generate_cache_kwarg
 
-from .conftest import build_model
+from .helpers import build_model
 
 
 def test_generate_kwargs_use_the_installed_transformers_name_without_a_warning():

@@ -12,9 +12,9 @@ from transformers import DynamicCache
 from hf_offload import OffloadCache, OffloadConfig
 from hf_offload.planner import ModelShape, largest_batch, plan, shape_from_config
 
-from .conftest import build_model, left_padded
+from .helpers import TINY_BLOCKS, build_model, left_padded
 
-SMALL = dict(block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=24, host_chunk_mib=0.01)
+SMALL = dict(TINY_BLOCKS, pool_tokens=24, host_chunk_mib=0.01)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])

