@@ -566,7 +566,7 @@ def render_selection() -> str:
         "(`benchmarks/selection_recall.py`; commands in `results/selection/README.md`). Do not edit by hand.",
         "",
         f"Metric: {'; '.join(metrics)}. Captures: {'; '.join(captures)}. Each query is planned as one decode step of "
-        "`OffloadCache` (`hf_offload.selectors.quality`). Values are means over samples, each the mean over its "
+        "`OffloadCache` (`benchmarks.selection_quality`). Values are means over samples, each the mean over its "
         "decode queries. Seed set A (RULER seeds that tuned the selector settings) and seed set B (disjoint seeds, "
         "the report).",
         "",

@@ -5,7 +5,7 @@ With one shared selection per layer, quantkey already captures about 0.98 of the
 missing attention is the mass outside the budget, not a ranking error. This script asks whether the same total
 budget, split unevenly over the layers, attends to more of it. It reads the captures of
 ``benchmarks/selection_recall.py`` (``--capture-dir``: per sample, each layer's decode queries and all keys) and, for
-every layer and query, plans the decode step as the cache does (``hf_offload.selectors.quality.plan_blocks``: sink
+every layer and query, plans the decode step as the cache does (``benchmarks.selection_quality.plan_blocks``: sink
 and window blocks forced, ``k_free`` more blocks selected), computes the true attention mass per block
 (``block_mass``) and the attended share after choosing the ``j`` heaviest free blocks (the oracle's ranking, the
 ceiling of any selector) for every ``j``.
@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
-from hf_offload.selectors.quality import block_mass, plan_blocks  # noqa: E402
+from benchmarks.selection_quality import block_mass, plan_blocks  # noqa: E402
 
 
 def attended_curves(capture: dict, config: OffloadConfig, max_extra: int) -> tuple[torch.Tensor, int]:

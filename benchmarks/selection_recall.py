@@ -4,10 +4,10 @@ For each RULER sample, the model runs densely (``DynamicCache``, greedy) over th
 answer tokens. A capturing attention function (registered with transformers' ``AttentionInterface``; it calls the
 model's own ``sdpa`` attention unchanged) records, per layer, the query of the last prompt token and of every decode
 token, and the full key sequence (after RoPE, as the cache sees them). Each recorded query is then one decode step of
-an ``OffloadCache`` at that position: :func:`hf_offload.selectors.quality.evaluate_selector` plans the step as
+an ``OffloadCache`` at that position: :func:`benchmarks.selection_quality.evaluate_selector` plans the step as
 ``OffloadLayer.select`` does (selectable sealed blocks, sink, window, open block, ``k``), lets every selector
 choose, and measures recall, coverage and attended mass against the true attention (definitions in
-``hf_offload/selectors/quality.py``).
+``benchmarks/selection_quality.py``).
 
 Captures are kept in ``--capture-dir`` (one ``.pt`` per sample), so re-scoring selectors does not re-run the model.
 
@@ -32,7 +32,7 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from benchmarks.selection_candidates import RoundRobinSelector, TemperedVoteSelector  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import SELECTORS, get_selector  # noqa: E402
-from hf_offload.selectors.quality import block_keys, evaluate_selector  # noqa: E402
+from benchmarks.selection_quality import block_keys, evaluate_selector  # noqa: E402
 from hf_offload.kernels.quantkey_mma import block_lse_emulated  # noqa: E402
 from hf_offload.kernels.quant import grid_codes, padded_channels  # noqa: E402
 from hf_offload.selectors.quantkey import QuantKeySelector  # noqa: E402
@@ -389,7 +389,7 @@ def main(argv=None) -> dict:
         setting={
             "budget_tokens": budget, "block_tokens": config.block_tokens, "sink_tokens": config.sink_tokens,
             "window_tokens": config.window_tokens, "decode_queries_per_sample": args.decode_steps + 1,
-            "metric": "hf_offload.selectors.quality (recall: captured / oracle's best shared k_free blocks; "
+            "metric": "benchmarks.selection_quality (recall: captured / oracle's best shared k_free blocks; "
                       "coverage: captured / all free-block mass; attended: share of total attention attended)",
             "capture": "dense greedy DynamicCache run; last prompt token + decode tokens' queries per layer, "
                        "float32 on CPU",

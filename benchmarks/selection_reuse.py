@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload.config import OffloadConfig  # noqa: E402
 from hf_offload.selectors import get_selector  # noqa: E402
-from hf_offload.selectors.quality import block_keys, block_mass, plan_blocks, selection_recall  # noqa: E402
+from benchmarks.selection_quality import block_keys, block_mass, plan_blocks, selection_recall  # noqa: E402
 
 
 def reuse_recall(cap: dict, selector, config: OffloadConfig, intervals: list[int]) -> dict[int, list[float]]:

@@ -22,7 +22,7 @@ Inputs, paired by RULER task, seed and sample index: the decode queries and keys
 ``benchmarks/selection_recall.py``'s captures (``--query-dir``) and the prompt's keys and values of
 ``benchmarks/selection_replay.py``'s (``--kv-dir``); the keys of both are checked equal. Only the prompt's tokens
 are attended (the replay capture holds no values of the generated tokens), by dense and sparse attention alike.
-Each step is planned as the cache plans it (``hf_offload.selectors.quality.plan_blocks``: sink and window forced,
+Each step is planned as the cache plans it (``benchmarks.selection_quality.plan_blocks``: sink and window forced,
 the open block attended exactly). Reports also the device bytes of each variant's summaries per block and KV
 head, against the block's own keys and values.
 
@@ -103,7 +103,7 @@ def sample_errors(queries: torch.Tensor, keys: list[torch.Tensor], values: list[
     from hf_offload.kernels.tail import merge_attention
     from hf_offload.selectors import get_selector
     from hf_offload.selectors.base import Selector
-    from hf_offload.selectors.quality import block_keys, plan_blocks
+    from benchmarks.selection_quality import block_keys, plan_blocks
 
     T = args.block_tokens
     config = OffloadConfig(budget_tokens=budget_tokens, block_tokens=T)

@@ -196,7 +196,7 @@ def test_module_examples_run():
 def test_offload_cache_takes_flat_settings_groups_and_a_config():
     from hf_offload import OffloadCache
 
-    from .conftest import build_model
+    from .helpers import build_model
 
     model = build_model("llama")
     flat = OffloadCache(model, budget_tokens=64, block_tokens=8, lookahead=True)

@@ -21,7 +21,7 @@ from hf_offload.patches.norms import FusedNorm
 from hf_offload.patches.projections import GatedMLPForward, ProjectionForward, fused_groups
 from hf_offload.patches.rotary import RotaryForward
 
-from .conftest import build_model, left_padded
+from ..helpers import build_model, left_padded
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"budget_tokens": 48, "block_tokens": 8, "sink_tokens": 8, "window_tokens": 8, "pool_tokens": 48}

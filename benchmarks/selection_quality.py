@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Selection, Selector
+from hf_offload.selectors import Selection, Selector
 
 
 @dataclass

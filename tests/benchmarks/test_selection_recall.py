@@ -1,4 +1,4 @@
-"""The selection-quality metric (hf_offload.selectors.quality): definitions, a hand-computed case, the oracle's
+"""The selection-quality metric (benchmarks.selection_quality): definitions, a hand-computed case, the oracle's
 ceiling, monotonicity in the budget, and agreement of its plan with OffloadLayer.select."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hf_offload import OffloadCache
 from hf_offload.attention import take_handoff
 from hf_offload.selectors import SELECTORS, get_selector
 from hf_offload.selectors.base import Selection
-from hf_offload.selectors.quality import (
+from benchmarks.selection_quality import (
     block_keys,
     block_mass,
     evaluate_selector,
