@@ -69,8 +69,8 @@ class Memory:
 
     Attributes:
         pool_tokens: device slot pool capacity per sequence and layer, whole blocks (a larger selection is attended
-            in rounds). ``None`` (default): ``1.25 x budget_tokens`` in whole blocks; sink + window + 2 blocks for
-            ``"streaming"``.
+            in rounds). ``None`` (default): ``1.25 x budget_tokens`` rounded up to whole blocks; for ``"streaming"``
+            sink + window + 2 blocks.
         prefill_chunk_tokens: queries per attention tile in prefill, which bounds its score matrix to ``batch x heads
             x prefill_chunk_tokens**2`` floats; positive. Default 1024.
         host_chunk_mib: MiB per host pool allocation (the pool grows by whole chunks); positive. Default 16.
@@ -81,7 +81,7 @@ class Memory:
         admission: which sealed blocks go to host memory: ``"always"`` (default): every one; ``"auto"``: only those
             past ``device_memory_gib`` (less recall traffic, the same output).
         device_memory_gib: GiB of device memory that ``admission="auto"`` keeps blocks in, for the whole cache;
-            ``>= 0``. ``None`` (default): 80% of the free device memory when the first block is sealed.
+            ``>= 0``. ``None`` (default): 80% of the free device memory when the first block is sealed (0 on CPU).
     """
 
     pool_tokens: int | None = None
