@@ -50,7 +50,8 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache, transfer  # noqa: E402
+from hf_offload import OffloadCache  # noqa: E402
+from hf_offload.store import transfer  # noqa: E402
 from hf_offload.tools.bench import fill_random  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
 from hf_offload.store import DeviceSlotPool  # noqa: E402
