@@ -242,7 +242,7 @@ class OffloadCache(Cache):
         layers' calls run them."""
         model = self._model_ref()
         modules = list(model.modules()) if model is not None else []
-        on = next((f for layer in self.offload_layers if (f := getattr(layer, "fusions", None)) is not None), None)
+        on = next((f for layer in self.offload_layers if (f := layer.execution.fusions) is not None), None)
         return {
             "norm_modules": sum(isinstance(m.__dict__.get("forward"), FusedNorm) for m in modules),
             "rotary_modules": sum(isinstance(m.__dict__.get("forward"), RotaryForward) for m in modules),

@@ -142,8 +142,8 @@ def test_sparse_generate_stays_within_budget_and_reports(model):
     assert set(stats["layers"]) == {0, 1}
     for layer in cache.offload_layers:
         # Device KV is the slot pool, whose last slot is the open block's buffer, independent of the context.
-        assert layer.device_kv_bytes() == layer.blocks.pool.nbytes == (layer.blocks.pool.slots + 1) * 2 * B * H * T * D * 4
-        assert layer.host_kv_bytes() == layer.n_blocks * B * 2 * H * T * D * 4
+        assert layer.blocks.device_kv_bytes() == layer.blocks.pool.nbytes == (layer.blocks.pool.slots + 1) * 2 * B * H * T * D * 4
+        assert layer.blocks.host_kv_bytes() == layer.n_blocks * B * 2 * H * T * D * 4
 
 
 def test_window_blocks_stay_resident_after_chunked_prefill(model):

@@ -23,7 +23,7 @@ from hf_offload.patches.rotary import RotaryForward
 
 from ..helpers import build_model, left_padded
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMALL = {"budget_tokens": 48, "block_tokens": 8, "sink_tokens": 8, "window_tokens": 8, "pool_tokens": 48}
 # Every patch, the projections included (their default is on CUDA only; the CPU runs them when asked).
 EVERY = dict(SMALL, fused_projections=True)

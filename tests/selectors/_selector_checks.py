@@ -33,7 +33,7 @@ def check_planted(selector) -> None:
     take_handoff()
     layer.update(keys[:, :, -1:], values[:, :, -1:])
     handoff = take_handoff()
-    selection = layer.select(query.view(B, H, HQ // H, D), None, scaling, handoff)
+    selection = layer.planner.select(query.view(B, H, HQ // H, D), None, scaling, handoff)
     assert selection.blocks.shape[1] == 1  # one shared selection per layer
     for b, blocks in PLANTED.items():
         chosen = set(selection.blocks[b, 0][selection.keep[b, 0]].tolist())
