@@ -14,7 +14,9 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # eval_harness (the RULER averages of the selection page), installed or not
+sys.path.insert(0, str(REPO))  # eval_harness (results files, RULER averages of the selection page), installed or not
+from eval_harness.files import find, read_json, stored  # noqa: E402
+
 RESULTS = REPO / "results" / "core_needle"
 DOCS = REPO / "docs" / "results"
 MIB = 1 << 20
@@ -27,10 +29,10 @@ def _mib(x) -> str:
 
 def render_core_needle() -> str:
     """docs/results/core_needle.md from results/core_needle/*.json."""
-    files = sorted(RESULTS.glob("*.json"))
+    files = find(RESULTS, "*.json")
     runs, peaks, meta = {}, {}, None
     for path in files:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         meta = meta or data["metadata"]
         for r in data["runs"]:
             if not r.get("error"):
@@ -91,8 +93,8 @@ def render_core_needle() -> str:
 
 def render_recall() -> str:
     """docs/results/recall.md from results/recall/bench_recall.json and transfer_paths.json."""
-    bench = json.loads((REPO / "results/recall/bench_recall.json").read_text())
-    paths = json.loads((REPO / "results/recall/transfer_paths.json").read_text())
+    bench = read_json(REPO / "results/recall/bench_recall.json")
+    paths = read_json(REPO / "results/recall/transfer_paths.json")
     m = bench["metadata"]
     lines = [
         "# Recall bandwidth and transfer paths (generated)",
@@ -143,11 +145,11 @@ def render_recall() -> str:
             f"{s['decode_recalled_bytes'] / 2**30:.2f} | {'yes' if ident else 'NO'} |"
         )
     batch_file = REPO / "results/recall/bench_recall_batch_h200.json"
-    if batch_file.exists():
-        lines += _render_recall_batch(json.loads(batch_file.read_text()))
+    if stored(batch_file).exists():
+        lines += _render_recall_batch(read_json(batch_file))
     tma_file = REPO / "results/recall/bench_recall_tma_h200.json"
-    if tma_file.exists():
-        lines += _render_recall_tma(json.loads(tma_file.read_text()))
+    if stored(tma_file).exists():
+        lines += _render_recall_tma(read_json(tma_file))
     return "\n".join(lines) + "\n"
 
 
@@ -214,7 +216,7 @@ def _render_recall_batch(data: dict) -> list[str]:
 
 def render_decode() -> str:
     """docs/results/decode.md from results/decode/step/decode_step.json."""
-    data = json.loads((REPO / "results/decode/step/decode_step.json").read_text())
+    data = read_json(REPO / "results/decode/step/decode_step.json")
     m, a = data["metadata"], data["metadata"]["args"]
     lines = [
         "# Decode step time per phase, offloaded KV (generated)",
@@ -236,7 +238,7 @@ def render_decode() -> str:
             f"{t['attention_ms']:.1f} | {t['rest_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['stats']['hit_rate']:.3f} | "
             f"{r['decode_recalled_bytes_per_step'] / 2**20:.0f} |"
         )
-    files = sorted((REPO / "results/decode/step").glob("decode_step_lookahead*.json"))
+    files = find(REPO / "results/decode/step", "decode_step_lookahead*.json")
     if files:
         lines += [
             "", "## Layer-ahead lookahead and the share of recall hidden behind compute", "",
@@ -249,10 +251,10 @@ def render_decode() -> str:
             "`recall`), so the step with bytes moved can be faster than the one without: run-to-run variation of a "
             "few ms, and a hidden share above 1 means the whole recall ran in the device's idle gaps.",
         ]
-        for path in sorted(files, key=lambda f: json.loads(f.read_text())["metadata"]["timestamp"]):
-            lines += _render_lookahead(path.name, json.loads(path.read_text()))
+        for path in sorted(files, key=lambda f: read_json(f)["metadata"]["timestamp"]):
+            lines += _render_lookahead(path.name, read_json(path))
     profile = REPO / "results/decode/step/profile_decode_step_quantkey_eager_h200.txt"
-    graphs = sorted((REPO / "results/decode/step").glob("decode_step_graphs*.json"))
+    graphs = find(REPO / "results/decode/step", "decode_step_graphs*.json")
     if graphs or profile.exists():
         lines += [
             "", "## Where the device time goes, and CUDA graphs", "",
@@ -267,7 +269,7 @@ def render_decode() -> str:
             "no phase timer.",
         ]
         for path in graphs:
-            lines += _render_graphs(path.name, json.loads(path.read_text()))
+            lines += _render_graphs(path.name, read_json(path))
     return "\n".join(lines) + "\n"
 
 
@@ -364,7 +366,7 @@ def _selection_ablation(groups: dict) -> list[str]:
         ruler = study_averages(ABLATION_STUDY, REPO / "results")
     except FileNotFoundError:
         ruler = {}
-    costs = [(p.name, json.loads(p.read_text())) for p in sorted((REPO / "results/selection").glob("selector_cost*.json"))]
+    costs = [(p.name, read_json(p)) for p in find(REPO / "results/selection", "selector_cost*.json")]
     ruler_points = sorted({p for by_point in ruler.values() for p in by_point})
     lengths = sorted({g["length"] for g in groups.values()})
     names = [n for n in ABLATION_ORDER if any(g["sel"] == n for g in groups.values())]
@@ -418,7 +420,7 @@ def _render_tail_error() -> list[str]:
     """The selection page's table of ``benchmarks/tail_estimate_error.py`` files (``results/selection/tail_error*``):
     relative error of the attention output against dense attention, with and without the estimate of the
     unselected blocks, and each variant's device bytes."""
-    files = [(p.name, json.loads(p.read_text())) for p in sorted((REPO / "results/selection").glob("tail_error*.json"))]
+    files = [(p.name, read_json(p)) for p in find(REPO / "results/selection", "tail_error*.json")]
     if not files:
         return []
     lines = [
@@ -466,8 +468,8 @@ def _tail_ablation() -> list[str]:
     except FileNotFoundError:
         return []
     errors = {}  # (variant, length) -> (relative error, device share, file)
-    for path in sorted((REPO / "results/selection").glob("tail_error*.json")):
-        d = json.loads(path.read_text())
+    for path in find(REPO / "results/selection", "tail_error*.json"):
+        d = read_json(path)
         if d["setting"]["budget_tokens"] != 512:
             continue
         for variant, r in d["summary"].items():
@@ -478,8 +480,8 @@ def _tail_ablation() -> list[str]:
     # batch 8, with graphs (older files hold the same selector at older commits).
     steps: dict[str, tuple] = {}
     runs = []
-    for path in sorted((REPO / "results/decode/step").glob("decode_step_32k_b8_*.json")):
-        d = json.loads(path.read_text())
+    for path in find(REPO / "results/decode/step", "decode_step_32k_b8_*.json"):
+        d = read_json(path)
         args = d["metadata"]["args"]
         if args.get("context") != 32768 or args.get("batch") != 8 or args.get("graphs") != "on":
             continue
@@ -538,7 +540,7 @@ def render_selection() -> str:
     selector's numbers are shown once, naming every file, only where its settings and aggregates are identical in
     each; otherwise each file's numbers get their own row or column, named by file.
     """
-    datas = [(path.name, json.loads(path.read_text())) for path in sorted((REPO / "results/selection").glob("*.json"))]
+    datas = [(path.name, read_json(path)) for path in find(REPO / "results/selection", "*.json")]
     datas = [(name, d) for name, d in datas if "setting" in d and "results" in d]  # selection_recall.py's files
     sets = {"A": "tuning", "B": "report"}
     groups: dict[str, dict] = {}  # one column per selector and distinct data
@@ -735,11 +737,11 @@ def decode_throughput(check: bool) -> list[str]:
     one per method and context); each row names its file. A no-op where no such file exists. Returns the page's
     name if ``check`` and the committed page is out of date.
     """
-    files = sorted((REPO / "results" / "decode" / "throughput").glob("bench_decode*.json"))
+    files = find(REPO / "results" / "decode" / "throughput", "bench_decode*.json")
     if not files:
         return []
     gib = lambda x: "-" if x is None else f"{x / 2**30:.1f}"  # noqa: E731
-    datas = [(path, json.loads(path.read_text())) for path in files]
+    datas = [(path, read_json(path)) for path in files]
     runs, methods, skipped, e2es, described = [], [], [], [], {}
     for path, data in datas:
         label = _method_label(data)
@@ -943,10 +945,10 @@ def decode_shapes(check: bool) -> list[str]:
     or more per shape): per shape and context the best run of each method, the ratio, and every configuration.
     A no-op where no such file exists. Returns the page's name if ``check`` and the committed page is out of date."""
     folder = REPO / "results" / "decode" / "shapes_h200"
-    files = sorted(folder.glob("bench_decode_*.json"))
+    files = find(folder, "bench_decode_*.json")
     if not files:
         return []
-    datas = [(path, json.loads(path.read_text())) for path in files]
+    datas = [(path, read_json(path)) for path in files]
     runs, skipped, commits, shapes = [], [], set(), {}
     for path, data in datas:
         shape = data["model"]["shape"]
@@ -1054,12 +1056,12 @@ def render_summary(folder: Path = SUMMARY) -> str | None:
     ``DynamicCache``, OffloadCache against the headwise one-copy-per-block baseline at the same batch, each run's step
     against its roofline, peak device memory against the planner, and the end-to-end run with a real prefill.
     ``None`` where the folder holds no such file."""
-    files = sorted(folder.glob("bench_decode*.json")) if folder.is_dir() else []
+    files = find(folder, "bench_decode*.json") if folder.is_dir() else []
     if not files:
         return None
     runs, e2es, metas = {}, [], []
     for path in files:
-        data = json.loads(path.read_text())
+        data = read_json(path)
         label = _method_label(data)
         metas.append(data["metadata"])
         for r in data["runs"]:  # a later run of the same configuration (a rerun) replaces an earlier one
