@@ -7,6 +7,7 @@ cache factory).
 * :mod:`eval_harness.metrics`: RULER's and LongBench's scores.
 * :mod:`eval_harness.runner`: model x method x budget x length, resumable jsonl results under ``results/<study>/``.
 * :mod:`eval_harness.report`: ``docs/results/<study>.md`` (and a plot) generated from those results.
+* :mod:`eval_harness.files`: reading results files stored plain or gzip-compressed (``.jsonl.gz``, ``.json.gz``).
 * :mod:`eval_harness.recipes` and :mod:`eval_harness.cli`: one YAML recipe per study, run with
   ``python -m eval_harness RECIPE [--set key=value ...]``.
 * :mod:`eval_harness.needle`: the needle-in-a-haystack prompts of ``benchmarks/needle_core.py``.

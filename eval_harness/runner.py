@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+from . import files
+
 REPO = Path(__file__).resolve().parent.parent
 DENSE = "dense"
 _STATS_KEYS = ("device_kv_bytes", "host_kv_bytes", "recalled_bytes", "decode_recalled_bytes", "hit_rate")
@@ -154,12 +156,13 @@ def item_key(record: dict) -> tuple:
 def read_lines(results_dir, study: str) -> list[dict]:
     """Every line of every jsonl file of a study, files in name (= time) order, each with its ``_file`` name.
 
-    A line that is not valid JSON (a write cut short) is skipped with a warning.
+    A file may be stored gzip-compressed (``.jsonl.gz``, :mod:`eval_harness.files`). A line that is not valid JSON
+    (a write cut short) is skipped with a warning.
     """
     folder = Path(results_dir) / study
     lines = []
-    for path in sorted(folder.glob("*.jsonl")):
-        with path.open(encoding="utf-8") as f:
+    for path in files.find(folder, "*.jsonl"):
+        with files.open_text(path) as f:
             for n, line in enumerate(f, start=1):
                 if not line.strip():
                     continue

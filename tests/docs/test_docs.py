@@ -47,3 +47,29 @@ def test_every_public_name_the_docs_mention_imports():
         for attr in parts[cut:]:
             assert hasattr(obj, attr), f"{dotted} (mentioned in the docs) does not exist"
             obj = getattr(obj, attr)
+
+
+def test_every_path_the_guides_cite_exists():
+    """Links and backticked repository paths (``results/...``, ``hf_offload/...``; ``{a,b}`` and ``*`` expanded) of
+    the tuning guide, the troubleshooting page and the results index name files that exist. docs/history.md may name
+    removed raw files: it says they are in the git history."""
+    root = README.parent
+    roots = ("results/", "docs/", "hf_offload/", "benchmarks/", "tests/", "notebooks/", "recipes/", "eval_harness/")
+
+    def expand(text: str) -> list[str]:
+        m = re.search(r"\{([^{}]*)\}", text)
+        if not m:
+            return [text]
+        return [x for alt in m.group(1).split(",") for x in expand(text[: m.start()] + alt + text[m.end():])]
+
+    missing = []
+    for page in (root / "docs" / "tuning.md", root / "docs" / "troubleshooting.md", root / "results" / "README.md"):
+        text = page.read_text()
+        paths = [page.parent / t.split("#")[0] for t in re.findall(r"\]\(([^)\s]+)\)", text)
+                 if not t.startswith(("http", "#", "mailto"))]  # fmt: skip
+        for code in re.findall(r"`([^`\n]+)`", text):
+            if code.startswith(roots) and " " not in code:
+                paths += [root / p for p in expand(code.split("#")[0])]
+        missing += [f"{page.name}: {p}" for p in paths
+                    if not (any(p.parent.glob(p.name)) if "*" in p.name else p.exists())]  # fmt: skip
+    assert not missing, missing
