@@ -5,9 +5,8 @@ start behind this layer's compute. It needs a query for the next layer. The quer
 stand-in: the next layer projects with other weights, so the two queries are unrelated vectors. InfiniGen
 (Lee et al., OSDI 2024) observed that the inputs of consecutive decoder layers are close (the residual stream
 changes little per layer), so applying the *next* layer's own input norm, query projection and rotary embedding
-to *this* layer's input predicts the next layer's query well: on Qwen2.5-Coder-0.5B and 1.5B about half of the
-blocks it prefetches are attended, against about 2% with this layer's query
-(``results/selection/lookahead_accuracy_*.json``, ``benchmarks/lookahead_accuracy.py``).
+to *this* layer's input predicts the next layer's query far better (``benchmarks/lookahead_accuracy.py`` measures
+how much of what it prefetches is attended).
 
 :func:`speculative_query` computes that prediction for decoder layers of the common form (``input_layernorm``,
 ``self_attn.q_proj``, an optional per-head ``self_attn.q_norm``, rotary embeddings over the whole head): the Llama,

@@ -1,8 +1,7 @@
 """RMS norms of the decoder layers in one kernel launch each, inside the cache's decode steps.
 
 transformers' RMS norm runs about nine small kernels per call (casts, square, mean, add, reciprocal square root and
-two products); on the 8B shape at 64K tokens and batch 12 the two norms of a layer took 37.6 us of its ~480 us decode
-step on an H200 (``results/decode/mass_h200/README.md``), launch and tail time more than bytes.
+two products), whose cost at decode sizes is launch and tail time more than bytes.
 :func:`install_fused_norms` gives each RMS norm module of the decoder layers a forward that, while
 :func:`fused_norms_active` is on (the cache turns it on around the decoder layer calls it runs, see
 :attr:`~hf_offload.config.OffloadConfig.fused_norms`), computes the norm with

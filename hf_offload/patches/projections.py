@@ -1,10 +1,8 @@
 """Sibling projections of a decoder layer as one matrix product: attention's q, k and v, the MLP's gate and up.
 
 At decode batch sizes a projection is a matrix-vector product bound by reading its weight, and each one launches its
-own kernel (and, for thin products, its own split-K reduction). On an H200 (Llama-3.1-8B shape, batch 12, whole-layer
-CUDA graphs) q, k and v took 10.8, 5.6 and 5.4 us per layer and gate and up 32.0 and 30.0, plus a 1.7-1.9 us
-reduction after each (``results/decode/ring_h200/README.md``), where their 50 MB and 235 MB of weights read at the
-3.9 TB/s the larger products reach would take 13 and 60 us.
+own kernel (and, for thin products, its own split-K reduction); one larger product over the same weights reads them
+at a higher rate and launches once.
 
 :func:`install_fused_projections` takes each group of sibling ``torch.nn.Linear`` modules inside the decoder layers
 that transformers' forwards call with the same input tensor, first one first (``q_proj``, ``k_proj``, ``v_proj``;

@@ -88,11 +88,8 @@ def offload_blocks_kernel(host: HostBlockPool, ids: torch.Tensor, blocks: torch.
 
 
 RECALL_LAUNCH = {"words_per_program": 512, "num_warps": 2}
-"""Launch settings of the recall kernel. Reading pinned host memory, every setting from 512 words per program on
-reaches the same share of the bulk copy (0.91-0.92 at 4 KiB pieces; ``results/recall/kernel_sweep_h200.txt``);
-reading blocks that ``admission="auto"`` keeps on the device, 512 words on 2 warps moved a 64K, batch-12 layer's
-recall at 1377 GB/s where the former 1024 words on 4 warps reached 782 (``results/recall/d2d_copy_sweep_h200.json``,
-H200)."""
+"""Launch settings of the recall kernel: the fastest of those swept (``benchmarks/sweep_gather_kernel.py``) both for
+pinned host memory and for blocks that ``admission="auto"`` keeps on the device."""
 
 
 def block_piece_offsets(
