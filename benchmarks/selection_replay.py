@@ -18,7 +18,7 @@ every selector:
 
 A prompt's first forward through an ``OffloadCache`` is exact (dense attention over the prompt), so replay differs
 from ``model.generate(prompt, past_key_values=OffloadCache(...))`` only by float rounding between the dense and the
-offload prefill attention; ``tests/test_selection_replay.py`` checks that the tokens are identical on a tiny model,
+offload prefill attention; ``tests/benchmarks/test_selection_replay.py`` checks that the tokens are identical on a tiny model,
 and that replay at a budget covering the context gives the dense tokens. ``--check-full-budget`` repeats the
 second check on the real captures.
 

@@ -107,8 +107,8 @@ def source_sha256() -> str:
 
 
 def provenance(model=None) -> dict:
-    """Machine, library versions, git commit, the ``HF_OFFLOAD_*`` variables that choose kernels (e.g.
-    ``HF_OFFLOAD_TAIL_KERNEL``) and (when given) the model's shape, for a results header."""
+    """Machine, library versions, git commit, any ``HF_OFFLOAD_*`` variables set (e.g. ``HF_OFFLOAD_MODELS``) and
+    (when given) the model's shape, for a results header."""
     import torch
     import transformers
 

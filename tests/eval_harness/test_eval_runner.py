@@ -56,7 +56,7 @@ def ruler_run(tmp_path, tok, model, **kw):
 
 
 def test_ruler_run_records_scores_and_resumes(tmp_path, tok, model, monkeypatch):
-    monkeypatch.setenv("HF_OFFLOAD_TAIL_KERNEL", "dot")  # a kernel choice the header records
+    monkeypatch.setenv("HF_OFFLOAD_MODELS", "/models")  # a setting the header records
     first = ruler_run(tmp_path, tok, model)
     assert (first.ran, first.skipped, first.failed) == (8, 0, 0)  # 2 tasks x 2 methods x 2 samples
     lines = [json.loads(x) for x in first.path.read_text().splitlines()]
@@ -64,7 +64,7 @@ def test_ruler_run_records_scores_and_resumes(tmp_path, tok, model, monkeypatch)
     assert header["type"] == "header" and header["study"] == "ruler_tiny"
     assert {"machine", "versions", "git_commit", "source_sha256", "suite_info"} <= set(header)
     assert header["suite_info"]["not_built"].keys() == {"qa_1", "qa_2"}
-    assert header["environment"]["HF_OFFLOAD_TAIL_KERNEL"] == "dot"
+    assert header["environment"]["HF_OFFLOAD_MODELS"] == "/models"
     assert "HF_OFFLOAD_GIT_COMMIT" not in header["environment"]
     for r in results:
         assert r["type"] == "result" and r["length"] == 512 and isinstance(r["prediction"], str)
