@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .gather import kernels_available, tl, triton
-from .norm import _FLOATS, _KIND
+from .norm import FLOAT_DTYPES, DTYPE_KIND
 
 BLOCK = 1024
 """Elements of a row per program."""
@@ -38,7 +38,7 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     from triton.language.extra import libdevice
 
-    from .norm import _load_f32, _round, _store
+    from .norm import load_f32, round_to, store_as
 
     @triton.jit
     def _silu_mul_kernel(
@@ -54,14 +54,14 @@ if triton is not None:
         i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         live = i < inter
         base = gu_ptr + row * stride_row
-        g = _load_f32(base, i, live, KIND)
-        u = _load_f32(base + inter, i, live, KIND)
+        g = load_f32(base, i, live, KIND)
+        u = load_f32(base + inter, i, live, KIND)
         if PRECISE:
             a = tl.math.div_rn(g, 1.0 + libdevice.exp(-g))
         else:
             a = g / (1.0 + tl.exp(-g))
-        y = _round(a, KIND) * u  # two values of 16 bits or fewer: exact in float32, so one rounding is torch's
-        _store(out_ptr + row * inter, i, y, live, KIND)
+        y = round_to(a, KIND) * u  # two values of 16 bits or fewer: exact in float32, so one rounding is torch's
+        store_as(out_ptr + row * inter, i, y, live, KIND)
 
 
 def silu_mul_supported(gate_up: torch.Tensor) -> bool:
@@ -69,7 +69,7 @@ def silu_mul_supported(gate_up: torch.Tensor) -> bool:
     least one dimension, an even last dimension with unit stride."""
     return (
         kernels_available(gate_up.device)
-        and gate_up.dtype in _FLOATS
+        and gate_up.dtype in FLOAT_DTYPES
         and gate_up.dim() >= 1
         and gate_up.shape[-1] % 2 == 0
         and gate_up.shape[-1] > 0
@@ -92,7 +92,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.reshape(-1, 2 * inter)  # a view wherever the leading dimensions allow one
     out = torch.empty((rows.shape[0], inter), dtype=gate_up.dtype, device=gate_up.device)
     if rows.shape[0]:
-        kind = _KIND[gate_up.dtype]
+        kind = DTYPE_KIND[gate_up.dtype]
         as_int = (lambda t: t.view(torch.int16)) if kind == 2 else (lambda t: t)  # noqa: E731
         grid = (rows.shape[0], triton.cdiv(inter, BLOCK))
         _silu_mul_kernel[grid](as_int(rows), as_int(out), inter, rows.stride(0), KIND=kind,

@@ -38,8 +38,8 @@ DIFFERENCE = (
 )
 """What the kernel's result may differ in from :func:`rms_norm_reference` (also in the module docstring)."""
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # how the kernel reads or writes a dtype
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}  # how the kernel reads or writes a dtype
 
 
 def rms_norm_scale_reference(
@@ -92,7 +92,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_o
 if triton is not None:
 
     @triton.jit
-    def _load_f32(ptr, offs, mask, KIND: tl.constexpr):
+    def load_f32(ptr, offs, mask, KIND: tl.constexpr):
         # A row of KIND (0 float32, 1 float16, 2 bfloat16 as int16 patterns) in float32; exact.
         if KIND == 2:
             bits = tl.load(ptr + offs, mask=mask, other=0).to(tl.int32) << 16
@@ -101,7 +101,7 @@ if triton is not None:
             return tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _bf16_bits(v):
+    def bf16_bits(v):
         # float32 -> int32 whose upper 16 bits are the nearest bfloat16 (ties to even, overflow to inf, NaN to the
         # quiet NaN 0x7FC0), as torch rounds; the lower 16 bits are zero.
         u = v.to(tl.int32, bitcast=True)
@@ -110,20 +110,20 @@ if triton is not None:
         return tl.where(nan, 0x7FC00000, u)
 
     @triton.jit
-    def _round(v, KIND: tl.constexpr):
+    def round_to(v, KIND: tl.constexpr):
         # float32 -> the float32 value of its rounding to KIND.
         if KIND == 2:
-            return _bf16_bits(v).to(tl.float32, bitcast=True)
+            return bf16_bits(v).to(tl.float32, bitcast=True)
         elif KIND == 1:
             return v.to(tl.float16).to(tl.float32)
         else:
             return v
 
     @triton.jit
-    def _store(ptr, offs, y, mask, KIND: tl.constexpr):
+    def store_as(ptr, offs, y, mask, KIND: tl.constexpr):
         # float32 y rounded to KIND (0 float32, 1 float16, 2 bfloat16 as int16 patterns, as torch rounds) and stored.
         if KIND == 2:
-            tl.store(ptr + offs, (_bf16_bits(y) >> 16).to(tl.int16), mask=mask)
+            tl.store(ptr + offs, (bf16_bits(y) >> 16).to(tl.int16), mask=mask)
         elif KIND == 1:
             tl.store(ptr + offs, y.to(tl.float16), mask=mask)
         else:
@@ -151,7 +151,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BLOCK)
         live = i < hidden
-        x = _load_f32(x_ptr + row * stride_row, i, live, X_KIND)
+        x = load_f32(x_ptr + row * stride_row, i, live, X_KIND)
         # Launched with fp fusion off: the squares are rounded before the sum, and sum * inv_n before + eps, as in
         # torch's separate kernels.
         total = tl.sum(x * x, axis=0)
@@ -163,14 +163,14 @@ if triton is not None:
         if STORE_INV:
             tl.store(inv_ptr + row, inv)
         h = x * inv
-        w = _load_f32(w_ptr, i.to(tl.int64) * stride_w, live, W_KIND)
+        w = load_f32(w_ptr, i.to(tl.int64) * stride_w, live, W_KIND)
         if UNIT_OFFSET:
             y = h * (1.0 + w)  # then rounded once to x's dtype (O_KIND == X_KIND)
         else:
             # h rounded to x's dtype, times the weight in float32: the product of two values of 16 bits or fewer is
             # exact in float32, so rounding it once to O_KIND is torch's product in the promoted dtype.
-            y = _round(h, X_KIND) * w
-        _store(out_ptr + row * hidden, i, y, live, O_KIND)
+            y = round_to(h, X_KIND) * w
+        store_as(out_ptr + row * hidden, i, y, live, O_KIND)
 
 
 def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
@@ -178,7 +178,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
     if not kernels_available(x.device):
         return (f"rms_norm needs Triton on x's device, got {x.device} (CUDA with Triton installed, or the CPU under "
                 "TRITON_INTERPRET=1); use rms_norm_reference there")  # fmt: skip
-    if x.dtype not in _FLOATS:
+    if x.dtype not in FLOAT_DTYPES:
         return f"rms_norm needs x of float16, bfloat16 or float32, got {x.dtype}; cast x or use rms_norm_reference"
     if x.dim() == 0:
         return "rms_norm needs x of shape [..., hidden], got a 0-d tensor"
@@ -187,7 +187,7 @@ def _unsupported(x: torch.Tensor, weight: torch.Tensor) -> str | None:
         return f"rms_norm needs 0 < x.shape[-1] <= MAX_HIDDEN = {MAX_HIDDEN}, got {hidden}; use rms_norm_reference"
     if weight.dim() != 1 or weight.shape[0] != hidden:
         return f"rms_norm needs a 1-d weight of length x.shape[-1] = {hidden}, got weight shape {tuple(weight.shape)}"
-    if weight.dtype not in _FLOATS:
+    if weight.dtype not in FLOAT_DTYPES:
         return f"rms_norm needs a weight of float16, bfloat16 or float32, got {weight.dtype}; cast the weight"
     if weight.device != x.device:
         return f"rms_norm needs weight on x's device {x.device}, got {weight.device}; move the weight there"
@@ -205,7 +205,7 @@ def rms_norm_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _unsupported(x, weight) is None
 
 
-def _as_bits(t: torch.Tensor) -> torch.Tensor:
+def as_bits(t: torch.Tensor) -> torch.Tensor:
     """bfloat16 as its int16 patterns (the kernel rounds bfloat16 itself), other dtypes as they are."""
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -228,9 +228,9 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, eps: float, unit_offset: bool
     block = triton.next_power_of_2(hidden)
     # float32(1 / hidden) from the double 1 / hidden is the float32 quotient for every hidden <= MAX_HIDDEN.
     _rms_norm_kernel[(rows,)](
-        _as_bits(x2), _as_bits(weight), _as_bits(out), inv if store_inv else out, hidden, x2.stride(0),
+        as_bits(x2), as_bits(weight), as_bits(out), inv if store_inv else out, hidden, x2.stride(0),
         weight.stride(0),
-        float(eps), 1.0 / hidden, X_KIND=_KIND[x.dtype], W_KIND=_KIND[weight.dtype], O_KIND=_KIND[out_dtype],
+        float(eps), 1.0 / hidden, X_KIND=DTYPE_KIND[x.dtype], W_KIND=DTYPE_KIND[weight.dtype], O_KIND=DTYPE_KIND[out_dtype],
         UNIT_OFFSET=bool(unit_offset), MEAN_MUL=x.device.type == "cuda", STORE_INV=store_inv, BLOCK=block,
         num_warps=max(1, min(16, block // 512)), enable_fp_fusion=False,
     )  # fmt: skip

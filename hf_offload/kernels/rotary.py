@@ -28,10 +28,10 @@ import functools
 import torch
 
 from .gather import kernels_available, tl, triton
-from .norm import _as_bits
+from .norm import as_bits
 
 if triton is not None:
-    from .norm import _bf16_bits, _load_f32, _round  # the same loads and roundings as the norm kernel
+    from .norm import bf16_bits, load_f32, round_to  # the same loads and roundings as the norm kernel
 
 MAX_HEAD_DIM = 1024
 """Largest ``head_dim`` the kernel takes (one program holds a head's row in registers)."""
@@ -39,8 +39,8 @@ MAX_HEAD_DIM = 1024
 HEADS_PER_PROGRAM = 8
 """Heads (query heads first, then key heads) one program rotates for its position."""
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+DTYPE_KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
 def rotate_half_reference(x: torch.Tensor) -> torch.Tensor:
@@ -99,18 +99,18 @@ if triton is not None:
         c_row, s_row = cos_ptr + b * sc_b + t * sc_t, sin_ptr + b * ss_b + t * ss_t
         ci = tl.arange(0, BLOCK_HALF)
         c_live = ci < HALF
-        c1 = _load_f32(c_row, ci, c_live, KIND)[None, :]
-        c2 = _load_f32(c_row + HALF, ci, c_live, KIND)[None, :]
-        s1 = _load_f32(s_row, ci, c_live, KIND)[None, :]
-        s2 = _load_f32(s_row + HALF, ci, c_live, KIND)[None, :]
-        x1 = _load_f32(src, i, live, KIND)
-        x2 = _load_f32(src + HALF, i, live, KIND)
+        c1 = load_f32(c_row, ci, c_live, KIND)[None, :]
+        c2 = load_f32(c_row + HALF, ci, c_live, KIND)[None, :]
+        s1 = load_f32(s_row, ci, c_live, KIND)[None, :]
+        s2 = load_f32(s_row + HALF, ci, c_live, KIND)[None, :]
+        x1 = load_f32(src, i, live, KIND)
+        x2 = load_f32(src + HALF, i, live, KIND)
         # rotate_half: -x2 in the first half, x1 in the second; each product and the sum rounded as torch rounds.
-        y1 = _round(_round(x1 * c1, KIND) + _round(-x2 * s1, KIND), KIND)
-        y2 = _round(_round(x2 * c2, KIND) + _round(x1 * s2, KIND), KIND)
+        y1 = round_to(round_to(x1 * c1, KIND) + round_to(-x2 * s1, KIND), KIND)
+        y2 = round_to(round_to(x2 * c2, KIND) + round_to(x1 * s2, KIND), KIND)
         if KIND == 2:
-            tl.store(dst + i, (_bf16_bits(y1) >> 16).to(tl.int16), mask=live)
-            tl.store(dst + HALF + i, (_bf16_bits(y2) >> 16).to(tl.int16), mask=live)
+            tl.store(dst + i, (bf16_bits(y1) >> 16).to(tl.int16), mask=live)
+            tl.store(dst + HALF + i, (bf16_bits(y2) >> 16).to(tl.int16), mask=live)
         elif KIND == 1:
             tl.store(dst + i, y1.to(tl.float16), mask=live)
             tl.store(dst + HALF + i, y2.to(tl.float16), mask=live)
@@ -126,7 +126,7 @@ def _unsupported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
                 "TRITON_INTERPRET=1); use rotary_reference there")  # fmt: skip
     if unsqueeze_dim != 1:
         return f"rotary takes states laid out [batch, heads, seq, head_dim] (unsqueeze_dim=1), got {unsqueeze_dim}"
-    if q.dtype not in _FLOATS or any(t.dtype != q.dtype for t in (k, cos, sin)):
+    if q.dtype not in FLOAT_DTYPES or any(t.dtype != q.dtype for t in (k, cos, sin)):
         return (f"rotary needs q, k, cos and sin of one dtype among float16, bfloat16 and float32, got "
                 f"{q.dtype}, {k.dtype}, {cos.dtype}, {sin.dtype}; use rotary_reference")  # fmt: skip
     if any(t.device != q.device for t in (k, cos, sin)):
@@ -206,12 +206,12 @@ def rotary(
     half = head_dim // 2
     grid = (batch * seq, triton.cdiv(heads, HEADS_PER_PROGRAM))
     _rotary_kernel[grid](
-        _as_bits(q), _as_bits(k), _as_bits(cos), _as_bits(sin), _as_bits(oq), _as_bits(ok),
+        as_bits(q), as_bits(k), as_bits(cos), as_bits(sin), as_bits(oq), as_bits(ok),
         seq, q_heads, heads,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         oq.stride(0), oq.stride(1), oq.stride(2), ok.stride(0), ok.stride(1), ok.stride(2),
         *_emb_strides(cos), *_emb_strides(sin),
-        KIND=_KIND[q.dtype], HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HEADS=HEADS_PER_PROGRAM,
+        KIND=DTYPE_KIND[q.dtype], HALF=half, BLOCK_HALF=triton.next_power_of_2(half), HEADS=HEADS_PER_PROGRAM,
         num_warps=1 if half <= 64 else 2, enable_fp_fusion=False,
     )  # fmt: skip
     return oq, ok

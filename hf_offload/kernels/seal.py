@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from .gather import kernels_available, tl, triton
-from .norm import _FLOATS, _KIND
+from .norm import FLOAT_DTYPES, DTYPE_KIND
 
 WARPS = 4
 """Warps per program (one program per sequence and KV head)."""
@@ -31,7 +31,7 @@ def seal_block_supported(open_keys: torch.Tensor, stores: dict[str, torch.Tensor
     bfloat16 or float32 cache, ``block_tokens`` and ``head_dim`` powers of two with ``head_dim`` a multiple of ``8 //
     bits`` (no padded channels), unit strides along ``head_dim`` and inside each block's codes, and the buffers
     :func:`seal_block` names (of the cache dtype for the minima and steps, ``torch.uint8`` for the codes)."""
-    if not (kernels_available(open_keys.device) and open_keys.dtype in _FLOATS and open_keys.dim() == 4):
+    if not (kernels_available(open_keys.device) and open_keys.dtype in FLOAT_DTYPES and open_keys.dim() == 4):
         return False
     _, _, tokens, dim = open_keys.shape
     if tokens & (tokens - 1) or dim & (dim - 1) or dim < 8 or open_keys.stride(-1) != 1:
@@ -86,7 +86,7 @@ def seal_block(
             position; ``None``: not written.
     """
     batch, heads, tokens, dim = open_keys.shape
-    kind = _KIND[open_keys.dtype]
+    kind = DTYPE_KIND[open_keys.dtype]
     as_kind = (lambda t: t.view(torch.int16)) if kind == 2 else (lambda t: t)  # noqa: E731
     codes, low, step = stores["codes"], stores["kmin"], stores["kstep"]
     if value_bits:
@@ -111,7 +111,7 @@ def seal_block(
 
 
 if triton is not None:
-    from .norm import _round, _store
+    from .norm import round_to, store_as
 
     @triton.jit
     def _as_f32(raw, KIND: tl.constexpr):
@@ -134,10 +134,10 @@ if triton is not None:
             step = (hi - lo) * inv_levels  # torch's CUDA division by a number
         else:
             step = (hi - lo) / tl.full(lo.shape, levels, tl.float32)
-        lo = _round(lo, KIND)  # the stored values, which the codes are computed against
-        step = _round(step, KIND)
-        _store(low_ptr, d, lo, d < DIM, KIND)
-        _store(step_ptr, d, step, d < DIM, KIND)
+        lo = round_to(lo, KIND)  # the stored values, which the codes are computed against
+        step = round_to(step, KIND)
+        store_as(low_ptr, d, lo, d < DIM, KIND)
+        store_as(step_ptr, d, step, d < DIM, KIND)
         safe = tl.where(step > 0, step, 1.0)
         if PRECISE:
             q = tl.math.div_rn(x - lo[None, :], tl.broadcast_to(safe[None, :], (TOKENS, DIM)))

@@ -40,7 +40,7 @@ def fused_norms_active(on: bool):
         _ACTIVE.reset(token)
 
 
-def _same_code(a, b: types.FunctionType) -> bool:
+def same_code(a, b: types.FunctionType) -> bool:
     """``a`` is a plain function with the bytecode, names, constants and local names of ``b``."""
     ca, cb = getattr(a, "__code__", None), b.__code__
     if ca is None:
@@ -64,9 +64,9 @@ def norm_form(module: torch.nn.Module) -> tuple[bool, float] | None:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
     for reference, unit_offset in _forms():
-        if not _same_code(cls.forward, reference.forward):
+        if not same_code(cls.forward, reference.forward):
             continue
-        if unit_offset and not _same_code(getattr(cls, "_norm", None), reference._norm):
+        if unit_offset and not same_code(getattr(cls, "_norm", None), reference._norm):
             continue
         eps = getattr(module, "eps" if unit_offset else "variance_epsilon", None)
         if isinstance(eps, (int, float)) and not isinstance(eps, bool):

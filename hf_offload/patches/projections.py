@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .layers import decoder_layers
-from .norms import _same_code
+from .norms import same_code
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_projections", default=False)
 
@@ -180,7 +180,7 @@ def _gated_silu_mlp(module: torch.nn.Module) -> bool:
 
     silu = tuple(c for c in (getattr(activations, "SiLUActivation", None), torch.nn.SiLU) if c is not None)
     act = getattr(module, "act_fn", None)
-    if not _same_code(getattr(type(module), "forward", None), LlamaMLP.forward) or type(act) not in silu:
+    if not same_code(getattr(type(module), "forward", None), LlamaMLP.forward) or type(act) not in silu:
         return False
     if "forward" in act.__dict__ or "forward" in module.__dict__:  # another library's forward in its place
         return False

@@ -27,7 +27,7 @@ import torch
 
 from ..kernels.rotary import rotary, rotary_supported
 from .layers import install_module_forwards, remove_module_forwards
-from .norms import _same_code
+from .norms import same_code
 
 _ACTIVE = contextvars.ContextVar("hf_offload_fused_rotary", default=False)
 _NAME = "apply_rotary_pos_emb"
@@ -67,9 +67,9 @@ def rotary_function(module: torch.nn.Module):
         return None
     function = inner.__globals__.get(_NAME)
     apply_ref, rotate_ref = _reference()
-    if not isinstance(function, types.FunctionType) or not _same_code(function, apply_ref):
+    if not isinstance(function, types.FunctionType) or not same_code(function, apply_ref):
         return None
-    if not _same_code(function.__globals__.get("rotate_half"), rotate_ref):
+    if not same_code(function.__globals__.get("rotate_half"), rotate_ref):
         return None
     return function
 
