@@ -74,3 +74,12 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_sep("-", "skipped tests by reason")
         for reason, count in reasons.most_common():
             terminalreporter.write_line(f"{count:5d}  {reason}")
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """Give every test the grad mode it started with: benchmark entry points that tests call in-process switch
+    autograd off for their whole run."""
+    enabled = torch.is_grad_enabled()
+    yield
+    torch.set_grad_enabled(enabled)
