@@ -78,10 +78,12 @@ class Memory:
             beyond the machine's available memory.
         pin_memory: page-lock the host pool (asynchronous copies and the copy kernels need it). ``None`` (default):
             pin when the model runs on CUDA.
-        admission: which sealed blocks go to host memory: ``"always"`` (default): every one; ``"auto"``: only those
-            past ``device_memory_gib`` (less recall traffic, the same output).
-        device_memory_gib: GiB of device memory that ``admission="auto"`` keeps blocks in, for the whole cache;
-            ``>= 0``. ``None`` (default): 80% of the free device memory when the first block is sealed (0 on CPU).
+        admission: ``"auto"`` (default): sealed blocks stay on the device while the cache's bound and the process's
+            room for temporaries allow, and go back to the host when that room is needed; ``"always"``: every
+            block to the host. The same output either way (docs/tuning.md).
+        device_memory_gib: GiB of device memory the whole cache may take (admitted blocks, summaries, slot pools,
+            block tables), ``>= 0``; too small for the summaries: ``MemoryError``. ``None`` (default): what the
+            process may allocate (``set_per_process_memory_fraction`` included) less room for temporaries.
     """
 
     pool_tokens: int | None = None
@@ -89,7 +91,7 @@ class Memory:
     host_chunk_mib: float = 16
     host_memory_gib: float | None = None
     pin_memory: bool | None = None
-    admission: str = "always"
+    admission: str = "auto"
     device_memory_gib: float | None = None
 
 

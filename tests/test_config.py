@@ -19,7 +19,7 @@ from hf_offload.config import DEFAULT_SELECTOR, GROUPS, Attended, Execution, Mem
 DEFAULTS = {
     "budget_tokens": 2048, "block_tokens": 16, "sink_tokens": None, "window_tokens": None,
     "selector": DEFAULT_SELECTOR, "pool_tokens": None, "prefill_chunk_tokens": 1024, "host_chunk_mib": 16,
-    "host_memory_gib": None, "pin_memory": None, "transfer": "auto", "admission": "always", "device_memory_gib": None,
+    "host_memory_gib": None, "pin_memory": None, "transfer": "auto", "admission": "auto", "device_memory_gib": None,
     "transfer_cap_blocks": None, "transfer_cap_margin": 0.1, "reselect_every": 1, "timing": False, "lookahead": False,
     "lookahead_query": "next", "lookahead_blocks": None, "cuda_graphs": None, "graph_scope": "layer",
     "decode_capacity_blocks": None, "decode_attention": "auto", "fused_norms": None, "fused_rotary": None,
@@ -38,7 +38,7 @@ def test_class_level_defaults_read_flat():
     # planner.py and demo.py take argparse defaults from the class: OffloadConfig.selector, OffloadConfig.admission.
     for name, default in DEFAULTS.items():
         assert getattr(OffloadConfig, name) == default, name
-    assert OffloadConfig.selector == DEFAULT_SELECTOR and OffloadConfig.admission == "always"
+    assert OffloadConfig.selector == DEFAULT_SELECTOR and OffloadConfig.admission == "auto"
 
 
 def test_dataclass_fields_list_every_setting_flat():

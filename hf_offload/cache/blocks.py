@@ -121,6 +121,11 @@ class BlockStore:
             budget=self.budget,
             admission=self.admission(self.device),
         )
+        admission = self.host.admission
+        if admission is not None:
+            admission.register(self)
+            admission.make_room(DeviceSlotPool.bytes_for(
+                batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, open_slot=True))  # fmt: skip
         self.pool = DeviceSlotPool(
             batch, self.config.pool_blocks, heads, self.block_tokens, head_dim, self.dtype, self.device, open_slot=True
         )
@@ -266,7 +271,7 @@ class BlockStore:
         """
         batch = self.batch
         # The CPU table grows like the device one, in place, instead of a copy of the whole table at every seal.
-        self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1)
+        self._block_table_store = self._appended(self._block_table_store, ids.view(batch, n_new), fill=-1, host=True)
         self.block_table = self._block_table_store[:, : self.n_blocks + n_new]
         for name, store in self.summary_store.items():
             self.summaries[name] = store[:, : self.n_blocks + n_new]
@@ -375,23 +380,28 @@ class BlockStore:
         return ids
 
     # --------------------------------------------------------------------------------------------- per-block buffers
-    def _appended(self, store: torch.Tensor | None, new: torch.Tensor, fill: int = 0) -> torch.Tensor:
+    def _appended(self, store: torch.Tensor | None, new: torch.Tensor, fill: int = 0, host: bool = False) -> torch.Tensor:
         """``store`` (a per-block buffer: a summary, a block table; ``None``: none yet), grown by :meth:`_grown` if
         it cannot hold them, with ``new`` (``[batch, n_new, ...]``) written after its :attr:`n_blocks` blocks."""
         n, need = self.n_blocks, self.n_blocks + new.shape[1]
         if store is None or store.shape[1] < need:
-            store = self._grown(store, new, need, fill)
+            store = self._grown(store, new, need, fill, host)
         store[:, n:need] = new
         return store
 
-    def _grown(self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0) -> torch.Tensor:
+    def _grown(
+        self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0, host: bool = False
+    ) -> torch.Tensor:
         """A per-block buffer (a summary, the device block table) for at least ``blocks`` blocks, the reservation
         and the decode capacity of ``blocks`` (in whole SUMMARY_CHUNK_BLOCKS), holding ``store``'s first
         :attr:`n_blocks` blocks and ``fill`` past them (blocks past the sealed ones are scored, masked, by a step of
         a larger capacity: zeros keep their arithmetic finite); ``like``: any tensor of this name, ``[batch, n,
-        ...]``."""
+        ...]``; ``host``: a buffer in host memory (the CPU block table), which the device bound does not count."""
         blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
         capacity = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
+        admission = self.host.admission if self.is_initialized and not host else None
+        if admission is not None:  # room for the new buffer, admitted chunks going back to the host if need be
+            admission.make_room(like[:1, :1].numel() * like.element_size() * like.shape[0] * capacity)
         grown = like.new_full((like.shape[0], capacity, *like.shape[2:]), fill)
         if store is not None and self.n_blocks:
             grown[:, : self.n_blocks] = store[:, : self.n_blocks]
@@ -509,6 +519,27 @@ class BlockStore:
     def device_summary_bytes(self) -> int:
         """Device bytes of the block summaries (their buffers, allocated by SUMMARY_CHUNK_BLOCKS blocks)."""
         return sum(s.numel() * s.element_size() for s in self.summary_store.values())
+
+    def device_buffer_bytes(self) -> int:
+        """Device bytes of this store's buffers besides admitted blocks: the slot pool (with the open block), the
+        summaries and the device block table."""
+        if not self.is_initialized:
+            return 0
+        table = self.block_table_dev
+        return self.pool.nbytes + self.device_summary_bytes() + (0 if table is None else table.numel() * 8)
+
+    def admitted_chunks(self) -> int:
+        """Chunks of the host pool that live on the device."""
+        return self.host.admitted_chunks if self.is_initialized else 0
+
+    def demote_chunk(self) -> bool:
+        """Move the newest admitted chunk of the pool to host memory (after every stream is done with it): same
+        blocks, same data, now recalled like any host block. Returns whether a chunk moved."""
+        if not self.admitted_chunks():
+            return False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # side streams may still write or read it
+        return self.host.demote_newest() > 0
 
     def host_kv_bytes(self) -> int:
         """Host bytes of the sealed blocks (blocks admitted to the device excluded)."""

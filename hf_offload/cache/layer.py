@@ -28,6 +28,7 @@ from .execution import LayerExecution, call_fusions, fused, resolve, want_kernel
 from .graphs import GraphRunner
 from .planner import DecodePlanner
 from .recaller import Recaller
+from .shared import forward_transient_bytes
 from .stats import LayerStats
 
 
@@ -83,6 +84,7 @@ class OffloadLayer(CacheLayerMixin):
         self.model_config = model_config
         self.model_name = getattr(model_config, "model_type", "?")
         self.timer = None  # the cache's PhaseTimer when timing is on
+        self._decode_noted = False  # the admission saw a decode step since the last prefill
 
     # The CacheLayerMixin surface reads and writes these; the block store owns them.
     @property
@@ -176,6 +178,20 @@ class OffloadLayer(CacheLayerMixin):
         self.recaller.clear()
 
     # ------------------------------------------------------------------------------------------------------ update
+    def _note_forward(self, key_states: torch.Tensor) -> None:
+        """At the first offloaded layer of a forward: let the device admission learn the forward's temporaries (a
+        prefill chunk, and the first decode step after one, which sees the prefill's peak) and make room for them."""
+        admission = self.blocks.host.admission
+        q_len = key_states.shape[-2]
+        if admission is None or (q_len == 1 and self._decode_noted):
+            return
+        self._decode_noted = q_len == 1
+        batch = key_states.shape[0]
+        admission.note_forward(
+            forward_transient_bytes(self.model_config, batch, q_len, key_states.element_size(),
+                                    self.config.prefill_chunk_tokens)  # fmt: skip
+        )
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new tokens; seal full blocks to the host. Returns the device-resident recent tokens.
 
@@ -201,6 +217,8 @@ class OffloadLayer(CacheLayerMixin):
         if key_states.dtype != store.dtype:
             key_states, value_states = key_states.to(store.dtype), value_states.to(store.dtype)
         capturing = self.graphs.layer_capture
+        if capturing is None and self.is_first_offload_layer:
+            self._note_forward(key_states)
         if capturing is not None:
             # A decode step captured with its whole decoder layer: the token goes into the open block at the position
             # the step's shared inputs hold, so that every replay writes where its token belongs; the host-side state

@@ -39,12 +39,16 @@ class DeviceResources:
         self.statics: dict[torch.device, StaticInputs] = {}
 
     def admission(self, device: torch.device) -> DeviceAdmission | None:
-        """The device admission budget of ``device`` (one per device), or ``None`` unless admission is "auto"."""
-        if self.config.admission != "auto":
+        """The device memory of the cache on ``device`` (one per device): admission of blocks where ``admission`` is
+        "auto", the bound ``device_memory_gib`` where set; ``None`` where neither applies."""
+        config = self.config
+        if config.admission != "auto" and config.device_memory_gib is None:
             return None
         if device not in self.admissions:
-            gib = self.config.device_memory_gib
-            self.admissions[device] = DeviceAdmission(device, None if gib is None else int(gib * (1 << 30)))
+            gib = config.device_memory_gib
+            self.admissions[device] = DeviceAdmission(
+                device, None if gib is None else int(gib * (1 << 30)), admits=config.admission == "auto"
+            )
         return self.admissions[device]
 
     def streams(self, device: torch.device) -> transfer.TransferStreams:
@@ -117,3 +121,26 @@ class DeviceResources:
         if self.phase_timer is None:
             self.phase_timer = PhaseTimer(device)
         return self.phase_timer
+
+
+def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: int, tile_tokens: int) -> int:
+    """Device bytes a forward of ``batch x q_len`` new tokens holds at its peak besides weights and cache, as its
+    shapes predict them: the MLP's intermediate activations (three of them), a few hidden-size copies (residual,
+    norm, attention output), the query, the prefill attention's score tile (``batch x heads x tile**2`` floats) and
+    the last position's logits in float32. An estimate for admission, which learns the real peak after the forward.
+
+    Args:
+        model_config: the decoder's text config.
+        batch, q_len: the forward's shape.
+        dtype_bytes: bytes per activation element.
+        tile_tokens: queries per prefill attention tile (``prefill_chunk_tokens``).
+    """
+    hidden = getattr(model_config, "hidden_size", 0) or 0
+    inter = getattr(model_config, "intermediate_size", None) or 4 * hidden
+    heads = getattr(model_config, "num_attention_heads", 0) or 0
+    head_dim = getattr(model_config, "head_dim", None) or (hidden // heads if heads else 0)
+    vocab = getattr(model_config, "vocab_size", 0) or 0
+    tokens = batch * q_len
+    tile = min(q_len, tile_tokens)
+    scores = batch * heads * tile * tile * 4 if q_len > 1 else 0
+    return tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4

@@ -87,6 +87,13 @@ class DeviceSlotPool:
         """The open slot's values, like :attr:`open_keys`."""
         return self.data[1, :, :, self.n_slots]
 
+    @staticmethod
+    def bytes_for(batch: int, slots: int, kv_heads: int, block_tokens: int, head_dim: int, dtype,
+                  open_slot: bool = False) -> int:  # fmt: skip
+        """Device bytes of the slot data of a pool of these arguments (:attr:`nbytes` once built)."""
+        total = slots + int(open_slot)
+        return 2 * batch * kv_heads * total * block_tokens * head_dim * torch.empty((), dtype=dtype).element_size()
+
     @property
     def nbytes(self) -> int:
         """Device bytes of the slot data."""

@@ -12,6 +12,7 @@ twice its size, while fixed chunks of a power-of-two size are taken exactly.
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable
 
 import torch
@@ -60,28 +61,127 @@ class HostMemoryBudget:
         self.reserved_bytes += nbytes
 
 
+def _size(nbytes: int) -> str:
+    """``nbytes`` in MiB, or in KiB below one MiB."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 1 << 20 else f"{nbytes / 1024:.1f} KiB"
+
+
+def process_headroom_bytes(device: torch.device) -> int:
+    """Device bytes this process may still allocate on a CUDA ``device``: the least of what its memory fraction
+    (``torch.cuda.set_per_process_memory_fraction``) leaves beyond the allocated bytes, and the device's free memory
+    plus the bytes the caching allocator holds unallocated."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    unused = torch.cuda.memory_reserved(device) - allocated
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
+    return max(0, min(int(total * fraction) - allocated, free + unused))
+
+
+def process_limit_bytes(device: torch.device) -> int:
+    """Device bytes this process may allocate on a CUDA ``device`` in all (its memory fraction of the total)."""
+    total = torch.cuda.mem_get_info(device)[1]
+    return int(total * getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device))
+
+
 class DeviceAdmission:
-    """Device bytes the block pools of one cache may take instead of host memory (IO-adaptive admission).
+    """Device memory of one cache: which chunks of its block pools live on the device instead of host memory
+    (IO-adaptive admission), and the bound on everything the cache keeps there.
+
+    A chunk is admitted while the cache stays within its bound and the process keeps :attr:`margin_bytes` free for
+    the model's own temporaries. When the cache's other device buffers must grow (summaries, block tables) or a
+    forward needs more room, admitted chunks move back to host memory, newest first (:meth:`make_room`), so that
+    admission never takes memory the forward or the cache needs later.
 
     Args:
         device: the compute device.
-        limit_bytes: bytes that may be admitted; ``None``: 80% of the device's free memory when the first chunk
-            asks (only on CUDA; elsewhere nothing is admitted).
+        limit_bytes: the bound on the cache's device bytes: admitted chunks plus the device buffers of the stores
+            registered with :meth:`register` (``device_memory_gib``); ``None``: no bound besides the process's
+            headroom (on CUDA; elsewhere nothing is admitted without a bound).
+        floor_bytes: the least device memory kept free for temporaries; ``None``: 4% of what the process may
+            allocate, at least 256 MiB (CUDA), else 0.
+        admits: whether chunks may be admitted at all (``admission="auto"``); ``False``: only the bound applies.
     """
 
-    def __init__(self, device: torch.device, limit_bytes: int | None):
+    def __init__(self, device: torch.device, limit_bytes: int | None, floor_bytes: int | None = None,
+                 admits: bool = True):  # fmt: skip
         self.device = device
+        self.admits = admits
         self.limit_bytes = limit_bytes
         self.admitted_bytes = 0
+        self.cuda = device.type == "cuda"
+        if floor_bytes is None:
+            floor_bytes = max(256 << 20, int(0.04 * process_limit_bytes(device))) if self.cuda else 0
+        self.floor_bytes = floor_bytes
+        self.transient_bytes = 0  # the largest forward's temporaries seen or estimated
+        self.demoted_chunks = 0
+        self._stores = weakref.WeakSet()  # owners of block pools and device buffers: ``device_buffer_bytes()``,
+        # ``demote_chunk()`` (see BlockStore)
+        self._last_forward: tuple[int, int] | None = None  # (allocated, peak) at the last forward's start
+
+    @property
+    def margin_bytes(self) -> int:
+        """Device bytes kept free for temporaries: the larger of the floor and the largest forward's."""
+        return max(self.floor_bytes, self.transient_bytes)
+
+    def register(self, store) -> None:
+        """Count ``store``'s device buffers against the bound and let :meth:`make_room` demote its chunks."""
+        self._stores.add(store)
+
+    def cache_bytes(self) -> int:
+        """The cache's device bytes on this device: admitted chunks and the registered stores' buffers."""
+        return self.admitted_bytes + sum(store.device_buffer_bytes() for store in list(self._stores))
+
+    def headroom_bytes(self) -> int | None:
+        """Bytes that may still be allocated for the cache: under its bound and, on CUDA, the process's headroom
+        less :attr:`margin_bytes`; ``None``: unbounded (CPU without a bound)."""
+        room = None if self.limit_bytes is None else self.limit_bytes - self.cache_bytes()
+        if self.cuda:
+            process = process_headroom_bytes(self.device) - self.margin_bytes
+            room = process if room is None else min(room, process)
+        return room
 
     def admit(self, nbytes: int) -> bool:
-        """Reserve ``nbytes`` on the device if the budget allows."""
-        if self.limit_bytes is None:
-            self.limit_bytes = int(0.8 * torch.cuda.mem_get_info(self.device)[0]) if self.device.type == "cuda" else 0
-        if self.admitted_bytes + nbytes > self.limit_bytes:
+        """Reserve ``nbytes`` on the device for a chunk if the bound and the headroom allow."""
+        room = self.headroom_bytes() if self.admits else None
+        if room is None or nbytes > room:
             return False
         self.admitted_bytes += nbytes
         return True
+
+    def make_room(self, nbytes: int) -> None:
+        """Move admitted chunks to host memory, newest first, until ``nbytes`` more fit (or none is left)."""
+        room = self.headroom_bytes()
+        while room is not None and room < nbytes and self.admitted_bytes > 0:
+            if not any(store.demote_chunk() for store in self._newest_first()):
+                break
+            self.demoted_chunks += 1
+            room = self.headroom_bytes()
+        if self.limit_bytes is not None and self.cache_bytes() + nbytes > self.limit_bytes:
+            raise MemoryError(
+                f"device_memory_gib={self.limit_bytes / _GIB:.4g} ({_size(self.limit_bytes)}) cannot hold the "
+                f"cache's device buffers: {_size(self.cache_bytes() + nbytes)} are needed besides any admitted block (block "
+                "summaries, slot pools, block tables). Raise device_memory_gib (or leave it None), lower the batch "
+                "size or the context length, or use selector='quantkey' (its summaries are about 1/4 of the "
+                "default's)."
+            )
+
+    def _newest_first(self) -> list:
+        """The registered stores, the one with the most admitted chunks first (demotion spreads over layers)."""
+        return sorted(list(self._stores), key=lambda store: -store.admitted_chunks())
+
+    def note_forward(self, estimate_bytes: int) -> None:
+        """At the start of a forward (its first offloaded layer's update): learn the temporaries of the previous
+        forward from the allocator's peak (CUDA), take ``estimate_bytes`` (this forward's temporaries as its shapes
+        predict them) if larger, and move admitted chunks to host memory until they fit."""
+        if self.cuda:
+            allocated = torch.cuda.memory_allocated(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device)
+            if self._last_forward is not None and peak > self._last_forward[1]:
+                self.transient_bytes = max(self.transient_bytes, peak - max(self._last_forward[0], allocated))
+            self._last_forward = (allocated, peak)
+        self.transient_bytes = max(self.transient_bytes, estimate_bytes)
+        if self.admitted_bytes:
+            self.make_room(0)
 
 
 class HostBlockPool:
@@ -225,18 +325,49 @@ class HostBlockPool:
             return
         self.budget.reserve(nbytes)
         try:
-            if self.allocator is not None:
-                chunk = self.allocator(shape, self.dtype)
-            else:
-                chunk = torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
-        except RuntimeError as err:
+            chunk = self._host_chunk(shape)
+        except MemoryError:
             self.budget.reserved_bytes -= nbytes
+            raise
+        self.chunks.append(chunk)
+        self.chunk_admitted.append(False)
+
+    def demote_newest(self) -> int:
+        """Move the newest admitted chunk to host memory (same block ids, same data); returns its bytes, 0 where no
+        chunk is admitted. The caller makes sure no stream still reads or writes it (a device synchronisation)."""
+        if not self.admitted_chunks:
+            return 0
+        index = max(i for i, admitted in enumerate(self.chunk_admitted) if admitted)
+        nbytes = self.chunk_blocks * self.block_bytes
+        self.budget.reserve(nbytes)
+        try:
+            chunk = self._host_chunk(self.chunks[index].shape)
+        except MemoryError:
+            self.budget.reserved_bytes -= nbytes
+            raise
+        chunk.copy_(self.chunks[index])
+        self.chunks[index] = chunk
+        self.chunk_admitted[index] = False
+        self.admitted_chunks -= 1
+        self.admission.admitted_bytes -= nbytes
+        self._chunk_on_host_cpu = None
+        if self._chunk_addrs is not None and index < self._tables_filled:  # the device tables, in place
+            self._chunk_addrs[index] = chunk.data_ptr()
+            self._chunk_on_host[index] = True
+        return nbytes
+
+    def _host_chunk(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """A new host chunk (the allocator's, else pinned as the pool is); ``MemoryError`` that says what to do."""
+        try:
+            if self.allocator is not None:
+                return self.allocator(shape, self.dtype)
+            return torch.empty(shape, dtype=self.dtype, pin_memory=self.pin_memory)
+        except RuntimeError as err:
+            nbytes = torch.Size(shape).numel() * self.block_bytes // torch.Size(self.block_shape).numel()
             raise MemoryError(
                 f"Could not allocate a {'pinned ' if self.pin_memory else ''}host chunk of {nbytes / 2**20:.1f} MiB "
                 f"for the KV cache ({err}). Lower the batch size or context, or pass pin_memory=False (slower recall)."
             ) from err
-        self.chunks.append(chunk)
-        self.chunk_admitted.append(False)
 
     def used_bytes_on(self, admitted: bool) -> int:
         """Bytes of the blocks holding data in admitted (device) chunks, or in host chunks."""

@@ -93,34 +93,47 @@ def test_eager_model_token_identical():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("device_memory_gib", [1.0, 12e-6])  # everything admitted / one or two chunks admitted
-def test_admission_auto_and_always_give_identical_tokens(device_memory_gib):
+def _buffer_bytes(cache) -> int:
+    """Device bytes of a cache's buffers besides admitted blocks (slot pools, summaries, block tables)."""
+    return sum(layer.blocks.device_buffer_bytes() for layer in cache.offload_layers)
+
+
+@pytest.mark.parametrize("admitted_chunks", [None, 2.5])  # everything admitted / about two chunks admitted
+def test_admission_auto_and_always_give_identical_tokens(admitted_chunks):
     model = build_model("qwen2")
     ids, mask = left_padded([45, 33, 20], seed=6)
     tiny_chunks = dict(SMALL, host_chunk_mib=0.01)  # ~5 blocks per chunk, so placement varies chunk by chunk
-    outs, caches = {}, {}
-    for admission in ("always", "auto"):
-        caches[admission] = OffloadCache(
-            model, budget_tokens=40, admission=admission, device_memory_gib=device_memory_gib, **tiny_chunks
-        )
-        outs[admission] = _generate(model, ids, mask, caches[admission])
+    caches = {"always": OffloadCache(model, budget_tokens=40, admission="always", **tiny_chunks)}
+    outs = {"always": _generate(model, ids, mask, caches["always"])}
+    # The bound holds the cache's buffers and a number of chunks (CPU: nothing is admitted without a bound).
+    host = caches["always"].offload_layers[0].blocks.host
+    chunk_bytes = host.chunk_blocks * host.block_bytes
+    extra = 1 << 30 if admitted_chunks is None else int(admitted_chunks * chunk_bytes)
+    gib = (_buffer_bytes(caches["always"]) + extra) / (1 << 30)
+    caches["auto"] = OffloadCache(model, budget_tokens=40, admission="auto", device_memory_gib=gib, **tiny_chunks)
+    outs["auto"] = _generate(model, ids, mask, caches["auto"])
     assert torch.equal(outs["auto"], outs["always"])
     always, auto = caches["always"].stats(), caches["auto"].stats()
     total_kv = always["host_kv_bytes"]
     assert total_kv > 0
     # Admitted blocks move from the host column to the device column; nothing is lost or counted twice.
     assert auto["host_kv_bytes"] + (auto["device_kv_bytes"] - always["device_kv_bytes"]) == total_kv
-    if device_memory_gib >= 1:
+    if admitted_chunks is None:
         assert auto["host_kv_bytes"] == 0
     else:
         assert 0 < auto["host_kv_bytes"] < total_kv
     # Same recalls either way; with "auto" only those of blocks left in host memory cross from the host.
     assert auto["decode_recalled_bytes"] == always["decode_recalled_bytes"] > 0
     assert always["decode_host_bytes"] == always["decode_recalled_bytes"]
-    if device_memory_gib >= 1:
+    if admitted_chunks is None:
         assert auto["decode_host_bytes"] == 0
     else:
         assert 0 <= auto["decode_host_bytes"] < auto["decode_recalled_bytes"]
+    admission = caches["auto"]._shared.admissions[torch.device("cpu")]
+    assert admission.cache_bytes() <= admission.limit_bytes
+    if admitted_chunks is not None:
+        # Chunks admitted while the summaries were small went back to the host as they grew.
+        assert admission.demoted_chunks > 0
     for layer in caches["auto"].offload_layers:
         assert torch.equal(layer.dense_kv()[0], caches["always"].layers[layer.layer_idx].dense_kv()[0])
 
@@ -166,3 +179,11 @@ def test_reserve_allocates_summaries_once_and_keeps_outputs():
         assert all(torch.equal(layer.blocks.summaries[k], v) for k, v in before[i].items())
     with pytest.raises(ValueError, match="tokens"):
         later.reserve(-1)
+
+
+def test_device_bound_too_small_for_the_summaries_says_what_to_change():
+    model = build_model("qwen2")
+    ids, mask = left_padded([45, 33], seed=6)
+    cache = OffloadCache(model, budget_tokens=40, device_memory_gib=1e-7, **SMALL)
+    with pytest.raises(MemoryError, match=r"device_memory_gib=.*cannot hold the cache's device buffers.*Raise"):
+        _generate(model, ids, mask, cache)
