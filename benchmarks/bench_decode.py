@@ -16,8 +16,9 @@ Methods, each decoding one new token per sequence and step through the model's f
   runs on CUDA).
 * ``quantkey-auto``, ``solohead-auto``: the same with IO-adaptive admission (``admission="auto"``: the sealed blocks
   stay in device memory as far as it allows, the rest in host memory; same selection and budget) and CUDA graphs
-  where they run (``cuda_graphs=None``). The admission limit is the device memory the planner leaves free after the
-  cache's other bytes and ``--admission-margin-gib`` (or ``--admission-gib``).
+  where they run (``cuda_graphs=None``), sized by the library from what the process may allocate (or bounded by
+  ``--admission-gib``). The plain methods put every block in host memory (``admission="always"``).
+* ``defaults``: ``OffloadCache(model, budget_tokens=B)``, nothing else set: the library as a user gets it.
 * ``headwise-copy``: ``OffloadCache(selector="headwise", transfer="torch")``: one selection per KV head, so a
   recalled block moves as ``2 x kv_heads`` pieces, through the portable path: per layer and step the block table
   is read on the host (a device-to-host synchronisation), the CPU gathers the missing pieces from the pinned pool
@@ -57,15 +58,15 @@ from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  #
 from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
-from hf_offload.planner import plan, shape_from_config, suggested_device_memory_gib  # noqa: E402
+from hf_offload.planner import plan, shape_from_config  # noqa: E402
 from hf_offload.store.host import available_host_bytes  # noqa: E402
 
 GIB = 1 << 30
 DECODE_ONLY = "decode-only: KV filled with random values, no prefill"
-METHODS = ["dynamic", "static", "hf-offloaded", "quantkey", "quantkey-graphs", "quantkey-auto", "solohead",
-           "solohead-graphs", "solohead-auto", "headwise-copy"]
-OFFLOAD_METHODS = ("quantkey", "quantkey-graphs", "quantkey-auto", "solohead", "solohead-graphs", "solohead-auto",
-                   "headwise-copy")
+METHODS = ["dynamic", "static", "hf-offloaded", "defaults", "quantkey", "quantkey-graphs", "quantkey-auto",
+           "solohead", "solohead-graphs", "solohead-auto", "headwise-copy"]
+OFFLOAD_METHODS = ("defaults", "quantkey", "quantkey-graphs", "quantkey-auto", "solohead", "solohead-graphs",
+                   "solohead-auto", "headwise-copy")
 
 # Model sizes (random bf16 weights: speed does not depend on the values). ``family``: the transformers model class;
 # ``preset``: the matching hf_offload.planner preset (same KV geometry).
@@ -93,11 +94,13 @@ METHOD_NOTES = {
     "(no torch.compile, no CUDA graphs), so every step attends over the whole preallocated length under a mask",
     "hf-offloaded": "transformers DynamicCache(offloading=True): each layer's whole KV in (pinned) host memory, copied "
     "to the device one layer ahead on a side stream and back to the host after the layer's update, every step",
-    "solohead": "OffloadCache(selector='solohead', transfer='auto'): one block selection per layer and sequence, "
+    "defaults": "OffloadCache(model, budget_tokens=B): the library's defaults as a user gets them (the default "
+    "selector, admission='auto' sized from what the process may allocate, CUDA graphs where they run)",
+    "solohead": "OffloadCache(selector='solohead', transfer='auto', admission='always'): one block selection per layer and sequence, "
     "whole-block recall (gather kernel where Triton runs on CUDA); every other setting is the OffloadConfig default "
     "of the run's commit (lookahead: off, then on with the kernels for a while, off again since the decode step "
     "with padded recent tokens; CHANGELOG)",
-    "quantkey": "OffloadCache(selector='quantkey', transfer='auto'): the fast selector (every key on the device at "
+    "quantkey": "OffloadCache(selector='quantkey', transfer='auto', admission='always'): the fast selector (every key on the device at "
     "2 bits, blocks ranked by their estimated attention mass, one shared selection per layer and sequence), "
     "whole-block recall; every other setting is the OffloadConfig default of the run's commit",
     "quantkey-graphs": "OffloadCache(selector='quantkey', transfer='auto', cuda_graphs=True): quantkey with each "
@@ -105,10 +108,10 @@ METHOD_NOTES = {
     "solohead-graphs": "OffloadCache(selector='solohead', transfer='auto', cuda_graphs=True): solohead with each "
     "layer's decode attention replayed from a CUDA graph (captured once per block capacity, decode_capacity_blocks)",
     "quantkey-auto": "OffloadCache(selector='quantkey', transfer='auto', admission='auto', cuda_graphs=None, "
-    "device_memory_gib=what the planner leaves free): sealed blocks in device memory as far as it allows, the rest "
+    "device_memory_gib=--admission-gib or None): sealed blocks in device memory as far as it allows, the rest "
     "in host memory; CUDA graphs where they run",
     "solohead-auto": "OffloadCache(selector='solohead', transfer='auto', admission='auto', cuda_graphs=None, "
-    "device_memory_gib=what the planner leaves free): sealed blocks in device memory as far as it allows, the rest "
+    "device_memory_gib=--admission-gib or None): sealed blocks in device memory as far as it allows, the rest "
     "in host memory; CUDA graphs where they run",
     "headwise-copy": "OffloadCache(selector='headwise', transfer='torch'): one selection per KV head (2 x kv_heads "
     "pieces per block); per layer and step the block table is read on the host (one synchronisation), the CPU "
@@ -309,30 +312,24 @@ def selector_of(method: str, args) -> str:
     return getattr(args, "quantkey_selector", "quantkey") if name == "quantkey" else name
 
 
-def offload_config(method: str, args, shape=None, context: int = 0, batch: int = 0, device=None,
-                   transient_bytes: int = 0) -> OffloadConfig:  # fmt: skip
-    """The :class:`OffloadConfig` of an OffloadCache method (``None`` for the others).
-
-    For the ``-auto`` methods the admission limit (``device_memory_gib``) is ``--admission-gib`` or else the device
-    memory that stays free once the cache's other device bytes (the planner's, with every block in host memory),
-    ``transient_bytes`` and ``--admission-margin-gib`` are set aside (0 off CUDA)."""
+def offload_config(method: str, args) -> OffloadConfig | None:
+    """The :class:`OffloadConfig` of an OffloadCache method (``None`` for the others). The plain methods put every
+    block in host memory (``admission="always"``); the ``-auto`` methods and ``defaults`` admit blocks to the device
+    as the library does, the ``-auto`` ones bounded by ``--admission-gib`` where given."""
     if method not in OFFLOAD_METHODS:
         return None
+    if method == "defaults":
+        return OffloadConfig(budget_tokens=args.budget)
     selector = selector_of(method, args)
     capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None),
                     decode_attention=getattr(args, "decode_attention", "auto"),
                     reselect_every=getattr(args, "reselect_every", 1))  # fmt: skip
     if not method.endswith("-auto"):
-        return OffloadConfig(budget_tokens=args.budget, selector=selector, **fusions_of(args), **capacity)
-    gib = args.admission_gib
-    if gib is None:
-        free = torch.cuda.mem_get_info(device)[0] if device is not None and device.type == "cuda" else 0
-        always = OffloadConfig(budget_tokens=args.budget, selector=selector)
-        gib = suggested_device_memory_gib(shape, context, batch, always, free - transient_bytes,
-                                          args.admission_margin_gib)  # fmt: skip
-    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto", device_memory_gib=gib,
-                         graph_scope=getattr(args, "graph_scope", "layer"), **fusions_of(args),
-                         **capacity)  # fmt: skip
+        return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="always", **fusions_of(args),
+                             **capacity)  # fmt: skip
+    return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto",
+                         device_memory_gib=args.admission_gib, graph_scope=getattr(args, "graph_scope", "layer"),
+                         **fusions_of(args), **capacity)  # fmt: skip
 
 
 def fusions_of(args) -> dict:
@@ -343,8 +340,13 @@ def fusions_of(args) -> dict:
     return {name: setting[getattr(args, name, "auto")] for name in names}
 
 
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free device memory now (CUDA), else ``None``: what an admitting cache of the next configuration may take."""
+    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+
+
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
-            n_rep: int) -> dict:  # fmt: skip
+            n_rep: int, device_free: int | None = None) -> dict:  # fmt: skip
     """Predicted cache bytes of ``method`` holding ``context`` tokens per sequence.
 
     Returns:
@@ -354,7 +356,7 @@ def predict(method: str, shape, context: int, batch: int, config: OffloadConfig,
         (where the planner predicts it: counted in the predicted peak) and ``source``.
     """
     if method in OFFLOAD_METHODS:
-        p = plan(shape, context, batch, "offload", config)
+        p = plan(shape, context, batch, "offload", config, device_free_bytes=device_free)
         return {"source": "hf_offload.planner.plan(method='offload')", "device_bytes": p.device_bytes,
                 "device_kv_bytes": p.device_kv_bytes + p.device_summary_bytes, "host_bytes": p.host_reserved_bytes,
                 "host_kv_bytes": p.host_kv_bytes, "admitted_kv_bytes": p.admitted_kv_bytes,
@@ -464,22 +466,24 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     if method in ("solohead", "quantkey"):
         graphs = {"cuda_graphs": False} if getattr(args, "cuda_graphs", "default") == "off" else {}
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
+                            admission="always",
                             decode_capacity_blocks=capacity, decode_attention=attention, reselect_every=every,
                             **graphs, **fusions_of(args)), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
+                            admission="always",
                             decode_capacity_blocks=capacity, decode_attention=attention, reselect_every=every,
                             graph_scope=getattr(args, "graph_scope", "layer"),
                             **fusions_of(args)), "auto"  # fmt: skip
-    if method in ("solohead-auto", "quantkey-auto"):
-        return OffloadCache(model, config=config, transfer="auto", cuda_graphs=None), "auto"
+    if method in ("solohead-auto", "quantkey-auto", "defaults"):
+        return OffloadCache(model, config=config or offload_config(method, args)), "auto"
 
     # headwise-copy decodes through transfer='torch'. Where the kernels run, the fill writes through them (the
     # torch path writes host blocks with the CPU, far slower) and the layers switch to the torch path before the
     # first decode step; host contents, block table and summaries are the same either way.
     fill_kernel = kernels_available(device)
-    cache = OffloadCache(model, budget_tokens=args.budget, selector="headwise",
+    cache = OffloadCache(model, budget_tokens=args.budget, selector="headwise", admission="always",
                          transfer="kernel" if fill_kernel else "torch")  # fmt: skip
     return cache, "torch"
 
@@ -794,12 +798,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device-margin-gib", type=float, default=3.0, help="device memory kept free (activations)")
     parser.add_argument("--host-margin-gib", type=float, default=8.0, help="host memory kept free")
     parser.add_argument("--admission-gib", type=float, default=None,
-                        help="device memory for admitted blocks of the -auto methods (default: what the planner "
-                        "leaves free after the cache's other bytes and --admission-margin-gib)")  # fmt: skip
-    parser.add_argument("--admission-margin-gib", type=float, default=8.0,
-                        help="-auto methods: device memory left unadmitted for the decode step's transient tensors, "
-                        "CUDA graph pools and allocator fragmentation (on an H200, 8B shape: 8 GiB ran 64K at batches "
-                        "10-13 and 128K at 6-7, peaks 124-132 GiB; at 64K, batch 12, 3 GiB ran out of memory)")  # fmt: skip
+                        help="device_memory_gib of the -auto methods: the bound on all their cache's device bytes "
+                        "(default: none; the library admits into what the process may allocate)")  # fmt: skip
     parser.add_argument("--bandwidth-mib", type=int, default=None, help="bytes per bandwidth copy (CUDA 1024, CPU 64)")
     parser.add_argument("--max-seconds", type=float, default=390.0,
                         help="wall budget of the run; configurations not started by then are skipped")  # fmt: skip
@@ -878,7 +878,8 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
            "--hf-offloaded-max-kv-gib", str(args.hf_offloaded_max_kv_gib),
            "--device-margin-gib", str(args.device_margin_gib), "--host-margin-gib", str(args.host_margin_gib),
            "--device", args.device]  # fmt: skip
-    out += ["--admission-margin-gib", str(args.admission_margin_gib)]
+    if args.admission_gib is not None:
+        out += ["--admission-gib", str(args.admission_gib)]
     # The settings of the OffloadCache methods (each child would otherwise run the defaults).
     out += ["--quantkey-selector", args.quantkey_selector, "--decode-attention", args.decode_attention,
             "--cuda-graphs", args.cuda_graphs, "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms,
@@ -1072,9 +1073,8 @@ def main(argv: list[str] | None = None) -> int:
                     if auto:
                         break
                     continue
-            off_cfg = (offload_config(method, args, shape, context, batch, device)
-                       or OffloadConfig(budget_tokens=args.budget))  # fmt: skip
-            pred = predict(method, shape, context, batch, off_cfg, layer_kv, env["n_rep"])
+            off_cfg = offload_config(method, args) or OffloadConfig(budget_tokens=args.budget)
+            pred = predict(method, shape, context, batch, off_cfg, layer_kv, env["n_rep"], device_free_bytes(device))
             # torch's pinned allocator rounds each hf-offloaded layer tensor up to a power of two.
             pinned_round = 0
             if method == "hf-offloaded":

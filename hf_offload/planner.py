@@ -160,6 +160,12 @@ def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
         return 2 * shape.kv_heads * shape.head_dim * shape.dtype_bytes  # kmin and kmax per KV head
 
 
+def admission_margin_bytes(device_free_bytes: int) -> int:
+    """Device bytes admission leaves free for the model's temporaries when nothing bounds the cache: 4% of
+    ``device_free_bytes``, at least 256 MiB (the cache's floor; it also learns each forward's real peak)."""
+    return max(256 << 20, int(0.04 * device_free_bytes))
+
+
 def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offload",
          config: OffloadConfig | None = None, device_free_bytes: int | None = None) -> Plan:  # fmt: skip
     """Predict the bytes of a cache holding ``context_tokens`` tokens for ``batch`` sequences.
@@ -176,13 +182,13 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         method: ``"dense"`` (``DynamicCache``), ``"static"`` (``StaticCache`` of ``context_tokens``; transformers'
             SDPA attention) or ``"offload"``.
         config: the offloaded cache's settings (default ``OffloadConfig()``).
-        device_free_bytes: free device memory for the cache, in bytes (the device's memory less the weights); sets
-            the admission limit (80% of it) of ``admission="auto"`` without ``device_memory_gib``. The cache takes
-            80% of what is free when its first block is sealed, after the first slot pools: a little less.
+        device_free_bytes: device memory the process may give the cache and the model's temporaries, in bytes
+            (what it may allocate less the weights). With ``admission="auto"`` and no ``device_memory_gib``, blocks
+            are admitted into what it leaves after the cache's other device bytes and
+            :func:`admission_margin_bytes`; ``None``: nothing admitted (as on a CPU).
 
     Raises:
-        ValueError: an unknown method, or ``admission="auto"`` with neither ``device_memory_gib`` nor
-            ``device_free_bytes``.
+        ValueError: an unknown method.
     """
     per_token = shape.kv_bytes_per_token
     # A sliding layer keeps its last ``sliding_window - 1`` tokens.
@@ -214,13 +220,12 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     chunks = math.ceil(batch * blocks / chunk_blocks)  # per layer
     admitted = 0  # chunks in device memory, all layers
     if config.admission == "auto":
-        if config.device_memory_gib is not None:
-            limit = int(config.device_memory_gib * GIB)
+        if config.device_memory_gib is not None:  # the bound holds the cache's buffers too
+            limit = int(config.device_memory_gib * GIB) - (device - sliding_bytes) - summaries
         elif device_free_bytes is not None:
-            limit = int(0.8 * device_free_bytes)
+            limit = device_free_bytes - device - summaries - admission_margin_bytes(device_free_bytes)
         else:
-            raise ValueError("admission='auto' admits blocks up to device_memory_gib, or else 80% of the free device "
-                             "memory: set device_memory_gib in the config or pass device_free_bytes to plan().")
+            limit = 0  # no device named: nothing admitted, as on a CPU
         admitted = min(shape.full_layers * chunks, max(0, limit) // chunk_bytes)
     whole, part = divmod(admitted, chunks) if chunks else (0, 0)
     admitted_kv = whole * layer_kv + (min(layer_kv, part * chunk_bytes) if part else 0)
@@ -232,32 +237,22 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
 
 def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: int, config: OffloadConfig,
                                 device_free_bytes: int, margin_gib: float) -> float:  # fmt: skip
-    """The ``device_memory_gib`` for ``admission="auto"`` that leaves ``margin_gib`` of ``device_free_bytes`` (the
-    device's memory less the weights) free once the cache's other device bytes (slot pools, open blocks,
-    summaries) are set aside: room for the decode step's temporaries, CUDA graphs and allocator fragmentation."""
-    others = plan(shape, context_tokens, batch, "offload", config.replace(admission="always")).device_bytes
-    return max(0.0, (device_free_bytes - others) / GIB - margin_gib)
+    """The ``device_memory_gib`` (the bound on all the cache's device bytes) that leaves ``margin_gib`` of
+    ``device_free_bytes`` (the device's memory less the weights) free for the model's temporaries, CUDA graphs and
+    allocator fragmentation. The shape, context, batch and config do not change it; they are kept for callers that
+    plan per batch."""
+    return max(0.0, device_free_bytes / GIB - margin_gib)
 
 
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
                   host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
     """The largest batch whose cache, with its decode step's transient bytes, fits ``device_free_bytes`` (after
-    weights) and ``host_free_bytes``.
-
-    With ``admission="auto"`` and no ``device_memory_gib`` in ``config``, each batch is planned with the admission
-    limit that :func:`suggested_device_memory_gib` gives for no margin: the device memory the cache's other device
-    bytes (slot pools, open blocks, summaries) leave, so blocks go to the device as far as they fit and the rest to
-    the host (admitting 80% of the free memory regardless, the runtime default, would count batches as not fitting
-    whose summaries take more than the other 20%). With ``device_memory_gib`` set, that limit is used as given."""
+    weights) and ``host_free_bytes``. With ``admission="auto"`` blocks are admitted as :func:`plan` says (into what
+    the cache's other device bytes and the margin leave, or within ``device_memory_gib``), the rest go to the host."""
     config = config or OffloadConfig()
-    tune = method == "offload" and config.admission == "auto" and config.device_memory_gib is None
 
     def fits(batch: int) -> bool:
-        cfg = config
-        if tune:
-            cfg = config.replace(device_memory_gib=suggested_device_memory_gib(
-                shape, context_tokens, batch, config, device_free_bytes, 0.0))  # fmt: skip
-        p = plan(shape, context_tokens, batch, method, cfg, device_free_bytes=device_free_bytes)
+        p = plan(shape, context_tokens, batch, method, config, device_free_bytes=device_free_bytes)
         return p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes
 
     return _largest(fits, limit)
@@ -280,17 +275,17 @@ def largest_resident_batch(shape: ModelShape, context_tokens: int, device_free_b
                            config: OffloadConfig | None = None, margin_gib: float = 8.0,
                            limit: int = 4096) -> int:  # fmt: skip
     """The largest batch whose every sealed block ``admission="auto"`` keeps in device memory, with ``margin_gib``
-    of ``device_free_bytes`` (the device's memory less the weights) left for the decode step's temporaries, CUDA
-    graphs and allocator fragmentation: the admission limit is :func:`suggested_device_memory_gib` for each batch.
+    of ``device_free_bytes`` (the device's memory less the weights) left for the model's temporaries, CUDA graphs and
+    allocator fragmentation (the cache bounded by :func:`suggested_device_memory_gib`).
 
-    Past this batch part of the KV is read from host memory at every step that selects it; in the 8B-shape runs on
-    one H200 this batch decoded fastest (``docs/tuning.md``). ``0`` where not even one sequence fits that way.
+    Past this batch part of the KV is read from host memory at every step that selects it. ``0`` where not even
+    one sequence fits that way.
     """
-    config = (config or OffloadConfig()).replace(admission="auto")
+    gib = suggested_device_memory_gib(shape, context_tokens, 1, config, device_free_bytes, margin_gib)
+    config = (config or OffloadConfig()).replace(admission="auto", device_memory_gib=gib)
 
     def fits(batch: int) -> bool:
-        gib = suggested_device_memory_gib(shape, context_tokens, batch, config, device_free_bytes, margin_gib)
-        p = plan(shape, context_tokens, batch, "offload", config.replace(device_memory_gib=gib))
+        p = plan(shape, context_tokens, batch, "offload", config)
         return p.host_kv_bytes == 0 and p.peak_device_bytes + margin_gib * GIB <= device_free_bytes
 
     return _largest(fits, limit)

@@ -73,19 +73,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--admission", choices=("always", "auto"), default=OffloadConfig.admission,
                         help="OffloadCache admission (default: %(default)s)")  # fmt: skip
     parser.add_argument("--device-memory-gib", type=float, default=None,
-                        help="admission='auto': device memory for admitted blocks (default: 80%% of the device "
-                        "memory left after the weights, from --device-gib)")  # fmt: skip
+                        help="the bound on all the cache's device bytes (default: none; with --device-gib, "
+                        "admission='auto' admits blocks into what the weights, the cache's other device bytes and "
+                        "a margin for temporaries leave)")  # fmt: skip
     parser.add_argument("--margin-gib", type=float, default=8.0,
-                        help="admission='auto' with --device-gib: device memory to leave for the decode step's "
-                        "temporaries, CUDA graphs and allocator fragmentation when suggesting device_memory_gib "
-                        "(default %(default)s: an 8B-shape model on an H200 ran 64K tokens at batches 10-13 and 128K "
-                        "at 6-7 with it, 3 GiB ran out of memory)")
+                        help="with --device-gib: device memory to leave for the model's temporaries, CUDA graphs and "
+                        "allocator fragmentation when suggesting device_memory_gib and the every-block-on-the-device "
+                        "batch (default %(default)s: an 8B-shape model on an H200 ran 64K tokens at batches 10-13 and "
+                        "128K at 6-7 with it, 3 GiB ran out of memory)")
     args = parser.parse_args(argv)
-    if args.device_memory_gib is not None and args.admission != "auto":
-        parser.error("--device-memory-gib is the limit of --admission auto; add --admission auto")
-    if args.admission == "auto" and args.device_memory_gib is None and args.device_gib is None:
-        parser.error("--admission auto needs --device-gib (the admission limit is 80% of the device memory left after "
-                     "the weights) or --device-memory-gib")
     try:
         shape = load_shape(args.model)
     except ValueError as err:
@@ -110,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         suggest = suggested_device_memory_gib(shape, args.context, args.batch, config, device_free, args.margin_gib)
         print(f"\nadmission='auto': {p.admitted_reserved_bytes / GIB:.2f} GiB admitted, "
               f"{(device_free - p.device_bytes) / GIB:.2f} GiB of the device left after weights and cache; to leave "
-              f"{args.margin_gib:g} GiB for the decode step, pass device_memory_gib={suggest:.1f}")  # fmt: skip
+              f"{args.margin_gib:g} GiB for temporaries, pass device_memory_gib={suggest:.1f}")  # fmt: skip
     if device_free is not None:
         host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
         print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"

@@ -45,28 +45,21 @@ def test_plan_prints_both_methods(capsys):
 
 
 def test_plan_with_admission_auto_suggests_a_limit(capsys):
-    """12 sequences of 64K on the 8B shape: all 96 GiB admitted under the default limit, 12.3 GiB left; keeping 8
-    GiB free (the default margin) means device_memory_gib = 139 - 15 (weights) - 15.8 (pools, open blocks,
-    summaries) - 8."""
+    """12 sequences of 64K on the 8B shape: device_memory_gib bounds the whole cache, so keeping 8 GiB free (the
+    default margin) means device_memory_gib = 139 - 15 (weights) - 8."""
     import re
 
-    from hf_offload.config import OffloadConfig
-    from hf_offload.planner import plan, shape_from_preset
+    from hf_offload.planner import shape_from_preset
 
     args = ["plan", "llama-3.1-8b", "--context", "65536", "--batch", "12", "--device-gib", "139", "--admission", "auto",
             "--selector", "quantkey"]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     suggested = float(re.search(r"pass device_memory_gib=([0-9.]+)", out).group(1))
-    shape = shape_from_preset("llama-3.1-8b")
-    free = 139 * 2**30 - shape.weights_bytes
-    always = plan(shape, 65536, 12, "offload", OffloadConfig(selector="quantkey"))
-    assert suggested == pytest.approx((free - always.device_bytes) / 2**30 - 8, abs=0.06)
-    with pytest.raises(SystemExit):  # neither --device-gib nor --device-memory-gib: no limit to plan with
-        main(["plan", "llama-3.1-8b", "--context", "65536", "--admission", "auto"])
-    with pytest.raises(SystemExit):  # a limit without admission "auto" would be ignored
-        main(["plan", "llama-3.1-8b", "--context", "65536", "--device-memory-gib", "5"])
-    assert "--admission auto" in capsys.readouterr().err
+    free = 139 * 2**30 - shape_from_preset("llama-3.1-8b").weights_bytes
+    assert suggested == pytest.approx(free / 2**30 - 8, abs=0.06)
+    assert main(["plan", "llama-3.1-8b", "--context", "65536", "--admission", "auto"]) == 0  # no device: none admitted
+    assert "admission='auto'" not in capsys.readouterr().out
 
 
 def test_demo_without_the_model_prints_the_install_command(monkeypatch, capsys):
