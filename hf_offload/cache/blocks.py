@@ -227,6 +227,37 @@ class BlockStore:
         self.batch = len(rows)
         self.window_insert = self.seal_args = None
 
+    def load(self, other: "BlockStore") -> None:
+        """Hold a copy of ``other``'s tokens (a store of the same layer and settings, allocated here like it): its
+        host blocks copied into this store's pool (a block shared by several sequences stays shared), block tables,
+        summaries, open block and the slot pool's data (its slots start empty: blocks are recalled as needed)."""
+        other.wait_host_writes()
+        table = other.block_table
+        used, inverse = torch.unique(table.flatten(), return_inverse=True)
+        ids = self.host.allocate(len(used))
+        if len(used):
+            self.host.write(ids, other.host.read(used))
+        mapped = ids[inverse].view(table.shape)
+        self.host.share(mapped.flatten())
+        self.host.free(ids)  # allocate counted one reference each; the table holds the real count
+        self._block_table_store = torch.full_like(other._block_table_store, -1)
+        self._block_table_store[:, : other.n_blocks] = mapped
+        self.block_table = self._block_table_store[:, : other.n_blocks]
+        if self.block_table_dev is not None:
+            if other.block_table_dev is not None:
+                self.block_table_dev = torch.full_like(other.block_table_dev, -1)
+            else:
+                self.block_table_dev = torch.full_like(self._block_table_store, -1).to(self.device)
+            self.block_table_dev[:, : other.n_blocks] = mapped.to(self.device)
+        self.summary_store = {name: store.clone() for name, store in other.summary_store.items()}
+        self.summaries = {name: store[:, : other.n_blocks] for name, store in self.summary_store.items()}
+        self.storage_epoch += 1
+        self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
+        self.pool.data.copy_(other.pool.data)
+        self.n_blocks, self.n_tokens = other.n_blocks, other.n_tokens
+        left = other.keys.shape[-2]
+        self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+
     def wait_host_writes(self) -> None:
         """Wait until every host write issued so far is done (the kernel path writes on a side stream)."""
         if self.execution.use_kernels and self.device.type == "cuda":

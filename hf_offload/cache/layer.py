@@ -190,9 +190,7 @@ class OffloadLayer(CacheLayerMixin):
         """
         store = self.blocks
         if not store.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            if self.config.timing:
-                self.timer = self.recaller.timer = self.resources.timer(self.device)
+            self.initialize_like(key_states, value_states)
         elif key_states.shape[0] != store.batch or key_states.shape[1] != store.kv_heads:
             raise ValueError(
                 f"Layer {self.layer_idx} holds batch {store.batch} x {store.kv_heads} KV heads but got keys of shape "
@@ -293,6 +291,22 @@ class OffloadLayer(CacheLayerMixin):
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of this layer re-assembled from all tiers (:meth:`BlockStore.dense_kv`)."""
         return self.blocks.dense_kv()
+
+    def load_state(self, other: "OffloadLayer") -> None:
+        """Hold a copy of the tokens of ``other``, the same layer of another cache with the same settings (see
+        :meth:`BlockStore.load`); used by ``copy.deepcopy`` of the cache."""
+        if not other.blocks.is_initialized:
+            return
+        self.initialize_like(other.blocks.keys, other.blocks.values)
+        self.blocks.load(other.blocks)
+
+    def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Initialise the layer for keys and values shaped like these (``[batch, kv_heads, any, head_dim]``) without
+        caching them, as the first :meth:`update` would."""
+        if not self.blocks.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            if self.config.timing:
+                self.timer = self.recaller.timer = self.resources.timer(self.device)
 
     # ------------------------------------------------------------------------------------------------- editing
     def crop(self, tokens_to_remove: int) -> None:
