@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import DynamicCache
 
 from hf_offload import OffloadCache, OffloadConfig
 
@@ -127,14 +126,3 @@ def test_unsupported_attention_implementation():
     model.config._attn_implementation = "flex_attention"
     with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
         OffloadCache(model)
-
-
-def test_beam_search_is_refused_clearly():
-    model = build_model("llama")
-    ids, mask = left_padded([20])
-    with pytest.raises(NotImplementedError, match="beam search"):
-        model.generate(
-            input_ids=ids, attention_mask=mask, past_key_values=OffloadCache(model), max_new_tokens=3, num_beams=2,
-        )
-    # The refused cache leaves the model usable with a DynamicCache.
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=2)

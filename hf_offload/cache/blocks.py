@@ -18,6 +18,7 @@ Which blocks a step attends is not decided here (:mod:`.planner`), nor how missi
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -522,8 +523,9 @@ class BlockStore:
         Returns:
             Whether a buffer was replaced (captured graphs read the old ones).
         """
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if not isinstance(tokens, numbers.Integral) or isinstance(tokens, bool) or tokens < 0:
             raise ValueError(f"reserve(tokens) takes a number of tokens >= 0, got {tokens!r}")
+        tokens = int(tokens)
         self.reserved_blocks = max(self.reserved_blocks, tokens // self.block_tokens)
         replaced = False
         for name, store in self.summary_store.items():
