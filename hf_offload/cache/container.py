@@ -199,7 +199,8 @@ class OffloadCache(Cache):
             )
 
     def _lengths(self) -> list[int]:
-        return [layer.get_seq_length() for layer in self.layers]
+        # int(): a sliding layer cropped by a tensor (transformers 5.17's assisted decoding) counts in a tensor
+        return [int(layer.get_seq_length()) for layer in self.layers]
 
     def _check_usable(self) -> None:
         """Raise ``RuntimeError`` if a forward stopped part-way through this cache (see :meth:`update`)."""
@@ -214,7 +215,11 @@ class OffloadCache(Cache):
 
     def reset(self) -> None:
         """Drop every cached token of every layer (the cache serves any new batch); also clears a broken state."""
-        super().reset()
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):  # a new one: 5.17's reset keeps zeroed keys
+                self.layers[idx] = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+            else:
+                layer.reset()
         self._broken = None
 
     # ------------------------------------------------------------------------------------------------- editing
