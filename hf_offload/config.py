@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import numbers
 from dataclasses import dataclass
 
 DEFAULT_SELECTOR = "quantkey[bits=4,tail_bits=2,tail_near=3]"
@@ -268,6 +269,14 @@ class OffloadConfig:
 
         def fill(name: str, value) -> None:  # the config is frozen; only validation fills in derived sizes
             object.__setattr__(self, name, value)
+
+        # Any integer type (numpy.int64, ...) is an integer setting; any real number type a number.
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, numbers.Integral) and not isinstance(value, (bool, int)):
+                fill(field.name, int(value))
+            elif isinstance(value, numbers.Real) and not isinstance(value, (numbers.Integral, float)):
+                fill(field.name, float(value))
 
         if isinstance(self.host_chunk_mib, bool) or not isinstance(self.host_chunk_mib, (int, float)) or not self.host_chunk_mib > 0:
             raise ValueError(f"host_chunk_mib must be a positive number, got {self.host_chunk_mib!r}.")

@@ -2,7 +2,7 @@
 
 Markers (declared in pyproject.toml) are applied here, so a test states its need once and the skip names it:
 
-- ``cuda``: needs a CUDA device.
+- ``cuda``: needs CUDA (skip reason "needs CUDA").
 - ``triton``: needs the Triton kernels to run: Triton on CUDA, or Triton's CPU interpreter (``TRITON_INTERPRET=1``)
   without one.
 
@@ -21,7 +21,7 @@ from hf_offload.kernels.gather import kernels_available
 
 from .helpers import ARCHS
 
-NEEDS_CUDA = "needs a CUDA device"
+NEEDS_CUDA = "needs CUDA"
 NEEDS_TRITON = "needs Triton on CUDA, or TRITON_INTERPRET=1 with triton installed"
 
 # The install command of each optional module a test imports with ``pytest.importorskip``.

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from transformers import DynamicCache
 
 from hf_offload import OffloadCache, OffloadConfig
 
@@ -129,12 +128,35 @@ def test_unsupported_attention_implementation():
         OffloadCache(model)
 
 
-def test_beam_search_is_refused_clearly():
+def test_integer_settings_take_any_integer_type():
+    np = pytest.importorskip("numpy")
     model = build_model("llama")
+    cache = OffloadCache(model, budget_tokens=np.int64(256), block_tokens=np.int32(8), sink_tokens=np.int64(8),
+                         window_tokens=np.uint16(8), pool_tokens=np.int64(16), host_chunk_mib=np.int64(1))  # fmt: skip
+    assert type(cache.config.budget_tokens) is int and cache.config.budget_tokens == 256
+    assert type(cache.config.host_chunk_mib) is int
+    cache.reserve(np.int64(64))
     ids, mask = left_padded([20])
-    with pytest.raises(NotImplementedError, match="beam search"):
-        model.generate(
-            input_ids=ids, attention_mask=mask, past_key_values=OffloadCache(model), max_new_tokens=3, num_beams=2,
-        )
-    # The refused cache leaves the model usable with a DynamicCache.
-    model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=2)
+    model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+
+
+def test_host_memory_cap_smaller_than_one_chunk_names_both_knobs_in_mib():
+    model = build_model("llama")
+    cache = OffloadCache(model, budget_tokens=256, host_memory_gib=1e-4, host_chunk_mib=1)  # 0.1 MiB < 1 MiB
+    ids, mask = left_padded([40])
+    with pytest.raises(MemoryError) as caught:
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    message = str(caught.value)
+    assert "host_chunk_mib" in message and "host_memory_gib" in message and "MiB" in message
+    assert "0.00 GiB" not in message and "batch" not in message
+
+
+def test_host_memory_cap_reached_by_growth_says_how_much_in_mib():
+    from hf_offload.store import HostBlockPool, HostMemoryBudget
+
+    budget = HostMemoryBudget(host_memory_gib=1 / 1024)  # 1 MiB
+    pool = HostBlockPool((2, 1, 16, 64), torch.float32, False, chunk_bytes=768 << 10, budget=budget)
+    pool.allocate(1)
+    with pytest.raises(MemoryError, match=r"host_memory_gib=0\.0009765625 \(1\.0 MiB\).*1\.5 MiB"):
+        pool.allocate(pool.chunk_blocks + 1)
+    assert pool.used_blocks == 1  # the failed allocation took nothing

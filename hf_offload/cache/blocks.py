@@ -18,6 +18,7 @@ Which blocks a step attends is not decided here (:mod:`.planner`), nor how missi
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 
 import torch
@@ -160,6 +161,113 @@ class BlockStore:
             self.keys = self.values = self.open_k = self.open_v = None
             self.is_initialized = False
         self._clear()
+
+    # ----------------------------------------------------------------------------------------------------- editing
+    def crop(self, n_tokens: int) -> None:
+        """Keep the first ``n_tokens`` tokens of every sequence and drop the rest, in every tier: a sealed block the
+        cut falls inside is read back into the open block, later blocks leave the block tables, their summaries are
+        zeroed (as past the sealed blocks anywhere) and their host blocks go back to the pool; slots holding dropped
+        blocks are emptied. Call between forwards only.
+
+        Args:
+            n_tokens: tokens to keep per sequence, ``0 <= n_tokens <= n_tokens`` held.
+        """
+        if not 0 <= n_tokens <= self.n_tokens:
+            raise ValueError(f"crop keeps 0 to {self.n_tokens} tokens, got {n_tokens}")
+        if n_tokens == self.n_tokens:
+            return
+        T = self.block_tokens
+        keep_blocks, left = divmod(n_tokens, T)
+        if keep_blocks < self.n_blocks:
+            self.wait_host_writes()
+            dropped = self.block_table[:, keep_blocks:]
+            if left:  # the cut falls inside a sealed block: it becomes the open block again
+                blocks = self.host.read(dropped[:, 0].contiguous()).to(self.device)  # [batch, 2, heads, T, D]
+                self.open_k[:, :, :left] = blocks[:, 0, :, :left]
+                self.open_v[:, :, :left] = blocks[:, 1, :, :left]
+            self.host.free(dropped.flatten())
+            self._block_table_store[:, keep_blocks : self.n_blocks] = -1
+            if self.block_table_dev is not None:
+                self.block_table_dev[:, keep_blocks : self.n_blocks] = -1
+            for name, store in self.summary_store.items():
+                store[:, keep_blocks : self.n_blocks] = 0
+            self.n_blocks = keep_blocks
+            self.block_table = self._block_table_store[:, :keep_blocks]
+            self.summaries = {name: store[:, :keep_blocks] for name, store in self.summary_store.items()}
+            self.pool.forget_from(keep_blocks)
+        self.window_insert = None
+        self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+        self.n_tokens = n_tokens
+
+    def take_rows(self, rows: torch.Tensor) -> None:
+        """Hold the sequences ``rows`` of this store, in that order (repeats allowed; the batch becomes
+        ``len(rows)``): block tables, summaries, slot pool and open block are indexed by ``rows``; host blocks are
+        shared between the sequences that now refer to them (a sealed block never changes), and those no sequence
+        refers to any more go back to the pool. Call between forwards only.
+
+        Args:
+            rows: sequence indices, ``[new_batch]``, ``torch.int64``, any device; ``new_batch >= 1``.
+        """
+        if not len(rows):
+            raise ValueError("An OffloadCache holds at least one sequence; got no rows to keep.")
+        if int(rows.min()) < 0 or int(rows.max()) >= self.batch:
+            raise IndexError(f"Sequence indices must lie in [0, {self.batch}) for a batch of {self.batch}, got "
+                             f"{rows.tolist()}.")  # fmt: skip
+        cpu = rows.cpu()
+        self.wait_host_writes()
+        old = self.block_table.flatten()
+        self._block_table_store = self._block_table_store[cpu]
+        self.block_table = self._block_table_store[:, : self.n_blocks]
+        self.host.share(self.block_table.flatten())
+        self.host.free(old)
+        dev = rows.to(self.device)
+        if self.block_table_dev is not None:
+            self.block_table_dev = self.block_table_dev[dev]
+        self.summary_store = {name: store[dev] for name, store in self.summary_store.items()}
+        self.summaries = {name: store[:, : self.n_blocks] for name, store in self.summary_store.items()}
+        self.storage_epoch += 1
+        self.pool = self.pool.take_rows(dev)
+        self.open_k, self.open_v = self.pool.open_keys, self.pool.open_values
+        left = self.keys.shape[-2]
+        self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+        self.batch = len(rows)
+        self.window_insert = self.seal_args = None
+
+    def load(self, other: "BlockStore") -> None:
+        """Hold a copy of ``other``'s tokens (a store of the same layer and settings, allocated here like it): its
+        host blocks copied into this store's pool (a block shared by several sequences stays shared), block tables,
+        summaries, open block and the slot pool's data (its slots start empty: blocks are recalled as needed)."""
+        other.wait_host_writes()
+        table = other.block_table
+        used, inverse = torch.unique(table.flatten(), return_inverse=True)
+        ids = self.host.allocate(len(used))
+        if len(used):
+            self.host.write(ids, other.host.read(used))
+        mapped = ids[inverse].view(table.shape)
+        self.host.share(mapped.flatten())
+        self.host.free(ids)  # allocate counted one reference each; the table holds the real count
+        self._block_table_store = torch.full_like(other._block_table_store, -1)
+        self._block_table_store[:, : other.n_blocks] = mapped
+        self.block_table = self._block_table_store[:, : other.n_blocks]
+        if self.block_table_dev is not None:
+            if other.block_table_dev is not None:
+                self.block_table_dev = torch.full_like(other.block_table_dev, -1)
+            else:
+                self.block_table_dev = torch.full_like(self._block_table_store, -1).to(self.device)
+            self.block_table_dev[:, : other.n_blocks] = mapped.to(self.device)
+        self.summary_store = {name: store.clone() for name, store in other.summary_store.items()}
+        self.summaries = {name: store[:, : other.n_blocks] for name, store in self.summary_store.items()}
+        self.storage_epoch += 1
+        self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
+        self.pool.data.copy_(other.pool.data)
+        self.n_blocks, self.n_tokens = other.n_blocks, other.n_tokens
+        left = other.keys.shape[-2]
+        self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+
+    def wait_host_writes(self) -> None:
+        """Wait until every host write issued so far is done (the kernel path writes on a side stream)."""
+        if self.execution.use_kernels and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------------------------------------------ append
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -425,8 +533,9 @@ class BlockStore:
         Returns:
             Whether a buffer was replaced (captured graphs read the old ones).
         """
-        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+        if not isinstance(tokens, numbers.Integral) or isinstance(tokens, bool) or tokens < 0:
             raise ValueError(f"reserve(tokens) takes a number of tokens >= 0, got {tokens!r}")
+        tokens = int(tokens)
         self.reserved_blocks = max(self.reserved_blocks, tokens // self.block_tokens)
         replaced = False
         for name, store in self.summary_store.items():

@@ -8,15 +8,18 @@ lookahead, and reports :meth:`OffloadCache.stats`.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
 
+from ..attention.handoff import leave_handoff, take_handoff
 from ..config import OffloadConfig
 from ..patches import install as install_patches
 from ..patches import installed as installed_patches
+from ..patches.attention import OUTPUT_ATTENTIONS
 from ..patches.layers import decoder_layers
 from ..patches.norms import FusedNorm
 from ..patches.projections import fused_groups
@@ -29,6 +32,7 @@ from .shared import DeviceResources
 from .stats import summarize
 
 _SLIDING_TYPES = ("sliding_attention", "chunked_attention")
+
 
 
 def layer_types(config) -> list[str]:
@@ -142,17 +146,131 @@ class OffloadCache(Cache):
         self.patches = install_patches(model, config)
         self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
+        self._broken: str | None = None  # why the cache cannot be used until reset(), or None
+
+    # --------------------------------------------------------------------------------------------- forward calls
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """Append the new keys and values of layer ``layer_idx`` (transformers calls it once per layer and forward);
+        see :meth:`OffloadLayer.update`.
+
+        Raises:
+            RuntimeError: at the first layer's update, if an earlier forward stopped part-way (its layers hold
+                different numbers of tokens): call :meth:`reset` or build a new ``OffloadCache``.
+        """
+        if layer_idx == 0:
+            self._check_usable()
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
         """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
         arguments): offloaded layers may replay it from a CUDA graph (:meth:`OffloadLayer.run_decoder_layer`); other
         layers call ``forward``. Called by the routing :func:`~hf_offload.patches.layers.install_layer_calls` puts in front
-        of each decoder layer."""
+        of each decoder layer.
+
+        Raises:
+            ValueError: for ``output_attentions=True`` (before anything is cached): the cache never forms the
+                attention weights.
+            RuntimeError: if the cache is broken (:meth:`update`). An exception raised inside the call (including
+                ``KeyboardInterrupt``) that leaves the layers one step apart marks the cache broken.
+        """
+        if layer_idx == 0:
+            self._check_usable()
+            if kwargs.get("output_attentions") or getattr(self.model_config, "output_attentions", False):
+                raise ValueError(OUTPUT_ATTENTIONS)
         layer = self.layers[layer_idx] if 0 <= layer_idx < len(self.layers) else None
-        if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
-            with fused(call_fusions(self.config, args, kwargs)):
-                return forward(*args, **kwargs)
-        return layer.run_decoder_layer(forward, args, kwargs)
+        try:
+            if not isinstance(layer, OffloadLayer):  # a sliding-window layer: its norms still run the kernel
+                with fused(call_fusions(self.config, args, kwargs)):
+                    return forward(*args, **kwargs)
+            return layer.run_decoder_layer(forward, args, kwargs)
+        except BaseException as error:
+            self._after_fault(error, layer_idx)
+            raise
+
+    def _after_fault(self, error: BaseException, layer_idx: int) -> None:
+        """After ``error`` escaped decoder layer ``layer_idx``: forget this cache's pending handoff (another cache's
+        attention must not take it) and mark the cache broken if its layers no longer hold the same tokens."""
+        pending = take_handoff()
+        if pending is not None and getattr(pending.layer, "cache_id", None) != id(self):
+            leave_handoff(pending)  # not ours: put it back
+        if len(set(self._lengths())) > 1:
+            self._broken = (
+                f"{type(error).__name__} raised in decoder layer {layer_idx} in the middle of a forward"
+            )
+
+    def _lengths(self) -> list[int]:
+        # int(): a sliding layer cropped by a tensor (transformers 5.17's assisted decoding) counts in a tensor
+        return [int(layer.get_seq_length()) for layer in self.layers]
+
+    def _check_usable(self) -> None:
+        """Raise ``RuntimeError`` if a forward stopped part-way through this cache (see :meth:`update`)."""
+        lengths = self._lengths()
+        if self._broken is None and len(set(lengths)) > 1:
+            self._broken = "a forward stopped in the middle"
+        if self._broken is not None:
+            raise RuntimeError(
+                f"This OffloadCache is unusable: {self._broken}, so its layers hold different numbers of tokens "
+                f"({lengths}). Call cache.reset() or build a new OffloadCache (and prefill the prompt again)."
+            )
+
+    def reset(self) -> None:
+        """Drop every cached token of every layer (the cache serves any new batch); also clears a broken state."""
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):  # a new one: 5.17's reset keeps zeroed keys
+                self.layers[idx] = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+            else:
+                layer.reset()
+        self._broken = None
+
+    # ------------------------------------------------------------------------------------------------- editing
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest tokens of every layer: ``crop(-n)`` drops ``n`` (assisted and prompt-lookup decoding),
+        ``crop(max_length)`` with a positive length keeps at most that many (transformers up to 5.17)."""
+        self._check_usable()
+        super().crop(tokens_to_remove)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Repeat every sequence ``repeats`` times (``[a, b]`` -> ``[a, a, b, b]``); copies share host blocks."""
+        self._check_usable()
+        super().batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        """Keep only the sequences ``indices`` (integers or a boolean mask over the batch), in that order."""
+        self._check_usable()
+        super().batch_select_indices(indices)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the sequences for beam search: sequence ``i`` becomes the old sequence ``beam_idx[i]``."""
+        self._check_usable()
+        super().reorder_cache(beam_idx)
+
+    def __deepcopy__(self, memo: dict) -> "OffloadCache":
+        """An independent cache with the same contents for the same model (a prompt prefilled once, continued
+        several ways): every tier is copied; the model, its patches and the model config are shared, not copied.
+        Counters (:meth:`stats`) start at zero and graphs are captured again.
+
+        Raises:
+            RuntimeError: if the model was freed, or the cache is broken (:meth:`update`).
+        """
+        self._check_usable()
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("The model this OffloadCache was built for has been freed; a copy needs the model.")
+        clone = OffloadCache(model, config=self.config)
+        memo[id(self)] = clone
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, OffloadLayer):
+                clone.layers[idx].load_state(layer)
+            else:
+                clone.layers[idx] = copy.deepcopy(layer, memo)
+        return clone
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            "An OffloadCache cannot be pickled: its KV lives in this process's (pinned) host pools and it is bound to "
+            "its model. To reuse a prefilled prompt, keep a copy with copy.deepcopy(cache) (saving a cache to files "
+            "is planned)."
+        )
 
     def set_lookahead(self, lookahead: bool | None) -> None:
         """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming

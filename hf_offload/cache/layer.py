@@ -51,7 +51,7 @@ class OffloadLayer(CacheLayerMixin):
 
     is_sliding = False
     is_compileable = False
-    is_croppable = False
+    is_croppable = True
 
     def __init__(
         self,
@@ -206,9 +206,7 @@ class OffloadLayer(CacheLayerMixin):
         """
         store = self.blocks
         if not store.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            if self.config.timing:
-                self.timer = self.recaller.timer = self.resources.timer(self.device)
+            self.initialize_like(key_states, value_states)
         elif key_states.shape[0] != store.batch or key_states.shape[1] != store.kv_heads:
             raise ValueError(
                 f"Layer {self.layer_idx} holds batch {store.batch} x {store.kv_heads} KV heads but got keys of shape "
@@ -312,27 +310,68 @@ class OffloadLayer(CacheLayerMixin):
         """The whole KV of this layer re-assembled from all tiers (:meth:`BlockStore.dense_kv`)."""
         return self.blocks.dense_kv()
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(
-            f"OffloadCache does not support {what} yet (beam search, assisted or contrastive decoding); use greedy "
-            "or sampling with one sequence per prompt."
-        )
+    def load_state(self, other: "OffloadLayer") -> None:
+        """Hold a copy of the tokens of ``other``, the same layer of another cache with the same settings (see
+        :meth:`BlockStore.load`); used by ``copy.deepcopy`` of the cache."""
+        if not other.blocks.is_initialized:
+            return
+        self.initialize_like(other.blocks.keys, other.blocks.values)
+        self.blocks.load(other.blocks)
 
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Not supported yet (beam search)."""
-        self._unsupported("reordering the batch")
+    def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Initialise the layer for keys and values shaped like these (``[batch, kv_heads, any, head_dim]``) without
+        caching them, as the first :meth:`update` would."""
+        if not self.blocks.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            if self.config.timing:
+                self.timer = self.recaller.timer = self.resources.timer(self.device)
 
+    # ------------------------------------------------------------------------------------------------- editing
     def crop(self, tokens_to_remove: int) -> None:
-        """Not supported yet (assisted decoding)."""
-        if tokens_to_remove:
-            self._unsupported("cropping")
+        """Drop the newest tokens (assisted and prompt-lookup decoding roll back rejected candidates).
+
+        Args:
+            tokens_to_remove: ``-n`` drops the last ``n`` tokens (transformers 5.18 on); a positive value is the
+                length to keep (``crop(max_length)``, transformers up to 5.17), a no-op when the layer holds no more;
+                ``0`` does nothing.
+        """
+        n = self.blocks.n_tokens
+        if not self.blocks.is_initialized or tokens_to_remove == 0:
+            return
+        keep = min(int(tokens_to_remove), n) if tokens_to_remove > 0 else max(n + int(tokens_to_remove), 0)
+        if keep == n:
+            return
+        self.recaller.wait_prefetch()
+        self.blocks.crop(keep)
+        self._edited()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        """Only allowed while empty (generate expands inputs before the first forward)."""
-        if self.blocks.n_tokens and repeats != 1:
-            self._unsupported("expanding a filled cache")
+        """Repeat every sequence ``repeats`` times in place (``[a, b]`` -> ``[a, a, b, b]``); the copies share the
+        sealed host blocks."""
+        if self.blocks.is_initialized:
+            self._take_rows(torch.arange(self.blocks.batch).repeat_interleave(int(repeats)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        """Not supported yet."""
-        if self.blocks.n_tokens:
-            self._unsupported("selecting sequences of a filled cache")
+        """Keep only the sequences ``indices`` (integer indices or a boolean mask over the batch), in that order."""
+        if self.blocks.is_initialized:
+            rows = torch.as_tensor(indices)
+            rows = rows.nonzero().flatten() if rows.dtype == torch.bool else rows.flatten().long()
+            self._take_rows(rows)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Reorder the sequences for beam search: sequence ``i`` becomes the old sequence ``beam_idx[i]``."""
+        if self.blocks.is_initialized:
+            self._take_rows(beam_idx.flatten().long())
+
+    def _take_rows(self, rows: torch.Tensor) -> None:
+        self.recaller.wait_prefetch()  # a prefetch may still fill the slot pool being reordered
+        self.blocks.take_rows(rows)
+        self._edited()
+
+    def _edited(self) -> None:
+        """After a crop or a batch edit: forget what was planned or captured for the old contents."""
+        self.recaller.wait_prefetch()
+        self.recaller.clear()  # its index tensors are per sequence and block count
+        self.planner.reset()
+        self.graphs.clear()
+        self.resources.decode_inputs(self.device).invalidate()

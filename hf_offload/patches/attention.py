@@ -24,6 +24,11 @@ from ..attention import OffloadMask
 
 PREFIX = "hf_offload_"
 SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+OUTPUT_ATTENTIONS = (
+    "OffloadCache does not return attention weights (output_attentions=True): each decode step attends to selected "
+    "blocks and never forms the attention matrix. Drop output_attentions (and config.output_attentions), or use "
+    "DynamicCache with attn_implementation='eager' for attention weights."
+)
 
 
 def _make_mask_function(original: str):
@@ -58,6 +63,8 @@ def _make_attention_function(original: str):
                 "needs an adapter in hf_offload/patches/."
             )
         layer = handoff.layer
+        if kwargs.get("output_attentions"):
+            raise ValueError(OUTPUT_ATTENTIONS)
         if getattr(module, "config", None) is not None and module.config is not layer.model_config:
             raise RuntimeError(
                 f"This OffloadCache was built for {layer.model_name} and is being used by another model. Build one "

@@ -104,6 +104,40 @@ class DeviceSlotPool:
         self._block.fill_(-1)
         self._last_used.fill_(-1)
 
+    def forget_from(self, first_block: int) -> None:
+        """Mark empty every slot that holds a block at index ``first_block`` or later (blocks dropped by a crop:
+        their indices will name other data once sealed again)."""
+        dropped = self._block >= first_block
+        self._block.masked_fill_(dropped, -1)
+        self._last_used.masked_fill_(dropped, -1)
+
+    def take_rows(self, rows: torch.Tensor) -> "DeviceSlotPool":
+        """The pool of the sequences ``rows`` (any order, repeats allowed): slots, their block map and recency
+        clocks, and the open slot, copied row by row.
+
+        Args:
+            rows: sequence indices into this pool, ``[new_batch]``, ``torch.int64``, any device.
+
+        Returns:
+            ``self``, reordered in place (same addresses), where ``new_batch`` equals the batch; else a new pool.
+        """
+        rows = rows.to(self.data.device)
+        batch, heads, slots = self.block.shape
+        if len(rows) == batch:
+            self.data.copy_(self.data[:, rows])
+            self._block.copy_(self._block[rows])
+            self._last_used.copy_(self._last_used[rows])
+            return self
+        _, _, _, total, block_tokens, head_dim = self.data.shape
+        pool = DeviceSlotPool(len(rows), slots, heads, block_tokens, head_dim, self.data.dtype, self.data.device,
+                              open_slot=self.has_open_slot)  # fmt: skip
+        pool.data.copy_(self.data[:, rows])
+        pool._block.copy_(self._block[rows])
+        pool._last_used.copy_(self._last_used[rows])
+        pool.clock.copy_(self.clock)
+        pool.use_kernel = self.use_kernel
+        return pool
+
     def assign(
         self, blocks: torch.Tensor, keep: torch.Tensor, touch: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:

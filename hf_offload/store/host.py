@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 _GIB = 1 << 30
+_MIB = 1 << 20
 
 
 def meminfo_bytes(field: str) -> int | None:
@@ -37,26 +38,40 @@ def available_host_bytes() -> int | None:
     return meminfo_bytes("MemAvailable")
 
 
+def format_bytes(nbytes: float) -> str:
+    """``nbytes`` in MiB below one GiB (``"4.0 MiB"``), else in GiB (``"1.50 GiB"``)."""
+    return f"{nbytes / _GIB:.2f} GiB" if nbytes >= _GIB else f"{nbytes / _MIB:.1f} MiB"
+
+
 class HostMemoryBudget:
     """Host bytes reserved by all pools of one cache, checked against ``host_memory_gib`` before each chunk."""
 
     def __init__(self, host_memory_gib: float | None):
+        self.host_memory_gib = host_memory_gib
         self.limit_bytes = None if host_memory_gib is None else int(host_memory_gib * _GIB)
         self.reserved_bytes = 0
 
     def reserve(self, nbytes: int) -> None:
-        """Account for ``nbytes`` more, or raise ``MemoryError`` that says what to change."""
-        if self.limit_bytes is not None and self.reserved_bytes + nbytes > self.limit_bytes:
+        """Account for ``nbytes`` more (one host chunk), or raise ``MemoryError`` that says what to change."""
+        limit = self.limit_bytes
+        if limit is not None and self.reserved_bytes + nbytes > limit:
+            cap = f"host_memory_gib={self.host_memory_gib!r} ({format_bytes(limit)})"
+            if nbytes > limit:
+                raise MemoryError(
+                    f"One host chunk of the KV cache is {format_bytes(nbytes)} (host_chunk_mib, rounded down to whole "
+                    f"blocks), more than the whole {cap}. Raise host_memory_gib to at least "
+                    f"{nbytes / _GIB:.4g}, or lower host_chunk_mib below {limit / _MIB:.4g}."
+                )
             raise MemoryError(
-                f"The offloaded KV cache needs more than host_memory_gib={self.limit_bytes / _GIB:.2f} GiB of host "
-                f"memory ({(self.reserved_bytes + nbytes) / _GIB:.2f} GiB requested). Raise host_memory_gib, or "
-                "lower the batch size or the context length."
+                f"The offloaded KV cache needs more than {cap} of host memory "
+                f"({format_bytes(self.reserved_bytes + nbytes)} with the next {format_bytes(nbytes)} chunk). Raise "
+                "host_memory_gib, or lower the batch size or the context length."
             )
         available = available_host_bytes()
         if available is not None and nbytes > available:
             raise MemoryError(
-                f"The host has {available / _GIB:.2f} GiB available but the KV cache needs a {nbytes / _GIB:.2f} GiB "
-                "chunk more. Lower the batch size or the context length, or lower OffloadConfig.host_chunk_mib."
+                f"The host has {format_bytes(available)} available but the KV cache needs a {format_bytes(nbytes)} "
+                "chunk more. Lower host_chunk_mib, the batch size or the context length."
             )
         self.reserved_bytes += nbytes
 
@@ -220,6 +235,9 @@ class HostBlockPool:
         self.chunk_admitted: list[bool] = []  # per chunk: admitted to the device (else host memory)
         self._free: list[int] = []
         self._next_id = 0
+        # Per block id: how many (sequence, block) entries of block tables refer to it. A sealed block never
+        # changes, so sequences that share a past (beam search, a repeated prompt) share its blocks.
+        self._refs = torch.zeros(0, dtype=torch.int32)
         # Device tables of the chunks for the copy kernels, with room for more chunks (filled in place as the pool
         # grows, so that a captured graph reading them stays valid; re-allocated, doubled, when full).
         self._chunk_addrs: torch.Tensor | None = None  # [capacity], int64: the chunks' addresses, 0 past them
@@ -377,25 +395,45 @@ class HostBlockPool:
         return sum(n for n, on_device in zip(used, self.chunk_admitted) if on_device == admitted) * self.block_bytes
 
     def allocate(self, n: int) -> torch.Tensor:
-        """Reserve ``n`` blocks; returns their ids, shape ``[n]``, dtype ``torch.int64``, on the CPU."""
-        take = min(n, len(self._free))
-        ids = self._free[len(self._free) - take :]
-        del self._free[len(self._free) - take :]
-        fresh = n - take
+        """Reserve ``n`` blocks, each referred to once; returns their ids, shape ``[n]``, dtype ``torch.int64``, on
+        the CPU. Nothing changes if the pool cannot grow (the error of the host budget or the allocation)."""
+        fresh = n - min(n, len(self._free))
         while self._next_id + fresh > len(self.chunks) * self.chunk_blocks:
             self._grow()
+        take = n - fresh
+        ids = self._free[len(self._free) - take :]
+        del self._free[len(self._free) - take :]
         ids.extend(range(self._next_id, self._next_id + fresh))
         self._next_id += fresh
-        return torch.tensor(ids, dtype=torch.int64)
+        ids = torch.tensor(ids, dtype=torch.int64)
+        grown = len(self.chunks) * self.chunk_blocks - len(self._refs)
+        if grown > 0:
+            self._refs = torch.cat([self._refs, self._refs.new_zeros(grown)])
+        self._refs[ids] = 1
+        return ids
+
+    def share(self, ids: torch.Tensor) -> None:
+        """Count one more reference to each of ``ids`` (``[n]``, ``torch.int64``, CPU; repeats count once each)."""
+        self._refs.index_put_((ids,), torch.ones(len(ids), dtype=self._refs.dtype), accumulate=True)
 
     def free(self, ids: torch.Tensor) -> None:
-        """Return blocks to the pool. ``ids``: shape ``[n]``, dtype ``torch.int64``, CPU."""
-        self._free.extend(ids.tolist())
+        """Drop one reference to each of ``ids`` (``[n]``, ``torch.int64``, CPU; repeats count once each); blocks
+        nothing refers to any more return to the pool."""
+        if not len(ids):
+            return
+        self._refs.index_put_((ids,), torch.full((len(ids),), -1, dtype=self._refs.dtype), accumulate=True)
+        touched = torch.unique(ids)
+        self._free.extend(touched[self._refs[touched] == 0].tolist())
+
+    def refs(self, ids: torch.Tensor) -> torch.Tensor:
+        """References to each of ``ids`` (``[n]``, ``torch.int64``, CPU), ``[n]``, ``torch.int32``."""
+        return self._refs[ids]
 
     def clear(self) -> None:
         """Forget every block (the chunks stay allocated for reuse)."""
         self._free.clear()
         self._next_id = 0
+        self._refs.zero_()
 
     def release(self) -> None:
         """Forget every block and free the chunks, returning their bytes to the host budget and device admission."""
@@ -407,6 +445,7 @@ class HostBlockPool:
             self.admission.admitted_bytes -= device_bytes
         self.chunks.clear()
         self.chunk_admitted.clear()
+        self._refs = torch.zeros(0, dtype=torch.int32)
         self.admitted_chunks = 0
         self._chunk_addrs = None
         self._chunk_on_host = self._chunk_on_host_cpu = None
