@@ -28,7 +28,8 @@ random weights make the queries: the worst case for a sparse cache, whose select
 from step to step. ``--workload recorded:PATH`` replays a decode recorded from a real model
 (``benchmarks/workload.py``): keys of a real document tiled to the context, each step's query and new key taken from
 the recording (values random), so the selection and the hit rate behave like a model's. Every row and the metadata
-name the workload; the dense methods' speed does not depend on it. ``--e2e`` adds one end-to-end run with a real (chunked) prefill at batch 1, ``DynamicCache`` vs
+name the workload; the dense methods' speed does not depend on it. ``--e2e`` adds one end-to-end run with a real
+(chunked) prefill at batch 1, ``DynamicCache`` vs
 ``OffloadCache``. Per configuration: tokens per second, time per step, peak device memory, host bytes, recalled
 GB/s, hit rate, a roofline bound from bandwidths measured in the same run, and the planner's predicted bytes.
 The JSON (``benchmarks.common.write_results``) is rewritten after every configuration.

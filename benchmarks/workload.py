@@ -29,9 +29,10 @@ depend on them). The file is safetensors in ``.workloads/`` (git-ignored) with i
   target layers thus map to consecutive kept layers (the kept pairs stay adjacent wherever ``m`` is even).
 * context: the recorded document goes last, at offset ``o = fill - n_ctx``: its key ``p`` gets RoPE at ``o + p``,
   which is the recorded post-RoPE key re-rotated by ``o`` positions (rotations compose, :func:`rotate`), and the
-  decode's queries run at ``fill + t``: each query sees its document at the recorded relative positions. The tokens before it repeat the
-  recording (each copy re-rotated to where it lies) as long-range distractors, each sequence from its own starting
-  point. A context shorter than the recording keeps the first ``sink_tokens`` and the last tokens.
+  decode's queries run at ``fill + t``: each query sees its document at the recorded relative positions. The first
+  ``sink_tokens`` positions hold the recording's first tokens (the attention sink); between them and the document,
+  copies of the recording (each key rotated to where it lies) are long-range distractors, each sequence starting
+  its copies elsewhere. A context shorter than the recording keeps the first ``sink_tokens`` and the last tokens.
 * the decode: :meth:`Replay.hooks` replaces ``q_proj`` / ``k_proj`` outputs of decode steps (one token per sequence)
   with the recorded step's query and key, so the model's own RoPE rotates them; values stay the model's (random).
 
@@ -208,8 +209,8 @@ class Recording:
 
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {"keys": self.keys, "key_scales": self.key_scales, "key_means": self.key_means, "queries": self.queries,
-                   "new_keys": self.new_keys, "token_ids": self.token_ids}  # fmt: skip
+        tensors = {"keys": self.keys, "key_scales": self.key_scales, "key_means": self.key_means,
+                   "queries": self.queries, "new_keys": self.new_keys, "token_ids": self.token_ids}  # fmt: skip
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
                   metadata={"format": FORMAT, "workload": json.dumps(self.meta)})  # fmt: skip
         self.path, self.file_sha256 = str(path), file_sha256(path)
@@ -230,8 +231,8 @@ class Recording:
                 raise ValueError(f"{path} is not a decode workload (format {header.get('format')!r}, expected "
                                  f"{FORMAT!r})")  # fmt: skip
             tensors = {k: f.get_tensor(k) for k in f.keys()}
-        return cls(tensors["keys"], tensors["key_scales"], tensors["key_means"], tensors["queries"], tensors["new_keys"],
-                   tensors["token_ids"], json.loads(header["workload"]), str(path), file_sha256(path))  # fmt: skip
+        names = ("keys", "key_scales", "key_means", "queries", "new_keys", "token_ids")
+        return cls(*(tensors[k] for k in names), json.loads(header["workload"]), str(path), file_sha256(path))
 
     def layer_keys(self, index: int) -> torch.Tensor:
         """Kept layer ``index``'s pre-RoPE context keys, dequantized: ``[kv_heads, context, head_dim]`` float32."""
@@ -295,7 +296,7 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     q_heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    theta = model_rope_theta(model)
+    theta, _ = _rope_of(cfg)
     device = next(model.parameters()).device
     n = len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=device)
@@ -371,18 +372,6 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
     return rec
 
 
-def model_rope_theta(model) -> float:
-    """The model's RoPE base; raises ``ValueError`` where its RoPE is not the default kind."""
-    cfg = model.config
-    params = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default") if isinstance(params, dict) else "default"
-    scaling = getattr(cfg, "rope_scaling", None)
-    if rope_type != "default" or (isinstance(scaling, dict) and scaling.get("rope_type", "default") != "default"):
-        raise ValueError(f"RoPE of type {rope_type!r} / scaling {scaling!r}: the workload maps default RoPE only")
-    theta = params.get("rope_theta") if isinstance(params, dict) else None
-    return float(theta if theta is not None else getattr(cfg, "rope_theta", 10000.0))
-
-
 def needle_document(tokenizer, context: int, seed: int = 0) -> tuple[list[int], dict]:
     """A prompt of exactly ``context`` tokens: standard-library documentation (the haystack of
     :mod:`eval_harness.needle`), one needle at about 40% of it, and a question at the end whose answer needs the
@@ -431,15 +420,16 @@ def needle_document(tokenizer, context: int, seed: int = 0) -> tuple[list[int], 
 
 # --------------------------------------------------------------------------------------------------------- replay
 def _rope_of(config) -> tuple[float, int]:
-    """``(rope_theta, head_dim)`` of a transformers config with default RoPE; ``ValueError`` otherwise."""
+    """``(rope_theta, head_dim)`` of a transformers config with default RoPE over the whole head; ``ValueError``
+    otherwise (the recorder and the replay rotate with the default frequencies only)."""
     params = getattr(config, "rope_parameters", None)
     params = params if isinstance(params, dict) else {}
     scaling = getattr(config, "rope_scaling", None)
     kind = params.get("rope_type") or (scaling or {}).get("rope_type") or "default"
     if kind != "default" or getattr(config, "partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"the target model's RoPE is {kind!r} (partial_rotary_factor "
+        raise ValueError(f"the model's RoPE is {kind!r} (partial_rotary_factor "
                          f"{getattr(config, 'partial_rotary_factor', 1.0)}); the replay needs default RoPE over the "
-                         "whole head: build it without rope scaling")  # fmt: skip
+                         "whole head: use a model without rope scaling")  # fmt: skip
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return float(theta), int(head_dim)
@@ -460,7 +450,8 @@ class Replay:
             ``fill_tokens + t``.
         device: where the keys and the decode inputs are built (the model's device).
         dtype: the model's dtype.
-        sink_tokens: where ``fill_tokens`` is shorter than the recording, the first tokens kept before its tail.
+        sink_tokens: the recording's first tokens (the attention sink), kept at positions ``0..sink_tokens - 1`` of
+            every sequence, before the tiled copies or, where ``fill_tokens`` is shorter than the recording, its tail.
     """
 
     recording: Recording
@@ -722,7 +713,7 @@ GEOMETRIES = {
     "llama-8b-attention": dict(hidden_size=256, intermediate_size=512, num_attention_heads=32, num_key_value_heads=8,
                                head_dim=128, vocab_size=1024),
     # The recorded model's own attention geometry (Qwen2.5-0.5B: 14 query / 2 KV heads, head_dim 64).
-    "qwen05-attention": dict(hidden_size=256, intermediate_size=512, num_attention_heads=14, num_key_value_heads=2,
+    "qwen05-attention": dict(hidden_size=224, intermediate_size=512, num_attention_heads=14, num_key_value_heads=2,
                              head_dim=64, vocab_size=1024),
 }  # fmt: skip
 
@@ -812,6 +803,17 @@ def hitrate_main(args) -> int:
     return 0
 
 
+def model_title(name: str) -> str:
+    """A registry model's title and GGUF identity (``hf-offload models list``), else ``name`` itself."""
+    from hf_offload.tools.models import get_spec
+
+    try:
+        spec = get_spec(name)
+    except (KeyError, ValueError):
+        return name
+    return f"{spec.title} (hf-offload models: {spec.name}, GGUF sha256 {spec.sha256[:12]}..., run in float32)"
+
+
 def record_main(args) -> int:
     """``record`` subcommand."""
     from hf_offload.tools.models import load
@@ -821,8 +823,8 @@ def record_main(args) -> int:
     layers = kept_layers(model.config.num_hidden_layers, args.layer_pairs)
     ids, info = needle_document(tokenizer, args.context, args.seed)
     print(f"recording {args.model}: {args.context:,} tokens, {args.steps} decode steps, layers {layers}")
-    rec = record(model, ids, args.steps, layers, chunk=args.chunk,
-                 meta={"model": getattr(model.config, "_name_or_path", args.model), "model_name": args.model, **info})
+    rec = record(model, ids, args.steps, layers, chunk=args.chunk, meta={"model": model_title(args.model),
+                 "model_name": args.model, **info})  # fmt: skip
     path = rec.save(args.out)
     print(f"generated: {tokenizer.decode(rec.meta['generated_ids'])!r}")
     print(f"wrote {path} ({path.stat().st_size / (1 << 20):.1f} MiB, sha256 {rec.file_sha256[:16]}...); int8 keys move "

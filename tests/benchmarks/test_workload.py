@@ -87,8 +87,8 @@ def test_replayed_logits_equal_the_recorded_ones(recording, fill):
     replay.fill(cache)
     queries = {}
     with torch.inference_mode(), replay.hooks(model):
-        captures = [layer.self_attn.q_proj.register_forward_hook(
-            lambda m, a, out, j=j: queries.__setitem__(j, out)) for j, layer in enumerate(model.model.layers)]  # fmt: skip
+        captures = [layer.self_attn.q_proj.register_forward_hook(lambda m, a, out, j=j: queries.__setitem__(j, out))
+                    for j, layer in enumerate(model.model.layers)]  # fmt: skip
         ids = torch.zeros(batch, 1, dtype=torch.long)
         for t in range(STEPS):
             model(input_ids=ids, position_ids=torch.full((batch, 1), fill + t), cache=cache, use_cache=True)
