@@ -24,13 +24,20 @@ Methods, each decoding one new token per sequence and step through the model's f
   is read on the host (a device-to-host synchronisation), the CPU gathers the missing pieces from the pinned pool
   into a pinned staging tensor, and one host-to-device copy moves them.
 
-Decode-only: the KV is filled with random values, no prefill (decode speed depends on the size of the KV, not on its
-values). ``--e2e`` adds one end-to-end run with a real (chunked) prefill at batch 1, ``DynamicCache`` vs
+Decode-only: the KV is filled without a prefill. ``--workload random`` (default) fills random keys and values, and the
+random weights make the queries: the worst case for a sparse cache, whose selection then changes almost entirely
+from step to step. ``--workload recorded:PATH`` replays a decode recorded from a real model
+(``benchmarks/workload.py``): keys of a real document tiled to the context, each step's query and new key taken from
+the recording (values random), so the selection and the hit rate behave like a model's. Every row and the metadata
+name the workload; the dense methods' speed does not depend on it. ``--e2e`` adds one end-to-end run with a real
+(chunked) prefill at batch 1, ``DynamicCache`` vs
 ``OffloadCache``. Per configuration: tokens per second, time per step, peak device memory, host bytes, recalled
 GB/s, hit rate, a roofline bound from bandwidths measured in the same run, and the planner's predicted bytes.
 The JSON (``benchmarks.common.write_results``) is rewritten after every configuration.
 
     python benchmarks/bench_decode.py --shape llama-8b --contexts 32768 65536 131072 --batches auto --e2e
+    python benchmarks/bench_decode.py --shape llama-8b --contexts 65536 131072 --batches 8 --methods dynamic quantkey \
+        quantkey-auto --workload recorded:.workloads/qwen05_needle_16k.safetensors
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_decode_step import fill_random  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.workload import Replay, load_workload  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
 from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
@@ -63,6 +71,7 @@ from hf_offload.store.host import available_host_bytes  # noqa: E402
 
 GIB = 1 << 30
 DECODE_ONLY = "decode-only: KV filled with random values, no prefill"
+RANDOM_WORKLOAD = {"kind": "random", "label": "random KV (worst case)"}
 METHODS = ["dynamic", "static", "hf-offloaded", "defaults", "quantkey", "quantkey-graphs", "quantkey-auto",
            "solohead", "solohead-graphs", "solohead-auto", "headwise-copy"]
 OFFLOAD_METHODS = ("defaults", "quantkey", "quantkey-graphs", "quantkey-auto", "solohead", "solohead-graphs",
@@ -121,15 +130,17 @@ METHOD_NOTES = {
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-def build_model(shape: str, max_positions: int, device: torch.device):
-    """A model of ``shape`` with random bf16 weights, built directly on ``device`` (never loaded), in eval mode."""
+def build_model(shape: str, max_positions: int, device: torch.device, rope_theta: float | None = None):
+    """A model of ``shape`` with random bf16 weights, built directly on ``device`` (never loaded), in eval mode;
+    ``rope_theta`` replaces the shape's (a recorded workload's RoPE base; speed does not depend on it)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
     spec = SHAPES[shape]
     config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[
         spec["family"]
     ]
-    config = config_cls(**spec["config"], max_position_embeddings=max_positions, attn_implementation="sdpa")
+    settings = {**spec["config"], **({"rope_theta": rope_theta} if rope_theta is not None else {})}
+    config = config_cls(**settings, max_position_embeddings=max_positions, attn_implementation="sdpa")
     torch.manual_seed(0)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -499,11 +510,22 @@ def fill_dense(cache, batch: int, tokens: int, layers: int, kv_heads: int, head_
         del k, v
 
 
+def workload_row(env: dict) -> dict:
+    """What each result row says about its workload: random, or the recording's file, SHA-256 and model."""
+    rec = env.get("recording")
+    if rec is None:
+        return dict(RANDOM_WORKLOAD)
+    d = rec.describe()
+    return {"kind": "recorded", "label": f"recorded {d['file']} ({d['model']})", "file": d["file"],
+            "sha256": d["sha256"], "model": d["model"]}  # fmt: skip
+
+
 def run_config(model, env: dict, method: str, context: int, batch: int, args,
                config: OffloadConfig | None = None) -> dict:  # fmt: skip
-    """Fill a cache of ``method`` (an OffloadCache one with ``config``) with ``context - warmup - steps`` random
-    tokens per sequence, decode warm-up and timed steps (so the last step attends to at most ``context`` tokens) and
-    return the measurements."""
+    """Fill a cache of ``method`` (an OffloadCache one with ``config``) with ``context - warmup - steps`` tokens per
+    sequence (random, or replayed from ``env["recording"]``), decode warm-up and timed steps (so the last step attends
+    to at most ``context`` tokens; with a recording, inside :meth:`benchmarks.workload.Replay.hooks`) and return the
+    measurements."""
     device, kw, shape = env["device"], env["kw"], env["shape"]
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, env["head_dim"]
@@ -512,8 +534,12 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else None
-    row: dict = {"method": method, "context": context, "batch": batch, "kv_tokens_start": fill_tokens}
-    with torch.inference_mode():
+    row: dict = {"method": method, "context": context, "batch": batch, "kv_tokens_start": fill_tokens,
+                 "workload": workload_row(env)}  # fmt: skip
+    recording = env.get("recording")
+    replay = (Replay(recording, model.config, batch, fill_tokens, device, dtype=model.dtype) if recording is not None
+              else None)  # fmt: skip
+    with torch.inference_mode(), contextlib.ExitStack() as replaying:
         cache, transfer = make_cache(method, model, context, args, device, config)
         if method in OFFLOAD_METHODS and getattr(args, "seal_graphs", "on") == "off":
             for layer in cache.offload_layers:
@@ -523,13 +549,19 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         if method in OFFLOAD_METHODS:
             torch.manual_seed(0)  # the random values: the same KV for every OffloadCache method
             cache.reserve(context)  # summaries for the last step's length, allocated once (no growth, no fragments)
-            fill_random(cache, batch, fill_tokens, kv_heads, head_dim, device)
+            if replay is not None:
+                replay.fill(cache)
+            else:
+                fill_random(cache, batch, fill_tokens, kv_heads, head_dim, device)
             sync(device)
             row["fill_transfer"] = "kernel" if cache.offload_layers[0].execution.use_kernels else "torch"
             if transfer == "torch":
                 for layer in cache.offload_layers:
                     layer.use_torch_transfer()
             row["transfer"] = "kernel" if cache.offload_layers[0].execution.use_kernels else "torch"
+        elif replay is not None:
+            replay.fill(cache)
+            sync(device)
         else:
             fill_dense(cache, batch, fill_tokens, layers, kv_heads, head_dim, device)
             sync(device)
@@ -537,6 +569,8 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         if cuda:  # where the peak comes from: the fill, or the decode steps (graph pools included)
             row["fill_peak_device_bytes"] = torch.cuda.max_memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
+        if replay is not None:  # every decode step from here on attends with the recorded step's query and key
+            replaying.enter_context(replay.hooks(model))
         g = torch.Generator(device=device).manual_seed(1)
         ids = torch.randint(0, cfg.vocab_size, (batch, 1), device=device, generator=g)
         mask = torch.ones(batch, context, dtype=torch.long, device=device)
@@ -582,6 +616,8 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             row["host_bytes"] = stats["host_reserved_bytes"]
             row["host_kv_bytes"] = stats["host_kv_bytes"]
             row["hit_rate"] = stats["hit_rate"]
+            # The estimated attention share the selection holds (selectors with an estimate of the rest: tail_bits).
+            row["selected_mass"] = None if stats["tail_share"] is None else 1.0 - stats["tail_share"]
             row["stats"] = stats
             row["admitted_kv_bytes"] = sum(layer.blocks.host.used_bytes_on(True) for layer in cache.offload_layers
                                            if layer.is_initialized)  # fmt: skip
@@ -590,7 +626,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         else:
             on_device, elsewhere = tensor_bytes(cache, device)
             row["cache_device_bytes"], row["host_bytes"], row["host_kv_bytes"] = on_device, elsewhere, elsewhere
-            row["hit_rate"] = None
+            row["hit_rate"] = row["selected_mass"] = None
             # transformers' offloading copies every layer's whole KV to the device (and back) at every step.
             kv_mid = fill_tokens + args.warmup + (steps + 1) / 2
             pcie_per_step = layers * batch * kv_mid * 2 * kv_heads * head_dim * 2 if method == "hf-offloaded" else 0
@@ -620,6 +656,8 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         if args.profile_seal and method in OFFLOAD_METHODS:
             profile_host(model, cache, kw, ids, pos, args.profile_seal, mask, device,
                          Path(args.out).with_suffix(f".{method}.{context}.{batch}.host_profile.txt"))  # fmt: skip
+        if replay is not None:
+            row["workload_steps_replayed"] = replay.step
         del cache, ids, mask
     if method in OFFLOAD_METHODS:
         disable_offload_attention(model)
@@ -727,7 +765,7 @@ def run_e2e(model, env: dict, args) -> dict:
 # ------------------------------------------------------------------------------------------------------------ main
 HEADER = (f"{'method':13s} {'context':>8s} {'batch':>5s} {'steps':>5s} {'tok/s':>9s} {'step ms':>9s} "
           f"{'peak GiB':>8s} {'pred GiB':>8s} {'host GiB':>8s} {'PCIe GB/s':>9s} {'hit':>5s} {'roof ms':>8s} "
-          f"{'x roof':>6s} {'pk/pred':>7s}")  # fmt: skip
+          f"{'x roof':>6s} {'pk/pred':>7s} {'sel mass':>8s} workload")  # fmt: skip
 
 
 def format_row(r: dict) -> str:
@@ -737,13 +775,15 @@ def format_row(r: dict) -> str:
         return "-" if x is None else f"{x / GIB:.1f}"
 
     hit = "-" if r.get("hit_rate") is None else f"{r['hit_rate']:.2f}"
+    mass = "-" if r.get("selected_mass") is None else f"{r['selected_mass']:.3f}"
     p = r["prediction"]
     ratio = "-" if p["peak_over_predicted"] is None else f"{p['peak_over_predicted']:.2f}"
     return (f"{r['method']:13s} {r['context']:8d} {r['batch']:5d} {r['steps']:5d} {r['tokens_per_s']:9.1f} "
             f"{r['step_ms']:9.1f} {gib(r['peak_device_bytes']):>8s} {gib(p['predicted_peak_device_bytes']):>8s} "
             f"{gib(r['host_bytes']):>8s} {r.get('pcie_gbps', r['recalled_gbps']):9.2f} {hit:>5s} "
             f"{r['roofline']['roofline_ms']:8.1f} "
-            f"{r['roofline']['step_over_roofline']:6.1f} {ratio:>7s}")  # fmt: skip
+            f"{r['roofline']['step_over_roofline']:6.1f} {ratio:>7s} {mass:>8s} "
+            f"{r.get('workload', RANDOM_WORKLOAD)['kind']}")  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -815,6 +855,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="after each OffloadCache configuration, decode this many more steps under cProfile (at "
                         "least block_tokens to include a seal) and write where the host time goes next to --out")
     parser.add_argument("--device", default="auto", help="auto (CUDA where available), cpu, cuda, ...")
+    parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
+                        help="the KV and queries of the decode: 'random' (default; random KV, the worst case for a "
+                        "sparse cache) or 'recorded:PATH', a decode recorded by benchmarks/workload.py and replayed at "
+                        "the shape (the model's rope_theta becomes the recording's)")  # fmt: skip
     parser.add_argument("--out", default="results/decode/bench_decode.json")
     parser.add_argument("--isolate", action="store_true",
                         help="run each (context, method) sweep, and --e2e, in a fresh process and merge their JSON: "
@@ -829,6 +873,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "or drop its batches")  # fmt: skip
     if args.reselect_every < 1:
         parser.error(f"--reselect-every must be a positive integer, got {args.reselect_every}")
+    try:
+        load_workload(args.workload)  # a bad file fails here, before any model is built
+    except (ValueError, FileNotFoundError) as err:
+        parser.error(f"--workload: {err}")
     if args.warmup is None:
         args.warmup = 3 if args.reselect_every == 1 else 3 + args.reselect_every
     for context in args.contexts:
@@ -877,7 +925,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
            "--hf-offloaded-max-batch", str(args.hf_offloaded_max_batch),
            "--hf-offloaded-max-kv-gib", str(args.hf_offloaded_max_kv_gib),
            "--device-margin-gib", str(args.device_margin_gib), "--host-margin-gib", str(args.host_margin_gib),
-           "--device", args.device]  # fmt: skip
+           "--device", args.device, "--workload", args.workload]  # fmt: skip
     if args.admission_gib is not None:
         out += ["--admission-gib", str(args.admission_gib)]
     # The settings of the OffloadCache methods (each child would otherwise run the defaults).
@@ -964,8 +1012,9 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
     max_positions = max(args.contexts + ([args.e2e_context + args.e2e_steps + 1] if args.e2e else [])) + 16
+    recording = load_workload(args.workload)
     t0 = time.perf_counter()
-    model = build_model(args.shape, max_positions, device)
+    model = build_model(args.shape, max_positions, device, rope_theta=recording.rope_theta if recording else None)
     sync(device)
     build_s = time.perf_counter() - t0
     cfg = model.config
@@ -978,19 +1027,29 @@ def main(argv: list[str] | None = None) -> int:
         "weights_per_step": per_step_w, "budget_tokens": args.budget,
         "n_rep": cfg.num_attention_heads // cfg.num_key_value_heads,
         "layer_kv_bytes": lambda batch, tokens: batch * tokens * shape.kv_bytes_per_token,
+        "recording": recording,
     }  # fmt: skip
-    print(f"{DECODE_ONLY}; {args.shape} shape, random bf16 weights ({total_w / GIB:.2f} GiB, {per_step_w / GIB:.2f} "
+    workload = workload_row(env)
+    if recording is not None:
+        workload["recording"] = recording.describe()
+        note = (f"decode-only: KV replayed from {workload['file']} (sha256 {workload['sha256'][:12]}..., recorded from "
+                f"{workload['model']}; keys tiled to the context, the recorded queries and new keys, random values), "
+                "no prefill")  # fmt: skip
+    else:
+        note = DECODE_ONLY
+    print(f"{note}; {args.shape} shape, random bf16 weights ({total_w / GIB:.2f} GiB, {per_step_w / GIB:.2f} "
           f"GiB read per step) on {torch.cuda.get_device_name(device) if cuda else 'cpu'}; device copy "
           f"{bandwidth['hbm_bytes_per_s'] / 1e9:.0f} GB/s, pinned host-to-device "
           f"{bandwidth['h2d_pinned_bytes_per_s'] / 1e9:.1f} GB/s", flush=True)  # fmt: skip
     result = {
-        "metadata": run_metadata(args, note=DECODE_ONLY + "; random weights", model_build_s=build_s,
+        "metadata": run_metadata(args, note=note + "; random weights", model_build_s=build_s, workload=workload,
                                  device=str(device),
                                  graph_scope=args.graph_scope, fused_norms=args.fused_norms,
                                  fused_rotary=args.fused_rotary,
                                  fused_projections=args.fused_projections, seal_graphs=args.seal_graphs,
                                  reselect_every=args.reselect_every),  # fmt: skip
-        "decode_only": DECODE_ONLY,
+        "decode_only": note,
+        "workload": workload,
         "model": {"shape": args.shape, "family": SHAPES[args.shape]["family"], "planner_preset":
                   SHAPES[args.shape]["preset"], "config": SHAPES[args.shape]["config"], "weight_bytes": total_w,
                   "weight_bytes_read_per_step": per_step_w, "kv_bytes_per_token": shape.kv_bytes_per_token *

@@ -1,0 +1,202 @@
+"""benchmarks/workload.py: a decode recorded from a tiny random Qwen2 model, replayed at a larger Llama geometry
+(twice the head size, more layers and KV heads, fewer query heads per KV head, a longer context): the replayed
+attention logits equal the recorded ones, re-rotated keys equal RoPE at the shifted position, and bad geometries
+fail with errors that say what to change."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from benchmarks import workload
+
+THETA = 1e6
+CONTEXT, STEPS = 40, 3
+
+
+@pytest.fixture(scope="module")
+def recording():
+    cfg = Qwen2Config(hidden_size=96, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
+                      num_key_value_heads=2, vocab_size=128, rope_theta=THETA, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (CONTEXT,)).tolist()
+    return workload.record(model, ids, STEPS, layers=[0, 1, 2, 3], chunk=16, meta={"model": "tiny-qwen2"},
+                           log=lambda *a: None)  # fmt: skip
+
+
+def target_config(**changes) -> LlamaConfig:
+    kw = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=5, num_attention_heads=8, num_key_value_heads=4,
+              head_dim=32, vocab_size=128, rope_theta=THETA, max_position_embeddings=512)  # fmt: skip
+    return LlamaConfig(**{**kw, **changes})
+
+
+def recorded_logits(rec: workload.Recording, layer: int, q_head: int, kv_head: int, t: int) -> torch.Tensor:
+    """The recorded model's logits ``q.k / sqrt(d)`` of decode step ``t`` over the context (int8 keys)."""
+    n = rec.context
+    q = workload.rope_at(rec.queries[layer, t, q_head][None], torch.tensor([n + t]), THETA)[0]
+    k = workload.rope_at(rec.layer_keys(layer)[kv_head], torch.arange(n), THETA)
+    return (k @ q) / math.sqrt(rec.head_dim)
+
+
+def test_rerotation_equals_rope_at_the_shifted_position():
+    torch.manual_seed(1)
+    x = torch.randn(2, 10, 16, dtype=torch.float64)
+    p = torch.arange(10) * 997
+    delta = torch.tensor([5, -3, 0, 12345, 7, 1, 2, 3, 4, 65536])
+    shifted = workload.rotate(workload.rope_at(x, p, THETA), delta, THETA)
+    torch.testing.assert_close(shifted, workload.rope_at(x, p + delta, THETA), rtol=1e-4, atol=1e-4)
+    # and equals the model's own RoPE (transformers, float64 angles on our side) at the shifted positions
+    cfg = target_config(head_dim=16)
+    cos, sin = _model_rope(cfg, (p + delta)[None])
+    ref, _ = apply_rotary_pos_emb(x.float()[None], x.float()[None], cos, sin)
+    torch.testing.assert_close(shifted, ref[0], rtol=1e-3, atol=1e-3)
+
+
+def _model_rope(cfg, positions):
+    rope = LlamaForCausalLM(cfg).model.rotary_emb
+    return rope(torch.zeros(1, dtype=torch.float32), positions)
+
+
+def test_embedded_head_turns_with_the_target_models_rope():
+    torch.manual_seed(2)
+    x = torch.randn(3, 7, 16)
+    pos = torch.arange(7) * 311
+    cos, sin = _model_rope(target_config(), pos[None])
+    ref, _ = apply_rotary_pos_emb(workload.embed_head(x, 32)[None], x.new_zeros(1, 3, 7, 32), cos, sin)
+    torch.testing.assert_close(workload.embed_head(workload.rope_at(x, pos, THETA), 32), ref[0], rtol=1e-4,
+                               atol=1e-4)  # fmt: skip
+
+
+@pytest.mark.parametrize("fill", [CONTEXT, 2 * CONTEXT + 5])
+def test_replayed_logits_equal_the_recorded_ones(recording, fill):
+    """Decode through a random-weight target model inside ``hooks``: each step's query (as the model's q_proj hook
+    returns it, rotated by the model's RoPE) against the keys the cache holds gives, over the recorded document, the
+    recorded logits at every target layer, sequence, KV head and query head."""
+    rec = recording
+    cfg = target_config()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    batch = 2
+    replay = workload.Replay(rec, cfg, batch=batch, fill_tokens=fill, dtype=torch.float32)
+    cache = DynamicCache(config=cfg)
+    replay.fill(cache)
+    queries = {}
+    with torch.inference_mode(), replay.hooks(model):
+        captures = [layer.self_attn.q_proj.register_forward_hook(lambda m, a, out, j=j: queries.__setitem__(j, out))
+                    for j, layer in enumerate(model.model.layers)]  # fmt: skip
+        ids = torch.zeros(batch, 1, dtype=torch.long)
+        for t in range(STEPS):
+            model(input_ids=ids, position_ids=torch.full((batch, 1), fill + t), cache=cache, use_cache=True)
+            pos = torch.full((batch, 1), fill + t)
+            cos, sin = model.model.rotary_emb(queries[0], pos)
+            for j in range(cfg.num_hidden_layers):
+                q = queries[j].view(batch, 1, cfg.num_attention_heads, cfg.head_dim).transpose(1, 2)
+                q, _ = apply_rotary_pos_emb(q, q, cos, sin)  # [batch, q_heads, 1, D]
+                keys = cache.layers[j].keys  # [batch, kv_heads, fill + t + 1, D]
+                for b in range(batch):
+                    for h in range(cfg.num_key_value_heads):
+                        li, hi = replay.source(j, h, b)
+                        for i, qh in enumerate(replay.query_heads(h)):
+                            got = keys[b, h, fill - rec.context : fill] @ q[b, h * replay.q_per_kv + i, 0]
+                            want = recorded_logits(rec, li, qh, hi, t)
+                            torch.testing.assert_close(got / math.sqrt(cfg.head_dim), want, rtol=1e-4, atol=1e-4)
+                        # the step's own key went into the cache at its position, as recorded
+                        key = workload.rope_at(rec.new_keys[li, t, hi][None], torch.tensor([fill + t]), THETA)
+                        torch.testing.assert_close(keys[b, h, fill + t], workload.embed_head(key, 32)[0], rtol=1e-4,
+                                                   atol=1e-4)  # fmt: skip
+        for c in captures:
+            c.remove()
+    assert replay.step == STEPS
+    # hooks removed on exit: the model's own projections again
+    assert not model.model.layers[0].self_attn.q_proj._forward_hooks
+    assert not model._forward_pre_hooks
+
+
+def test_sequences_differ_and_layers_cycle_in_pairs(recording):
+    replay = workload.Replay(recording, target_config(), batch=3, fill_tokens=3 * CONTEXT, dtype=torch.float32)
+    idx = [replay.token_index(b) for b in range(3)]
+    assert all(len(i) == 3 * CONTEXT for i in idx)
+    assert all(torch.equal(i[-CONTEXT:], torch.arange(CONTEXT)) for i in idx)  # the document last
+    assert all(torch.equal(i[:4], torch.arange(4)) for i in idx)  # its sink tokens first
+    assert not torch.equal(idx[0], idx[1]) and not torch.equal(idx[1], idx[2])
+    assert [replay.source(j, 0)[0] for j in range(5)] == [0, 1, 2, 3, 0]
+    assert replay.source(0, 0, seq=1) == (2, 0) and replay.source(0, 3) == (1, 1)
+    short = workload.Replay(recording, target_config(), batch=1, fill_tokens=CONTEXT - 10, dtype=torch.float32)
+    assert torch.equal(short.token_index(0), torch.cat((torch.arange(4), torch.arange(14, CONTEXT))))
+
+
+def test_save_and_load_round_trip(recording, tmp_path):
+    path = recording.save(tmp_path / "w.safetensors")
+    back = workload.Recording.load(path)
+    for name in ("keys", "key_scales", "key_means", "queries", "new_keys", "token_ids"):
+        assert torch.equal(getattr(back, name), getattr(recording, name)), name
+    assert back.meta["rope_theta"] == THETA and back.meta["layers"] == [0, 1, 2, 3]
+    assert back.describe()["sha256"] == workload.file_sha256(path) and back.describe()["file"] == "w.safetensors"
+    assert max(back.meta["keys_int8_logit_error"]) < 0.1
+    assert workload.load_workload("random") is None
+    assert workload.load_workload(f"recorded:{path}").file_sha256 == back.file_sha256
+    with pytest.raises(ValueError, match="recorded:PATH"):
+        workload.load_workload(str(path))
+    other = tmp_path / "other.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(other))
+    with pytest.raises(ValueError, match="not a decode workload"):
+        workload.Recording.load(other)
+
+
+def test_geometries_that_cannot_map_say_what_to_change(recording):
+    with pytest.raises(ValueError, match="rope_theta=1e\\+06"):
+        workload.Replay(recording, target_config(rope_theta=5e5), batch=1, fill_tokens=64)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        workload.Replay(recording, target_config(head_dim=24), batch=1, fill_tokens=64)
+    with pytest.raises(ValueError, match="at least 4"):
+        workload.Replay(recording, target_config(num_attention_heads=16), batch=1, fill_tokens=64)
+    with pytest.raises(ValueError, match="default RoPE"):
+        cfg = target_config(rope_scaling={"rope_type": "linear", "factor": 2.0})
+        workload.Replay(recording, cfg, batch=1, fill_tokens=64)
+
+
+def test_kept_layers_are_adjacent_pairs():
+    assert workload.kept_layers(24, 7) == [0, 1, 4, 5, 7, 8, 11, 12, 15, 16, 18, 19, 22, 23]
+    assert workload.kept_layers(24, 12) == list(range(24))
+    assert workload.kept_layers(8, 1) == [0, 1]
+
+
+def test_bench_decode_replays_a_recorded_workload(recording, tmp_path, capsys):
+    """bench_decode --workload recorded:PATH on the CPU at the tiny shape: the fill and the decode come from the
+    replay, and every row and the metadata name the workload."""
+    from benchmarks import bench_decode
+
+    path = recording.save(tmp_path / "tiny.safetensors")
+    out = tmp_path / "bench.json"
+    argv = ["--shape", "tiny", "--budget", "64", "--steps", "2", "--warmup", "1", "--bandwidth-mib", "8",
+            "--device", "cpu", "--contexts", "256", "--batches", "2", "--methods", "dynamic", "quantkey",
+            "--out", str(out)]  # fmt: skip
+    assert bench_decode.main([*argv, "--workload", f"recorded:{path}"]) == 0
+    data = __import__("json").loads(out.read_text())
+    sha = workload.file_sha256(path)
+    assert data["workload"]["kind"] == "recorded" and data["workload"]["sha256"] == sha
+    assert data["metadata"]["workload"]["recording"]["model"] == "tiny-qwen2"
+    assert "tiny.safetensors" in data["decode_only"] and "tiny.safetensors" in data["metadata"]["note"]
+    runs = {r["method"]: r for r in data["runs"]}
+    assert sorted(runs) == ["dynamic", "quantkey"]
+    for r in runs.values():
+        assert r["workload"] == {"kind": "recorded", "label": "recorded tiny.safetensors (tiny-qwen2)",
+                                 "file": "tiny.safetensors", "sha256": sha, "model": "tiny-qwen2"}  # fmt: skip
+        assert r["workload_steps_replayed"] == 3  # warm-up and timed steps
+    assert 0 <= runs["quantkey"]["hit_rate"] <= 1 and runs["dynamic"]["hit_rate"] is None
+    printed = capsys.readouterr().out
+    assert any(line.startswith("quantkey ") and line.endswith("recorded") for line in printed.splitlines())
+    # random stays the default, and says so
+    assert bench_decode.main(argv) == 0
+    data = __import__("json").loads(out.read_text())
+    assert data["workload"] == bench_decode.RANDOM_WORKLOAD
+    assert all(r["workload"]["label"] == "random KV (worst case)" for r in data["runs"])
+    with pytest.raises(SystemExit):
+        bench_decode.parse_args([*argv, "--workload", "recorded:/nonexistent.safetensors"])
