@@ -1,0 +1,200 @@
+"""End-to-end ``generate()`` under a device memory cap, and device memory across many ``generate()`` calls.
+
+Two questions, one run:
+
+* **cap**: with the process limited to ``--cap-gib`` of the device (``torch.cuda.set_per_process_memory_fraction``,
+  what a 16 / 24 / 48 GiB GPU allows), which batches of a model at ``--context`` tokens run through ``generate()``
+  (chunked prefill), with ``DynamicCache``, with the library's defaults (``OffloadCache(model, budget_tokens=B)``,
+  nothing else set) and with every block in host memory (``admission="always"``); per batch: time to first token,
+  steady decode tokens/s, peak device memory, host KV, hit rate, or the out-of-memory error.
+* **soak**: ``--soak N`` calls of ``generate()``, each with a fresh cache, alternating two batch sizes and two
+  prompt lengths; device memory allocated after each call (and pinned host memory where torch reports it), so that
+  growth per call shows.
+
+Random weights: speed and memory depend on shapes, not weights; the hit rate does not (it is reported for what it
+is: random-weight activations). Raw JSON (``benchmarks.common.write_results``).
+
+    python benchmarks/bench_memory_cap.py --shape qwen2.5-coder-0.5b --context 32768 --batches 16 48 --cap-gib 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_metadata, write_results  # noqa: E402
+from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
+from hf_offload.tools.bench import SHAPES  # noqa: E402
+
+GIB = 1 << 30
+WORKLOAD = "random bf16 weights, random token ids; generate() with a chunked prefill"
+
+
+def build(shape: str, positions: int, device: torch.device):
+    """A Llama-architecture model of ``shape`` (a key of ``hf_offload.tools.bench.SHAPES``), random bf16 weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=positions, pad_token_id=0)
+    torch.manual_seed(0)
+    with device:
+        return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+class StepClock:
+    """A logits processor that records the time after each step (synchronised)."""
+
+    def __init__(self):
+        self.marks: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.marks.append(time.perf_counter())
+        return scores
+
+
+def make_cache(kind: str, model, budget: int):
+    from transformers import DynamicCache
+
+    if kind == "dynamic":
+        return DynamicCache(config=model.config)
+    if kind == "defaults":
+        return OffloadCache(model, budget_tokens=budget)
+    if kind == "always":
+        return OffloadCache(model, budget_tokens=budget, admission="always")
+    raise ValueError(kind)
+
+
+def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, budget: int, chunk: int,
+                 device: torch.device) -> dict:  # fmt: skip
+    """One ``generate()`` of ``batch`` random prompts of ``context`` tokens; times, memory and cache stats."""
+    from transformers import LogitsProcessorList
+
+    row = {"cache": kind, "batch": batch, "context": context, "new_tokens": new_tokens}
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    clock = StepClock()
+    cache = None
+    try:
+        cache = make_cache(kind, model, budget)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
+                           do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                           prefill_chunk_size=chunk, logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+        marks = clock.marks
+        row["ttft_s"] = marks[0] - t0
+        row["first_decode_step_s"] = marks[1] - marks[0]
+        steady = marks[3:]
+        row["steady_step_s"] = (steady[-1] - steady[0]) / (len(steady) - 1)
+        row["decode_tok_s"] = batch / row["steady_step_s"]
+        row["ok"] = True
+    except torch.OutOfMemoryError as err:
+        row["ok"] = False
+        row["error"] = f"OutOfMemoryError: {str(err).splitlines()[0][:300]}"
+    except Exception as err:  # noqa: BLE001 -- recorded, the sweep goes on
+        row["ok"] = False
+        row["error"] = f"{type(err).__name__}: {str(err)[:300]}"
+        row["traceback"] = traceback.format_exc()[-2000:]
+    row["peak_device_gib"] = torch.cuda.max_memory_allocated(device) / GIB
+    row["peak_above_model_gib"] = (torch.cuda.max_memory_allocated(device) - base) / GIB
+    if isinstance(cache, OffloadCache) and row.get("ok"):
+        stats = cache.stats()
+        row["host_kv_gib"] = stats["host_kv_bytes"] / GIB
+        row["device_kv_gib"] = stats["device_kv_bytes"] / GIB
+        row["hit_rate"] = stats.get("hit_rate")
+        admission = next(iter(cache._shared.admissions.values()), None)
+        if admission is not None:
+            row["admitted_gib"] = admission.admitted_bytes / GIB
+            row["demoted_chunks"] = admission.demoted_chunks
+            row["margin_gib"] = admission.margin_bytes / GIB
+    del cache
+    return row
+
+
+def soak(model, calls: int, budget: int, device: torch.device) -> list[dict]:
+    """``calls`` generate() calls with fresh caches, alternating shapes; memory after each."""
+    rows = []
+    shapes = [(2, 3000), (3, 2000)]
+    for i in range(calls):
+        batch, length = shapes[i % 2]
+        ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
+        cache = OffloadCache(model, budget_tokens=budget)
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
+                           do_sample=False, max_new_tokens=8, min_new_tokens=8)  # fmt: skip
+        del cache
+        gc.collect()
+        torch.cuda.synchronize()
+        host = torch.cuda.memory.host_memory_stats() if hasattr(torch.cuda.memory, "host_memory_stats") else {}
+        rows.append({"call": i, "allocated_mib": torch.cuda.memory_allocated(device) / 2**20,
+                     "reserved_mib": torch.cuda.memory_reserved(device) / 2**20,
+                     "pinned_allocated_mib": host.get("allocated_bytes.current", 0) / 2**20})  # fmt: skip
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-coder-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batches", type=int, nargs="+", default=[16, 48])
+    parser.add_argument("--caches", nargs="+", default=["dynamic", "defaults", "always"])
+    parser.add_argument("--cap-gib", type=float, default=16.0, help="device memory the process may allocate")
+    parser.add_argument("--budget", type=int, default=2048)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument("--soak", type=int, default=0, help="generate() calls of the soak (0: none)")
+    parser.add_argument("--max-seconds", type=float, default=480.0)
+    parser.add_argument("--out", default="results/memory_cap/bench_memory_cap.json")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda")
+    start = time.perf_counter()
+    total = torch.cuda.mem_get_info(device)[1]
+    torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), device)
+    model = build(args.shape, args.context + args.new_tokens + 16, device)
+    result = {"metadata": run_metadata(args, note=WORKLOAD), "workload": WORKLOAD, "cap_gib": args.cap_gib,
+              "weights_gib": torch.cuda.memory_allocated(device) / GIB, "runs": [], "skipped": []}  # fmt: skip
+    print(f"{'cache':9s} {'batch':>5s} {'ok':>3s} {'ttft s':>7s} {'1st step s':>10s} {'tok/s':>8s} {'peak GiB':>9s} "
+          f"{'host KV GiB':>11s} {'hit':>5s}")  # fmt: skip
+    for batch in args.batches:
+        for kind in args.caches:
+            if time.perf_counter() - start > args.max_seconds:
+                result["skipped"].append({"cache": kind, "batch": batch, "reason": "time budget"})
+                continue
+            r = run_generate(model, kind, batch, args.context, args.new_tokens, args.budget, args.prefill_chunk,
+                             device)  # fmt: skip
+            result["runs"].append(r)
+            write_results(args.out, result)
+            print(f"{kind:9s} {batch:5d} {'yes' if r['ok'] else 'no':>3s} {r.get('ttft_s', float('nan')):7.2f} "
+                  f"{r.get('first_decode_step_s', float('nan')):10.3f} {r.get('decode_tok_s', float('nan')):8.1f} "
+                  f"{r['peak_device_gib']:9.2f} {r.get('host_kv_gib', float('nan')):11.2f} "
+                  f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('error', '')[:90]}")  # fmt: skip
+    if args.soak:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        rows = soak(model, args.soak, args.budget, device)
+        result["soak"] = rows
+        first, last = rows[min(4, len(rows) - 1)], rows[-1]
+        calls = max(1, last["call"] - first["call"])
+        result["soak_drift_mib_per_call"] = (last["allocated_mib"] - first["allocated_mib"]) / calls
+        print(f"soak: {len(rows)} calls, allocated {first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB "
+              f"({result['soak_drift_mib_per_call']:.3f} MiB/call after warm-up), pinned "
+              f"{first['pinned_allocated_mib']:.1f} -> {last['pinned_allocated_mib']:.1f} MiB")  # fmt: skip
+    result["complete"] = True
+    write_results(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
