@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seconds", type=float, default=480.0)
     parser.add_argument("--out", default="results/memory_cap/bench_memory_cap.json")
     args = parser.parse_args(argv)
-    device = torch.device("cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     total = torch.cuda.mem_get_info(device)[1]
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), device)

@@ -88,14 +88,20 @@ def process_headroom_bytes(device: torch.device) -> int:
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     unused = torch.cuda.memory_reserved(device) - allocated
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device)
-    return max(0, min(int(total * fraction) - allocated, free + unused))
+    return max(0, min(int(total * _memory_fraction(device)) - allocated, free + unused))
+
+
+def _memory_fraction(device: torch.device) -> float:
+    """The process's memory fraction of a CUDA device (1.0 where torch cannot say)."""
+    get = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return 1.0 if get is None else get(index)
 
 
 def process_limit_bytes(device: torch.device) -> int:
     """Device bytes this process may allocate on a CUDA ``device`` in all (its memory fraction of the total)."""
     total = torch.cuda.mem_get_info(device)[1]
-    return int(total * getattr(torch.cuda, "get_per_process_memory_fraction", lambda _: 1.0)(device))
+    return int(total * _memory_fraction(device))
 
 
 class DeviceAdmission:

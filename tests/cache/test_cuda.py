@@ -65,3 +65,33 @@ def test_cuda_tiers_reassemble_bit_for_bit():
     dense_k, dense_v = layer.dense_kv()
     assert torch.equal(dense_k, torch.cat(all_k, -2)) and torch.equal(dense_v, torch.cat(all_v, -2))
     assert layer.stats.recalled_blocks > 0
+
+
+@pytest.mark.parametrize("extra_chunks", [0.5, 3.5])
+def test_cuda_admitted_chunks_go_back_to_the_host_as_summaries_grow(extra_chunks):
+    """admission="auto" within a device bound that the growing summaries squeeze: admitted chunks move to pinned
+    host memory (same block ids, device tables rewritten in place) and the tokens stay those of "always"."""
+    model = build_model("qwen2").cuda()
+    ids, mask = left_padded([45, 33, 20], seed=6)
+    ids, mask = ids.cuda(), mask.cuda()
+    tiny = dict(SMALL, host_chunk_mib=0.01)
+
+    def run(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                  do_sample=False)  # fmt: skip
+
+    always = OffloadCache(model, budget_tokens=40, admission="always", **tiny)
+    expected = run(always)
+    host = always.offload_layers[0].blocks.host
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in always.offload_layers)
+    gib = (buffers + extra_chunks * host.chunk_blocks * host.block_bytes) / 2**30
+    cache = OffloadCache(model, budget_tokens=40, admission="auto", device_memory_gib=gib, **tiny)
+    assert torch.equal(run(cache), expected)
+    admission = cache._shared.admissions[ids.device]
+    assert admission.demoted_chunks > 0 and admission.cache_bytes() <= admission.limit_bytes
+    for layer in cache.offload_layers:
+        pool = layer.blocks.host
+        for chunk, admitted in zip(pool.chunks, pool.chunk_admitted):
+            assert chunk.is_cuda == admitted and (admitted or chunk.is_pinned())
+        assert torch.equal(layer.dense_kv()[0], always.layers[layer.layer_idx].dense_kv()[0])
