@@ -26,7 +26,7 @@ def test_cuda_full_budget_token_identical_and_pinned(arch, selector):
             input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), max_new_tokens=10,
             do_sample=False,
         )
-        cache = OffloadCache(model, budget_tokens=4096, selector=selector, **SMALL)
+        cache = OffloadCache(model, budget_tokens=4096, selector=selector, admission="always", **SMALL)
         got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False)
     assert torch.equal(got, expected)
     stats = cache.stats()

@@ -148,8 +148,12 @@ def test_graphs_count_host_reads_with_admission_auto(attention):
     model = build_model("llama").cuda()
     ids, mask = left_padded([70, 53, 31], seed=8)
     ids, mask = ids.cuda(), mask.cuda()
-    options = dict(selector="quantkey", admission="auto", device_memory_gib=30e-6, host_chunk_mib=0.01,
-                   decode_attention=attention)  # fmt: skip
+    options = dict(selector="quantkey", host_chunk_mib=0.01, decode_attention=attention)
+    _, always = _generate(model, ids, mask, 60, cuda_graphs=False, admission="always", **options)
+    host = always.offload_layers[0].blocks.host
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in always.offload_layers)
+    # The bound holds the cache's buffers and three chunks (device_memory_gib bounds the whole cache).
+    options.update(admission="auto", device_memory_gib=(buffers + 3 * host.chunk_blocks * host.block_bytes) / 2**30)
     expected, eager = _generate(model, ids, mask, 60, cuda_graphs=False, **options)
     got, graphed = _generate(model, ids, mask, 60, cuda_graphs=True, **options)
     assert torch.equal(got, expected)
