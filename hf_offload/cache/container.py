@@ -409,6 +409,12 @@ def _check_model(model) -> object:
     """Return the decoder text config of ``model`` or raise a clear error if the cache cannot serve it."""
     from transformers import PreTrainedModel
 
+    if not isinstance(model, PreTrainedModel) and isinstance(getattr(model, "_orig_mod", None), PreTrainedModel):
+        raise TypeError(
+            "OffloadCache(model, ...) takes the transformers model itself, not the module torch.compile returned: "
+            "build the cache with the model (compiled._orig_mod), e.g. OffloadCache(compiled._orig_mod, ...). "
+            "OffloadCache's decode step runs eagerly; torch.compile of a model used with other caches is unaffected."
+        )
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"OffloadCache(model, ...) takes the transformers model itself (it switches the model's attention), "

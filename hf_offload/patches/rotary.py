@@ -147,7 +147,17 @@ class RotaryForward:
         self.module, self.function, self.rotary = module, function, rotary
 
     def __call__(self, *args, **kwargs):
+        if _compiling():
+            # torch.compile traces the class's own forward: the copy runs with globals of its own, where the compiled
+            # code dynamo installs in the module's globals is not found (and inductor fuses the rotation anyway).
+            return type(self.module).forward(self.module, *args, **kwargs)
         return self.function(self.module, *args, **kwargs)
+
+
+def _compiling() -> bool:
+    """Whether torch.compile is tracing the current call."""
+    compiler = getattr(torch, "compiler", None)
+    return bool(compiler is not None and hasattr(compiler, "is_compiling") and compiler.is_compiling())
 
 
 def install_fused_rotary(model: torch.nn.Module) -> int:
