@@ -126,19 +126,27 @@ def test_cache_decodes_the_tokens_of_the_pool_path(selector, lookahead, monkeypa
     ids, mask = left_padded([120, 97], seed=3)
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
-    results = {}
-    for attention in ("pool", "paged"):
-        # Chunks of 4 blocks; four of them (of the ~14 the two layers fill) stay on the device, the rest offloaded.
-        cache = OffloadCache(model, budget_tokens=64, block_tokens=8, selector=selector, transfer="kernel",
-                             admission="auto", device_memory_gib=16 * block_bytes / 2**30,
-                             host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention,
-                             lookahead=lookahead)  # fmt: skip
+    settings = dict(budget_tokens=64, block_tokens=8, selector=selector, transfer="kernel",
+                    host_chunk_mib=4 * block_bytes / 2**20, lookahead=lookahead)  # fmt: skip
+
+    def two_turns(cache):
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=10, do_sample=False)
         # A second turn on the same cache: its prefill reads admitted blocks through the slot pool (copies), then
         # decode steps read them in place again.
         more = torch.cat([out, torch.randint(3, 90, (2, 21), generator=torch.Generator().manual_seed(1)).to(DEVICE)], 1)
         mask2 = torch.cat([mask, torch.ones_like(more[:, mask.shape[1]:])], 1)
-        out = model.generate(more, attention_mask=mask2, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        return model.generate(more, attention_mask=mask2, past_key_values=cache, max_new_tokens=8, do_sample=False)
+
+    probe = OffloadCache(model, admission="always", **settings)
+    two_turns(probe)
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in probe.offload_layers)
+    results = {}
+    for attention in ("pool", "paged"):
+        # Chunks of 4 blocks; device_memory_gib holds the cache's buffers and four chunks (of the ~14 the two layers
+        # fill), the rest offloaded.
+        cache = OffloadCache(model, admission="auto", device_memory_gib=(buffers + 16 * block_bytes) / 2**30,
+                             decode_attention=attention, **settings)  # fmt: skip
+        out = two_turns(cache)
         layer = cache.offload_layers[0]
         assert layer.execution.paged == (attention == "paged")
         assert 0 < layer.blocks.host.admitted_chunks < len(layer.blocks.host.chunks)
@@ -169,14 +177,18 @@ def test_a_layer_with_every_chunk_admitted_skips_the_slot_pool(selector, monkeyp
         return original_assign(pool, *args, **kwargs)
 
     monkeypatch.setattr(DeviceSlotPool, "assign", counted_assign)
+    settings = dict(budget_tokens=48, block_tokens=8, selector=selector, transfer="kernel",
+                    host_chunk_mib=4 * block_bytes / 2**20)  # fmt: skip
+    probe = OffloadCache(model, admission="always", **settings)
+    model.generate(ids, attention_mask=mask, past_key_values=probe, max_new_tokens=6, do_sample=False)
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in probe.offload_layers)
     results = {}
     for attention in ("pool", "paged"):
         assigned.clear()
-        # Chunks of 4 blocks; the first turn's 15 blocks per sequence fill 8 chunks per layer (16 in all: the
-        # admission limit); the second turn's blocks need more chunks, which go to host memory.
-        cache = OffloadCache(model, budget_tokens=48, block_tokens=8, selector=selector, transfer="kernel",
-                             admission="auto", device_memory_gib=16 * 4 * block_bytes / 2**30,
-                             host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention)  # fmt: skip
+        # Chunks of 4 blocks; the first turn's 15 blocks per sequence fill 8 chunks per layer (16 in all: with the
+        # cache's buffers, the device bound); the second turn's blocks need more chunks, which go to host memory.
+        cache = OffloadCache(model, admission="auto", device_memory_gib=(buffers + 16 * 4 * block_bytes) / 2**30,
+                             decode_attention=attention, **settings)  # fmt: skip
         out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, do_sample=False)
         layers = cache.offload_layers
         assert all(layer.blocks.host.all_admitted for layer in layers)
