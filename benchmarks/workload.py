@@ -68,7 +68,13 @@ FORMAT = "hf-offload-decode-workload/1"
 DEFAULT_DIR = REPO / ".workloads"
 
 
+def cache_keyword(model) -> str:
+    """The keyword ``model.forward`` takes its cache under: ``cache`` in newer transformers, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 # ----------------------------------------------------------------------------------------------------------- RoPE
+
 def rope_inv_freq(theta: float, head_dim: int) -> torch.Tensor:
     """Default RoPE frequencies ``theta^(-2i/head_dim)``, ``i < head_dim / 2``, float64 on the CPU."""
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
@@ -301,7 +307,7 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
     n = len(prompt_ids)
     ids = torch.tensor([prompt_ids], device=device)
     cache = DynamicCache(config=cfg)
-    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    kw = cache_keyword(model)
     captured: dict[str, list] = {"q_proj": [], "k_proj": []}
     handles = []
     for name, store in captured.items():
@@ -766,7 +772,7 @@ def measure_hit_rate(recording: Recording | None, geometry: str, layers: int, co
                 cache.reset_stats()
             pos = context + i
             out = model(input_ids=ids, position_ids=torch.full((batch, 1), pos), attention_mask=mask[:, : pos + 1],
-                        cache=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+                        use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})  # fmt: skip
             ids = out.logits[:, -1:].argmax(-1)
         stats = cache.stats()
     disable_offload_attention(model)

@@ -91,7 +91,8 @@ def test_replayed_logits_equal_the_recorded_ones(recording, fill):
                     for j, layer in enumerate(model.model.layers)]  # fmt: skip
         ids = torch.zeros(batch, 1, dtype=torch.long)
         for t in range(STEPS):
-            model(input_ids=ids, position_ids=torch.full((batch, 1), fill + t), cache=cache, use_cache=True)
+            model(input_ids=ids, position_ids=torch.full((batch, 1), fill + t), use_cache=True,
+                  **{workload.cache_keyword(model): cache})
             pos = torch.full((batch, 1), fill + t)
             cos, sin = model.model.rotary_emb(queries[0], pos)
             for j in range(cfg.num_hidden_layers):
