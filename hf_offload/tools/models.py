@@ -76,7 +76,7 @@ MARKER_FILE = "hf_offload_model.json"
 """Name of the marker written into a converted model folder once the conversion is complete."""
 
 MARKER_FORMAT = 1
-_NEWEST_TESTED_TRANSFORMERS = "5.24.0"
+_NEWEST_TESTED_TRANSFORMERS = "5.25.0"
 _CHUNK_BYTES = 16 * 1024 * 1024  # streaming buffer: 16 MiB, reused for every read
 _DTYPE_NAMES = {
     "bfloat16": "bfloat16",
