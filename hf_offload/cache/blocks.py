@@ -350,6 +350,7 @@ class BlockStore:
         # A host pool shared with other caches (OffloadCache.fork) outlives this store: blocks only this store
         # referred to go back to it, else a prefix forked again and again would keep every fork's blocks.
         if getattr(self, "is_initialized", False) and self.host.holders > 1:
+            self.wait_host_writes()  # a block freed here may be reused at once: its pending write must be done
             self._let_go_of_shared_pool()
 
     def shared_host_bytes(self) -> int:

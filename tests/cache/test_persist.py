@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from hf_offload import OffloadCache
 from hf_offload.cache.blocks import BlockStore
-from hf_offload.cache.persist import CacheFileError
+from hf_offload import CacheFileError
 from hf_offload.cache.planner import DecodePlanner
 
 from ..helpers import TINY_PREFILL, TINY_SPARSE, build_model, left_padded
