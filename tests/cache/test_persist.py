@@ -166,6 +166,25 @@ def test_settings_that_leave_the_layout_alone_may_change_at_load(tmp_path):
         OffloadCache.load(path, model, block_tokens=16)
 
 
+def test_a_selector_instance_is_saved_by_its_registered_name(tmp_path):
+    from hf_offload import QuantKeySelector
+
+    model = build_model("llama")
+    cache, ids, mask = _prefilled(model, dict(BUDGETS["sparse"], selector=QuantKeySelector(bits=4)))
+    cache.save(tmp_path / "cache.safetensors")
+    loaded = OffloadCache.load(tmp_path / "cache.safetensors", model)
+    assert loaded.config.selector == "quantkey[bits=4]"
+    assert continue_recorded(model, loaded, ids, mask) == continue_recorded(model, cache, ids, mask)
+
+    class Unnamed(QuantKeySelector):  # not registered: no name in a file rebuilds it
+        pass
+
+    unnamed = OffloadCache(model, **dict(BUDGETS["sparse"], selector=Unnamed()))
+    with pytest.raises(ValueError, match="cannot be written to a file.*register_selector"):
+        unnamed.save(tmp_path / "unnamed.safetensors")
+    assert not (tmp_path / "unnamed.safetensors").exists()
+
+
 # ---------------------------------------------------------------------------------------------------- errors
 @pytest.fixture
 def saved(tmp_path):
