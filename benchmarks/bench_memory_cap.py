@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 import time
 import traceback
@@ -124,14 +125,28 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
     return row
 
 
-def soak(model, calls: int, budget: int, device: torch.device) -> list[dict]:
-    """``calls`` generate() calls with fresh caches, alternating shapes; memory after each."""
+def _rss_mib() -> float:
+    """Resident set size of this process (Linux ``/proc``; NaN elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+SOAK_SELECTORS = ("default", "quantkey")  # the default selector (with its tail estimate) and plain quantkey
+
+
+def soak(model, calls: int, budget: int, device: torch.device, lengths=(3000, 2000)) -> list[dict]:
+    """``calls`` generate() calls with fresh caches, alternating batch sizes (2, 3), prompt lengths and selectors
+    (:data:`SOAK_SELECTORS`); device memory allocated and reserved, pinned host memory and RSS after each."""
     rows = []
-    shapes = [(2, 3000), (3, 2000)]
     for i in range(calls):
-        batch, length = shapes[i % 2]
+        batch, length = (2, 3)[i % 2], lengths[(i // 2) % len(lengths)]
+        selector = SOAK_SELECTORS[(i // 4) % len(SOAK_SELECTORS)]
         ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
-        cache = OffloadCache(model, budget_tokens=budget)
+        cache = OffloadCache(model, budget_tokens=budget) if selector == SOAK_SELECTORS[0] else \
+            OffloadCache(model, budget_tokens=budget, selector=selector)  # fmt: skip
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
                            do_sample=False, max_new_tokens=8, min_new_tokens=8)  # fmt: skip
@@ -139,9 +154,11 @@ def soak(model, calls: int, budget: int, device: torch.device) -> list[dict]:
         gc.collect()
         torch.cuda.synchronize()
         host = torch.cuda.memory.host_memory_stats() if hasattr(torch.cuda.memory, "host_memory_stats") else {}
-        rows.append({"call": i, "allocated_mib": torch.cuda.memory_allocated(device) / 2**20,
+        rows.append({"call": i, "batch": batch, "length": length, "selector": selector,
+                     "allocated_mib": torch.cuda.memory_allocated(device) / 2**20,
                      "reserved_mib": torch.cuda.memory_reserved(device) / 2**20,
-                     "pinned_allocated_mib": host.get("allocated_bytes.current", 0) / 2**20})  # fmt: skip
+                     "pinned_allocated_mib": host.get("allocated_bytes.current", 0) / 2**20,
+                     "rss_mib": _rss_mib()})  # fmt: skip
     return rows
 
 
@@ -156,6 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--soak", type=int, default=0, help="generate() calls of the soak (0: none)")
+    parser.add_argument("--soak-lengths", type=int, nargs="+", default=[3000, 2000], help="prompt lengths of the soak")
     parser.add_argument("--max-seconds", type=float, default=480.0)
     parser.add_argument("--out", default="results/memory_cap/bench_memory_cap.json")
     args = parser.parse_args(argv)
@@ -183,14 +201,17 @@ def main(argv=None) -> int:
                   f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('error', '')[:90]}")  # fmt: skip
     if args.soak:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-        rows = soak(model, args.soak, args.budget, device)
+        rows = soak(model, args.soak, args.budget, device, args.soak_lengths)
         result["soak"] = rows
         first, last = rows[min(4, len(rows) - 1)], rows[-1]
         calls = max(1, last["call"] - first["call"])
-        result["soak_drift_mib_per_call"] = (last["allocated_mib"] - first["allocated_mib"]) / calls
-        print(f"soak: {len(rows)} calls, allocated {first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB "
-              f"({result['soak_drift_mib_per_call']:.3f} MiB/call after warm-up), pinned "
-              f"{first['pinned_allocated_mib']:.1f} -> {last['pinned_allocated_mib']:.1f} MiB")  # fmt: skip
+        for key in ("allocated_mib", "reserved_mib", "pinned_allocated_mib", "rss_mib"):
+            result[f"soak_drift_{key}_per_call"] = (last[key] - first[key]) / calls
+        print(f"soak: {len(rows)} calls; from call {first['call']} to {last['call']}: allocated "
+              f"{first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB, reserved {first['reserved_mib']:.1f} "
+              f"-> {last['reserved_mib']:.1f} MiB, pinned {first['pinned_allocated_mib']:.1f} -> "
+              f"{last['pinned_allocated_mib']:.1f} MiB, RSS {first['rss_mib']:.1f} -> {last['rss_mib']:.1f} MiB; "
+              f"peak allocated {max(r['allocated_mib'] for r in rows):.1f} MiB")  # fmt: skip
     result["complete"] = True
     write_results(args.out, result)
     return 0

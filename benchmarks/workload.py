@@ -51,6 +51,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import inspect
 import json
 import math
 import sys
@@ -295,7 +296,6 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
     Returns:
         The :class:`Recording` (not yet saved).
     """
-    import inspect
 
     from transformers import DynamicCache
 

@@ -233,6 +233,11 @@ def resolve_path(recipe: str | Path) -> Path:
     for candidate in (RECIPES_DIR / f"{recipe}.yaml", RECIPES_DIR / str(recipe)):
         if candidate.is_file():
             return candidate
+    if not RECIPES_DIR.is_dir():  # installed from a wheel: the recipes are files of the source tree
+        raise FileNotFoundError(
+            f"no recipe file {recipe!r}; recipes by name (e.g. ruler_qwen05) are the files of recipes/ in a source "
+            f"checkout, which an installed wheel does not have: pass the path of a YAML recipe"
+        )
     known = ", ".join(sorted(p.stem for p in RECIPES_DIR.glob("*.yaml"))) or "none"
     raise FileNotFoundError(f"no recipe {recipe!r} (neither a file nor in {RECIPES_DIR}; shipped recipes: {known})")
 

@@ -30,8 +30,8 @@ INSTALL = {
     "datasets": "pip install 'hf-offload[eval]'",
     "jieba": "pip install 'hf-offload[eval]'",
     "gguf": "pip install 'hf-offload[test]'",
-    "rouge": "pip install rouge (the reference implementation the metric is compared with)",
-    "fuzzywuzzy": "pip install fuzzywuzzy (the reference implementation the metric is compared with)",
+    "rapidfuzz": "pip install 'hf-offload[test]'",
+    "rouge": "pip install 'hf-offload[test]' (rouge 1.0.1, the reference the ROUGE-L metric is compared with)",
 }
 _NOT_IMPORTED = re.compile(r"could not import '([\w.]+)'")
 

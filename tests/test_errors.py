@@ -121,11 +121,20 @@ def test_host_memory_limit():
         model(input_ids=ids, attention_mask=mask, past_key_values=cache)
 
 
-def test_unsupported_attention_implementation():
+def test_unknown_attention_implementation_lists_the_supported_ones():
     model = build_model("llama")
-    model.config._attn_implementation = "flex_attention"
-    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+    model.config._attn_implementation = "no_such_attention"
+    with pytest.raises(ValueError, match=r"no attention function registered.*'flex_attention'.*attn_implementation='sdpa'"):
         OffloadCache(model)
+    assert model.config._attn_implementation == "no_such_attention"  # nothing changed
+
+
+def test_paged_attention_of_continuous_batching_is_refused():
+    model = build_model("llama")
+    model.config._attn_implementation = "paged|eager"  # registered on every supported transformers
+    with pytest.raises(ValueError, match=r"continuous batching.*attn_implementation='sdpa'"):
+        OffloadCache(model)
+    assert model.config._attn_implementation == "paged|eager"
 
 
 def test_integer_settings_take_any_integer_type():

@@ -106,6 +106,8 @@ class LongBenchSuite:
                         "language": record["language"],
                         "truncated": cut,
                         "chat": self.chat and task not in NO_CHAT_TASKS,
+                        # kept with the answer, so the file alone can be scored again (eval_harness/rescore.py)
+                        **({"all_classes": list(record["all_classes"])} if record["all_classes"] else {}),
                     },
                 }
             )

@@ -102,9 +102,14 @@ class OffloadMask:
         self.padding = padding
 
     def materialize(self) -> Any:
-        """The mask the original implementation would have received (built once)."""
+        """The mask the original implementation would have received (built once): its mask function's, or, for an
+        implementation without one (a user's own attention function), the 2D padding mask as given, as transformers
+        passes it to such an implementation."""
         if not self._built:
-            self._dense = ALL_MASK_ATTENTION_FUNCTIONS[self.original](**self.kwargs)
+            if self.original in ALL_MASK_ATTENTION_FUNCTIONS:
+                self._dense = ALL_MASK_ATTENTION_FUNCTIONS[self.original](**self.kwargs)
+            else:
+                self._dense = self.kwargs.get("attention_mask")
             self._built = True
         return self._dense
 

@@ -34,7 +34,6 @@ class DeviceResources:
         self.phase_timer: PhaseTimer | None = None
         self.inputs: dict[torch.device, DecodeInputs] = {}
         self.graph_pools: dict[torch.device, tuple] = {}
-        self.capture_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.live_graphs: dict[torch.device, int] = {}
         self.statics: dict[torch.device, StaticInputs] = {}
 
@@ -52,9 +51,10 @@ class DeviceResources:
         return self.admissions[device]
 
     def streams(self, device: torch.device) -> transfer.TransferStreams:
-        """The side streams of a CUDA device (one set per device)."""
+        """The side streams of a CUDA device: one set per device and process
+        (:func:`~hf_offload.store.transfer.device_streams`)."""
         if device not in self.transfer_streams:
-            self.transfer_streams[device] = transfer.TransferStreams(device)
+            self.transfer_streams[device] = transfer.device_streams(device)
         return self.transfer_streams[device]
 
     def decode_inputs(self, device: torch.device) -> DecodeInputs:
@@ -87,7 +87,7 @@ class DeviceResources:
         the captured graph is counted as one of the pool's (a failed capture sends later ones to a new pool)."""
         self._pool(device)
         try:
-            captured = capture_with(self.graph_pools[device], self.capture_streams[device])
+            captured = capture_with(self.graph_pools[device], self.streams(device).capture)
         except Exception:
             self._pool_failed(device)
             raise
@@ -100,8 +100,6 @@ class DeviceResources:
     def _pool(self, device: torch.device) -> None:
         if not self.live_graphs.get(device):
             self.graph_pools[device] = torch.cuda.graph_pool_handle()
-        if device not in self.capture_streams:
-            self.capture_streams[device] = torch.cuda.Stream(device)
 
     def _pool_failed(self, device: torch.device) -> None:
         """After a failed capture: later captures go to a new pool (the allocator may still count the failed

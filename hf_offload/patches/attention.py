@@ -1,8 +1,9 @@
 """The attention switch: a model's attention implementation becomes ``hf_offload_<original>``, and back.
 
 :func:`switch_attention` registers, on first use, an attention function and a mask function under
-``hf_offload_sdpa`` / ``hf_offload_eager`` (``AttentionInterface``, ``AttentionMaskInterface``: a mask function
-under the same name, or transformers would drop the padding) and sets the model's implementation to it. The
+``hf_offload_<original>`` (``hf_offload_sdpa``, ``hf_offload_flash_attention_2``...: ``AttentionInterface``,
+``AttentionMaskInterface``: a mask function under the same name, or transformers would drop the padding) and sets
+the model's implementation to it. The
 attention function takes the handoff the cache's ``update()`` left (:mod:`hf_offload.attention`); a call without
 one (another cache, no cache, a sliding layer) is handed to the original function with the original mask, so a
 switched model behaves exactly as before with any other cache. The registered names stay registered: they serve
@@ -23,7 +24,9 @@ from .. import attention as offload  # its functions looked up at call time (ben
 from ..attention import OffloadMask
 
 PREFIX = "hf_offload_"
-SUPPORTED_IMPLEMENTATIONS = ("sdpa", "eager")
+PAGED = "paged"
+"""Implementations whose name holds this (``sdpa_paged``, ``paged|flash_attention_2``...) are those of
+continuous batching, which attend over its own paged cache."""
 OUTPUT_ATTENTIONS = (
     "OffloadCache does not return attention weights (output_attentions=True): each decode step attends to selected "
     "blocks and never forms the attention matrix. Drop output_attentions (and config.output_attentions), or use "
@@ -139,7 +142,8 @@ class AttentionSnapshot:
     """A model's attention implementations before the switch.
 
     Attributes:
-        original: the implementation the offload attention hands calls without a handoff to (``"sdpa"``, ``"eager"``).
+        original: the implementation the offload attention hands calls without a handoff to (``"sdpa"``, ``"eager"``,
+            ``"flash_attention_2"``...).
         values: ``(config, _attn_implementation)`` of every config of the model (:func:`_configs`).
     """
 
@@ -147,17 +151,40 @@ class AttentionSnapshot:
     values: tuple
 
 
+def supported_implementations() -> tuple[str, ...]:
+    """The attention implementations a model may run when an OffloadCache is built for it: ``eager`` and every one
+    registered with transformers' ``AttentionInterface`` (``sdpa``, ``flash_attention_2`` / ``_3`` / ``_4``,
+    ``flex_attention``, a Hub kernel loaded by name, a user's own), except the paged ones of continuous batching.
+
+    Whatever the model runs, the cache's layers attend through the library's own attention (prefill and decode);
+    the model's implementation serves the calls the cache does not take (another cache, no cache, sliding layers)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    names = {"eager", *ALL_ATTENTION_FUNCTIONS.keys()}
+    return tuple(sorted(n for n in names if not n.startswith(PREFIX) and PAGED not in n))
+
+
 def switch_attention(model: torch.nn.Module) -> AttentionSnapshot:
     """Switch ``model`` to the offload attention (idempotent); returns what :func:`restore_attention` restores.
 
     Raises:
-        ValueError: the model runs an implementation other than those of :data:`SUPPORTED_IMPLEMENTATIONS`.
+        ValueError: the model runs an implementation not among :func:`supported_implementations` (continuous
+            batching's paged attention, or a name transformers does not know).
     """
     original = original_implementation(model)
-    if original not in SUPPORTED_IMPLEMENTATIONS:
+    supported = supported_implementations()
+    if original not in supported:
+        if PAGED in original:
+            raise ValueError(
+                f"This model runs {original!r}, the paged attention of transformers' continuous batching "
+                "(generate_batch, transformers serve), which keeps its own paged cache on the device. OffloadCache "
+                "serves generate(): load the model with attn_implementation='sdpa' (or call "
+                "model.set_attn_implementation('sdpa')) and pass the cache to generate()."
+            )
         raise ValueError(
-            f"OffloadCache supports models running attn_implementation in {SUPPORTED_IMPLEMENTATIONS}; this model "
-            f"uses {original!r}. Load it with attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
+            f"This model runs attn_implementation={original!r}, which transformers has no attention function "
+            f"registered for. OffloadCache works with any of {supported}: load the model with one of them, e.g. "
+            "attn_implementation='sdpa' (or call model.set_attn_implementation('sdpa'))."
         )
     # A model switched before (a copy of a switched model) gives the unswitched names.
     values = tuple((c, _unswitched(c._attn_implementation)) for c in _configs(model))

@@ -40,10 +40,10 @@ def fused_norms_active(on: bool):
         _ACTIVE.reset(token)
 
 
-def same_code(a, b: types.FunctionType) -> bool:
-    """``a`` is a plain function with the bytecode, names, constants and local names of ``b``."""
-    ca, cb = getattr(a, "__code__", None), b.__code__
-    if ca is None:
+def same_code(a, b) -> bool:
+    """``a`` and ``b`` are plain functions with the same bytecode, names, constants and local names."""
+    ca, cb = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    if ca is None or cb is None:
         return False
     return all(getattr(ca, f) == getattr(cb, f) for f in ("co_code", "co_names", "co_consts", "co_varnames"))
 

@@ -51,25 +51,46 @@ def _innermost(fn):
     return fn
 
 
+def plain_function(fn) -> types.FunctionType | None:
+    """The Python function behind a modeling module's function ``fn``: ``fn`` itself (through ``__wrapped__``), or,
+    where transformers made it a Hub-kernel layer (transformers 5.25 with the ``kernels`` package turns
+    ``@use_kernel_forward_from_hub`` functions into an ``nn.Module`` whose forward calls the function unless a Hub
+    kernel replaced it), the one function its class's forward closes over; ``None`` for anything else."""
+    if isinstance(fn, types.FunctionType):
+        return _innermost(fn)
+    if not isinstance(fn, torch.nn.Module) or "forward" in vars(fn):  # an instance forward: a Hub kernel took it
+        return None
+    held = []
+    for cell in getattr(getattr(type(fn), "forward", None), "__closure__", None) or ():
+        try:
+            if isinstance(cell.cell_contents, types.FunctionType):
+                held.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    return _innermost(held[0]) if len(held) == 1 else None
+
+
 def _reference():
     """Llama's ``apply_rotary_pos_emb`` and ``rotate_half``: the forms the kernel computes."""
     from transformers.models.llama import modeling_llama
 
-    return _innermost(modeling_llama.apply_rotary_pos_emb), modeling_llama.rotate_half
+    return plain_function(modeling_llama.apply_rotary_pos_emb), modeling_llama.rotate_half
 
 
 def rotary_function(module: torch.nn.Module):
-    """The ``apply_rotary_pos_emb`` the forward of ``module``'s class calls, where the kernel computes it exactly
-    (see the module docstring), or ``None``."""
+    """The ``apply_rotary_pos_emb`` the forward of ``module``'s class calls (a function, or the Hub-kernel layer
+    :func:`plain_function` sees through), where the kernel computes it exactly (see the module docstring), or
+    ``None``."""
     forward = getattr(type(module), "forward", None)
     inner = _innermost(forward) if isinstance(forward, types.FunctionType) else None
     if not isinstance(inner, types.FunctionType) or _NAME not in inner.__code__.co_names:
         return None
     function = inner.__globals__.get(_NAME)
+    plain = plain_function(function)
     apply_ref, rotate_ref = _reference()
-    if not isinstance(function, types.FunctionType) or not same_code(function, apply_ref):
+    if plain is None or apply_ref is None or not same_code(plain, apply_ref):
         return None
-    if not same_code(function.__globals__.get("rotate_half"), rotate_ref):
+    if not same_code(plain.__globals__.get("rotate_half"), rotate_ref):
         return None
     return function
 

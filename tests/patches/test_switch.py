@@ -38,3 +38,51 @@ def test_switch_is_idempotent_and_reversible():
     assert first.original_attn_implementation == second.original_attn_implementation == "sdpa"
     disable_offload_attention(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+
+def _user_attention(module, query, key, value, attention_mask, **kwargs):
+    """A user's own attention function: transformers' sdpa under another name."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def test_other_implementations_switch_and_generate_exactly():
+    """A model loaded with another registered attention implementation (a user's own function with its mask function,
+    as flash attention and Hub kernels register) switches: with an OffloadCache at a budget covering the context it
+    generates DynamicCache's tokens, and with DynamicCache it is unchanged. (Flex attention is covered by the
+    switch's rule too; on the CPU its padded masks fail to compile in torch itself.)"""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("user_sdpa", _user_attention)
+    AttentionMaskInterface.register("user_sdpa", sdpa_mask)
+    model = build_model("llama")
+    model.set_attn_implementation("user_sdpa")
+    plain = copy.deepcopy(model)
+    ids, mask = left_padded([37, 22], seed=5)
+    with torch.no_grad():
+        expected = plain.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=plain.config),
+                                  max_new_tokens=8, do_sample=False)  # fmt: skip
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8)
+        assert model.config._attn_implementation == "hf_offload_user_sdpa"
+        got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8,
+                             do_sample=False)  # fmt: skip
+        assert torch.equal(got, expected)
+        assert cache.stats()["decode_steps"] == 7
+        again = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+                               max_new_tokens=8, do_sample=False)  # fmt: skip
+    assert torch.equal(again, expected)
+    disable_offload_attention(model)
+    assert model.config._attn_implementation == "user_sdpa"
+
+
+def test_mask_of_an_implementation_without_a_mask_function_is_the_padding_as_given():
+    """transformers gives an implementation without a mask function the 2D padding mask; so does the offload mask to
+    the calls it hands over."""
+    from hf_offload.attention import OffloadMask
+
+    padding = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
+    mask = OffloadMask("no_mask_function_here", {"attention_mask": padding, "kv_length": 3, "batch_size": 2})
+    assert mask.materialize() is padding

