@@ -187,6 +187,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
         return torch.Size(self.shape).numel() * torch.empty((), dtype=self.dtype).element_size()
 
 
@@ -316,6 +317,7 @@ class CacheFile:
 
     @staticmethod
     def _writer(meta: dict) -> str:
+        """The hf-offload version the state of a file's metadata names, or ``"?"``."""
         try:
             return json.loads(meta.get("hf_offload.state", "{}")).get("hf_offload_version", "?")
         except ValueError:
