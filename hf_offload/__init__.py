@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _EXPORTS = {
+    "CacheFileError": ".cache",
     "OffloadCache": ".cache",
     "OffloadLayer": ".cache",
     "OffloadConfig": ".config",
@@ -41,7 +42,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
     from .patches import disable_offload_attention, enable_offload_attention
-    from .cache import OffloadCache, OffloadLayer, generate_cache_kwarg
+    from .cache import CacheFileError, OffloadCache, OffloadLayer, generate_cache_kwarg
     from .config import OffloadConfig
     from .selectors import (
         HeadwiseSelector,

@@ -7,14 +7,17 @@ from .container import OffloadCache, generate_cache_kwarg, layer_types
 from .execution import GRAPH_CAPACITY_BLOCKS, LayerExecution
 from .graphs import GraphRunner
 from .layer import OffloadLayer
+from .persist import FORMAT_VERSION, CacheFileError
 from .planner import DecodePlanner
 from .recaller import Recaller
 from .stats import LayerStats
 
 __all__ = [
+    "FORMAT_VERSION",
     "GRAPH_CAPACITY_BLOCKS",
     "SUMMARY_CHUNK_BLOCKS",
     "BlockStore",
+    "CacheFileError",
     "DecodePlanner",
     "GraphRunner",
     "LayerExecution",

@@ -94,11 +94,13 @@ class BlockStore:
         self.seal_offloaded = None  # after the side-stream write of the last seal replayed from a graph
 
     # ------------------------------------------------------------------------------------------------- life cycle
-    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, host: HostBlockPool | None = None) -> bool:
         """Allocate the slot pool and an empty host pool for the shapes of the first update.
 
         Args:
             key_states, value_states: the first update's keys and values, ``[batch, kv_heads, q_len, head_dim]``.
+            host: a pool to share instead of a new one (another cache's pool of the same layer, same block shape and
+                dtype: :meth:`share_rows`); this store then holds it with the others (:attr:`HostBlockPool.holders`).
 
         Returns:
             Whether the host pool is pinned.
@@ -114,14 +116,24 @@ class BlockStore:
         pin = self.config.pin_memory
         if pin is None:
             pin = self.device.type == "cuda"
-        self.host = HostBlockPool(
-            (2, heads, self.block_tokens, head_dim),
-            self.dtype,
-            pin_memory=bool(pin),
-            chunk_bytes=int(self.config.host_chunk_mib * (1 << 20)),
-            budget=self.budget,
-            admission=self.admission(self.device),
-        )
+        if host is not None:
+            if host.block_shape != (2, heads, self.block_tokens, head_dim) or host.dtype != self.dtype:
+                raise ValueError(
+                    f"Layer {self.layer_idx}: a shared host pool holds blocks {host.block_shape} of {host.dtype}, not "
+                    f"{(2, heads, self.block_tokens, head_dim)} of {self.dtype}."
+                )
+            host.holders += 1
+            pin = host.pin_memory
+            self.host = host
+        else:
+            self.host = HostBlockPool(
+                (2, heads, self.block_tokens, head_dim),
+                self.dtype,
+                pin_memory=bool(pin),
+                chunk_bytes=int(self.config.host_chunk_mib * (1 << 20)),
+                budget=self.budget,
+                admission=self.admission(self.device),
+            )
         admission = self.host.admission
         if admission is not None:
             admission.register(self)
@@ -148,13 +160,17 @@ class BlockStore:
         self.block_table_dev = torch.full((self.batch, 0), -1, dtype=torch.int64, device=self.device)
 
     def release(self) -> None:
-        """Drop every token and free the pools (the reservation stays)."""
+        """Drop every token and free the pools (the reservation stays). A host pool shared with other caches
+        (:meth:`share_rows`) only loses this store's references: its blocks stay for the others."""
         if self.is_initialized:
             if self.execution.streams is not None:
                 # Side streams may still read or write the pools (kernels over pinned memory are invisible to the
                 # caching host allocator): finish them before the memory is freed.
                 torch.cuda.synchronize(self.device)
-            self.host.release()
+            if self.host.holders > 1:
+                self._let_go_of_shared_pool()
+            else:
+                self.host.release()
             del self.pool, self.block_table, self._block_table_store
             self.summaries, self.summary_store = {}, {}
             self.block_table_dev = None
@@ -236,33 +252,114 @@ class BlockStore:
     def load(self, other: "BlockStore") -> None:
         """Hold a copy of ``other``'s tokens (a store of the same layer and settings, allocated here like it): its
         host blocks copied into this store's pool (a block shared by several sequences stays shared), block tables,
-        summaries, open block and the slot pool's data (its slots start empty: blocks are recalled as needed)."""
+        summaries and open block (the slot pool starts empty: blocks are recalled as needed)."""
         other.wait_host_writes()
-        table = other.block_table
-        used, inverse = torch.unique(table.flatten(), return_inverse=True)
+        used, index = torch.unique(other.block_table, return_inverse=True)
         ids = self.host.allocate(len(used))
         if len(used):
             self.host.write(ids, other.host.read(used))
-        mapped = ids[inverse].view(table.shape)
-        self.host.share(mapped.flatten())
-        self.host.free(ids)  # allocate counted one reference each; the table holds the real count
-        self._block_table_store = torch.full_like(other._block_table_store, -1)
-        self._block_table_store[:, : other.n_blocks] = mapped
-        self.block_table = self._block_table_store[:, : other.n_blocks]
-        if self.block_table_dev is not None:
-            if other.block_table_dev is not None:
-                self.block_table_dev = torch.full_like(other.block_table_dev, -1)
-            else:
-                self.block_table_dev = torch.full_like(self._block_table_store, -1).to(self.device)
-            self.block_table_dev[:, : other.n_blocks] = mapped.to(self.device)
-        self.summary_store = {name: store.clone() for name, store in other.summary_store.items()}
-        self.summaries = {name: store[:, : other.n_blocks] for name, store in self.summary_store.items()}
-        self.storage_epoch += 1
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
-        self.pool.data.copy_(other.pool.data)
-        self.n_blocks, self.n_tokens = other.n_blocks, other.n_tokens
-        left = other.keys.shape[-2]
+        self.adopt(self.refer(ids, index), other.summaries, other.keys, other.values, other.n_tokens)
+
+    def share_rows(self, other: "BlockStore", rows: torch.Tensor) -> None:
+        """Continue the sequences ``rows`` of ``other`` (the same layer of another cache with the same settings,
+        whose host pool this store was allocated with: :meth:`allocate`'s ``host``): the sealed host blocks are
+        shared, not copied (a sealed block never changes; each reference is counted, and new blocks of either store
+        go to fresh ids), the summaries and the open block are copied (device, at most ``block_tokens - 1`` tokens
+        per sequence), so that no later edit of either store reaches the other.
+
+        Args:
+            rows: which of ``other``'s sequences each of this store's sequences continues, ``[batch]``,
+                ``torch.int64``, CPU (repeats allowed).
+        """
+        if self.host is not other.host:
+            raise ValueError(f"Layer {self.layer_idx}: share_rows needs the store allocated with the other's host pool.")
+        other.wait_host_writes()
+        table = other.block_table[rows]
+        self.host.share(table.flatten())
+        dev = rows.to(other.device)
+        self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
+        summaries = {name: view[dev] for name, view in other.summaries.items()}
+        self.adopt(table, summaries, other.keys[dev], other.values[dev], other.n_tokens)
+
+    def refer(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        """The block table ``ids[index]`` of blocks just allocated (one reference each), with its references
+        counted: one per entry, so a block several entries share stays shared and one no entry names is freed.
+
+        Args:
+            ids: host block ids from :meth:`HostBlockPool.allocate`, ``[n]``, ``torch.int64``, CPU.
+            index: positions into ``ids``, ``[batch, n_blocks]``, ``torch.int64``, CPU.
+
+        Returns:
+            ``[batch, n_blocks]``, ``torch.int64``, CPU: host block ids.
+        """
+        table = ids[index]
+        self.host.share(table.flatten())
+        self.host.free(ids)  # allocate counted one reference each; the table holds the real count
+        return table
+
+    def adopt(
+        self,
+        table: torch.Tensor,
+        summaries: dict[str, torch.Tensor],
+        open_keys: torch.Tensor,
+        open_values: torch.Tensor,
+        n_tokens: int,
+    ) -> None:
+        """Hold these tokens (an empty store, allocated for their batch and shapes): the sealed blocks ``table``
+        refers to (references already counted in this store's host pool), their summaries and the open block.
+
+        Args:
+            table: host block ids per sequence and sealed block, ``[batch, n_blocks]``, ``torch.int64``, CPU.
+            summaries: the selector's summaries of those blocks by name, ``[batch, n_blocks, ...]``, any device
+                (copied into this store's buffers).
+            open_keys, open_values: the open block, ``[batch, kv_heads, n_tokens - n_blocks * block_tokens,
+                head_dim]``, the cache dtype, any device.
+            n_tokens: tokens per sequence (padding included).
+        """
+        n, left = table.shape[1], n_tokens - table.shape[1] * self.block_tokens
+        if not 0 <= left < self.block_tokens or open_keys.shape[-2] != left:
+            raise ValueError(
+                f"Layer {self.layer_idx}: {n_tokens} tokens are {n} sealed blocks of {self.block_tokens} and an open "
+                f"block of {left}, not {open_keys.shape[-2]}."
+            )
+        self.n_blocks = 0  # nothing held yet: _grown copies nothing over
+        self._block_table_store = self._grown(None, table, n, fill=-1, host=True)
+        self._block_table_store[:, :n] = table
+        if self.block_table_dev is not None:
+            self.block_table_dev = self._grown(None, table.to(self.device), n, fill=-1)
+            self.block_table_dev[:, :n] = table.to(self.device)
+        self.summary_store = {}
+        for name, summary in summaries.items():
+            summary = summary.to(self.device)
+            self.summary_store[name] = self._grown(None, summary, n)
+            self.summary_store[name][:, :n] = summary
+        self.open_k[:, :, :left] = open_keys.to(self.device)
+        self.open_v[:, :, :left] = open_values.to(self.device)
+        self.n_blocks, self.n_tokens = n, n_tokens
+        self.block_table = self._block_table_store[:, :n]
+        self.summaries = {name: store[:, :n] for name, store in self.summary_store.items()}
         self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+
+    def _let_go_of_shared_pool(self) -> None:
+        """Drop this store's references to the blocks of a host pool other stores hold too."""
+        self.host.free(self.block_table.flatten())
+        self.host.holders -= 1
+
+    def __del__(self):
+        # A host pool shared with other caches (OffloadCache.fork) outlives this store: blocks only this store
+        # referred to go back to it, else a prefix forked again and again would keep every fork's blocks.
+        if getattr(self, "is_initialized", False) and self.host.holders > 1:
+            self.wait_host_writes()  # a block freed here may be reused at once: its pending write must be done
+            self._let_go_of_shared_pool()
+
+    def shared_host_bytes(self) -> int:
+        """Host bytes of the blocks this store refers to that other stores sharing its pool refer to as well."""
+        if not self.is_initialized or self.host.holders == 1 or not self.n_blocks:
+            return 0
+        used, own = torch.unique(self.block_table, return_counts=True)
+        shared = used[self.host.refs(used) > own]
+        return int(self.host.count_on_host(shared) if self.host.admitted_chunks else len(shared)) * self.host.block_bytes
 
     def wait_host_writes(self) -> None:
         """Wait until every host write issued so far is done (the kernel path writes on a side stream)."""
@@ -333,11 +430,11 @@ class BlockStore:
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
-        for name, summary in self._summaries_of(keys, values).items():
+        for name, summary in self.summaries_of(keys, values).items():
             self.summary_store[name] = self._appended(self.summary_store.get(name), summary)
         self._sealed(ids, blocks, n_new)
 
-    def _summaries_of(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    def summaries_of(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """The selector's summaries of new blocks (of their values too where it estimates the unselected blocks).
 
         Args:
@@ -425,7 +522,7 @@ class BlockStore:
             if admitted:
                 transfer.offload_blocks_kernel(self.host, ids, blocks.view(-1, 2, heads, T, D))
             self.block_table_dev.index_copy_(1, pos, ids.view(batch, 1))
-        for name, summary in self._summaries_of(keys, values).items():
+        for name, summary in self.summaries_of(keys, values).items():
             self.summary_store[name].index_copy_(1, pos, summary)
         return blocks
 

@@ -9,8 +9,11 @@ lookahead, and reports :meth:`OffloadCache.stats`.
 from __future__ import annotations
 
 import copy
+import numbers
+import os
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicSlidingWindowLayer
@@ -28,6 +31,7 @@ from ..selectors import Selector, get_selector
 from ..store import HostMemoryBudget
 from .execution import call_fusions, fused
 from .layer import OffloadLayer
+from .persist import load_cache, save_cache
 from .shared import DeviceResources
 from .stats import summarize
 
@@ -268,9 +272,110 @@ class OffloadCache(Cache):
     def __reduce_ex__(self, protocol):
         raise TypeError(
             "An OffloadCache cannot be pickled: its KV lives in this process's (pinned) host pools and it is bound to "
-            "its model. To reuse a prefilled prompt, keep a copy with copy.deepcopy(cache) (saving a cache to files "
-            "is planned)."
+            "its model. Write it to a file with cache.save(path) and read it back with OffloadCache.load(path, "
+            "model); within a process, cache.fork() continues a prefilled prompt sharing its blocks, and "
+            "copy.deepcopy(cache) copies it."
         )
+
+    def fork(self, batch: int | None = None) -> "OffloadCache":
+        """A new cache whose sequences continue this one's (a prefix prefilled once, continued by many requests),
+        sharing its sealed blocks instead of copying them.
+
+        Each of this cache's sequences is continued by ``batch // B`` consecutive sequences of the fork (``B``: this
+        cache's batch; ``[a, b]`` forked to 4 gives ``[a, a, b, b]``). The sealed host blocks are shared by
+        reference count: a fork costs no host memory until it seals blocks of its own, which go to the same host
+        pools (and count against this cache's ``host_memory_gib``). The open block (fewer than ``block_tokens``
+        tokens per sequence) and the block summaries are copied on the device, so that no later edit (a decode
+        step, a crop, a batch edit, a reset) of the fork reaches this cache or the other way round; either may be
+        dropped first. Counters (:meth:`stats`) start at zero. Settings are this cache's; change the ones that
+        only affect coming steps with :meth:`set_options`.
+
+        Args:
+            batch: sequences of the fork, a positive multiple of this cache's batch; ``None``: this cache's batch.
+
+        Returns:
+            An independent :class:`OffloadCache` for the same model, holding the same tokens per sequence.
+
+        Raises:
+            ValueError: if this cache holds no tokens yet, or for a ``batch`` that is not a multiple of its batch.
+            RuntimeError: if the model was freed, or the cache is broken (:meth:`update`).
+
+        Example:
+            >>> prefix = OffloadCache(model, budget_tokens=2048)  # doctest: +SKIP
+            >>> model(input_ids=document, past_key_values=prefix)  # the document, prefilled once  # doctest: +SKIP
+            >>> cache = prefix.fork(batch=len(questions))  # doctest: +SKIP
+            >>> model.generate(input_ids=torch.cat([document.expand(len(questions), -1), questions], 1),
+            ...                past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+        """
+        self._check_usable()
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("The model this OffloadCache was built for has been freed; a fork needs the model.")
+        held = [layer for layer in self.offload_layers if layer.blocks.is_initialized]
+        if not held:
+            raise ValueError("fork() continues the tokens a cache holds, and this one holds none yet: prefill the "
+                             "prefix first (model(input_ids=prefix_ids, past_key_values=cache)).")  # fmt: skip
+        have = held[0].blocks.batch
+        batch = have if batch is None else batch
+        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1 or batch % have:
+            raise ValueError(f"fork(batch=...) takes a positive multiple of the cache's batch ({have}): each sequence "
+                             f"is continued by batch // {have} sequences of the fork; got {batch!r}.")  # fmt: skip
+        rows = torch.arange(have).repeat_interleave(int(batch) // have)
+        clone = OffloadCache(model, config=self.config)
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, OffloadLayer):
+                clone.layers[idx].share_rows(layer, rows)
+            else:
+                clone.layers[idx] = _sliding_rows(layer, rows)
+        return clone
+
+    def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write this cache to one safetensors file (never pickle): every cached token of every layer, sealed blocks
+        and open block, the block summaries, lengths and positions, the settings, a fingerprint of the model and
+        checksums (:mod:`hf_offload.cache.persist` describes the file). Saving streams block by block from the host
+        pool: no second copy of the KV is made in memory. Counters and captured graphs are not saved. Call it
+        between forwards.
+
+        Args:
+            path: the file to write; it appears complete or not at all (written under a temporary name in the same
+                directory, then renamed).
+            overwrite: replace an existing file at ``path``.
+
+        Raises:
+            FileExistsError: if ``path`` exists and ``overwrite`` is false.
+            OSError: if the directory does not exist or is not writable, or the disk is full (nothing is left behind).
+            RuntimeError: if the model was freed, or the cache is broken (:meth:`update`).
+            ValueError: for a selector instance no registered name rebuilds (a file names its selector).
+
+        Example:
+            >>> cache.save("document.safetensors")  # doctest: +SKIP
+        """
+        save_cache(self, Path(path), overwrite)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, model: torch.nn.Module, **overrides) -> "OffloadCache":
+        """A new cache for ``model`` holding the cache :meth:`save` wrote to ``path``, in this or another process:
+        continuing it generates what continuing the saved cache would have. Blocks go to host memory run by run from
+        the memory-mapped file; summaries and open blocks to each layer's device. Continue with the same token ids
+        and attention mask the saved cache was filled with (as with any cache). Counters start at zero.
+
+        Args:
+            path: a file :meth:`save` wrote.
+            model: the model the cache was saved from (same checkpoint and dtype; any device).
+            **overrides: settings to change (any :class:`~hf_offload.config.OffloadConfig` field but
+                ``block_tokens`` and ``selector``, which fix the file's layout), e.g. ``budget_tokens``,
+                ``host_memory_gib``.
+
+        Raises:
+            CacheFileError: (a ``ValueError``) for a file that is not a saved cache, is truncated or corrupted (a
+                checksum differs), has an unknown format version, or was saved from another model; nothing is built.
+            FileNotFoundError: if there is no file at ``path``.
+            ValueError: for an override of ``block_tokens`` or ``selector``.
+
+        Example:
+            >>> cache = OffloadCache.load("document.safetensors", model)  # doctest: +SKIP
+        """
+        return load_cache(cls, Path(path), model, overrides)
 
     def set_lookahead(self, lookahead: bool | None) -> None:
         """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
@@ -323,7 +428,10 @@ class OffloadCache(Cache):
 
         Returns:
             A dict with ``device_kv_bytes`` (slot pools, open blocks and dense sliding layers),
-            ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks), ``host_reserved_bytes``,
+            ``device_summary_bytes``, ``host_kv_bytes`` (sealed blocks; a host pool shared with forks,
+            :meth:`fork`, counts whole: the blocks of this cache and of every cache sharing it),
+            ``host_shared_bytes`` (the part of the blocks this cache refers to that other caches refer to as well),
+            ``host_reserved_bytes``,
             ``recalled_blocks``, ``recalled_bytes`` (prefill and decode), ``decode_recalled_blocks``,
             ``decode_recalled_bytes`` (decode steps only, prefetches included), ``decode_host_bytes`` (the part of
             ``decode_recalled_bytes`` read from host memory; the rest were blocks that ``admission="auto"`` keeps
@@ -392,6 +500,19 @@ class OffloadCache(Cache):
         if not isinstance(layer, OffloadLayer):
             raise ValueError(f"Layer {layer_idx} is a sliding-window layer; its KV is layers[{layer_idx}].keys.")
         return layer.dense_kv()
+
+
+def _sliding_rows(layer: DynamicSlidingWindowLayer, rows: torch.Tensor) -> DynamicSlidingWindowLayer:
+    """A new dense sliding-window layer holding the sequences ``rows`` (``[batch]``, ``torch.int64``, CPU) of
+    ``layer``."""
+    fork = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+    if layer.is_initialized:
+        dev = rows.to(layer.keys.device)
+        keys, values = layer.keys[dev], layer.values[dev]
+        fork.lazy_initialization(keys, values)
+        fork.keys, fork.values = keys, values
+        fork.cumulative_length = int(layer.cumulative_length)
+    return fork
 
 
 def _check_reselect(config: OffloadConfig, selector: Selector) -> None:

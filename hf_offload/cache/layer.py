@@ -127,10 +127,10 @@ class OffloadLayer(CacheLayerMixin):
         return self.blocks.n_blocks
 
     # ------------------------------------------------------------------------------------------------- life cycle
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Allocate the device slot pool and an empty host pool for the shapes of the first update, and resolve how
-        the layer runs on that device."""
-        pinned = self.blocks.allocate(key_states, value_states)
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:
+        """Allocate the device slot pool and an empty host pool (or share ``host``, see :meth:`BlockStore.allocate`)
+        for the shapes of the first update, and resolve how the layer runs on that device."""
+        pinned = self.blocks.allocate(key_states, value_states, host)
         device = self.blocks.device
         execution = self.execution
         execution.use_kernels = want_kernels(self.config, device, pinned)
@@ -318,11 +318,22 @@ class OffloadLayer(CacheLayerMixin):
         self.initialize_like(other.blocks.keys, other.blocks.values)
         self.blocks.load(other.blocks)
 
-    def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def share_rows(self, other: "OffloadLayer", rows: torch.Tensor) -> None:
+        """Continue the sequences ``rows`` (``[batch]``, ``torch.int64``, CPU) of ``other``, the same layer of
+        another cache with the same settings, sharing its sealed host blocks (:meth:`BlockStore.share_rows`); used
+        by ``OffloadCache.fork``. This layer must be empty."""
+        if not other.blocks.is_initialized:
+            return
+        dev = rows.to(other.device)
+        self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
+        self.blocks.share_rows(other.blocks, rows)
+
+    def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:
         """Initialise the layer for keys and values shaped like these (``[batch, kv_heads, any, head_dim]``) without
-        caching them, as the first :meth:`update` would."""
+        caching them, as the first :meth:`update` would; ``host``: a host pool to share
+        (:meth:`BlockStore.allocate`)."""
         if not self.blocks.is_initialized:
-            self.lazy_initialization(key_states, value_states)
+            self.lazy_initialization(key_states, value_states, host)
             if self.config.timing:
                 self.timer = self.recaller.timer = self.resources.timer(self.device)
 

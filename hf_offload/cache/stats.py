@@ -176,7 +176,7 @@ def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
         fusions: ``stats()["fusions"]``.
     """
     per_layer = {}
-    device = summaries = host = reserved = 0
+    device = summaries = host = shared = reserved = 0
     offload = [layer for layer in layers if isinstance(getattr(layer, "stats", None), LayerStats)]
     for layer in layers:
         if layer in offload:
@@ -185,6 +185,7 @@ def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
             per_layer[layer.layer_idx] = {
                 "device_kv_bytes": blocks.device_kv_bytes(),
                 "host_kv_bytes": blocks.host_kv_bytes(),
+                "host_shared_bytes": blocks.shared_host_bytes(),
                 "recalled_blocks": int(s.recalled_blocks),
                 "recalled_bytes": int(s.recalled_bytes),
                 "decode_recalled_bytes": int(s.decode_recalled_bytes),
@@ -199,6 +200,7 @@ def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
             device += blocks.device_kv_bytes()
             summaries += blocks.device_summary_bytes()
             host += blocks.host_kv_bytes()
+            shared += blocks.shared_host_bytes()
             reserved += blocks.host_reserved_bytes()
         elif layer.is_initialized and layer.keys is not None:
             device += 2 * layer.keys.numel() * layer.keys.element_size()
@@ -211,6 +213,7 @@ def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
         "device_kv_bytes": device,
         "device_summary_bytes": summaries,
         "host_kv_bytes": host,
+        "host_shared_bytes": shared,
         "host_reserved_bytes": reserved,
         "recalled_blocks": total("recalled_blocks"),
         "recalled_bytes": total("recalled_bytes"),

@@ -252,6 +252,9 @@ class HostBlockPool:
         self._chunk_on_host_cpu: torch.Tensor | None = None
         self.table_version = 0  # counts re-allocations of the device tables
         self.admitted_chunks = 0  # chunks in device memory (admission)
+        # Block stores using this pool: more than one after OffloadCache.fork, whose caches share the prefix's blocks
+        # (and put their own new blocks here too). The last store to let go frees the chunks (BlockStore.release).
+        self.holders = 1
 
     @property
     def block_words(self) -> int:
@@ -434,6 +437,28 @@ class HostBlockPool:
     def refs(self, ids: torch.Tensor) -> torch.Tensor:
         """References to each of ``ids`` (``[n]``, ``torch.int64``, CPU), ``[n]``, ``torch.int32``."""
         return self._refs[ids]
+
+    def runs(self, ids: torch.Tensor, max_blocks: int):
+        """The blocks ``ids`` in their order as runs of consecutive ids within one chunk, for streaming them out.
+
+        Args:
+            ids: block ids, ``[n]``, ``torch.int64``, CPU.
+            max_blocks: the most blocks one run holds (positive).
+
+        Yields:
+            ``[m, *block_shape]`` CPU tensors, ``1 <= m <= max_blocks``, whose concatenation is the blocks ``ids``:
+            views of host chunks (nothing copied), copies of blocks in admitted device chunks.
+        """
+        order = ids.tolist()
+        i = 0
+        while i < len(order):
+            chunk, first = divmod(order[i], self.chunk_blocks)
+            n = 1
+            while (i + n < len(order) and n < max_blocks and first + n < self.chunk_blocks
+                   and order[i + n] == order[i] + n):  # fmt: skip
+                n += 1
+            yield self.chunks[chunk][first : first + n].cpu()
+            i += n
 
     def clear(self) -> None:
         """Forget every block (the chunks stay allocated for reuse)."""
