@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -169,3 +171,41 @@ def test_host_memory_cap_reached_by_growth_says_how_much_in_mib():
     with pytest.raises(MemoryError, match=r"host_memory_gib=0\.0009765625 \(1\.0 MiB\).*1\.5 MiB"):
         pool.allocate(pool.chunk_blocks + 1)
     assert pool.used_blocks == 1  # the failed allocation took nothing
+
+
+def test_tensor_parallel_model_is_refused(tmp_path):
+    """A model whose weights are DTensors (``tp_plan="auto"``) is refused at once, naming device_map="auto"; run in a
+    single-process gloo group so that real DTensors exist."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent(
+        f"""
+        import os, sys
+        sys.path.insert(0, {str(Path(__file__).resolve().parents[1])!r})
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="29517", RANK="0", WORLD_SIZE="1")
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        from hf_offload import OffloadCache
+        from tests.helpers import build_model
+        dist.init_process_group("gloo", init_method="file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+        model = build_model("llama")
+        mesh = init_device_mesh("cpu", (1,))
+        proj = model.model.layers[0].self_attn.q_proj
+        proj.weight = torch.nn.Parameter(distribute_tensor(proj.weight.data, mesh, [Replicate()]))
+        try:
+            OffloadCache(model)
+        except ValueError as e:
+            print("REFUSED", e)
+        else:
+            print("ACCEPTED")
+        print("IMPLEMENTATION", model.config._attn_implementation)
+        dist.destroy_process_group()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert "REFUSED" in out.stdout, out.stdout + out.stderr
+    assert "model.layers.0.self_attn.q_proj.weight" in out.stdout and "device_map='auto'" in out.stdout
+    assert "IMPLEMENTATION sdpa" in out.stdout  # refused before anything of the model changed

@@ -550,4 +550,24 @@ def _check_model(model) -> object:
             f"{model.__class__.__name__} is not a generative decoder model with a KV cache (it cannot generate); "
             "load it with AutoModelForCausalLM."
         )
+    sharded = _sharded_parameter(model)
+    if sharded is not None:
+        raise ValueError(
+            f"{model.__class__.__name__} is sharded by tensor parallelism (parameter {sharded!r} is a DTensor, as "
+            "from_pretrained(tp_plan='auto') under torchrun makes it): each rank would hold a slice of the heads, "
+            "which OffloadCache does not split. Load the model with device_map='auto' instead (its layers spread "
+            "over the GPUs, each layer's cache on that layer's device), or with one process per GPU."
+        )
     return model.config.get_text_config(decoder=True)
+
+
+def _sharded_parameter(model) -> str | None:
+    """The name of a parameter of ``model`` that is a DTensor (tensor parallelism), or ``None``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return None
+    for name, parameter in model.named_parameters():
+        if isinstance(parameter, DTensor) or isinstance(getattr(parameter, "data", None), DTensor):
+            return name
+    return None
