@@ -175,7 +175,9 @@ class OffloadCache(Cache):
             ValueError: for ``output_attentions=True`` (before anything is cached): the cache never forms the
                 attention weights.
             RuntimeError: if the cache is broken (:meth:`update`). An exception raised inside the call (including
-                ``KeyboardInterrupt``) that leaves the layers one step apart marks the cache broken.
+                ``KeyboardInterrupt``) that leaves the layers one step apart rolls the layers ahead back, so the cache
+                holds what it held before the failed forward; where a sliding-window layer makes that impossible,
+                it marks the cache broken.
         """
         if layer_idx == 0:
             self._check_usable()
@@ -193,24 +195,61 @@ class OffloadCache(Cache):
 
     def _after_fault(self, error: BaseException, layer_idx: int) -> None:
         """After ``error`` escaped decoder layer ``layer_idx``: forget this cache's pending handoff (another cache's
-        attention must not take it) and mark the cache broken if its layers no longer hold the same tokens."""
+        attention must not take it) and, if its layers no longer hold the same tokens, roll the layers that took the
+        failed forward's tokens back to what they held before it (:meth:`_roll_back`); where that cannot be done
+        exactly, mark the cache broken."""
         pending = take_handoff()
         if pending is not None and getattr(pending.layer, "cache_id", None) != id(self):
             leave_handoff(pending)  # not ours: put it back
-        if len(set(self._lengths())) > 1:
+        lengths = self._lengths()
+        if len(set(lengths)) > 1 and not self._roll_back(min(lengths)):
             self._broken = (
                 f"{type(error).__name__} raised in decoder layer {layer_idx} in the middle of a forward"
             )
+
+    def _roll_back(self, length: int) -> bool:
+        """Crop every layer holding more than ``length`` tokens back to ``length`` (the tokens every layer held when
+        the failed forward began: the layers it had not reached yet still hold them); ``True`` where every layer
+        then holds ``length``. A sliding-window layer that reached its window has dropped old tokens for the new
+        ones and cannot be rolled back exactly; nothing is cropped then."""
+        layers = [layer for layer in self.layers if int(layer.get_seq_length()) > length]
+        for layer in layers:
+            window = getattr(layer, "sliding_window", None)
+            if isinstance(layer, DynamicSlidingWindowLayer) and int(layer.get_seq_length()) >= window:
+                return False
+        try:
+            for layer in layers:
+                layer.crop(length - int(layer.get_seq_length()))
+        except Exception:  # a layer the fault left inconsistent: the cache is marked broken
+            return False
+        return set(self._lengths()) == {length}
+
+    def _settle(self) -> list[int]:
+        """Roll back the layers that a forward stopped outside :meth:`run_decoder_layer` reached (an exception from a
+        forward pre-hook of a decoder layer, say, which the cache does not see raised), or mark the cache broken where
+        that cannot be exact; returns the layers' lengths."""
+        lengths = self._lengths()
+        if self._broken is None and len(set(lengths)) > 1:
+            if self._roll_back(min(lengths)):
+                lengths = self._lengths()
+            else:
+                self._broken = "a forward stopped in the middle"
+        return lengths
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens held by layer ``layer_idx``; after a forward that stopped part-way, what every layer held before
+        it (:meth:`_settle`)."""
+        self._settle()
+        return super().get_seq_length(layer_idx)
 
     def _lengths(self) -> list[int]:
         # int(): a sliding layer cropped by a tensor (transformers 5.17's assisted decoding) counts in a tensor
         return [int(layer.get_seq_length()) for layer in self.layers]
 
     def _check_usable(self) -> None:
-        """Raise ``RuntimeError`` if a forward stopped part-way through this cache (see :meth:`update`)."""
-        lengths = self._lengths()
-        if self._broken is None and len(set(lengths)) > 1:
-            self._broken = "a forward stopped in the middle"
+        """Raise ``RuntimeError`` if a forward stopped part-way through this cache and could not be rolled back
+        (see :meth:`update` and :meth:`_settle`)."""
+        lengths = self._settle()
         if self._broken is not None:
             raise RuntimeError(
                 f"This OffloadCache is unusable: {self._broken}, so its layers hold different numbers of tokens "
