@@ -1,4 +1,5 @@
-"""Property test: random sequences of prefill chunks, decode steps, crops, batch edits and resets; after each one
+"""Property test: random sequences of prefill chunks, decode steps, crops, batch edits, resets and forwards stopped
+after the first layer (rolled back); after each one
 the layer's KV re-assembled from every tier equals ``DynamicCache``'s after the same calls, bit for bit, and every
 host block is referenced exactly as counted (``Pair.check``).
 
@@ -27,6 +28,7 @@ OPS = st.one_of(
     st.tuples(st.just("select"), st.integers(0, 2**16)),  # batch_select_indices, indices drawn from this seed
     st.tuples(st.just("reorder"), st.integers(0, 2**16)),  # reorder_cache (beam indices, repeats allowed)
     st.tuples(st.just("reset"), st.just(0)),
+    st.tuples(st.just("fault"), st.integers(1, 20)),  # a forward of that many tokens stopped after the first layer
 )
 
 
@@ -51,6 +53,9 @@ def _apply(pair: Pair, name: str, arg: int) -> None:
     elif name == "reset":
         pair.cache.reset()
         pair.ref = DynamicCache(config=pair.model.config)
+    elif name == "fault":
+        pair.append(arg, layers=1)  # the forward stopped after layer 0: the reference never saw it
+        assert pair.cache.get_seq_length() == length  # rolled back
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=True)

@@ -30,13 +30,17 @@ class Pair:
         self.gen = torch.Generator().manual_seed(seed)
         self.batch = batch
 
-    def append(self, tokens: int) -> None:
-        for idx in range(len(self.cache.layers)):
+    def append(self, tokens: int, layers: int | None = None) -> None:
+        """``tokens`` new keys and values through every layer, or through the first ``layers`` of the cache only
+        (a forward that stopped there; the reference does not see it)."""
+        partial = layers is not None
+        for idx in range(len(self.cache.layers) if layers is None else layers):
             k, v = (torch.randn(self.batch, HEADS, tokens, HEAD_DIM, generator=self.gen) for _ in range(2))
             self.cache.update(k, v, idx)
             take_handoff()  # no attention call follows
             self.cache.layers[idx].finish_step()
-            self.ref.update(k, v, idx)
+            if not partial:
+                self.ref.update(k, v, idx)
 
     def edit(self, name: str, *args) -> None:
         getattr(self.cache, name)(*args)
