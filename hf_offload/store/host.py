@@ -525,16 +525,22 @@ class HostBlockPool:
 
     def store(self, pieces) -> torch.Tensor:
         """Allocate and write blocks piece by piece, so that a disk tier can spill the chunks of earlier pieces while
-        later ones arrive; returns their ids in order, ``[n]``, ``torch.int64``, CPU.
+        later ones arrive; returns their ids in order, ``[n]``, ``torch.int64``, CPU. All or nothing: if a piece
+        fails (a full disk), the blocks of the earlier pieces are freed before the error propagates.
 
         Args:
             pieces: an iterable of ``[m, *block_shape]`` tensors, the pool dtype, any device.
         """
         ids = []
-        for piece in pieces:
-            new = self.allocate(len(piece))
-            self.write(new, piece)
-            ids.append(new)
+        try:
+            for piece in pieces:
+                new = self.allocate(len(piece))
+                ids.append(new)
+                self.write(new, piece)
+        except BaseException:
+            if ids:  # all or nothing: the blocks of this call go back (their chunks stay, in memory or on disk)
+                self.free(torch.cat(ids))
+            raise
         return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
 
     def share(self, ids: torch.Tensor) -> None:
