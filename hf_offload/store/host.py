@@ -609,7 +609,7 @@ class HostBlockPool:
             self._refs = torch.zeros(len(keep) * self.chunk_blocks, dtype=torch.int32)
         self._free.clear()
         self._next_id = 0
-        self._refs.zero_()
+        self._refs = torch.zeros(len(self._refs), dtype=torch.int32)  # not in place: it may be an inference tensor
 
     def release(self) -> None:
         """Forget every block and free the chunks, returning their bytes to the host budget and device admission."""
