@@ -238,7 +238,8 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     host_chunks = shape.full_layers * chunks - admitted
     disk = disk_reserved = 0
     if config.disk_dir is not None and config.host_memory_gib is not None and host_chunks:
-        # Past the cap the least recently used full chunks spill (store/disk.py); each layer keeps its newest one.
+        # Past the cap the least recently used full chunks spill (store/disk.py); partly filled ones (at most one per
+        # layer) stay.
         kept = min(host_chunks, max(shape.full_layers, int(config.host_memory_gib * GIB) // chunk_bytes))
         spilled = host_chunks - kept
         disk, disk_reserved = spilled * chunk_bytes, spilled * (-(-chunk_bytes // 4096) * 4096)

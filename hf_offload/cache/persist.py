@@ -137,6 +137,8 @@ def config_dict(config) -> dict:
     """
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     values["selector"] = selector_spec(values["selector"])
+    # A directory of this machine: a load names its own (OffloadCache.load(path, model, disk_dir=...)).
+    values["disk_dir"] = values["disk_memory_gib"] = None
     return values
 
 

@@ -3,8 +3,7 @@
 With ``host_memory_gib`` and ``disk_dir`` set, a block pool that needs a new host chunk past the cap first moves
 one chunk of the cache (any layer) to disk: the whole chunk in one aligned write, then its host memory is freed and
 its blocks keep their ids. Which chunk: the **least recently used** full one (used: a block of it was written or
-read), oldest first among equals, never the newest chunk of a pool (it is still being filled) nor one with free
-blocks. The sink and the window are hits in the device slot pool and never read from the host, so the chunks that
+read), oldest first among equals, never a chunk still being filled nor one with free blocks. The sink and the window are hits in the device slot pool and never read from the host, so the chunks that
 recalls keep touching are the ones whose blocks the selection keeps choosing; decode on real models reselects most
 of one step's blocks at the next (0.77-0.85 on the device alone), so recency of use predicts the next use, and a
 one-pass prefill, which writes every chunk once, spills in the order it wrote (the earliest layers' prompt first).
@@ -314,8 +313,6 @@ class DiskTier:
         """A spilled chunk no block refers to any more: its extent is free for another chunk."""
         self._give_back(offset, size)
         self.used_bytes -= size
-        if self.used_bytes == 0 and self._end == 0:
-            self._reserved_end = min(self._reserved_end, 0)
 
     def reserve(self, nbytes: int) -> None:
         """Make sure ``nbytes`` more can be spilled without the file system running out (``posix_fallocate`` past

@@ -62,9 +62,9 @@ class HostMemoryBudget:
             if self.disk is not None and nbytes <= limit:
                 raise MemoryError(
                     f"The offloaded KV cache needs more than {cap} of host memory and no chunk could move to the disk "
-                    f"tier (each pool keeps its newest chunk in host memory: {format_bytes(self.reserved_bytes)} are "
-                    "held by chunks that cannot move). Raise host_memory_gib, lower host_chunk_mib, or lower the "
-                    "batch size."
+                    f"tier ({format_bytes(self.reserved_bytes)} are held by chunks that cannot move: each pool's partly "
+                    "filled chunk, and chunks with free blocks). Raise host_memory_gib to at least one chunk per "
+                    "offloaded layer and one more, or lower host_chunk_mib."
                 )
             if nbytes > limit:
                 raise MemoryError(
@@ -397,11 +397,11 @@ class HostBlockPool:
     # ------------------------------------------------------------------------------------------------ disk tier
     def spillable_chunks(self):
         """``(chunk, (last use, creation))`` of the chunks the disk tier may spill: in host memory, every block
-        allocated and none free, not the newest chunk (still being filled)."""
-        if self.disk is None or len(self.chunks) < 2:
+        allocated (written: a seal with a disk tier writes what it allocates at once) and none free."""
+        if self.disk is None:
             return
         with_free = {i // self.chunk_blocks for i in self._free}
-        full = min(len(self.chunks) - 1, self._next_id // self.chunk_blocks)
+        full = self._next_id // self.chunk_blocks
         for c in range(full):
             if self.chunk_disk[c] is None and not self.chunk_admitted[c] and c not in with_free:
                 yield c, self.chunk_used[c]

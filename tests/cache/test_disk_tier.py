@@ -271,6 +271,7 @@ def test_save_reads_blocks_on_disk_and_load_spills_again(tmp_path):
     follow_mask = torch.cat([mask, torch.ones_like(follow[:, mask.shape[1] :])], 1)
     expected = _generate(model, follow, follow_mask, cache)
     (tmp_path / "b").mkdir()
+    assert OffloadCache.load(path, model, host_memory_gib=None).config.disk_dir is None  # a directory of the saving machine is not kept
     loaded = OffloadCache.load(path, model, disk_dir=str(tmp_path / "b"))
     assert loaded.stats()["disk_kv_bytes"] > 0
     assert torch.equal(_generate(model, follow, follow_mask, loaded), expected)
