@@ -476,10 +476,9 @@ class DiskTier:
             missing, slots = [], []
             for block in batch:
                 slot = staging.entries.get((serial, block))
-                if slot is not None:
+                if slot is not None:  # staged (or being read ahead): no read of its own
                     staging.entries.move_to_end((serial, block))
-                    if slot not in staging.pending:
-                        self.counters["staging_hits"] += 1
+                    self.counters["staging_hits"] += 1
                     continue
                 slot = staging.take(protected)
                 staging.entries[(serial, block)] = slot
