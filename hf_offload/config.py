@@ -25,6 +25,7 @@ import dataclasses
 import difflib
 import inspect
 import numbers
+import os
 from dataclasses import dataclass
 
 DEFAULT_SELECTOR = "quantkey[bits=4,tail_bits=2,tail_near=3]"
@@ -85,6 +86,14 @@ class Memory:
         device_memory_gib: GiB of device memory the whole cache may take (admitted blocks, summaries, slot pools,
             block tables), ``>= 0``; too small for the summaries: ``MemoryError``. ``None`` (default): what the
             process may allocate (``set_per_process_memory_fraction`` included) less room for temporaries.
+        disk_dir: a directory for the disk tier: past ``host_memory_gib`` (which it needs), the least recently used
+            host chunks spill to a file in a private directory made inside it (``hf_offload.store.disk``). ``None``
+            (default): no disk tier; past the cap, ``MemoryError``.
+        disk_memory_gib: GiB the spilled chunks may take on disk, positive; ``None`` (default): what the file system
+            holds.
+        disk_staging_chunks: chunk-sized host buffers that blocks read from disk are staged in (least recently used
+            block evicted first); positive. Default 8.
+        disk_read_threads: worker threads reading from disk; positive. Default 4.
     """
 
     pool_tokens: int | None = None
@@ -94,6 +103,10 @@ class Memory:
     pin_memory: bool | None = None
     admission: str = "auto"
     device_memory_gib: float | None = None
+    disk_dir: str | None = None
+    disk_memory_gib: float | None = None
+    disk_staging_chunks: int = 8
+    disk_read_threads: int = 4
 
 
 @dataclass(frozen=True)
@@ -320,6 +333,25 @@ class OffloadConfig:
             raise ValueError(f"pool_tokens must be a multiple of block_tokens={block}, got {self.pool_tokens}.")
         if self.host_memory_gib is not None and not self.host_memory_gib > 0:
             raise ValueError(f"host_memory_gib must be positive or None, got {self.host_memory_gib!r}.")
+        if self.disk_dir is not None:
+            if not isinstance(self.disk_dir, (str, os.PathLike)):
+                raise ValueError(f"disk_dir must be a directory path or None, got {self.disk_dir!r}.")
+            fill("disk_dir", os.fspath(self.disk_dir))
+            if self.host_memory_gib is None:
+                raise ValueError(
+                    f"disk_dir={self.disk_dir!r} spills blocks past host_memory_gib, which is None (no cap): set "
+                    "host_memory_gib to the GiB of host memory the KV may take (e.g. host_memory_gib=64), or leave "
+                    "disk_dir None."
+                )
+        if self.disk_memory_gib is not None:
+            if self.disk_dir is None:
+                raise ValueError(f"disk_memory_gib={self.disk_memory_gib!r} bounds the disk tier; set disk_dir too.")
+            if isinstance(self.disk_memory_gib, bool) or not self.disk_memory_gib > 0:
+                raise ValueError(f"disk_memory_gib must be positive or None, got {self.disk_memory_gib!r}.")
+        for name in ("disk_staging_chunks", "disk_read_threads"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}.")
         if self.transfer not in ("auto", "kernel", "torch"):
             raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
         cap = self.transfer_cap_blocks
@@ -361,6 +393,11 @@ class OffloadConfig:
             raise ValueError(
                 "cuda_graphs=True cannot be combined with timing=True or lookahead=True (both run per-phase host work "
                 "inside the decode step); set cuda_graphs=None to use graphs only where neither is on."
+            )
+        if self.cuda_graphs and self.disk_dir is not None:
+            raise ValueError(
+                "cuda_graphs=True cannot be combined with disk_dir (the disk tier reads blocks on the host between a "
+                "layer's plan and its recall); set cuda_graphs=None."
             )
         if self.graph_scope not in ("layer", "attention"):
             raise ValueError(

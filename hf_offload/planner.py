@@ -118,6 +118,9 @@ class Plan:
             cache's own layout fixes them: one layer's KV for ``"dense"`` (the concatenation with the new token),
             one layer's KV per query head group member for ``"static"`` (SDPA's repeated keys and values); ``0``
             for ``"offload"``.
+        disk_kv_bytes: sealed blocks in chunks spilled to the disk tier (``disk_dir``; ``host_memory_gib`` caps
+            the host chunks, each layer keeping at least its newest one in host memory).
+        disk_reserved_bytes: bytes of the spill file's extents (whole chunks, rounded up to 4 KiB).
     """
 
     method: str
@@ -130,6 +133,8 @@ class Plan:
     admitted_kv_bytes: int = 0
     admitted_reserved_bytes: int = 0
     step_transient_bytes: int = 0
+    disk_kv_bytes: int = 0
+    disk_reserved_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -230,9 +235,18 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     whole, part = divmod(admitted, chunks) if chunks else (0, 0)
     admitted_kv = whole * layer_kv + (min(layer_kv, part * chunk_bytes) if part else 0)
     host = shape.full_layers * layer_kv - admitted_kv
-    reserved = (shape.full_layers * chunks - admitted) * chunk_bytes
+    host_chunks = shape.full_layers * chunks - admitted
+    disk = disk_reserved = 0
+    if config.disk_dir is not None and config.host_memory_gib is not None and host_chunks:
+        # Past the cap the least recently used full chunks spill (store/disk.py); partly filled ones (at most one per
+        # layer) stay.
+        kept = min(host_chunks, max(shape.full_layers, int(config.host_memory_gib * GIB) // chunk_bytes))
+        spilled = host_chunks - kept
+        disk, disk_reserved = spilled * chunk_bytes, spilled * (-(-chunk_bytes // 4096) * 4096)
+        host, host_chunks = host - disk, kept
+    reserved = host_chunks * chunk_bytes
     return Plan("offload", batch, context_tokens, device + admitted_kv, summaries, host, reserved, admitted_kv,
-                admitted * chunk_bytes)  # fmt: skip
+                admitted * chunk_bytes, disk_kv_bytes=disk, disk_reserved_bytes=disk_reserved)  # fmt: skip
 
 
 def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: int, config: OffloadConfig,
@@ -245,15 +259,18 @@ def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: i
 
 
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
-                  host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096) -> int:  # fmt: skip
+                  host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096,
+                  disk_free_bytes: int | None = None) -> int:  # fmt: skip
     """The largest batch whose cache, with its decode step's transient bytes, fits ``device_free_bytes`` (after
-    weights) and ``host_free_bytes``. With ``admission="auto"`` blocks are admitted as :func:`plan` says (into what
-    the cache's other device bytes and the margin leave, or within ``device_memory_gib``), the rest go to the host."""
+    weights), ``host_free_bytes`` and, with a disk tier, ``disk_free_bytes`` (``None``: unbounded). With
+    ``admission="auto"`` blocks are admitted as :func:`plan` says (into what the cache's other device bytes and the
+    margin leave, or within ``device_memory_gib``), the rest go to the host, and past ``host_memory_gib`` to disk."""
     config = config or OffloadConfig()
 
     def fits(batch: int) -> bool:
         p = plan(shape, context_tokens, batch, method, config, device_free_bytes=device_free_bytes)
-        return p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes
+        disk_ok = disk_free_bytes is None or p.disk_reserved_bytes <= disk_free_bytes
+        return p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes and disk_ok
 
     return _largest(fits, limit)
 

@@ -23,7 +23,8 @@ DEFAULTS = {
     "transfer_cap_blocks": None, "transfer_cap_margin": 0.1, "reselect_every": 1, "timing": False, "lookahead": False,
     "lookahead_query": "next", "lookahead_blocks": None, "cuda_graphs": None, "graph_scope": "layer",
     "decode_capacity_blocks": None, "decode_attention": "auto", "fused_norms": None, "fused_rotary": None,
-    "fused_projections": None,
+    "fused_projections": None, "disk_dir": None, "disk_memory_gib": None, "disk_staging_chunks": 8,
+    "disk_read_threads": 4,
 }  # fmt: skip
 
 

@@ -248,3 +248,35 @@ def test_largest_resident_batch_matches_the_h200_batch_sweeps(folder, names):
         predicted = largest_resident_batch(shape, runs[0]["context"], device - shape.weights_bytes, config,
                                            margin_gib=8.0)  # fmt: skip
         assert resident <= predicted < spilled, (name, predicted, resident, spilled)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_disk_tier_prediction_equals_stats(arch, tmp_path):
+    model = build_model(arch)
+    chunk_bytes = 2 * (2 * 2 * 8 * 16 * 4)  # two blocks of the tiny models
+    config = OffloadConfig(budget_tokens=48, **dict(SMALL, host_chunk_mib=chunk_bytes / 2**20),
+                           host_memory_gib=5 * chunk_bytes / 2**30, disk_dir=str(tmp_path))  # fmt: skip
+    cache = OffloadCache(model, config=config)
+    ids, mask = left_padded([61, 40, 52], seed=11)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
+    stats = cache.stats()
+    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
+    assert stats["disk_kv_bytes"] > 0
+    assert predicted.host_kv_bytes == stats["host_kv_bytes"]
+    assert predicted.host_reserved_bytes == stats["host_reserved_bytes"]
+    assert predicted.disk_kv_bytes == stats["disk_kv_bytes"]
+    assert predicted.disk_reserved_bytes == cache.disk.used_bytes
+    cache.close()
+
+
+def test_largest_batch_counts_the_disk_tier():
+    shape = ModelShape(32, 0, None, 8, 128, 2, int(16e9), 32)
+    host_only = OffloadConfig(host_memory_gib=64)
+    disk = host_only.replace(disk_dir=".")
+    device, host = 120 * 2**30, 64 * 2**30
+    base = largest_batch(shape, 131072, "offload", device, host, host_only)
+    more = largest_batch(shape, 131072, "offload", device, host, disk, disk_free_bytes=1 << 40)
+    assert more > base
+    p = plan(shape, 131072, more, "offload", disk)
+    assert p.host_reserved_bytes <= host and 0 < p.disk_reserved_bytes <= 1 << 40

@@ -255,9 +255,8 @@ class BlockStore:
         summaries and open block (the slot pool starts empty: blocks are recalled as needed)."""
         other.wait_host_writes()
         used, index = torch.unique(other.block_table, return_inverse=True)
-        ids = self.host.allocate(len(used))
-        if len(used):
-            self.host.write(ids, other.host.read(used))
+        # Run by run (a chunk at most at a time): with a disk tier, the copy's chunks spill as it grows.
+        ids = self.host.store(other.host.runs(used, self.host.chunk_blocks))
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         self.adopt(self.refer(ids, index), other.summaries, other.keys, other.values, other.n_tokens)
 
@@ -417,10 +416,23 @@ class BlockStore:
         keys = recent_k[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)  # [B, n, H, T, D]
         values = recent_v[:, :, :span].reshape(batch, heads, n_new, T, D).transpose(1, 2)
         blocks = torch.stack([keys, values], dim=2)  # [B, n, 2, H, T, D]: one contiguous block per (sequence, n)
+        flat = blocks.reshape(-1, 2, heads, T, D)
+        written = False
+        if ids is None and self.host.disk is not None:
+            # With a disk tier the blocks are written now, a chunk at a time, so that the chunks filled first can
+            # spill while later ones are allocated (a prompt may exceed host_memory_gib on its own).
+            if flat.device.type == "cuda":
+                torch.cuda.current_stream(flat.device).synchronize()
+            ids = self.host.store(flat.split(self.host.chunk_blocks))
+            written = True
         if ids is None:
             ids = self.host.allocate(batch * n_new)
-        flat = blocks.reshape(-1, 2, heads, T, D)
-        if self.execution.use_kernels:
+        if written:
+            self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
+            if self.execution.use_kernels:
+                ids_dev = ids.to(self.device)
+                self.block_table_dev = self._appended(self.block_table_dev, ids_dev.view(batch, n_new), fill=-1)
+        elif self.execution.use_kernels:
             # Stream order: the write runs on the offload stream behind the computation of these keys and values
             # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
             # The ids go through pinned memory so that their copy never blocks the host.
@@ -684,7 +696,7 @@ class BlockStore:
             ``(keys, values)``, each ``[batch, kv_heads, n_blocks * block_tokens, head_dim]``, compute device.
         """
         batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
-        if self.execution.use_kernels:
+        if self.execution.use_kernels and not self.host.disk_chunks:
             scratch = DeviceSlotPool(batch, n_blocks, heads, T, D, self.dtype, self.device)
             transfer.wait_event(self.selectable_written, self.device)
             self.selectable_written = None
@@ -750,6 +762,10 @@ class BlockStore:
     def host_kv_bytes(self) -> int:
         """Host bytes of the sealed blocks (blocks admitted to the device excluded)."""
         return self.host.used_bytes_on(False) if self.is_initialized else 0
+
+    def disk_kv_bytes(self) -> int:
+        """Bytes of the sealed blocks in chunks spilled to the disk tier."""
+        return self.host.disk_used_bytes() if self.is_initialized else 0
 
     def host_reserved_bytes(self) -> int:
         """Host bytes the pool has reserved (whole chunks)."""

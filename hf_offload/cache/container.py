@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import numbers
 import os
+import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -29,6 +30,7 @@ from ..patches.projections import fused_groups
 from ..patches.rotary import RotaryForward
 from ..selectors import Selector, get_selector
 from ..store import HostMemoryBudget
+from ..store.disk import DiskTier
 from .execution import call_fusions, fused
 from .layer import OffloadLayer
 from .persist import load_cache, save_cache
@@ -110,7 +112,9 @@ class OffloadCache(Cache):
             )
         _check_reselect(config, self.selector)
         self.model_config = text_config
-        self.host_budget = HostMemoryBudget(config.host_memory_gib)
+        self.disk = _disk_tier(config, model)
+        self.host_budget = HostMemoryBudget(config.host_memory_gib, self.disk)
+        self._closed = False
         # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
         # holds is freed at once (its pinned host pools with it), not at the next cyclic garbage collection.
         self._shared = DeviceResources(config)
@@ -151,6 +155,76 @@ class OffloadCache(Cache):
         self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
         self._broken: str | None = None  # why the cache cannot be used until reset(), or None
+        self._hooks = _watch_forwards(self, model) if self.disk is not None else ()
+
+    # ------------------------------------------------------------------------------------------------ life cycle
+    def close(self) -> None:
+        """Free every tier now: the device and host memory of the cached tokens and the disk tier's files (its
+        directory is removed; blocks a fork still shares stay until the fork lets go). The cache cannot be used
+        afterwards. Garbage collection and the end of the process do the same; ``with OffloadCache(...) as
+        cache:`` closes at the end of the block.
+
+        >>> with OffloadCache(model, host_memory_gib=8, disk_dir="/nvme/kv") as cache:  # doctest: +SKIP
+        ...     out = model.generate(**inputs, past_key_values=cache)
+        """
+        if self._closed:
+            return
+        self._release_all()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = ()
+        self._closed = True
+
+    def __enter__(self) -> "OffloadCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _release_all(self) -> None:
+        """Drop every token of every layer and the disk tier's files (the broken state stays)."""
+        for idx, layer in enumerate(self.layers):
+            if isinstance(layer, DynamicSlidingWindowLayer):
+                self.layers[idx] = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+            else:
+                layer.reset()
+        if self.disk is not None:
+            self.disk.close()
+
+    def _before_forward(self, q_len: int) -> None:
+        """Before a forward of ``q_len`` tokens through this cache: reserve the disk space its seals may spill
+        (:meth:`DiskTier.reserve`), so that a full disk refuses the forward before any layer changes."""
+        if self._closed or self._broken is not None:
+            return
+        need: dict[int, list] = {}
+        for layer in self.offload_layers:
+            store = layer.blocks
+            if not store.is_initialized:
+                continue
+            host = store.host
+            if host.disk is None or host.budget.limit_bytes is None:
+                continue
+            new = store.batch * ((store.keys.shape[-2] + q_len) // store.block_tokens)
+            free = len(host.chunks) * host.chunk_blocks - host._next_id + len(host._free)
+            grow = -(-max(0, new - free) // host.chunk_blocks) * host.chunk_nbytes
+            entry = need.setdefault(id(host.budget), [host.budget, 0])
+            entry[1] += grow
+        for budget, grow in need.values():
+            budget.disk.reserve(budget.reserved_bytes + grow - budget.limit_bytes)
+
+    def _after_failed_forward(self, error: BaseException) -> None:
+        """After ``error`` escaped a forward through this cache: if it stopped part-way (its layers hold different
+        numbers of tokens), roll the layers it reached back (:meth:`_roll_back`); where that cannot be exact, the
+        cache is broken: free its tiers and files now (:meth:`reset` makes it usable)."""
+        lengths = [] if self._closed else self._lengths()
+        if len(set(lengths)) <= 1:
+            return
+        if self._broken is None and self._roll_back(min(lengths)):
+            return
+        if self._broken is None:
+            self._broken = f"{type(error).__name__} raised in the middle of a forward"
+        self._release_all()
+        self._broken += " (its tiers and disk files were freed)"
 
     # --------------------------------------------------------------------------------------------- forward calls
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -247,8 +321,13 @@ class OffloadCache(Cache):
         return [int(layer.get_seq_length()) for layer in self.layers]
 
     def _check_usable(self) -> None:
-        """Raise ``RuntimeError`` if a forward stopped part-way through this cache and could not be rolled back
-        (see :meth:`update` and :meth:`_settle`)."""
+        """Raise ``RuntimeError`` if the cache was closed, or a forward stopped part-way through it and could not
+        be rolled back (see :meth:`update` and :meth:`_settle`)."""
+        if self._closed:
+            raise RuntimeError(
+                "This OffloadCache was closed (cache.close(), or the end of its with block): its tiers and files are "
+                "freed. Build a new OffloadCache."
+            )
         lengths = self._settle()
         if self._broken is not None:
             raise RuntimeError(
@@ -257,12 +336,11 @@ class OffloadCache(Cache):
             )
 
     def reset(self) -> None:
-        """Drop every cached token of every layer (the cache serves any new batch); also clears a broken state."""
-        for idx, layer in enumerate(self.layers):
-            if isinstance(layer, DynamicSlidingWindowLayer):  # a new one: 5.17's reset keeps zeroed keys
-                self.layers[idx] = DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
-            else:
-                layer.reset()
+        """Drop every cached token of every layer (the cache serves any new batch); also clears a broken state.
+        The disk tier's files go too (a later spill makes new ones)."""
+        if self._closed:
+            self._check_usable()
+        self._release_all()  # 5.17's reset of a sliding layer keeps zeroed keys: each gets a new one
         self._broken = None
 
     # ------------------------------------------------------------------------------------------------- editing
@@ -500,7 +578,7 @@ class OffloadCache(Cache):
             per-head selectors.
         """
         timing = self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None
-        return summarize(self.layers, timing, self._fusions())
+        return summarize(self.layers, timing, self._fusions(), self.disk)
 
     def _fusions(self) -> dict:
         """``stats()["fusions"]``: how many of the model's modules have a fused forward, and whether the offloaded
@@ -530,6 +608,8 @@ class OffloadCache(Cache):
         """Zero the counters and the phase timing of :meth:`stats` (the cached tokens stay)."""
         for layer in self.offload_layers:
             layer.stats.reset()
+        if self.disk is not None:
+            self.disk.reset_counters()
         if self._shared.phase_timer is not None:
             self._shared.phase_timer.reset()
 
@@ -552,6 +632,64 @@ def _sliding_rows(layer: DynamicSlidingWindowLayer, rows: torch.Tensor) -> Dynam
         fork.keys, fork.values = keys, values
         fork.cumulative_length = int(layer.cumulative_length)
     return fork
+
+
+def _disk_tier(config: OffloadConfig, model) -> DiskTier | None:
+    """The disk tier of a new cache (``config.disk_dir``; its files are made at the first spill), or ``None``."""
+    if config.disk_dir is None:
+        return None
+    if not os.path.isdir(config.disk_dir):
+        raise ValueError(f"disk_dir={config.disk_dir!r} is not an existing directory; create it or name another one.")
+    if not os.access(config.disk_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"disk_dir={config.disk_dir!r} is not writable by this process; name another directory.")
+    param = next(model.parameters(), None)
+    pin = config.pin_memory
+    if pin is None:
+        pin = param is not None and param.device.type == "cuda"
+    limit = None if config.disk_memory_gib is None else int(config.disk_memory_gib * (1 << 30))
+    return DiskTier(config.disk_dir, limit, config.disk_staging_chunks, config.disk_read_threads, bool(pin),
+                    int(config.host_chunk_mib * (1 << 20)))  # fmt: skip
+
+
+def _forward_cache(kwargs: dict):
+    return kwargs.get("past_key_values", kwargs.get("cache"))
+
+
+def _watch_forwards(cache: "OffloadCache", model) -> tuple:
+    """Hooks on ``model``'s forward for a cache with a disk tier: before it, reserve the disk space of its seals;
+    after an exception escaped it, free the tiers of a cache it left part-way. They hold the cache weakly and are
+    removed when it is closed or freed."""
+    ref = weakref.ref(cache)
+
+    def before(module, args, kwargs):
+        target = ref()
+        if target is None or _forward_cache(kwargs) is not target:
+            return None
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
+            target._before_forward(int(ids.shape[1]))
+        return None
+
+    def after(module, args, kwargs, output):
+        error = sys.exc_info()[1]
+        target = ref()
+        if error is not None and target is not None and _forward_cache(kwargs) is target:
+            target._after_failed_forward(error)
+        return None
+
+    handles = (
+        model.register_forward_pre_hook(before, with_kwargs=True),
+        model.register_forward_hook(after, with_kwargs=True, always_call=True),
+    )
+    weakref.finalize(cache, _remove_hooks, handles)
+    return handles
+
+
+def _remove_hooks(handles: tuple) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _check_reselect(config: OffloadConfig, selector: Selector) -> None:

@@ -116,7 +116,9 @@ def resolve(execution: LayerExecution, config: OffloadConfig, device: torch.devi
             "cuda_graphs=True needs a CUDA device and the kernel transfer path (pinned host pool and Triton); "
             "use cuda_graphs=None (on where it can run) or False."
         )
-    execution.graphs = bool(kernels_on_cuda and graphs is not False and not execution.lookahead and not config.timing)
+    # The disk tier reads blocks on the host between a layer's plan and its recall: no graphs with it.
+    execution.graphs = bool(kernels_on_cuda and graphs is not False and not execution.lookahead and not config.timing
+                            and config.disk_dir is None)  # fmt: skip
     execution.fusions = None if device is None else fusions_on(config, device)
     capacity = config.decode_capacity_blocks
     if capacity is None:

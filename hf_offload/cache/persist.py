@@ -137,6 +137,8 @@ def config_dict(config) -> dict:
     """
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
     values["selector"] = selector_spec(values["selector"])
+    # A directory of this machine: a load names its own (OffloadCache.load(path, model, disk_dir=...)).
+    values["disk_dir"] = values["disk_memory_gib"] = None
     return values
 
 
@@ -551,11 +553,8 @@ def _load_offload(layer, state: dict, file: CacheFile, prefix: str, device: torc
     store = layer.blocks
     _check_summaries(store, state, file, prefix)
     n_used = file.shapes[f"{prefix}.blocks"][0]
-    ids = store.host.allocate(n_used)
-    start = 0
-    for piece in file.pieces(f"{prefix}.blocks", store.host.chunk_blocks):
-        store.host.write(ids[start : start + len(piece)], piece)
-        start += len(piece)
+    # Piece by piece: with a disk tier, chunks of earlier pieces spill while later ones are read.
+    ids = store.host.store(piece for piece in file.pieces(f"{prefix}.blocks", store.host.chunk_blocks) if len(piece))
     index = file.read(f"{prefix}.block_table")
     if index.numel() and not (0 <= int(index.min()) and int(index.max()) < n_used):
         raise file._corrupted(f"{prefix}.block_table refers to blocks past the {n_used} stored")

@@ -214,6 +214,8 @@ class Recaller:
             slot_idx = slots[:, :1].reshape(-1)
             count, unit = missed.sum(), host.block_bytes
         offsets = None if head_idx is not None else self._block_offsets(n)
+        if host.disk_chunks:
+            ids = self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
         addrs = host.chunk_addrs(store.device)  # refreshed on the compute stream, before any side stream
         uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,)) + (offsets or ())
         event = transfer.launch_on(
@@ -225,6 +227,56 @@ class Recaller:
         if stream is not None:
             self._prefetch_event = event
         return count, unit, host.count_on_host(ids)
+
+    def _recall_spilled(self, ids: torch.Tensor, batch_idx: torch.Tensor, slot_idx: torch.Tensor,
+                        head_idx: torch.Tensor | None) -> torch.Tensor:
+        """Kernel path with chunks on disk: recall the entries whose blocks are on disk through the disk tier
+        (read into staging on its worker threads, copied to their slots on the compute stream) and return ``ids``
+        with those entries ``-1`` for the copy kernel. The host reads the ids: one synchronisation per call.
+
+        Args:
+            ids: host block id per entry or ``-1``, ``[n]``, ``torch.int64``, compute device.
+            batch_idx, slot_idx: destination sequence and slot per entry, ``[n]``, ``torch.int64``, compute device.
+            head_idx: the KV head per entry, or ``None`` (whole blocks).
+        """
+        host = self.blocks.host
+        ids_cpu = ids.cpu()
+        wanted = ids_cpu >= 0
+        host.touch(ids_cpu[wanted])
+        spilled = wanted & host.on_disk(ids_cpu.clamp(min=0))
+        if not bool(spilled.any()):
+            return ids
+        rows = spilled.nonzero().flatten()
+        dev = rows.to(ids.device)
+        head = None if head_idx is None else head_idx[dev]
+        transfer.recall_blocks(host, self.blocks.pool, ids_cpu[rows], batch_idx[dev], slot_idx[dev], head_idx=head)
+        return ids.index_fill(0, dev, -1)
+
+    def _stage_spilled(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
+        """A speculative plan's misses whose blocks are on disk: start reading them into the disk tier's staging
+        (worker threads, no wait), give their slots back (empty, so the exact plan recalls them, from staging) and
+        return ``miss`` without them.
+
+        Args:
+            blocks: block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``, compute device.
+            slots: slot per entry, ``[batch, kv_heads, n]``, ``torch.int64``, compute device.
+            miss: entries to recall, ``[batch, kv_heads, n]``, ``torch.bool``, compute device.
+        """
+        store = self.blocks
+        host, table = store.host, store.block_table
+        miss_cpu = miss.cpu()
+        index = blocks.expand(miss.shape).cpu().clamp(0, max(table.shape[1] - 1, 0))
+        if not table.shape[1]:
+            return miss
+        ids = torch.where(miss_cpu, table.gather(1, index.reshape(index.shape[0], -1)).view(miss.shape), -1)
+        spilled = (ids >= 0) & host.on_disk(ids.clamp(min=0).flatten()).view(ids.shape)
+        if not bool(spilled.any()):
+            return miss
+        host.stage(torch.unique(ids[spilled]))
+        on_disk = spilled.to(miss.device)
+        held = store.pool.block.gather(-1, slots)
+        store.pool.block.scatter_(-1, slots, torch.where(on_disk, torch.full_like(held, -1), held))
+        return miss & ~on_disk
 
     def _block_offsets(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~hf_offload.store.transfer.block_piece_offsets` of the ``n`` whole-block entries per sequence of
@@ -335,6 +387,8 @@ class Recaller:
         if self.execution.paged:  # blocks of admitted chunks are read in place: nothing to prefetch for them
             keep = self.pool_keep(selection.blocks, keep)
         slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
+        if store.host.disk_chunks:  # blocks on disk are staged ahead of the exact plan, not recalled here
+            miss = self._stage_spilled(selection.blocks, slots, miss)
         streams = self.execution.streams
         count, unit, host_count = self.recall(selection.blocks, slots, miss, streams.prefetch if streams else None)
         count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)

@@ -167,13 +167,36 @@ def count_recall(stats: LayerStats, count, unit: int, decode: bool, prefetch: bo
         stats.add_later(("decode_host_bytes",), count if host_count is None else host_count, unit)
 
 
-def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
+DISK_KEYS = ("disk_kv_bytes", "disk_spilled_chunks", "disk_spilled_bytes", "disk_reads", "disk_read_bytes",
+             "disk_read_blocks", "disk_staging_hits", "disk_staged_ahead_blocks", "disk_staging_bytes")
+
+
+def _disk_stats(offload: list, disk) -> dict:
+    """The ``disk_*`` keys of ``stats()``: the bytes of the layers' blocks on disk, and the counters of the disk tiers
+    their pools spill to (this cache's; for a fork, the tier of the cache it shares its pools with, counted whole)."""
+    tiers = {id(disk): disk} if disk is not None else {}
+    for layer in offload:
+        if layer.blocks.is_initialized and layer.blocks.host.disk is not None:
+            tiers.setdefault(id(layer.blocks.host.disk), layer.blocks.host.disk)
+    out = {**dict.fromkeys(DISK_KEYS, 0), "disk_direct_io": None}
+    for tier in tiers.values():
+        for name, value in tier.stats().items():
+            if name == "disk_direct_io":
+                out[name] = value if out[name] is None else out[name] and value
+            else:
+                out[name] += value
+    out["disk_kv_bytes"] = sum(layer.blocks.disk_kv_bytes() for layer in offload)
+    return out
+
+
+def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> dict:
     """The ``OffloadCache.stats()`` dict of a cache's layers (see that method for the keys).
 
     Args:
         layers: the cache's layers: offloaded ones (with ``stats`` and ``blocks``) and dense sliding-window ones.
         timing: the phase timer's summary, or ``None``.
         fusions: ``stats()["fusions"]``.
+        disk: the cache's :class:`~hf_offload.store.disk.DiskTier`, or ``None``.
     """
     per_layer = {}
     device = summaries = host = shared = reserved = 0
@@ -185,6 +208,7 @@ def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
             per_layer[layer.layer_idx] = {
                 "device_kv_bytes": blocks.device_kv_bytes(),
                 "host_kv_bytes": blocks.host_kv_bytes(),
+                "disk_kv_bytes": blocks.disk_kv_bytes(),
                 "host_shared_bytes": blocks.shared_host_bytes(),
                 "recalled_blocks": int(s.recalled_blocks),
                 "recalled_bytes": int(s.recalled_bytes),
@@ -234,6 +258,7 @@ def summarize(layers: list, timing: dict | None, fusions: dict) -> dict:
         "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
         "reused_selections": total("reused_selections"),
         "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
+        **_disk_stats(offload, disk),
         "layers": per_layer,
         "timing": timing,
         "fusions": fusions,

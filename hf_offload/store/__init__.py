@@ -1,4 +1,4 @@
-"""Where KV bytes live: the host block pool and the device slot pool (a disk tier comes later)."""
+"""Where KV bytes live: the host block pool, the device slot pool and the disk tier (:mod:`.disk`)."""
 
 from .device import DeviceSlotPool
 from .host import DeviceAdmission, HostBlockPool, HostMemoryBudget

@@ -46,16 +46,26 @@ def format_bytes(nbytes: float) -> str:
 class HostMemoryBudget:
     """Host bytes reserved by all pools of one cache, checked against ``host_memory_gib`` before each chunk."""
 
-    def __init__(self, host_memory_gib: float | None):
+    def __init__(self, host_memory_gib: float | None, disk=None):
         self.host_memory_gib = host_memory_gib
         self.limit_bytes = None if host_memory_gib is None else int(host_memory_gib * _GIB)
         self.reserved_bytes = 0
+        self.disk = disk  # the cache's DiskTier (hf_offload.store.disk): past the cap, chunks spill there first
 
     def reserve(self, nbytes: int) -> None:
         """Account for ``nbytes`` more (one host chunk), or raise ``MemoryError`` that says what to change."""
         limit = self.limit_bytes
+        if limit is not None and self.reserved_bytes + nbytes > limit and self.disk is not None and nbytes <= limit:
+            self.disk.make_room(nbytes, self)  # spill least recently used chunks to disk
         if limit is not None and self.reserved_bytes + nbytes > limit:
             cap = f"host_memory_gib={self.host_memory_gib!r} ({format_bytes(limit)})"
+            if self.disk is not None and nbytes <= limit:
+                raise MemoryError(
+                    f"The offloaded KV cache needs more than {cap} of host memory and no chunk could move to the disk "
+                    f"tier ({format_bytes(self.reserved_bytes)} are held by chunks that cannot move: each pool's partly "
+                    "filled chunk, and chunks with free blocks). Raise host_memory_gib to at least one chunk per "
+                    "offloaded layer and one more, or lower host_chunk_mib."
+                )
             if nbytes > limit:
                 raise MemoryError(
                     f"One host chunk of the KV cache is {format_bytes(nbytes)} (host_chunk_mib, rounded down to whole "
@@ -217,6 +227,11 @@ class HostBlockPool:
         admission: if given, new chunks go to the device while it admits them (IO-adaptive admission).
         allocator: ``allocator(shape, dtype)`` returns a new host chunk (e.g. pinned memory on huge pages); ``None``:
             ``torch.empty(shape, dtype=dtype, pin_memory=pin_memory)``.
+
+    With ``budget.disk`` (a :class:`~hf_offload.store.disk.DiskTier`), a chunk may be spilled to disk when the budget is
+    full (:meth:`spilled`): its blocks keep their ids, reads of them go through the tier's staging, and its ids are
+    never handed out again (a freed block of a spilled chunk stays unused until the whole chunk is free, which gives
+    its disk extent back).
     """
 
     def __init__(
@@ -239,6 +254,15 @@ class HostBlockPool:
         self.allocator = allocator
         self.chunks: list[torch.Tensor] = []
         self.chunk_admitted: list[bool] = []  # per chunk: admitted to the device (else host memory)
+        # The disk tier: per chunk its extent in the spill file ((offset, bytes); (-1, 0): spilled and since freed
+        # whole; None: in memory), when it was last used (the tier's clock) and how many of its blocks are free.
+        self.disk = getattr(budget, "disk", None)
+        self.disk_serial = self.disk.register(self) if self.disk is not None else None
+        self.chunk_disk: list[tuple[int, int] | None] = []
+        self.chunk_used: list[tuple[int, int]] = []  # (last use, creation order)
+        self._disk_free: dict[int, int] = {}
+        self.disk_chunks = 0  # chunks whose blocks are on disk
+        self._placeholder = torch.empty((0, *self.block_shape), dtype=dtype)  # stands for a spilled chunk
         self._free: list[int] = []
         self._next_id = 0
         # Per block id: how many (sequence, block) entries of block tables refer to it. A sealed block never
@@ -340,14 +364,23 @@ class HostBlockPool:
     @property
     def reserved_bytes(self) -> int:
         """Host bytes allocated, used or not (admitted device chunks excluded)."""
-        return self.chunk_admitted.count(False) * self.chunk_blocks * self.block_bytes
+        in_memory = sum(1 for a, d in zip(self.chunk_admitted, self.chunk_disk) if not a and d is None)
+        return in_memory * self.chunk_blocks * self.block_bytes
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Bytes of one chunk."""
+        return self.chunk_blocks * self.block_bytes
 
     def _grow(self) -> None:
         nbytes = self.chunk_blocks * self.block_bytes
         shape = (self.chunk_blocks, *self.block_shape)
+        order = (self.disk.tick() if self.disk is not None else 0, len(self.chunks))
         if self.admission is not None and self.admission.admit(nbytes):
             self.chunks.append(torch.empty(shape, dtype=self.dtype, device=self.admission.device))
             self.chunk_admitted.append(True)
+            self.chunk_disk.append(None)
+            self.chunk_used.append(order)
             self.admitted_chunks += 1
             return
         self.budget.reserve(nbytes)
@@ -358,6 +391,74 @@ class HostBlockPool:
             raise
         self.chunks.append(chunk)
         self.chunk_admitted.append(False)
+        self.chunk_disk.append(None)
+        self.chunk_used.append(order)
+
+    # ------------------------------------------------------------------------------------------------ disk tier
+    def spillable_chunks(self):
+        """``(chunk, (last use, creation))`` of the chunks the disk tier may spill: in host memory, every block
+        allocated (written: a seal with a disk tier writes what it allocates at once) and none free."""
+        if self.disk is None:
+            return
+        with_free = {i // self.chunk_blocks for i in self._free}
+        full = self._next_id // self.chunk_blocks
+        for c in range(full):
+            if self.chunk_disk[c] is None and not self.chunk_admitted[c] and c not in with_free:
+                yield c, self.chunk_used[c]
+
+    def spilled(self, chunk: int, offset: int, size: int) -> None:
+        """Chunk ``chunk`` was written to the disk tier's extent ``(offset, size)``: free its host memory."""
+        self.chunks[chunk] = self._placeholder
+        self.chunk_disk[chunk] = (offset, size)
+        self.disk_chunks += 1
+        self.budget.reserved_bytes -= self.chunk_nbytes
+        self._disk_free[chunk] = 0
+        if self._chunk_addrs is not None and chunk < self._tables_filled:  # no kernel reads it: id -1 (recaller)
+            self._chunk_addrs[chunk] = 0
+
+    def on_disk(self, ids: torch.Tensor) -> torch.Tensor:
+        """Which of ``ids`` (``[n]``, ``torch.int64``, CPU, ``>= 0``) are blocks of spilled chunks, ``[n]`` bool."""
+        if not self.disk_chunks:
+            return torch.zeros(len(ids), dtype=torch.bool)
+        spilled = torch.tensor([d is not None for d in self.chunk_disk])
+        return spilled[ids // self.chunk_blocks]
+
+    def touch(self, ids: torch.Tensor) -> None:
+        """Note a use of the chunks of ``ids`` (``[n]``, ``torch.int64``, CPU) for the disk tier's choice."""
+        if self.disk is None or not len(ids):
+            return
+        now = self.disk.tick()
+        for c in torch.unique(ids // self.chunk_blocks).tolist():
+            if 0 <= c < len(self.chunk_used):
+                self.chunk_used[c] = (now, self.chunk_used[c][1])
+
+    def stage(self, ids: torch.Tensor) -> None:
+        """Start reading the blocks of ``ids`` (``[n]``, ``torch.int64``, CPU, ``-1`` ignored) that are on disk into
+        the tier's staging without waiting (a forecast)."""
+        if not self.disk_chunks:
+            return
+        ids = ids[ids >= 0]
+        wanted = ids[self.on_disk(ids)]
+        if len(wanted):
+            self.disk.stage(self, wanted.tolist())
+
+    def disk_used_bytes(self) -> int:
+        """Bytes of the blocks holding data in spilled chunks."""
+        if not self.disk_chunks:
+            return 0
+        live = [c for c, d in enumerate(self.chunk_disk) if d is not None and d[1] > 0]
+        return sum(self.chunk_blocks - self._disk_free.get(c, 0) for c in live) * self.block_bytes
+
+    def _free_spilled(self) -> None:
+        """Give every extent of this pool back to the tier and forget its staged blocks."""
+        if self.disk is None:
+            return
+        self.disk.forget(self)
+        for c, extent in enumerate(self.chunk_disk):
+            if extent is not None and extent[1] > 0:
+                self.disk.release_extent(*extent)
+        self.disk_chunks = 0
+        self._disk_free = {}
 
     def demote_newest(self) -> int:
         """Move the newest admitted chunk to host memory (same block ids, same data); returns its bytes, 0 where no
@@ -401,7 +502,8 @@ class HostBlockPool:
         used = [max(0, min(self.chunk_blocks, self._next_id - c * self.chunk_blocks)) for c in range(len(self.chunks))]
         for block_id in self._free:
             used[block_id // self.chunk_blocks] -= 1
-        return sum(n for n, on_device in zip(used, self.chunk_admitted) if on_device == admitted) * self.block_bytes
+        kept = zip(used, self.chunk_admitted, self.chunk_disk)
+        return sum(n for n, on_device, disk in kept if on_device == admitted and disk is None) * self.block_bytes
 
     def allocate(self, n: int) -> torch.Tensor:
         """Reserve ``n`` blocks, each referred to once; returns their ids, shape ``[n]``, dtype ``torch.int64``, on
@@ -421,6 +523,26 @@ class HostBlockPool:
         self._refs[ids] = 1
         return ids
 
+    def store(self, pieces) -> torch.Tensor:
+        """Allocate and write blocks piece by piece, so that a disk tier can spill the chunks of earlier pieces while
+        later ones arrive; returns their ids in order, ``[n]``, ``torch.int64``, CPU. All or nothing: if a piece
+        fails (a full disk), the blocks of the earlier pieces are freed before the error propagates.
+
+        Args:
+            pieces: an iterable of ``[m, *block_shape]`` tensors, the pool dtype, any device.
+        """
+        ids = []
+        try:
+            for piece in pieces:
+                new = self.allocate(len(piece))
+                ids.append(new)
+                self.write(new, piece)
+        except BaseException:
+            if ids:  # all or nothing: the blocks of this call go back (their chunks stay, in memory or on disk)
+                self.free(torch.cat(ids))
+            raise
+        return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+
     def share(self, ids: torch.Tensor) -> None:
         """Count one more reference to each of ``ids`` (``[n]``, ``torch.int64``, CPU; repeats count once each)."""
         self._refs.index_put_((ids,), torch.ones(len(ids), dtype=self._refs.dtype), accumulate=True)
@@ -432,7 +554,17 @@ class HostBlockPool:
             return
         self._refs.index_put_((ids,), torch.full((len(ids),), -1, dtype=self._refs.dtype), accumulate=True)
         touched = torch.unique(ids)
-        self._free.extend(touched[self._refs[touched] == 0].tolist())
+        freed = touched[self._refs[touched] == 0]
+        if self.disk_chunks:
+            spilled = self.on_disk(freed)
+            for c in (freed[spilled] // self.chunk_blocks).tolist():
+                self._disk_free[c] = self._disk_free.get(c, 0) + 1
+                if self._disk_free[c] == self.chunk_blocks:  # the whole chunk is free: its extent goes back
+                    self.disk.release_extent(*self.chunk_disk[c])
+                    self.chunk_disk[c] = (-1, 0)
+                    self.disk_chunks -= 1
+            freed = freed[~spilled]
+        self._free.extend(freed.tolist())
 
     def refs(self, ids: torch.Tensor) -> torch.Tensor:
         """References to each of ``ids`` (``[n]``, ``torch.int64``, CPU), ``[n]``, ``torch.int32``."""
@@ -457,14 +589,27 @@ class HostBlockPool:
             while (i + n < len(order) and n < max_blocks and first + n < self.chunk_blocks
                    and order[i + n] == order[i] + n):  # fmt: skip
                 n += 1
-            yield self.chunks[chunk][first : first + n].cpu()
+            if self.chunk_disk[chunk] is not None:
+                yield self.disk.read_blocks(self, list(range(order[i], order[i] + n)))
+            else:
+                yield self.chunks[chunk][first : first + n].cpu()
             i += n
 
     def clear(self) -> None:
-        """Forget every block (the chunks stay allocated for reuse)."""
+        """Forget every block (the chunks in memory stay allocated for reuse; spilled chunks are dropped)."""
+        if self.disk_chunks or any(d is not None for d in self.chunk_disk):
+            self._free_spilled()
+            keep = [c for c, d in enumerate(self.chunk_disk) if d is None]
+            self.chunks = [self.chunks[c] for c in keep]
+            self.chunk_admitted = [self.chunk_admitted[c] for c in keep]
+            self.chunk_used = [self.chunk_used[c] for c in keep]
+            self.chunk_disk = [None] * len(keep)
+            self._chunk_addrs = self._chunk_on_host = self._chunk_on_host_cpu = None  # chunk indices changed
+            self._tables_filled = 0
+            self._refs = torch.zeros(len(keep) * self.chunk_blocks, dtype=torch.int32)
         self._free.clear()
         self._next_id = 0
-        self._refs.zero_()
+        self._refs = torch.zeros(len(self._refs), dtype=torch.int32)  # not in place: it may be an inference tensor
 
     def release(self) -> None:
         """Forget every block and free the chunks, returning their bytes to the host budget and device admission."""
@@ -476,6 +621,8 @@ class HostBlockPool:
             self.admission.admitted_bytes -= device_bytes
         self.chunks.clear()
         self.chunk_admitted.clear()
+        self.chunk_disk.clear()
+        self.chunk_used.clear()
         self._refs = torch.zeros(0, dtype=torch.int32)
         self.admitted_chunks = 0
         self._chunk_addrs = None
@@ -483,9 +630,12 @@ class HostBlockPool:
         self._tables_filled = 0
 
     def _by_chunk(self, ids: torch.Tensor):
+        """``(chunk, rows, offsets)`` per chunk in memory of ``ids``; spilled chunks are the caller's."""
         chunk_of = ids // self.chunk_blocks
         offset = ids % self.chunk_blocks
         for c in torch.unique(chunk_of).tolist():
+            if self.chunk_disk[c] is not None:
+                continue
             rows = (chunk_of == c).nonzero().flatten()
             yield self.chunks[c], rows, offset[rows]
 
@@ -497,6 +647,9 @@ class HostBlockPool:
             blocks: shape ``[n, *block_shape]``, the pool dtype, any device (copied to the host first).
         """
         blocks = blocks.to("cpu")
+        if self.disk_chunks and bool(self.on_disk(ids).any()):
+            raise RuntimeError("A block of a chunk spilled to disk was written to; spilled chunks are read-only.")
+        self.touch(ids)
         for chunk, rows, offset in self._by_chunk(ids):
             chunk[offset.to(chunk.device)] = blocks[rows].to(chunk.device)
 
@@ -513,6 +666,13 @@ class HostBlockPool:
         """
         shape = self.block_shape if heads is None else (self.block_shape[0], *self.block_shape[2:])
         out = torch.empty((len(ids), *shape), dtype=self.dtype, pin_memory=self.pin_memory)
+        self.touch(ids)
+        if self.disk_chunks:
+            spilled = self.on_disk(ids)
+            if bool(spilled.any()):  # read into the tier's staging first, copied from there
+                rows = spilled.nonzero().flatten()
+                blocks = self.disk.read_blocks(self, ids[rows].tolist())
+                out[rows] = blocks if heads is None else blocks[torch.arange(len(rows)), :, heads[rows]]
         for chunk, rows, offset in self._by_chunk(ids):
             offset = offset.to(chunk.device)
             part = chunk[offset] if heads is None else chunk[offset, :, heads[rows].to(chunk.device)]

@@ -81,25 +81,32 @@ def main(argv: list[str] | None = None) -> int:
                         "allocator fragmentation when suggesting device_memory_gib and the every-block-on-the-device "
                         "batch (default %(default)s: an 8B-shape model on an H200 ran 64K tokens at batches 10-13 and "
                         "128K at 6-7 with it, 3 GiB ran out of memory)")
+    parser.add_argument("--disk-gib", type=float, default=None,
+                        help="with --host-gib: a disk tier of this many GiB takes the blocks past --host-gib "
+                        "(OffloadCache(host_memory_gib=HOST_GIB, disk_dir=..., disk_memory_gib=DISK_GIB))")
     args = parser.parse_args(argv)
+    if args.disk_gib is not None and args.host_gib is None:
+        parser.error("--disk-gib needs --host-gib (the disk tier takes what is past host_memory_gib)")
     try:
         shape = load_shape(args.model)
     except ValueError as err:
         parser.error(str(err))
+    disk = {} if args.disk_gib is None else dict(host_memory_gib=args.host_gib, disk_dir=".",
+                                                 disk_memory_gib=args.disk_gib)  # fmt: skip
     config = OffloadConfig(budget_tokens=args.budget, selector=args.selector, admission=args.admission,
-                           device_memory_gib=args.device_memory_gib)  # fmt: skip
+                           device_memory_gib=args.device_memory_gib, **disk)  # fmt: skip
     weights = shape.weights_bytes or 0
     device_free = None if args.device_gib is None else int(args.device_gib * GIB) - weights
     print(f"{args.model}: {shape.full_layers} full + {shape.sliding_layers} sliding layers, {shape.kv_heads} KV heads, "
           f"head_dim {shape.head_dim}: {shape.kv_bytes_per_token * (shape.full_layers + shape.sliding_layers) / 1024:.0f}"
           f" KiB of KV per token (bf16)\n")  # fmt: skip
     print(f"{'method':8s} {'device KV GiB':>14s} {'(admitted)':>11s} {'summaries GiB':>14s} {'step GiB':>9s} "
-          f"{'host KV GiB':>12s} {'host reserved GiB':>18s}")  # fmt: skip
+          f"{'host KV GiB':>12s} {'host reserved GiB':>18s}" + (f" {'disk KV GiB':>12s}" if disk else ""))  # fmt: skip
     for method in ("dense", "static", "offload"):
         p = plan(shape, args.context, args.batch, method, config, device_free_bytes=device_free)
         print(f"{method:8s} {p.device_kv_bytes / GIB:14.2f} {p.admitted_kv_bytes / GIB:11.2f} "
               f"{p.device_summary_bytes / GIB:14.2f} {p.step_transient_bytes / GIB:9.2f} {p.host_kv_bytes / GIB:12.2f} "
-              f"{p.host_reserved_bytes / GIB:18.2f}")  # fmt: skip
+              f"{p.host_reserved_bytes / GIB:18.2f}" + (f" {p.disk_kv_bytes / GIB:12.2f}" if disk else ""))  # fmt: skip
     print("(dense: DynamicCache; static: StaticCache; step: what a decode step allocates beyond the cache)")
     if device_free is not None and args.admission == "auto":
         p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
@@ -110,9 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     if device_free is not None:
         host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
         print(f"\nlargest batch at {args.context:,} tokens ({args.device_gib:g} GiB device"
-              f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}; weights {weights / GIB:.1f} GiB):")
+              f"{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}"
+              f"{'' if args.disk_gib is None else f', {args.disk_gib:g} GiB disk'}; weights {weights / GIB:.1f} GiB):")
         for method in ("dense", "static", "offload"):
-            print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config)}")
+            disk_free = None if args.disk_gib is None else int(args.disk_gib * GIB)
+            print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config, disk_free_bytes=disk_free)}")
         resident = largest_resident_batch(shape, args.context, device_free, config, args.margin_gib)
         gib = suggested_device_memory_gib(shape, args.context, max(resident, 1), config.replace(admission="auto"),
                                           device_free, args.margin_gib)  # fmt: skip

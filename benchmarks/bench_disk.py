@@ -1,0 +1,250 @@
+"""The disk tier against the drive it runs on: sequential write / read and random block reads of the drive (dd-like,
+with the tier's own I/O sizes), the tier's spill and read throughput, and decode tokens/s host-only vs disk tier.
+
+* **drive**: a file of ``--drive-mib`` MiB in ``--dir``, written in chunk-sized writes (``host_chunk_mib``, what a
+  spill writes) and fsynced, read back sequentially in chunk-sized reads, then ``--random-reads`` block-sized reads
+  at random block offsets on ``--threads`` threads (what a recall reads); ``O_DIRECT`` where the file system takes
+  it, as the tier.
+* **tier**: a Llama-architecture model of ``--shape`` (random weights; ``--layers`` overrides the layer count) with
+  ``--context`` tokens of random KV per sequence written into the cache (``hf_offload.tools.bench.fill_random``,
+  no prefill computed), then ``--steps`` greedy decode steps. Once with every block in host memory, once with
+  ``host_memory_gib`` set to ``--host-fraction`` of the KV and ``disk_dir=--dir``. The spill throughput is the
+  bytes spilled over the time spent in ``DiskTier.spill`` (write and its reservation); the read throughput the
+  bytes read from disk over the time spent in ``DiskTier.read_blocks`` (reads, waits and copies out of staging).
+
+Random KV and random queries select blocks nearly at random (a low hit rate), which is the worst case for recall
+traffic. Raw JSON (``benchmarks.common.write_results``).
+
+    python benchmarks/bench_disk.py --shape llama-3.2-1b --layers 4 --context 16384 --batch 2 --dir /tmp \\
+        --out results/disk/cpu_llama1b4l_16k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import random
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.common import run_metadata, write_results  # noqa: E402
+from hf_offload import OffloadCache  # noqa: E402
+from hf_offload.store.disk import ALIGN, DiskTier, aligned_buffer  # noqa: E402
+from hf_offload.tools.bench import SHAPES, _decode, fill_random  # noqa: E402
+
+MIB = 1 << 20
+WORKLOAD = "random weights, random KV written into the cache (no prefill computed), random token ids, greedy decode"
+
+
+def _open(path: str) -> tuple[int, bool]:
+    """``path`` opened for writing and reading, with ``O_DIRECT`` where the file system takes it."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+    if hasattr(os, "O_DIRECT"):
+        try:
+            return os.open(path, flags | os.O_DIRECT, 0o600), True
+        except OSError as err:
+            if err.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, 0o600), False
+
+
+def drive(directory: str, total_mib: int, chunk_bytes: int, block_bytes: int, reads: int, threads: int) -> dict:
+    """Sequential chunk-sized write (fsynced) and read, and random block-sized reads on ``threads`` threads, of one
+    file in ``directory`` (removed afterwards); GB/s each."""
+    chunk_bytes = -(-chunk_bytes // ALIGN) * ALIGN
+    n_chunks = max(1, total_mib * MIB // chunk_bytes)
+    buffer = aligned_buffer(chunk_bytes, False)
+    buffer.copy_(torch.randint(0, 256, (chunk_bytes,), dtype=torch.uint8))
+    view = memoryview(buffer.numpy())
+    fd, direct = _open(os.path.join(directory, f"hf-offload-drive-{os.getpid()}.bin"))
+    path = os.path.join(directory, f"hf-offload-drive-{os.getpid()}.bin")
+    try:
+        start = time.perf_counter()
+        for i in range(n_chunks):
+            os.pwrite(fd, view, i * chunk_bytes)
+        os.fsync(fd)
+        write_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for i in range(n_chunks):
+            os.preadv(fd, [view], i * chunk_bytes)
+        read_s = time.perf_counter() - start
+        total = n_chunks * chunk_bytes
+        aligned_blocks = block_bytes % ALIGN == 0 or not direct
+        rand_fd = fd if aligned_blocks else os.open(path, os.O_RDONLY)
+        per_block = total // block_bytes
+        rng = random.Random(0)
+        offsets = [rng.randrange(per_block) * block_bytes for _ in range(reads)]
+        slots = [memoryview(aligned_buffer(block_bytes, False).numpy()) for _ in range(threads)]
+
+        def read(i: int) -> None:
+            os.preadv(rand_fd, [slots[i % threads]], offsets[i])
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, range(reads), chunksize=max(1, reads // (4 * threads))))
+        random_s = time.perf_counter() - start
+        if rand_fd != fd:
+            os.close(rand_fd)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return {
+        "direct_io": direct,
+        "bytes": total,
+        "write_chunk_bytes": chunk_bytes,
+        "seq_write_gbs": total / write_s / 1e9,
+        "seq_read_gbs": total / read_s / 1e9,
+        "random_read_block_bytes": block_bytes,
+        "random_reads": reads,
+        "random_read_gbs": reads * block_bytes / random_s / 1e9,
+        "random_read_iops": reads / random_s,
+    }
+
+
+class _Timed:
+    """Seconds spent in ``DiskTier.spill`` and ``DiskTier.read_blocks`` while installed."""
+
+    def __init__(self):
+        self.spill_s = self.read_s = 0.0
+        self._spill, self._read = DiskTier.spill, DiskTier.read_blocks
+
+    def __enter__(self):
+        timed = self
+
+        def spill(tier, pool, chunk):
+            start = time.perf_counter()
+            try:
+                return timed._spill(tier, pool, chunk)
+            finally:
+                timed.spill_s += time.perf_counter() - start
+
+        def read_blocks(tier, pool, ids):
+            start = time.perf_counter()
+            try:
+                return timed._read(tier, pool, ids)
+            finally:
+                timed.read_s += time.perf_counter() - start
+
+        DiskTier.spill, DiskTier.read_blocks = spill, read_blocks
+        return self
+
+    def __exit__(self, *exc):
+        DiskTier.spill, DiskTier.read_blocks = self._spill, self._read
+
+
+def build(shape: str, layers: int | None, positions: int, device: torch.device, dtype: torch.dtype):
+    """A Llama model of ``shape`` (``hf_offload.tools.bench.SHAPES``), ``layers`` layers if given, random weights."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    settings = dict(SHAPES[shape], max_position_embeddings=positions, pad_token_id=0)
+    if layers is not None:
+        settings["num_hidden_layers"] = layers
+    torch.manual_seed(0)
+    with device:
+        return AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=dtype).eval()
+
+
+def run_cache(model, args, device, disk: dict) -> dict:
+    """Fill a cache with ``args.context`` random tokens, decode ``args.steps`` steps; times, tokens/s, stats."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = OffloadCache(model, budget_tokens=args.budget, host_chunk_mib=args.host_chunk_mib, **disk)
+    torch.manual_seed(0)
+    with _Timed() as timed:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            fill_random(cache, args.batch, args.context, config.num_key_value_heads, head_dim, device,
+                        dtype=model.dtype)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        fill_s = time.perf_counter() - start
+        fill_spill_s = timed.spill_s
+        step_s = _decode(model, cache, args.batch, args.context, args.steps, device)
+    stats = cache.stats()
+    stats.pop("layers")
+    cache.close()
+    spilled, read = stats["disk_spilled_bytes"], stats["disk_read_bytes"]
+    return {
+        "fill_s": fill_s,
+        "fill_gbs": (stats["host_kv_bytes"] + stats["disk_kv_bytes"]) / fill_s / 1e9,
+        "decode_step_ms": step_s * 1e3,
+        "decode_tok_s": args.batch / step_s,
+        "spill_gbs": spilled / fill_spill_s / 1e9 if fill_spill_s else None,
+        "tier_read_gbs": read / timed.read_s / 1e9 if timed.read_s else None,
+        "spill_s": timed.spill_s,
+        "read_s": timed.read_s,
+        "stats": stats,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="the disk tier's directory (disk_dir)")
+    parser.add_argument("--host-fraction", type=float, default=0.25, help="host_memory_gib as a share of the KV")
+    parser.add_argument("--host-chunk-mib", type=float, default=16)
+    parser.add_argument("--staging-chunks", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--drive-mib", type=int, default=1024)
+    parser.add_argument("--random-reads", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each cache, alternating (the summary takes the last of each: the first run of a "
+                        "process pays one-time costs)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = getattr(torch, args.dtype)
+    model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    block_bytes = 2 * config.num_key_value_heads * 16 * head_dim * dtype.itemsize
+    kv_bytes = config.num_hidden_layers * args.batch * (args.context // 16) * block_bytes
+    chunk_bytes = int(args.host_chunk_mib * MIB) // block_bytes * block_bytes
+    print(f"KV {kv_bytes / MIB:.0f} MiB; drive test in {args.dir} ...", flush=True)
+    drive_result = drive(args.dir, args.drive_mib, chunk_bytes, block_bytes, args.random_reads, args.threads)
+    print({k: round(v, 3) if isinstance(v, float) else v for k, v in drive_result.items()}, flush=True)
+    host_gib = args.host_fraction * kv_bytes / (1 << 30)
+    runs, repeats = {}, {"host_only": [], "disk_tier": []}
+    for _ in range(args.repeats):
+        for name, disk in (("host_only", {}),
+                           ("disk_tier", dict(host_memory_gib=host_gib, disk_dir=args.dir,
+                                              disk_staging_chunks=args.staging_chunks,
+                                              disk_read_threads=args.threads))):  # fmt: skip
+            runs[name] = r = run_cache(model, args, device, disk)
+            repeats[name].append({k: r[k] for k in ("fill_s", "decode_tok_s", "spill_gbs", "tier_read_gbs")})
+            print(f"{name}: fill {r['fill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, spill {r['spill_gbs']} "
+                  f"GB/s, tier read {r['tier_read_gbs']} GB/s, disk {r['stats']['disk_kv_bytes'] / MIB:.0f} MiB",
+                  flush=True)  # fmt: skip
+    disk_run = runs["disk_tier"]
+    summary = {
+        "spill_vs_drive_write": (disk_run["spill_gbs"] or 0) / drive_result["seq_write_gbs"],
+        "tier_read_vs_drive_random_read": (disk_run["tier_read_gbs"] or 0) / drive_result["random_read_gbs"],
+        "decode_disk_vs_host_only": disk_run["decode_tok_s"] / runs["host_only"]["decode_tok_s"],
+    }
+    print(summary)
+    payload = {"metadata": run_metadata(args, workload=WORKLOAD, kv_bytes=kv_bytes, block_bytes=block_bytes,
+                                        chunk_bytes=chunk_bytes, host_memory_gib=host_gib),
+               "drive": drive_result, "runs": runs, "repeats": repeats, "summary": summary}  # fmt: skip
+    if args.out:
+        write_results(args.out, payload)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
