@@ -116,11 +116,7 @@ def test_files_are_gone_after_garbage_collection(tmp_path):
     assert _files(tmp_path) == []
 
 
-def test_files_are_gone_after_an_exception_inside_a_forward(tmp_path):
-    model = build_model("llama")
-    ids, mask = left_padded([90], seed=5)
-    expected = _generate(model, ids, mask, OffloadCache(model, **FULL))
-    cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path)
+def _fail_fourth_call_of_layer_1(model):
     calls = []
 
     def failing(module, args):
@@ -128,7 +124,40 @@ def test_files_are_gone_after_an_exception_inside_a_forward(tmp_path):
         if len(calls) == 4:  # the third decode step, after layer 0 took its token
             raise RuntimeError("stop")
 
-    handle = model.model.layers[1].register_forward_pre_hook(failing)
+    return model.model.layers[1].register_forward_pre_hook(failing)
+
+
+def test_an_exception_inside_a_forward_rolls_back_and_keeps_the_files(tmp_path):
+    """The forward stopped after layer 0 took its token: layer 0 is cropped back, the blocks on disk stay where they
+    are, and the cache goes on; close() removes the files."""
+    model = build_model("llama")
+    ids, mask = left_padded([90], seed=5)
+    cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path)
+    handle = _fail_fourth_call_of_layer_1(model)
+    try:
+        with pytest.raises(RuntimeError, match="stop"):
+            _generate(model, ids, mask, cache)
+    finally:
+        handle.remove()
+    assert [int(layer.get_seq_length()) for layer in cache.layers] == [90 + 2] * len(cache.layers)
+    assert _files(tmp_path) != [] and cache.stats()["disk_kv_bytes"] > 0
+    follow = torch.cat([ids, _generate(model, ids, mask, OffloadCache(model, **FULL))[:, 90:93]], 1)
+    dense = DynamicCache(config=model.config)
+    _generate(model, ids, mask, dense, 3)
+    want = _generate(model, follow, torch.ones_like(follow), dense, 4)
+    assert torch.equal(_generate(model, follow, torch.ones_like(follow), cache, 4), want)
+    cache.close()
+    assert _files(tmp_path) == []
+
+
+def test_files_are_gone_after_an_exception_that_cannot_be_rolled_back(tmp_path):
+    """Gemma 3's sliding layers (window 12) dropped old tokens for the failed forward's: the cache is broken, and
+    its tiers and files are freed at once; reset() makes it usable again."""
+    model = build_model("gemma3")
+    ids, mask = left_padded([90], seed=5)
+    expected = _generate(model, ids, mask, OffloadCache(model, **FULL))
+    cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path)
+    handle = _fail_fourth_call_of_layer_1(model)
     try:
         with pytest.raises(RuntimeError, match="stop"):
             _generate(model, ids, mask, cache)
