@@ -11,7 +11,6 @@ from __future__ import annotations
 import copy
 import numbers
 import os
-import sys
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -155,7 +154,6 @@ class OffloadCache(Cache):
         self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
         self._broken: str | None = None  # why the cache cannot be used until reset(), or None
-        self._hooks = _watch_forwards(self, model) if self.disk is not None else ()
 
     # ------------------------------------------------------------------------------------------------ life cycle
     def close(self) -> None:
@@ -170,9 +168,6 @@ class OffloadCache(Cache):
         if self._closed:
             return
         self._release_all()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = ()
         self._closed = True
 
     def __enter__(self) -> "OffloadCache":
@@ -191,9 +186,10 @@ class OffloadCache(Cache):
         if self.disk is not None:
             self.disk.close()
 
-    def _before_forward(self, q_len: int) -> None:
-        """Before a forward of ``q_len`` tokens through this cache: reserve the disk space its seals may spill
-        (:meth:`DiskTier.reserve`), so that a full disk refuses the forward before any layer changes."""
+    def before_forward(self, q_len: int) -> None:
+        """Before a forward of ``q_len`` tokens through this cache (called by the model's forward pre-hook,
+        :mod:`hf_offload.patches.forwards`): reserve the disk space its seals may spill (:meth:`DiskTier.reserve`),
+        so that a full disk refuses the forward before any layer changes."""
         if self._closed or self._broken is not None:
             return
         need: dict[int, list] = {}
@@ -212,8 +208,9 @@ class OffloadCache(Cache):
         for budget, grow in need.values():
             budget.disk.reserve(budget.reserved_bytes + grow - budget.limit_bytes)
 
-    def _after_failed_forward(self, error: BaseException) -> None:
-        """After ``error`` escaped a forward through this cache: if it stopped part-way (its layers hold different
+    def after_failed_forward(self, error: BaseException) -> None:
+        """After ``error`` escaped a forward through this cache (called by the model's forward hook,
+        :mod:`hf_offload.patches.forwards`): if it stopped part-way (its layers hold different
         numbers of tokens), roll the layers it reached back (:meth:`_roll_back`); where that cannot be exact, the
         cache is broken: free its tiers and files now (:meth:`reset` makes it usable)."""
         lengths = [] if self._closed else self._lengths()
@@ -649,47 +646,6 @@ def _disk_tier(config: OffloadConfig, model) -> DiskTier | None:
     limit = None if config.disk_memory_gib is None else int(config.disk_memory_gib * (1 << 30))
     return DiskTier(config.disk_dir, limit, config.disk_staging_chunks, config.disk_read_threads, bool(pin),
                     int(config.host_chunk_mib * (1 << 20)))  # fmt: skip
-
-
-def _forward_cache(kwargs: dict):
-    return kwargs.get("past_key_values", kwargs.get("cache"))
-
-
-def _watch_forwards(cache: "OffloadCache", model) -> tuple:
-    """Hooks on ``model``'s forward for a cache with a disk tier: before it, reserve the disk space of its seals;
-    after an exception escaped it, free the tiers of a cache it left part-way. They hold the cache weakly and are
-    removed when it is closed or freed."""
-    ref = weakref.ref(cache)
-
-    def before(module, args, kwargs):
-        target = ref()
-        if target is None or _forward_cache(kwargs) is not target:
-            return None
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:
-            ids = kwargs.get("inputs_embeds")
-        if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-            target._before_forward(int(ids.shape[1]))
-        return None
-
-    def after(module, args, kwargs, output):
-        error = sys.exc_info()[1]
-        target = ref()
-        if error is not None and target is not None and _forward_cache(kwargs) is target:
-            target._after_failed_forward(error)
-        return None
-
-    handles = (
-        model.register_forward_pre_hook(before, with_kwargs=True),
-        model.register_forward_hook(after, with_kwargs=True, always_call=True),
-    )
-    weakref.finalize(cache, _remove_hooks, handles)
-    return handles
-
-
-def _remove_hooks(handles: tuple) -> None:
-    for handle in handles:
-        handle.remove()
 
 
 def _check_reselect(config: OffloadConfig, selector: Selector) -> None:

@@ -11,7 +11,9 @@ are):
   forwards that run one kernel inside the cache's layer calls where ``fused_norms`` / ``fused_rotary`` are on, and
   the module's own computation everywhere else;
 - fused projections (:mod:`~hf_offload.patches.projections`), only where ``fused_projections`` would run them on the
-  device of the decoder layers' weights: q / k / v and gate / up weights re-laid as row views of one tensor each.
+  device of the decoder layers' weights: q / k / v and gate / up weights re-laid as row views of one tensor each;
+- two hooks on the model's forward (:mod:`~hf_offload.patches.forwards`): the cache a forward is given prepares before
+  it and rolls back what a failed forward left part-way.
 
 :func:`remove` (also :meth:`ModelPatches.remove` and :func:`disable_offload_attention`) undoes all of it: the model
 is then the one that was given, with the same parameter objects (each with a tensor of its own again, the same
@@ -34,6 +36,7 @@ import weakref
 import torch
 
 from .attention import AttentionSnapshot, original_implementation, restore_attention, switch_attention
+from .forwards import install_forward_hooks, remove_forward_hooks
 from .layers import decoder_layers, install_layer_calls, remove_layer_calls
 from .norms import install_fused_norms, remove_fused_norms
 from .projections import fused_groups, install_fused_projections, projections_on, remove_fused_projections
@@ -62,6 +65,7 @@ class ModelPatches:
         norm_modules: RMS norm modules with a fused forward.
         rotary_modules: attention modules with a fused rotary embedding.
         projection_groups: groups of sibling projections re-laid as one tensor.
+        forward_hooks: whether the model's forward has the hooks of :mod:`~hf_offload.patches.forwards`.
 
     The counts are those of the last :func:`install`.
     """
@@ -70,6 +74,7 @@ class ModelPatches:
         self._model = weakref.ref(model)
         self.attention = attention
         self.layer_calls = self.norm_modules = self.rotary_modules = self.projection_groups = 0
+        self.forward_hooks = False
 
     @property
     def original_attn_implementation(self) -> str:
@@ -125,6 +130,7 @@ def install(model: torch.nn.Module, config) -> ModelPatches:
             (nothing is changed then).
     """
     patches = _switched(model)
+    patches.forward_hooks = install_forward_hooks(model)  # the cache prepares before a forward, repairs after one fails
     patches.layer_calls = install_layer_calls(model)  # each decoder layer hands its calls to the cache it is given
     patches.norm_modules = install_fused_norms(model)  # their norms run one kernel inside those calls where asked
     patches.rotary_modules = install_fused_rotary(model)  # and their rotary embedding
@@ -145,6 +151,7 @@ def remove(model: torch.nn.Module) -> None:
     """Remove every patch from ``model``, whichever cache installed it (idempotent): the model is then exactly the
     one given to the first install (see the module docstring)."""
     patches = _INSTALLED.pop(model, None)
+    remove_forward_hooks(model)
     remove_fused_projections(model)
     remove_fused_rotary(model)
     remove_fused_norms(model)

@@ -31,7 +31,7 @@ EVERY = dict(SMALL, fused_projections=True)
 
 def _state(model) -> dict:
     """What a remove must give back: parameters (objects, names, shapes, dtypes, flags, values, which share a
-    storage), the state dict, instance forwards and the configs' attention implementations."""
+    storage), the state dict, instance forwards, forward hooks and the configs' attention implementations."""
     params = list(model.named_parameters())
     storages: dict[int, list[str]] = {}
     for name, p in params:
@@ -42,6 +42,7 @@ def _state(model) -> dict:
         "shared": sorted(sorted(names) for names in storages.values()),
         "state_dict": {k: v.detach().clone() for k, v in model.state_dict().items()},
         "forwards": [name for name, m in model.named_modules() if "forward" in m.__dict__],
+        "hooks": [(name, len(m._forward_pre_hooks), len(m._forward_hooks)) for name, m in model.named_modules()],
         "attention": [(type(c).__name__, c._attn_implementation) for c in _configs(model)],
     }
 
@@ -56,6 +57,7 @@ def _assert_same_state(got: dict, want: dict) -> None:
     assert got["state_dict"].keys() == want["state_dict"].keys()
     assert all(torch.equal(got["state_dict"][k], want["state_dict"][k]) for k in want["state_dict"])
     assert got["forwards"] == want["forwards"] == []
+    assert got["hooks"] == want["hooks"]  # the forward hooks are off again
     assert got["attention"] == want["attention"]
 
 
@@ -98,6 +100,7 @@ def test_remove_gives_back_exactly_the_model_given(arch, tmp_path):
     assert (p.layer_calls, p.norm_modules, p.rotary_modules, p.projection_groups) == (
         layers, found["norms"], layers, 2 * layers
     )
+    assert p.forward_hooks and (len(model._forward_pre_hooks), len(model._forward_hooks)) == (1, 1)
     with torch.no_grad():
         got = model.generate(**kwargs, past_key_values=cache)  # full budget: the tokens of DynamicCache
     assert torch.equal(got, want)
