@@ -9,7 +9,6 @@ lookahead, and reports :meth:`OffloadCache.stats`.
 from __future__ import annotations
 
 import copy
-import functools
 import numbers
 import os
 import weakref
@@ -33,6 +32,7 @@ from ..store import HostMemoryBudget
 from ..store.disk import DiskTier
 from .execution import call_fusions, fused
 from .layer import OffloadLayer
+from .modes import normal_tensors
 from .persist import load_cache, save_cache
 from .shared import DeviceResources
 from .stats import summarize
@@ -70,22 +70,6 @@ def generate_cache_kwarg() -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
-
-def _normal_tensors(method: Callable) -> Callable:
-    """Run a cache method outside inference mode (grad mode off, as inference mode has it) where it is called
-    inside it. The cache keeps its state in tensors it changes in place from call to call; made under
-    ``torch.inference_mode()`` they would be inference tensors, which no later call outside it (``generate()``
-    runs under ``no_grad``) may change. So a cache prefilled under inference mode and continued by ``generate()``
-    works as ``DynamicCache`` does. Outside inference mode the method runs as it is."""
-
-    @functools.wraps(method)
-    def wrapper(*args, **kwargs):
-        if not torch.is_inference_mode_enabled():
-            return method(*args, **kwargs)
-        with torch.inference_mode(False), torch.no_grad():
-            return method(*args, **kwargs)
-
-    return wrapper
 
 
 class OffloadCache(Cache):
@@ -175,7 +159,7 @@ class OffloadCache(Cache):
         self._broken: str | None = None  # why the cache cannot be used until reset(), or None
 
     # ------------------------------------------------------------------------------------------------ life cycle
-    @_normal_tensors
+    @normal_tensors
     def close(self) -> None:
         """Free every tier now: the device and host memory of the cached tokens and the disk tier's files (its
         directory is removed; blocks a fork still shares stay until the fork lets go). The cache cannot be used
@@ -206,7 +190,7 @@ class OffloadCache(Cache):
         if self.disk is not None:
             self.disk.close()
 
-    @_normal_tensors
+    @normal_tensors
     def before_forward(self, q_len: int) -> None:
         """Before a forward of ``q_len`` tokens through this cache (called by the model's forward pre-hook,
         :mod:`hf_offload.patches.forwards`): reserve the disk space its seals may spill (:meth:`DiskTier.reserve`),
@@ -229,7 +213,7 @@ class OffloadCache(Cache):
         for budget, grow in need.values():
             budget.disk.reserve(budget.reserved_bytes + grow - budget.limit_bytes)
 
-    @_normal_tensors
+    @normal_tensors
     def after_failed_forward(self, error: BaseException) -> None:
         """After ``error`` escaped a forward through this cache (called by the model's forward hook,
         :mod:`hf_offload.patches.forwards`): if it stopped part-way (its layers hold different
@@ -246,7 +230,7 @@ class OffloadCache(Cache):
         self._broken += " (its tiers and disk files were freed)"
 
     # --------------------------------------------------------------------------------------------- forward calls
-    @_normal_tensors
+    @normal_tensors
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Append the new keys and values of layer ``layer_idx`` (transformers calls it once per layer and forward);
         see :meth:`OffloadLayer.update`.
@@ -259,7 +243,7 @@ class OffloadCache(Cache):
             self._check_usable()
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    @_normal_tensors
+    @normal_tensors
     def run_decoder_layer(self, layer_idx: int, forward: Callable, args: tuple, kwargs: dict):
         """Run one call of the model's decoder layer ``layer_idx`` (its own forward ``forward`` with transformers'
         arguments): offloaded layers may replay it from a CUDA graph (:meth:`OffloadLayer.run_decoder_layer`); other
@@ -331,7 +315,7 @@ class OffloadCache(Cache):
                 self._broken = "a forward stopped in the middle"
         return lengths
 
-    @_normal_tensors
+    @normal_tensors
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens held by layer ``layer_idx``; after a forward that stopped part-way, what every layer held before
         it (:meth:`_settle`)."""
@@ -357,7 +341,7 @@ class OffloadCache(Cache):
                 f"({lengths}). Call cache.reset() or build a new OffloadCache (and prefill the prompt again)."
             )
 
-    @_normal_tensors
+    @normal_tensors
     def reset(self) -> None:
         """Drop every cached token of every layer (the cache serves any new batch); also clears a broken state.
         The disk tier's files go too (a later spill makes new ones)."""
@@ -367,32 +351,32 @@ class OffloadCache(Cache):
         self._broken = None
 
     # ------------------------------------------------------------------------------------------------- editing
-    @_normal_tensors
+    @normal_tensors
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens of every layer: ``crop(-n)`` drops ``n`` (assisted and prompt-lookup decoding),
         ``crop(max_length)`` with a positive length keeps at most that many (transformers up to 5.17)."""
         self._check_usable()
         super().crop(tokens_to_remove)
 
-    @_normal_tensors
+    @normal_tensors
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every sequence ``repeats`` times (``[a, b]`` -> ``[a, a, b, b]``); copies share host blocks."""
         self._check_usable()
         super().batch_repeat_interleave(repeats)
 
-    @_normal_tensors
+    @normal_tensors
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the sequences ``indices`` (integers or a boolean mask over the batch), in that order."""
         self._check_usable()
         super().batch_select_indices(indices)
 
-    @_normal_tensors
+    @normal_tensors
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the sequences for beam search: sequence ``i`` becomes the old sequence ``beam_idx[i]``."""
         self._check_usable()
         super().reorder_cache(beam_idx)
 
-    @_normal_tensors
+    @normal_tensors
     def __deepcopy__(self, memo: dict) -> "OffloadCache":
         """An independent cache with the same contents for the same model (a prompt prefilled once, continued
         several ways): every tier is copied; the model, its patches and the model config are shared, not copied.
@@ -422,7 +406,7 @@ class OffloadCache(Cache):
             "copy.deepcopy(cache) copies it."
         )
 
-    @_normal_tensors
+    @normal_tensors
     def fork(self, batch: int | None = None) -> "OffloadCache":
         """A new cache whose sequences continue this one's (a prefix prefilled once, continued by many requests),
         sharing its sealed blocks instead of copying them.
@@ -475,7 +459,7 @@ class OffloadCache(Cache):
                 clone.layers[idx] = _sliding_rows(layer, rows)
         return clone
 
-    @_normal_tensors
+    @normal_tensors
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write this cache to one safetensors file (never pickle): every cached token of every layer, sealed blocks
         and open block, the block summaries, lengths and positions, the settings, a fingerprint of the model and
@@ -500,7 +484,7 @@ class OffloadCache(Cache):
         save_cache(self, Path(path), overwrite)
 
     @classmethod
-    @_normal_tensors
+    @normal_tensors
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, **overrides) -> "OffloadCache":
         """A new cache for ``model`` holding the cache :meth:`save` wrote to ``path``, in this or another process:
         continuing it generates what continuing the saved cache would have. Blocks go to host memory run by run from
@@ -525,13 +509,13 @@ class OffloadCache(Cache):
         """
         return load_cache(cls, Path(path), model, overrides)
 
-    @_normal_tensors
+    @normal_tensors
     def set_lookahead(self, lookahead: bool | None) -> None:
         """Switch layer-ahead lookahead on (``True``), off (``False``) or to on-where-the-kernels-run (``None``) for the coming
         decode steps, e.g. to compare both on one filled cache; see :class:`~hf_offload.config.OffloadConfig`."""
         self.set_options(lookahead=lookahead)
 
-    @_normal_tensors
+    @normal_tensors
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
         ``timing``, ``fused_norms``, ``fused_rotary``, ``fused_projections``, ``reselect_every``) on a filled cache,
@@ -628,7 +612,7 @@ class OffloadCache(Cache):
             "projections": None if on is None else on[2],
         }
 
-    @_normal_tensors
+    @normal_tensors
     def reserve(self, tokens: int) -> None:
         """Allocate every offloaded layer's block summaries for ``tokens`` tokens per sequence up front (see
         :meth:`OffloadLayer.reserve`): useful before a chunked prefill of a known length, near the device's limit.

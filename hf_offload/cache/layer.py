@@ -26,6 +26,7 @@ from .blocks import BlockStore
 from ..attention.inputs import DecodeInputs
 from .execution import LayerExecution, call_fusions, fused, resolve, want_kernels, want_paged
 from .graphs import GraphRunner
+from .modes import normal_tensors
 from .planner import DecodePlanner
 from .recaller import Recaller
 from .shared import forward_transient_bytes
@@ -127,6 +128,7 @@ class OffloadLayer(CacheLayerMixin):
         return self.blocks.n_blocks
 
     # ------------------------------------------------------------------------------------------------- life cycle
+    @normal_tensors
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:
         """Allocate the device slot pool and an empty host pool (or share ``host``, see :meth:`BlockStore.allocate`)
         for the shapes of the first update, and resolve how the layer runs on that device."""
@@ -168,6 +170,7 @@ class OffloadLayer(CacheLayerMixin):
             self.execution.paged = want_paged(self.config, False, self.device, self.blocks.pool.data)
         self.resolve()
 
+    @normal_tensors
     def reset(self) -> None:
         """Drop all tokens and free the pools; the next update starts afresh (any batch size)."""
         if self.blocks.is_initialized:
@@ -192,6 +195,7 @@ class OffloadLayer(CacheLayerMixin):
                                     self.config.prefill_chunk_tokens)  # fmt: skip
         )
 
+    @normal_tensors
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new tokens; seal full blocks to the host. Returns the device-resident recent tokens.
 
@@ -251,11 +255,13 @@ class OffloadLayer(CacheLayerMixin):
             step=mask, capacity=capacity,
         )  # fmt: skip
 
+    @normal_tensors
     def finish_step(self) -> None:
         """After this step's attention: the blocks it sealed enter the slot pool (after any prefetch into it)."""
         self.recaller.wait_prefetch()  # the slot written next may be one a prefetch was filling
         self.blocks.finish_step()
 
+    @normal_tensors
     def reserve(self, tokens: int) -> None:
         """Allocate the block summaries for ``tokens`` tokens per sequence now (and from the first seal on, if none
         is sealed yet), so that they never grow while the cache fills: growing buffers of a cache filled in many
@@ -269,6 +275,7 @@ class OffloadLayer(CacheLayerMixin):
             self.graphs.clear()  # captured graphs read the old buffers
 
     # ------------------------------------------------------------------------------------- whole decoder layers
+    @normal_tensors
     def run_decoder_layer(self, forward: Callable, args: tuple, kwargs: dict):
         """One call of the decoder layer this cache layer belongs to: replayed from a CUDA graph of the whole layer
         (norms, projections, MLP, :meth:`update` and the offloaded attention) where the step allows it
@@ -310,6 +317,7 @@ class OffloadLayer(CacheLayerMixin):
         """The whole KV of this layer re-assembled from all tiers (:meth:`BlockStore.dense_kv`)."""
         return self.blocks.dense_kv()
 
+    @normal_tensors
     def load_state(self, other: "OffloadLayer") -> None:
         """Hold a copy of the tokens of ``other``, the same layer of another cache with the same settings (see
         :meth:`BlockStore.load`); used by ``copy.deepcopy`` of the cache."""
@@ -318,6 +326,7 @@ class OffloadLayer(CacheLayerMixin):
         self.initialize_like(other.blocks.keys, other.blocks.values)
         self.blocks.load(other.blocks)
 
+    @normal_tensors
     def share_rows(self, other: "OffloadLayer", rows: torch.Tensor) -> None:
         """Continue the sequences ``rows`` (``[batch]``, ``torch.int64``, CPU) of ``other``, the same layer of
         another cache with the same settings, sharing its sealed host blocks (:meth:`BlockStore.share_rows`); used
@@ -328,6 +337,7 @@ class OffloadLayer(CacheLayerMixin):
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
         self.blocks.share_rows(other.blocks, rows)
 
+    @normal_tensors
     def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:
         """Initialise the layer for keys and values shaped like these (``[batch, kv_heads, any, head_dim]``) without
         caching them, as the first :meth:`update` would; ``host``: a host pool to share
@@ -338,6 +348,7 @@ class OffloadLayer(CacheLayerMixin):
                 self.timer = self.recaller.timer = self.resources.timer(self.device)
 
     # ------------------------------------------------------------------------------------------------- editing
+    @normal_tensors
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the newest tokens (assisted and prompt-lookup decoding roll back rejected candidates).
 
@@ -356,12 +367,14 @@ class OffloadLayer(CacheLayerMixin):
         self.blocks.crop(keep)
         self._edited()
 
+    @normal_tensors
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Repeat every sequence ``repeats`` times in place (``[a, b]`` -> ``[a, a, b, b]``); the copies share the
         sealed host blocks."""
         if self.blocks.is_initialized:
             self._take_rows(torch.arange(self.blocks.batch).repeat_interleave(int(repeats)))
 
+    @normal_tensors
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         """Keep only the sequences ``indices`` (integer indices or a boolean mask over the batch), in that order."""
         if self.blocks.is_initialized:
@@ -369,6 +382,7 @@ class OffloadLayer(CacheLayerMixin):
             rows = rows.nonzero().flatten() if rows.dtype == torch.bool else rows.flatten().long()
             self._take_rows(rows)
 
+    @normal_tensors
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the sequences for beam search: sequence ``i`` becomes the old sequence ``beam_idx[i]``."""
         if self.blocks.is_initialized:
