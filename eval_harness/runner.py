@@ -7,7 +7,11 @@ task and length, without a budget; every other method runs once per budget.
 Results go to ``{results_dir}/{study}/{study}-{UTC time}.jsonl``, one file per run: a header line (``"type":
 "header"``: machine, versions, git commit, settings, suite metadata) and then one line per sample (``"type":
 "result"``: study, suite, task, length, method, budget, budget_tokens, sample_id, prediction, references, score,
-time_s, ...), flushed as they finish. A later run with the same study skips every (task, length, method, budget,
+time_s, prompt_sha256, estimate_kernel, ...), flushed as they finish. ``prompt_sha256`` (:func:`prompt_sha256`)
+identifies the prompt, so that results of two methods pair sample by sample; ``estimate_kernel`` lists the estimates
+of the unselected blocks that ran in the sample's ``generate()`` call (``"mma"``, ``"dot"``, ``"loop"``,
+``"reference"``; empty where none ran, e.g. dense), and the header's ``estimate_kernel`` those of the file's first
+call. Files written before these fields existed read the same (the report then pairs by sample id). A later run with the same study skips every (task, length, method, budget,
 sample id) already in a result line of any file of the study, so an interrupted run resumes where it stopped.
 Failures (e.g. out of memory) are written as ``"type": "error"`` lines and retried by the next run.
 """
@@ -147,6 +151,11 @@ def provenance(model=None) -> dict:
     return out
 
 
+def prompt_sha256(input_ids) -> str:
+    """sha256 (hex) of a prompt's token ids written as decimal numbers joined by commas (``"151644,8948,..."``)."""
+    return hashlib.sha256(",".join(str(int(t)) for t in input_ids).encode()).hexdigest()
+
+
 # ---------------------------------------------------------------------------------------------------------- storage
 def item_key(record: dict) -> tuple:
     """The resume key of a result: ``(task, length, method, budget, sample_id)``."""
@@ -190,6 +199,11 @@ class ResultWriter:
         self.path = Path(results_dir) / study / f"{study}-{stamp}.jsonl"
         self.header = {"type": "header", **header}
         self._file = None
+
+    @property
+    def written(self) -> bool:
+        """Whether the file (and so its header) has been written."""
+        return self._file is not None or self.path.exists()
 
     def write(self, record: dict) -> None:
         """Append one line (and flush it)."""
@@ -403,7 +417,9 @@ def run_study(
         "generation": {"do_sample": False, "num_beams": 1, "repetition_penalty": 1.0, "batch_size": batch_size,
                        "prefill_chunk_size": prefill_chunk_size, "max_new_tokens_cap": max_new_tokens},
         "budgets": {"methods": methods, "budgets": [b.spec for b in parsed], "budget_min_tokens": budget_min_tokens},
+        "estimate_kernel": None,  # set from the first generate() call, before the header is written
     }  # fmt: skip
+    from hf_offload.kernels.tail import take_kernels_run
     writer = ResultWriter(results_dir, study, header)
     bar = _Progress(total, progress, study)
     ran = failed = 0
@@ -425,7 +441,11 @@ def run_study(
                     }  # fmt: skip
                     try:
                         cache = make_cache(method, budget_tokens)
+                        take_kernels_run()  # forget what earlier calls ran
                         new_ids, seconds = _generate(model, tokenizer, batch, cache, n_new, prefill_chunk_size)
+                        kernels = take_kernels_run()
+                        if writer.header["estimate_kernel"] is None and not writer.written:
+                            writer.header["estimate_kernel"] = kernels
                         stats = _cache_stats(cache)
                         del cache
                     except Exception as err:
@@ -453,6 +473,8 @@ def run_study(
                             "prompt_tokens": len(s["input_ids"]),
                             "new_tokens": len(ids),
                             "max_new_tokens": n_new,
+                            "prompt_sha256": prompt_sha256(s["input_ids"]),
+                            "estimate_kernel": kernels,
                             "extra": s.get("extra", {}),
                         }
                         if stats is not None:

@@ -415,6 +415,18 @@ a time, products as broadcast sums; where ``dot`` does not fit). Left to itself,
 first of them that can run."""
 
 
+_RAN: set[str] = set()  # names of the estimates tail_partials ran since take_kernels_run(); read by eval_harness
+
+
+def take_kernels_run() -> list[str]:
+    """The estimates :func:`tail_partials` ran since the last call, sorted, and forget them: names of
+    :data:`VARIANTS`, or ``"reference"`` for the torch reference. Under CUDA graphs a replay runs no Python, so
+    what a graph replays counts once, when it was captured."""
+    ran = sorted(_RAN)
+    _RAN.clear()
+    return ran
+
+
 def dot_kernel_fits(tokens: int, channels: int, key_bits: int, value_bits: int) -> bool:
     """Whether the ``dot`` kernel's matrix-product tiles fit: at least 16 code bytes per key and per value row
     (``channels * bits / 8``; the inner size of a product, at least 16) and ``tokens`` at most 128 (one iteration's
@@ -498,6 +510,7 @@ def tail_partials(
             rows = torch.arange(index.shape[0], device=index.device)[:, None]
             keys = {name: take_blocks(t, index, rows) for name, t in keys.items()}
             values = {name: take_blocks(t, index, rows) for name, t in values.items()}
+        _RAN.add("reference")
         return tail_attention_reference(query, keys, key_bits, values, value_bits, tokens_ok, softcap, chunk_blocks)
     from .quantkey import block_stride
 
@@ -515,6 +528,7 @@ def tail_partials(
         if tail_mma.mma_supported(query, keys, key_bits, values, value_bits, index is not None):
             strides = (0, 0) if n == 0 else (block_stride(keys["codes"], keys["kmin"], keys["kstep"]),
                                              block_stride(values["codes"], values["kmin"], values["kstep"]))
+            _RAN.add("mma")
             return tail_mma.launch(query.float().contiguous(), keys, key_bits, values, value_bits, tokens_ok, index,
                                    *strides)  # fmt: skip
         if variant == "mma":
@@ -527,6 +541,7 @@ def tail_partials(
         raise ValueError(f"tail_attention: the 'dot' kernel needs >= 16 code bytes per key and value row and "
                          f"block_tokens <= 128 (got {channels} channels at {key_bits}/{value_bits} bits, "
                          f"{tokens} tokens); use variant='loop' or None")  # fmt: skip
+    _RAN.add(variant)
     if n == 0:
         return (torch.zeros((batch, heads, 1, group, channels), dtype=torch.float32, device=query.device),
                 torch.full((batch, heads, 1, group), float("-inf"), dtype=torch.float32, device=query.device),

@@ -3,6 +3,7 @@ metrics recorded, resume, errors, report and the ``eval`` command."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -244,3 +245,21 @@ def test_eval_command_end_to_end(tmp_path, tok, model):
     assert sorted(r["method"] for r in results) == ["dense", "streaming"]
     md = Path(tmp_path / "docs" / "cli_tiny.md").read_text()
     assert "| streaming 128 |" in md and str(folder) in md
+
+
+def test_results_record_prompt_hash_and_estimate_kernel(tmp_path, tok, model):
+    from eval_harness.runner import prompt_sha256
+
+    sel = "quantkey[bits=4,tail_bits=2]"  # estimates the unselected blocks; on a CPU the torch reference does
+    run = ruler_run(tmp_path, tok, model, methods=[sel], tasks=["niah_single_1"])
+    header, *results = [json.loads(x) for x in run.path.read_text().splitlines()]
+    assert header["estimate_kernel"] == ["reference"]
+    suite = RulerSuite(tok, samples=2)
+    prompts = {s["id"]: prompt_sha256(s["input_ids"]) for s in suite.samples("niah_single_1", 512)}
+    assert len(set(prompts.values())) == 2
+    for r in results:
+        assert r["estimate_kernel"] == ["reference"] and r["prompt_sha256"] == prompts[r["sample_id"]]
+    dense = ruler_run(tmp_path, tok, model, study="dense_only", methods=["dense"], tasks=["niah_single_1"])
+    header, *results = [json.loads(x) for x in dense.path.read_text().splitlines()]
+    assert header["estimate_kernel"] == [] and all(r["estimate_kernel"] == [] for r in results)
+    assert prompt_sha256([1, 22, 333]) == hashlib.sha256(b"1,22,333").hexdigest()
