@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from .runner import DENSE, item_key, read_lines
@@ -54,6 +55,135 @@ def _bucket_rank(name: str) -> int:
     return [b for b, _ in BUCKETS].index(name)
 
 
+# ------------------------------------------------------------------------------------------- paired comparison
+BOOTSTRAP_RESAMPLES = 10_000
+BOOTSTRAP_SEED = 0
+
+
+@dataclass(frozen=True)
+class PairedDiff:
+    """Dense minus a method over the same samples, in points (0-100).
+
+    Attributes:
+        mean: the mean difference (for an average over cells: the mean over cells of their mean differences).
+        low: lower end of the 95% paired bootstrap interval.
+        high: upper end.
+        dense_higher: samples where dense scored higher.
+        method_higher: samples where the method scored higher.
+        equal: samples with equal scores.
+        cells: how many (task, point) cells the figure covers.
+    """
+
+    mean: float
+    low: float
+    high: float
+    dense_higher: int
+    method_higher: int
+    equal: int
+    cells: int = 1
+
+
+def pair_scores(dense: list[dict], method: list[dict], key) -> dict[tuple, tuple[list[float], list[float]]]:
+    """Pair the results of dense and a method sample by sample, per cell.
+
+    Args:
+        dense: dense's result records (each with ``task``, ``score`` and what ``key`` reads).
+        method: the method's.
+        key: ``key(record) -> (cell, sample)``: the cell (e.g. ``(task, length)``) and the sample's identity in it
+            (its prompt's sha256, or its sample id).
+
+    Returns:
+        ``{cell: (dense scores, method scores)}``, the two lists in the same sample order, for every cell where both
+        have results; cells only one side has are left out (the tables show "-").
+
+    Raises:
+        ValueError: a cell where the two hold different samples (or one sample twice), naming them.
+    """
+    sides: list[dict[tuple, dict]] = []
+    for records in (dense, method):
+        cells: dict[tuple, dict] = defaultdict(dict)
+        for r in records:
+            cell, sample = key(r)
+            if sample in cells[cell]:
+                raise ValueError(f"paired comparison: sample {sample!r} appears twice in cell {cell} of {r['method']}")
+            cells[cell][sample] = float(r["score"])
+        sides.append(cells)
+    out = {}
+    for cell in sorted(set(sides[0]) & set(sides[1]), key=str):
+        a, b = sides[0][cell], sides[1][cell]
+        if a.keys() != b.keys():
+            only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+            raise ValueError(
+                f"paired comparison: cell {cell} holds different samples for dense and {method[0]['method']}: "
+                f"{len(only_a)} only in dense ({', '.join(map(str, only_a[:3]))}{', ...' if len(only_a) > 3 else ''}), "
+                f"{len(only_b)} only in the method ({', '.join(map(str, only_b[:3]))}"
+                f"{', ...' if len(only_b) > 3 else ''}); rerun the study so that both cover the same samples"
+            )  # fmt: skip
+        order = sorted(a)
+        out[cell] = ([a[i] for i in order], [b[i] for i in order])
+    return out
+
+
+def _resampled_means(diffs, resamples: int, seed: tuple):
+    """Means of ``resamples`` resamples (with replacement, same size) of ``diffs``, from a generator seeded by
+    ``seed``, a float64 array of shape ``[resamples]``."""
+    import numpy as np
+
+    d = np.asarray(diffs, dtype=np.float64)
+    rng = np.random.default_rng([BOOTSTRAP_SEED, *seed])
+    return d[rng.integers(0, len(d), size=(resamples, len(d)))].mean(axis=1)
+
+
+def paired_bootstrap(
+    cells: dict[tuple, tuple[list[float], list[float]]], resamples: int = BOOTSTRAP_RESAMPLES
+) -> tuple[dict[tuple, PairedDiff], callable]:
+    """Mean differences (dense minus method) with 95% paired bootstrap intervals, per cell and over cells.
+
+    Each cell's samples are resampled on their own (generator seeded by :data:`BOOTSTRAP_SEED` and the cell's name,
+    so a cell's interval does not depend on the other cells), and an average over cells is the mean of the cells'
+    resampled means: a bootstrap stratified by cell. Intervals are the 2.5 and 97.5 percentiles.
+
+    Args:
+        cells: :func:`pair_scores`'s result.
+        resamples: resamples per cell.
+
+    Returns:
+        ``(per_cell, average)``: ``{cell: PairedDiff}``, and ``average(cells) -> PairedDiff | None``, the average
+        over the given cells (``None`` when none of them has pairs).
+    """
+    import zlib
+
+    import numpy as np
+
+    boot, diffs = {}, {}
+    for cell, (a, b) in cells.items():
+        diffs[cell] = [x - y for x, y in zip(a, b)]
+        boot[cell] = _resampled_means(diffs[cell], resamples, (zlib.crc32(repr(cell).encode()),))
+
+    def summary(chosen: list[tuple]) -> PairedDiff | None:
+        chosen = [c for c in chosen if c in boot]
+        if not chosen:
+            return None
+        means = np.mean([boot[c] for c in chosen], axis=0)
+        low, high = np.percentile(means, [2.5, 97.5])
+        flat = [d for c in chosen for d in diffs[c]]
+        return PairedDiff(
+            mean=float(np.mean([np.mean(diffs[c]) for c in chosen])), low=float(low), high=float(high),
+            dense_higher=sum(d > 0 for d in flat), method_higher=sum(d < 0 for d in flat),
+            equal=sum(d == 0 for d in flat), cells=len(chosen),
+        )  # fmt: skip
+
+    return {c: summary([c]) for c in cells}, summary
+
+
+def _fmt_diff(d: PairedDiff | None, of: int | None = None) -> str:
+    if d is None:
+        return "-"
+    cover = "" if of is None or d.cells == of else f" ({d.cells}/{of})"
+    text = f"{d.mean:.1f} [{d.low:.1f}, {d.high:.1f}] {d.dense_higher}/{d.method_higher}/{d.equal}{cover}"
+    return text.replace("-0.0", "0.0")
+
+
 class _Study:
     """The latest result per item of a study, its latest header, and the items whose last attempt failed."""
 
@@ -69,6 +199,7 @@ class _Study:
         if not self.results:
             raise FileNotFoundError(f"no results for study {study!r} under {Path(results_dir) / study}; run it first")
         self.header = self.headers[-1] if self.headers else {}
+        self.file_header = {x["_file"]: x for x in self.headers}
         self.suite = self.results[0]["suite"]
         self.by_bucket = self.suite == "longbench_e"
         self.points = sorted({self.axis(r) for r in self.results}, key=_bucket_rank if self.by_bucket else int)
@@ -83,6 +214,82 @@ class _Study:
             scores[(r["task"], self.axis(r), r["method"], r["budget"])].append(float(r["score"]))
         self.task_mean = {k: _mean(v) for k, v in scores.items()}
         self.counts = sorted({len(v) for v in scores.values()})
+
+    def runs(self, method: str, budget) -> dict[str, list]:
+        """The git commits, batch sizes and estimate kernels a method's results ran with (from their files'
+        headers, and the records' own ``estimate_kernel`` where they have one), each sorted."""
+        found: dict[str, set] = {"commit": set(), "batch size": set(), "estimate kernel": set()}
+        for r in self.results:
+            if (r["method"], r["budget"]) == (method, budget):
+                h = self.file_header.get(r["_file"], {})
+                found["commit"].add((h.get("git_commit") or "unknown")[:10])
+                found["batch size"].add((h.get("generation") or {}).get("batch_size"))
+                kernels = r.get("estimate_kernel", h.get("estimate_kernel"))
+                if kernels:
+                    found["estimate kernel"].add("+".join(kernels))
+        return {k: sorted(v, key=str) for k, v in found.items()}
+
+    def paired_section(self) -> list[str]:
+        """Markdown lines of the paired comparison of every method against dense (see :func:`paired_bootstrap`)."""
+        lines = ["", "## Paired difference against dense", ""]
+        dense = [r for r in self.results if r["method"] == DENSE]
+        if not dense:
+            return lines + ["This study has no dense results, so there is no paired comparison."]
+        methods = [c for c in self.columns if c[0] != DENSE]
+        by_prompt = all(r.get("prompt_sha256") for r in self.results)
+        lines += [
+            "Dense minus the method, in points, over the same samples: mean difference, 95% paired bootstrap "
+            f"interval ({BOOTSTRAP_RESAMPLES:,} resamples, seed {BOOTSTRAP_SEED}; averages resample each task and "
+            "length on its own and average the tasks' means, as the first table does), then the samples where dense "
+            "scored higher / the method scored higher / both equal. Samples pair by "
+            + ("their prompt's sha256 (`prompt_sha256`) within task and length."
+               if by_prompt else "sample id within task and length (these records carry no prompt hash; the suite "
+               "builds the sample with one id at one task and length from the same seed for every method).")
+            + " A positive difference: the method scores lower than dense.",
+        ]  # fmt: skip
+        base = self.runs(DENSE, None)
+        notes = []
+        for method, budget in methods:
+            mine = self.runs(method, budget)
+            differ = [f"{k} {', '.join(map(str, mine[k]))} (dense: {', '.join(map(str, base[k])) or '-'})"
+                      for k in ("commit", "batch size") if mine[k] != base[k]]  # fmt: skip
+            if differ:
+                notes.append(f"- `{_label(method, budget)}` ran at {'; '.join(differ)}.")
+        if notes:
+            lines += ["", "Runs that differ from dense in commit or batch size (from the result headers):", "", *notes]
+        else:
+            lines += ["", f"Every method ran at the commit and batch size of dense ({', '.join(base['commit'])}; "
+                      f"batch size {', '.join(map(str, base['batch size']))})."]  # fmt: skip
+        kernels = {_label(m, b): k for m, b in methods if (k := self.runs(m, b)["estimate kernel"])}
+        if kernels:
+            lines += ["", "Estimate of the unselected blocks that ran (from the records): "
+                      + "; ".join(f"`{label}` {', '.join(k)}" for label, k in kernels.items()) + "."]  # fmt: skip
+
+        def key(r):
+            sample = r["prompt_sha256"] if by_prompt else str(r["sample_id"])
+            return (r["task"], self.axis(r)), (int(r["length"]), sample)
+
+        stats = {}
+        for method, budget in methods:
+            mine = [r for r in self.results if (r["method"], r["budget"]) == (method, budget)]
+            stats[(method, budget)] = paired_bootstrap(pair_scores(dense, mine, key))
+        head = "| method | " + " | ".join(_point(p) for p in self.points) + " | all |"
+        rule = "|---|" + "---:|" * (len(self.points) + 1)
+        lines += ["", "Average over tasks (cells: difference [interval] dense higher/method higher/equal; where "
+                  "fewer task-length cells than the study's have both: (cells with both/cells)):", "", head, rule]  # fmt: skip
+        every = [(t, p) for t in self.tasks for p in self.points]
+        for (method, budget), (_, average) in stats.items():
+            cells = [_fmt_diff(average([(t, p) for t in self.tasks]), len(self.tasks)) for p in self.points]
+            cells.append(_fmt_diff(average(every), len(every)))
+            lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
+        lines += ["", "Per task:", "", "| method | task | " + head[len("| method | "):], "|---" + rule]
+        for (method, budget), (per_cell, average) in stats.items():
+            for t in self.tasks:
+                cells = [_fmt_diff(per_cell.get((t, p))) for p in self.points]
+                if any(c != "-" for c in cells):
+                    cells.append(_fmt_diff(average([(t, p) for p in self.points]), len(self.points)))
+                    lines.append(f"| {_label(method, budget)} | {t} | " + " | ".join(cells) + " |")
+        return lines
 
     def axis(self, record: dict):
         """The record's column: its length bucket (LongBench-E) or its context length."""
@@ -196,6 +403,7 @@ def render(study: str, results_dir="results", plot_file: str | None = None) -> s
             if any((x, method, budget) in hits for x in lengths):
                 cells = [_fmt(_mean(hits.get((x, method, budget), [])), 3) for x in lengths]
                 lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
+    lines += s.paired_section()
     if s.failed:
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for e in s.failed:
