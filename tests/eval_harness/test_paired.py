@@ -1,0 +1,90 @@
+"""The report's paired comparison against dense: pairing, bootstrap intervals, counts and the rendered section."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from eval_harness.report import pair_scores, paired_bootstrap, render
+
+
+def records(method, scores, task="vt", length=4096):
+    return [{"method": method, "task": task, "length": length, "sample_id": f"0-{i}", "score": s}
+            for i, s in enumerate(scores)]  # fmt: skip
+
+
+def key(r):
+    return (r["task"], r["length"]), r["sample_id"]
+
+
+def test_known_difference_is_covered():
+    rng = random.Random(1)
+    dense = [rng.choice([0.0, 100.0]) for _ in range(400)]
+    other = [d if rng.random() < 0.8 else 0.0 for d in dense]  # loses a fifth of dense's hits
+    true = sum(dense) / 400 - sum(other) / 400
+    per_cell, average = paired_bootstrap(pair_scores(records("dense", dense), records("m", other), key))
+    d = per_cell[("vt", 4096)]
+    assert d.mean == pytest.approx(true) and d.low < true < d.high and d.high - d.low < 10
+    assert (d.dense_higher, d.method_higher, d.equal) == (sum(a > b for a, b in zip(dense, other)), 0,
+                                                          sum(a == b for a, b in zip(dense, other)))  # fmt: skip
+    assert average([("vt", 4096)]) == d
+    again, _ = paired_bootstrap(pair_scores(records("dense", dense), records("m", other), key))
+    assert again == per_cell  # fixed seed: the same interval every time
+
+
+def test_identical_methods_give_zero():
+    scores = [0.0, 100.0, 50.0, 100.0] * 10
+    cells = pair_scores(records("dense", scores) + records("dense", scores, task="cwe"),
+                        records("m", scores) + records("m", scores, task="cwe"), key)  # fmt: skip
+    per_cell, average = paired_bootstrap(cells, resamples=500)
+    for d in [*per_cell.values(), average(list(cells))]:
+        assert (d.mean, d.low, d.high) == (0.0, 0.0, 0.0)
+        assert d.dense_higher == d.method_higher == 0 and d.equal == 40 * d.cells
+    assert average(list(cells)).cells == 2
+
+
+def test_stratified_average_of_two_tasks():
+    cells = pair_scores(records("dense", [100.0] * 20) + records("dense", [100.0] * 20, task="cwe"),
+                        records("m", [0.0] * 20) + records("m", [100.0] * 20, task="cwe"), key)  # fmt: skip
+    _, average = paired_bootstrap(cells, resamples=500)
+    d = average(list(cells))
+    assert (d.mean, d.low, d.high) == (50.0, 50.0, 50.0)  # no spread within either task
+    assert (d.dense_higher, d.method_higher, d.equal) == (20, 0, 20)
+
+
+def test_mismatched_samples_are_refused():
+    dense = records("dense", [100.0] * 5)
+    with pytest.raises(ValueError, match=r"different samples for dense and m: 1 only in dense \(0-4\), 0 only"):
+        pair_scores(dense, records("m", [100.0] * 4), key)
+    with pytest.raises(ValueError, match="appears twice"):
+        pair_scores(dense, records("m", [100.0] * 5) + records("m", [0.0]), key)
+    assert pair_scores(dense, records("m", [100.0] * 5, length=8192), key) == {}  # no shared cell: nothing paired
+
+
+def write_study(tmp_path, headers_and_records):
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for n, (header, recs) in enumerate(headers_and_records):
+        lines = [{"type": "header", **header}] + [{"type": "result", "suite": "ruler", "budget": None if r["method"]
+                 == "dense" else "1/16", "time_s": 1.0, **r} for r in recs]  # fmt: skip
+        (folder / f"s-{n}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+
+def test_rendered_section_pairs_by_prompt_and_names_differing_runs(tmp_path):
+    dense = [{**r, "prompt_sha256": f"h{i}"} for i, r in enumerate(records("dense", [100.0, 0.0, 100.0]))]
+    other = [{**r, "prompt_sha256": f"h{i}", "estimate_kernel": ["mma"]}
+             for i, r in enumerate(records("m", [0.0, 0.0, 100.0]))]  # fmt: skip
+    write_study(tmp_path, [({"git_commit": "aaaa", "generation": {"batch_size": 50}}, dense),
+                           ({"git_commit": "bbbb", "generation": {"batch_size": 25}}, other)])  # fmt: skip
+    md = render("s", tmp_path).split("## Paired difference against dense")[1]
+    assert "pair by their prompt's sha256" in md
+    assert "`m 1/16` ran at commit bbbb (dense: aaaa); batch size 25 (dense: 50)." in md
+    assert "`m 1/16` mma" in md
+    assert "| m 1/16 | vt | 33.3 [" in md and "] 1/0/2 |" in md
+
+
+def test_no_dense_no_comparison(tmp_path):
+    write_study(tmp_path, [({"git_commit": "aaaa"}, records("m", [100.0]))])
+    assert "This study has no dense results" in render("s", tmp_path)
