@@ -6,7 +6,14 @@ Usage::
 
 Tables: the mean score (0-100, the suites' published scores) per method and budget, averaged over tasks, per
 context length (LongBench-E: per length bucket); the same per task; the mean time per sample; the tasks left out;
-and the items whose last attempt failed. Nothing in the markdown is typed by hand.
+and the items whose last attempt failed; and the paired difference of every method against dense over the same samples
+(:func:`pair_scores`, :func:`paired_bootstrap`): per task and length, averaged over tasks per length and over all
+cells, the mean of dense minus the method in points, a 95% paired bootstrap interval (:data:`BOOTSTRAP_RESAMPLES`
+resamples, fixed seed :data:`BOOTSTRAP_SEED`, each task and length resampled on its own) and the samples where dense
+scored higher / the method scored higher / both equal. Samples pair by ``prompt_sha256`` where every record has one,
+else by sample id within task and length; a cell where dense and a method hold different samples is refused
+(``ValueError``). Methods whose results ran at another git commit or batch size than dense's (their files' headers)
+are named beside the tables. Nothing in the markdown is typed by hand.
 """
 
 from __future__ import annotations
