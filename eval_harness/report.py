@@ -283,7 +283,8 @@ class _Study:
         head = "| method | " + " | ".join(_point(p) for p in self.points) + " | all |"
         rule = "|---|" + "---:|" * (len(self.points) + 1)
         lines += ["", "Average over tasks (cells: difference [interval] dense higher/method higher/equal; where "
-                  "fewer task-length cells than the study's have both: (cells with both/cells)):", "", head, rule]  # fmt: skip
+                  "fewer task-length cells than the study's have both: (cells with both/cells)):",
+                  "", head, rule]  # fmt: skip
         every = [(t, p) for t in self.tasks for p in self.points]
         for (method, budget), (_, average) in stats.items():
             cells = [_fmt_diff(average([(t, p) for t in self.tasks]), len(self.tasks)) for p in self.points]

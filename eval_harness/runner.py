@@ -11,8 +11,10 @@ time_s, prompt_sha256, estimate_kernel, ...), flushed as they finish. ``prompt_s
 identifies the prompt, so that results of two methods pair sample by sample; ``estimate_kernel`` lists the estimates
 of the unselected blocks that ran in the sample's ``generate()`` call (``"mma"``, ``"dot"``, ``"loop"``,
 ``"reference"``; empty where none ran, e.g. dense), and the header's ``estimate_kernel`` those of the file's first
-call. Files written before these fields existed read the same (the report then pairs by sample id). A later run with the same study skips every (task, length, method, budget,
-sample id) already in a result line of any file of the study, so an interrupted run resumes where it stopped.
+call. Files written before these fields existed read the same (the report then pairs by sample id).
+
+A later run with the same study skips every (task, length, method, budget, sample id) already in a result line of
+any file of the study, so an interrupted run resumes where it stopped.
 Failures (e.g. out of memory) are written as ``"type": "error"`` lines and retried by the next run.
 """
 
