@@ -26,9 +26,17 @@ def _generate(model, ids, cache):
                           do_sample=False)  # fmt: skip
 
 
-@pytest.mark.parametrize("fill", ["inference_mode", "no_grad"])
-@pytest.mark.parametrize("use", ["fork", "cache"])
-def test_a_cache_filled_in_one_mode_continues_in_the_other(arch, fill, use):
+def test_a_prefix_filled_under_inference_mode_forks_under_generate(arch):
+    _fill_and_continue(arch, "inference_mode", "fork")
+
+
+@pytest.mark.parametrize("fill, use", [("inference_mode", "cache"), ("no_grad", "cache"), ("no_grad", "fork")])
+def test_a_cache_filled_in_one_mode_continues_in_the_other(fill, use):
+    _fill_and_continue("llama", fill, use)
+
+
+def _fill_and_continue(arch, fill, use):
+    """Prefill under ``fill``; continue ``use`` (the cache, or a fork of it) in the other mode."""
     model = build_model(arch)
     prefix, full = _prompt()
     with torch.no_grad():
