@@ -118,24 +118,20 @@ class _Timed:
         self._spill, self._read = DiskTier.spill, DiskTier.read_blocks
 
     def __enter__(self):
-        timed = self
-
-        def spill(tier, pool, chunk):
-            start = time.perf_counter()
-            try:
-                return timed._spill(tier, pool, chunk)
-            finally:
-                timed.spill_s += time.perf_counter() - start
-
-        def read_blocks(tier, pool, ids):
-            start = time.perf_counter()
-            try:
-                return timed._read(tier, pool, ids)
-            finally:
-                timed.read_s += time.perf_counter() - start
-
-        DiskTier.spill, DiskTier.read_blocks = spill, read_blocks
+        DiskTier.spill, DiskTier.read_blocks = self._timing(self._spill, "spill_s"), self._timing(self._read, "read_s")
         return self
+
+    def _timing(self, method, total: str):
+        """``method`` that adds the seconds each call takes to the attribute ``total``."""
+
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                setattr(self, total, getattr(self, total) + time.perf_counter() - start)
+
+        return timed
 
     def __exit__(self, *exc):
         DiskTier.spill, DiskTier.read_blocks = self._spill, self._read

@@ -145,8 +145,8 @@ def soak(model, calls: int, budget: int, device: torch.device, lengths=(3000, 20
         batch, length = (2, 3)[i % 2], lengths[(i // 2) % len(lengths)]
         selector = SOAK_SELECTORS[(i // 4) % len(SOAK_SELECTORS)]
         ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
-        cache = OffloadCache(model, budget_tokens=budget) if selector == SOAK_SELECTORS[0] else \
-            OffloadCache(model, budget_tokens=budget, selector=selector)  # fmt: skip
+        chosen = {} if selector == SOAK_SELECTORS[0] else {"selector": selector}
+        cache = OffloadCache(model, budget_tokens=budget, **chosen)
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
                            do_sample=False, max_new_tokens=8, min_new_tokens=8)  # fmt: skip

@@ -17,17 +17,23 @@ from .helpers import TINY_BLOCKS, build_model, left_padded
 SMALL = dict(TINY_BLOCKS, pool_tokens=24, host_chunk_mib=0.01)
 
 
+def _generated_and_planned(model, config: OffloadConfig):
+    """``(cache, its stats, the plan)`` after generate() of three sequences (61, 40 and 52 tokens) and 7 new tokens
+    through an OffloadCache of ``config``."""
+    cache = OffloadCache(model, config=config)
+    ids, mask = left_padded([61, 40, 52], seed=11)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
+    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
+    return cache, cache.stats(), predicted
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
 @pytest.mark.parametrize("selector", ["solohead", "meanbound", "quantkey", "quantkey[tail_bits=2]", "oracle", "streaming"])
 def test_offload_prediction_equals_stats(arch, selector):
     model = build_model(arch)
     config = OffloadConfig(budget_tokens=48, selector=selector, **SMALL)
-    cache = OffloadCache(model, config=config)
-    ids, mask = left_padded([61, 40, 52], seed=11)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
-    stats = cache.stats()
-    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
+    cache, stats, predicted = _generated_and_planned(model, config)
     assert predicted.device_kv_bytes == stats["device_kv_bytes"]
     assert predicted.device_summary_bytes == stats["device_summary_bytes"]
     assert predicted.host_kv_bytes == stats["host_kv_bytes"]
@@ -256,12 +262,7 @@ def test_disk_tier_prediction_equals_stats(arch, tmp_path):
     chunk_bytes = 2 * (2 * 2 * 8 * 16 * 4)  # two blocks of the tiny models
     config = OffloadConfig(budget_tokens=48, **dict(SMALL, host_chunk_mib=chunk_bytes / 2**20),
                            host_memory_gib=5 * chunk_bytes / 2**30, disk_dir=str(tmp_path))  # fmt: skip
-    cache = OffloadCache(model, config=config)
-    ids, mask = left_padded([61, 40, 52], seed=11)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
-    stats = cache.stats()
-    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
+    cache, stats, predicted = _generated_and_planned(model, config)
     assert stats["disk_kv_bytes"] > 0
     assert predicted.host_kv_bytes == stats["host_kv_bytes"]
     assert predicted.host_reserved_bytes == stats["host_reserved_bytes"]

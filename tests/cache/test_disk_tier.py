@@ -116,15 +116,22 @@ def test_files_are_gone_after_garbage_collection(tmp_path):
     assert _files(tmp_path) == []
 
 
-def _fail_fourth_call_of_layer_1(model):
+def _generate_stopped_at_the_third_decode_step(model, ids, mask, cache):
+    """generate() through ``cache`` with a forward pre-hook of layer 1 that raises at its fourth call (the third
+    decode step, after layer 0 took its token)."""
     calls = []
 
     def failing(module, args):
         calls.append(1)
-        if len(calls) == 4:  # the third decode step, after layer 0 took its token
+        if len(calls) == 4:
             raise RuntimeError("stop")
 
-    return model.model.layers[1].register_forward_pre_hook(failing)
+    handle = model.model.layers[1].register_forward_pre_hook(failing)
+    try:
+        with pytest.raises(RuntimeError, match="stop"):
+            _generate(model, ids, mask, cache)
+    finally:
+        handle.remove()
 
 
 def test_an_exception_inside_a_forward_rolls_back_and_keeps_the_files(tmp_path):
@@ -133,12 +140,7 @@ def test_an_exception_inside_a_forward_rolls_back_and_keeps_the_files(tmp_path):
     model = build_model("llama")
     ids, mask = left_padded([90], seed=5)
     cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path)
-    handle = _fail_fourth_call_of_layer_1(model)
-    try:
-        with pytest.raises(RuntimeError, match="stop"):
-            _generate(model, ids, mask, cache)
-    finally:
-        handle.remove()
+    _generate_stopped_at_the_third_decode_step(model, ids, mask, cache)
     assert [int(layer.get_seq_length()) for layer in cache.layers] == [90 + 2] * len(cache.layers)
     assert _files(tmp_path) != [] and cache.stats()["disk_kv_bytes"] > 0
     follow = torch.cat([ids, _generate(model, ids, mask, OffloadCache(model, **FULL))[:, 90:93]], 1)
@@ -157,12 +159,7 @@ def test_files_are_gone_after_an_exception_that_cannot_be_rolled_back(tmp_path):
     ids, mask = left_padded([90], seed=5)
     expected = _generate(model, ids, mask, OffloadCache(model, **FULL))
     cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path)
-    handle = _fail_fourth_call_of_layer_1(model)
-    try:
-        with pytest.raises(RuntimeError, match="stop"):
-            _generate(model, ids, mask, cache)
-    finally:
-        handle.remove()
+    _generate_stopped_at_the_third_decode_step(model, ids, mask, cache)
     assert _files(tmp_path) == []  # the forward stopped part-way: tiers and files freed
     with pytest.raises(RuntimeError, match="unusable.*disk files were freed"):
         _generate(model, ids, mask, cache)
