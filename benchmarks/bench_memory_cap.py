@@ -40,11 +40,12 @@ GIB = 1 << 30
 WORKLOAD = "random bf16 weights, random token ids; generate() with a chunked prefill"
 
 
-def build(shape: str, positions: int, device: torch.device):
-    """A Llama-architecture model of ``shape`` (a key of ``hf_offload.tools.bench.SHAPES``), random bf16 weights."""
+def build(shape: str, positions: int, device: torch.device, **overrides):
+    """A Llama-architecture model of ``shape`` (a key of ``hf_offload.tools.bench.SHAPES``, its entries replaced by
+    ``overrides``), random bf16 weights."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    config = LlamaConfig(**SHAPES[shape], max_position_embeddings=positions, pad_token_id=0)
+    config = LlamaConfig(**{**SHAPES[shape], **overrides}, max_position_embeddings=positions, pad_token_id=0)
     torch.manual_seed(0)
     with device:
         return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
@@ -137,13 +138,21 @@ def _rss_mib() -> float:
 SOAK_SELECTORS = ("default", "quantkey")  # the default selector (with its tail estimate) and plain quantkey
 
 
-def soak(model, calls: int, budget: int, device: torch.device, lengths=(3000, 2000)) -> list[dict]:
-    """``calls`` generate() calls with fresh caches, alternating batch sizes (2, 3), prompt lengths and selectors
-    (:data:`SOAK_SELECTORS`); device memory allocated and reserved, pinned host memory and RSS after each."""
+def soak(models, calls: int, budget: int, device: torch.device, lengths=(3000, 2000),
+         max_seconds: float = float("inf")) -> list[dict]:  # fmt: skip
+    """``calls`` generate() calls with fresh caches, alternating batch sizes (2, 3), prompt lengths, selectors
+    (:data:`SOAK_SELECTORS`) and ``models`` (a dict name -> model); device memory allocated and reserved, pinned host
+    memory and RSS after each. Stops early after ``max_seconds``."""
     rows = []
+    names = list(models)
+    start = time.perf_counter()
     for i in range(calls):
+        if time.perf_counter() - start > max_seconds:
+            break
         batch, length = (2, 3)[i % 2], lengths[(i // 2) % len(lengths)]
         selector = SOAK_SELECTORS[(i // 4) % len(SOAK_SELECTORS)]
+        name = names[(i // 8) % len(names)]
+        model = models[name]
         ids = torch.randint(0, model.config.vocab_size, (batch, length), device=device)
         chosen = {} if selector == SOAK_SELECTORS[0] else {"selector": selector}
         cache = OffloadCache(model, budget_tokens=budget, **chosen)
@@ -154,7 +163,8 @@ def soak(model, calls: int, budget: int, device: torch.device, lengths=(3000, 20
         gc.collect()
         torch.cuda.synchronize()
         host = torch.cuda.memory.host_memory_stats() if hasattr(torch.cuda.memory, "host_memory_stats") else {}
-        rows.append({"call": i, "batch": batch, "length": length, "selector": selector,
+        rows.append({"call": i, "model": name, "batch": batch, "length": length, "selector": selector,
+                     "seconds": time.perf_counter() - start,
                      "allocated_mib": torch.cuda.memory_allocated(device) / 2**20,
                      "reserved_mib": torch.cuda.memory_reserved(device) / 2**20,
                      "pinned_allocated_mib": host.get("allocated_bytes.current", 0) / 2**20,
@@ -166,7 +176,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-coder-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--batches", type=int, nargs="+", default=[16, 48])
+    parser.add_argument(
+        "--batches", type=int, nargs="*", default=[16, 48], help="batches of the cap sweep (none: soak only)"
+    )
     parser.add_argument("--caches", nargs="+", default=["dynamic", "defaults", "always"])
     parser.add_argument("--cap-gib", type=float, default=16.0, help="device memory the process may allocate")
     parser.add_argument("--budget", type=int, default=2048)
@@ -174,6 +186,20 @@ def main(argv=None) -> int:
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--soak", type=int, default=0, help="generate() calls of the soak (0: none)")
     parser.add_argument("--soak-lengths", type=int, nargs="+", default=[3000, 2000], help="prompt lengths of the soak")
+    parser.add_argument(
+        "--soak-shapes",
+        nargs="+",
+        default=None,
+        choices=sorted(SHAPES),
+        help="models the soak alternates (default: --shape only)",
+    )
+    parser.add_argument(
+        "--soak-layers",
+        type=int,
+        default=0,
+        help="decoder layers of the soak's models (0: the shape's own); fewer layers, more calls",
+    )
+    parser.add_argument("--soak-seconds", type=float, default=float("inf"), help="stop the soak after this long")
     parser.add_argument("--max-seconds", type=float, default=480.0)
     parser.add_argument("--out", default="results/memory_cap/bench_memory_cap.json")
     args = parser.parse_args(argv)
@@ -201,12 +227,23 @@ def main(argv=None) -> int:
                   f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('error', '')[:90]}")  # fmt: skip
     if args.soak:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
-        rows = soak(model, args.soak, args.budget, device, args.soak_lengths)
+        positions = max(args.soak_lengths) + 64
+        models = {}
+        for shape in args.soak_shapes or [args.shape]:
+            layers = {"num_hidden_layers": args.soak_layers} if args.soak_layers else {}
+            models[shape] = build(shape, positions, device, **layers)
+        result["soak_models"] = {name: {"layers": m.config.num_hidden_layers, "heads": m.config.num_attention_heads,
+                                        "kv_heads": m.config.num_key_value_heads, "head_dim": m.config.head_dim}
+                                 for name, m in models.items()}  # fmt: skip
+        rows = soak(models, args.soak, args.budget, device, args.soak_lengths, args.soak_seconds)
         result["soak"] = rows
-        first, last = rows[min(4, len(rows) - 1)], rows[-1]
+        warm = min(2 * 8 * len(models), len(rows) - 1)  # after each model met each selector and shape once
+        first, last = rows[warm], rows[-1]
         calls = max(1, last["call"] - first["call"])
         for key in ("allocated_mib", "reserved_mib", "pinned_allocated_mib", "rss_mib"):
             result[f"soak_drift_{key}_per_call"] = (last[key] - first[key]) / calls
+            result[f"soak_growth_{key}"] = max(r[key] for r in rows[warm:]) - first[key]  # the most it rose at any call
+        result["soak_warm_calls"] = warm
         print(f"soak: {len(rows)} calls; from call {first['call']} to {last['call']}: allocated "
               f"{first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB, reserved {first['reserved_mib']:.1f} "
               f"-> {last['reserved_mib']:.1f} MiB, pinned {first['pinned_allocated_mib']:.1f} -> "

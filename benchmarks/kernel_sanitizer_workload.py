@@ -4,9 +4,10 @@
     compute-sanitizer --tool racecheck python benchmarks/kernel_sanitizer_workload.py
 
 It gathers and scatters blocks of several sizes between pinned host chunks (and an admitted device chunk) and device
-tensors, then decodes a few steps of a tiny model with ``transfer="kernel"`` and both selectors (the offload stream
-for sealed blocks, and once with the layer-ahead lookahead on the prefetch stream), with a prompt long enough for
-the chunked-prefill path, and checks bytes and tokens against the host-side reference and the torch path.
+tensors, then decodes a few steps of a tiny model with ``transfer="kernel"`` and both selectors (replayed from CUDA
+graphs of the whole layer and of the attention alone, the offload stream for sealed blocks, and once with the
+layer-ahead lookahead on the prefetch stream), with a prompt long enough for the chunked-prefill path, and checks
+bytes and tokens against the host-side reference and the torch path.
 """
 
 from __future__ import annotations
@@ -53,18 +54,29 @@ def main() -> int:
                          num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
     model = LlamaForCausalLM(config).to(device).eval()
     ids = torch.randint(0, 128, (2, 90), device=device)
-    variants = [("kernel", False), ("torch", False), ("kernel", True)]  # (transfer, lookahead)
+    # (transfer, lookahead, graph scope): the whole layer and the attention alone replayed from CUDA graphs, the
+    # torch path, and the layer-ahead lookahead on the prefetch stream (no graphs).
+    variants = [("kernel", False, "layer"), ("kernel", False, "attention"), ("torch", False, None),
+                ("kernel", True, None)]  # fmt: skip
     for selector in ("solohead", "headwise"):
         outs = []
-        for transfer, lookahead in variants:
+        for transfer, lookahead, scope in variants:
+            graphs = {"cuda_graphs": True, "graph_scope": scope} if scope else {"cuda_graphs": False}
             cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=16,
-                                 pool_tokens=32, selector=selector, transfer=transfer, lookahead=lookahead)  # fmt: skip
+                                 pool_tokens=32, selector=selector, transfer=transfer, lookahead=lookahead,
+                                 **graphs)  # fmt: skip
             with torch.no_grad():
-                outs.append(model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False,
-                                           prefill_chunk_size=32))
-        for (transfer, lookahead), out in zip(variants[1:], outs[1:]):
-            assert torch.equal(outs[0], out), (selector, transfer, lookahead)
-    print("kernel transfer path (offload stream, lookahead, chunked prefill): ok")
+                outs.append(
+                    model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, prefill_chunk_size=32)
+                )
+            replays = cache.stats()["graph_replays"]
+            assert (replays > 0) == bool(scope), (selector, transfer, lookahead, scope, replays)
+        for variant, out in zip(variants[1:], outs[1:]):
+            assert torch.equal(outs[0], out), (selector, variant)
+    print(
+        "kernel transfer path (graphs of the layer and of the attention, offload stream, lookahead, chunked "
+        "prefill): ok"
+    )
     return 0
 
 

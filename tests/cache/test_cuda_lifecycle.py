@@ -1,0 +1,94 @@
+"""The cache's lifecycle on a CUDA device, where the decode replays CUDA graphs and the transfers run on side streams:
+edits for generate() features, a fault mid-forward, save and load, forks, and the disk tier. Each result equals
+DynamicCache's (float32 models, a budget covering the context). Skipped without CUDA and Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache
+from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
+
+from ..helpers import TINY_PREFILL, build_model, left_padded
+from .test_editing import MODES, _prompt
+from .test_faults import Boom, _fail_at_call
+
+pytestmark = [pytest.mark.cuda, pytest.mark.triton]
+
+# A budget covering every prompt, graphs on (the whole layer captured), the capacity the graphs are sized for.
+FULL = dict(TINY_PREFILL, budget_tokens=4096, cuda_graphs=True, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)
+ARCHS = ["llama", "qwen2"]
+
+
+def _generate(model, cache, ids, mask, new_tokens=10, **kwargs):
+    with torch.no_grad():
+        return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
+                              do_sample=False, **kwargs)  # fmt: skip
+
+
+def _cuda(*tensors):
+    return [t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_generate_modes_token_identical_on_cuda(arch, mode):
+    model = build_model(arch).cuda()
+    ids, mask = _cuda(*(left_padded([38, 27], seed=4) if mode == "beam_search" else _prompt()))
+    extra = MODES[mode](arch)
+    if "assistant_model" in extra:
+        extra["assistant_model"] = extra["assistant_model"].cuda()
+    expected = _generate(model, DynamicCache(config=model.config), ids, mask, 14, **extra)
+    cache = OffloadCache(model, **FULL)
+    assert torch.equal(_generate(model, cache, ids, mask, 14, **extra), expected)
+    assert cache.stats()["host_kv_bytes"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_decode_step_stopped_mid_forward_rolls_back_on_cuda(arch):
+    model = build_model(arch).cuda()
+    ids, mask = _cuda(*left_padded([37, 21], seed=1))
+    expected = _generate(model, DynamicCache(config=model.config), ids, mask, 12)
+    cache = OffloadCache(model, **FULL)
+    hook = _fail_at_call(model, 1, 7, Boom("hook"))  # decode step 6, after layer 0
+    with pytest.raises(Boom):
+        _generate(model, cache, ids, mask, 12)
+    hook.remove()
+    held = ids.shape[1] + 5  # the prefill and five decode steps (the sixth step's input token is not in it)
+    assert [int(layer.get_seq_length()) for layer in cache.layers] == [held] * len(cache.layers)
+    # Continue from the tokens the cache holds: the same tokens as the uninterrupted DynamicCache run.
+    known = expected[:, : held + 1]
+    known_mask = torch.cat([mask, torch.ones_like(known[:, ids.shape[1] :])], 1)
+    assert torch.equal(_generate(model, cache, known, known_mask, expected.shape[1] - held - 1), expected)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_save_load_and_fork_continue_exactly_on_cuda(arch, tmp_path):
+    model = build_model(arch).cuda()
+    ids, mask = _cuda(*left_padded([45, 30], seed=2))
+    expected = _generate(model, DynamicCache(config=model.config), ids, mask, 12)
+    cache = OffloadCache(model, **FULL)
+    first = _generate(model, cache, ids, mask, 4)
+    cache.save(tmp_path / "cache.safetensors")
+    loaded = OffloadCache.load(tmp_path / "cache.safetensors", model)
+    follow_mask = torch.cat([mask, torch.ones_like(first[:, ids.shape[1] :])], 1)
+    assert torch.equal(_generate(model, loaded, first, follow_mask, 8), expected)
+    fork = cache.fork(batch=2)
+    assert torch.equal(_generate(model, fork, first, follow_mask, 8), expected)
+    assert torch.equal(_generate(model, cache, first, follow_mask, 8), expected)  # the forked cache goes on too
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_disk_tier_on_cuda_matches_dynamic_cache_and_removes_its_files(arch, tmp_path):
+    block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
+    disk = {"host_chunk_mib": 2 * block_bytes / 2**20, "host_memory_gib": 8 * block_bytes / 2**30, "disk_dir": tmp_path}
+    model = build_model(arch).cuda()
+    ids, mask = _cuda(*left_padded([101, 77], seed=1))
+    expected = _generate(model, DynamicCache(config=model.config), ids, mask)
+    with OffloadCache(model, **dict(TINY_PREFILL, budget_tokens=4096), **disk) as cache:
+        assert torch.equal(_generate(model, cache, ids, mask), expected)
+        stats = cache.stats()
+        assert stats["disk_kv_bytes"] > stats["host_kv_bytes"] > 0 and stats["disk_reads"] > 0
+    assert not list(tmp_path.iterdir())
