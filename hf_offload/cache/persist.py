@@ -39,6 +39,7 @@ import os
 import struct
 import tempfile
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -95,14 +96,17 @@ def _weights_hash(model: torch.nn.Module) -> str:
     params = [(name, p) for name, p in model.named_parameters() if p.device.type != "meta"]
     if not params:
         return ""
-    picks = sorted({round(i * (len(params) - 1) / max(_WEIGHT_SAMPLE_PARAMS - 1, 1)) for i in range(_WEIGHT_SAMPLE_PARAMS)})
+    picks = sorted(
+        {round(i * (len(params) - 1) / max(_WEIGHT_SAMPLE_PARAMS - 1, 1)) for i in range(_WEIGHT_SAMPLE_PARAMS)}
+    )
     digest = hashlib.sha256()
     with torch.no_grad():
         for i in picks:
             name, p = params[i]
             flat = p.detach().reshape(-1)
             index = torch.linspace(0, flat.numel() - 1, min(_WEIGHT_SAMPLE_ELEMENTS, flat.numel()), device=flat.device)
-            sample = flat[index.long()].cpu().contiguous()
+            # float32 rounds indices past 2**24: the last one can land one past the end.
+            sample = flat[index.long().clamp_(max=flat.numel() - 1)].cpu().contiguous()
             digest.update(f"{name}:{tuple(p.shape)}:{p.dtype};".encode())
             digest.update(sample.view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
@@ -222,8 +226,9 @@ def write_file(path: Path, entries: list[Entry], metadata: dict[str, str], overw
             header = _header(entries, metadata, checksums)
             f.write(struct.pack("<Q", len(header)))
             f.write(header)
-            for entry in entries:
-                checksums[entry.name] = _write_entry(f, entry)
+            with ThreadPoolExecutor(1, thread_name_prefix="hf-offload-sha256") as hasher:
+                for entry in entries:
+                    checksums[entry.name] = _write_entry(f, entry, hasher)
             final = _header(entries, metadata, checksums)
             assert len(final) == len(header), "checksums are fixed-length hex digests"
             f.seek(8)
@@ -236,16 +241,23 @@ def write_file(path: Path, entries: list[Entry], metadata: dict[str, str], overw
         raise
 
 
-def _write_entry(f, entry: Entry) -> str:
+def _write_entry(f, entry: Entry, hasher: ThreadPoolExecutor) -> str:
+    """Write ``entry``'s pieces to ``f``; each piece is hashed on ``hasher``'s thread while it is written (hashlib
+    and file writes release the GIL), so a save takes the longer of the two, not their sum."""
     digest = hashlib.sha256()
     written = 0
+    hashing: Future | None = None
     for piece in entry.pieces():
         if piece.dtype != entry.dtype or piece.device.type != "cpu":
             raise TypeError(f"{entry.name}: a piece of {piece.dtype} on {piece.device}, not {entry.dtype} on the CPU")
         data = piece.contiguous().view(torch.uint8).numpy() if piece.numel() else b""
-        digest.update(data)
+        if hashing is not None:
+            hashing.result()  # in order: the previous piece is in the digest before this one
+        hashing = hasher.submit(digest.update, data)
         f.write(data)
         written += piece.numel() * piece.element_size()
+    if hashing is not None:
+        hashing.result()
     if written != entry.nbytes:
         raise RuntimeError(f"{entry.name}: wrote {written} bytes for a tensor of {entry.nbytes}; the cache changed "
                            "while it was saved (save between forwards only)")  # fmt: skip
@@ -313,6 +325,7 @@ class CacheFile:
             self._file = safe_open(str(path), framework="pt")
         except Exception as err:  # safetensors raises its own error type for every malformed file
             raise self._corrupted(f"safetensors cannot read it: {err}") from err
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="hf-offload-sha256")
         self.state = json.loads(meta["hf_offload.state"])
         self.checksums = json.loads(meta["hf_offload.checksums"])
         self.shapes = {name: tuple(info["shape"]) for name, info in header.items() if name != "__metadata__"}
@@ -365,19 +378,25 @@ class CacheFile:
         view = self._file.get_slice(name)
         digest = hashlib.sha256()
         start, total = 0, self.shapes[name][0]
+        hashing: Future | None = None
         while True:
             piece = view[start : start + rows]
-            if piece.numel():
-                digest.update(piece.contiguous().view(torch.uint8).numpy())
+            if hashing is not None:
+                hashing.result()
+            if piece.numel():  # hashed on a thread while the caller copies the piece out
+                hashing = self._hasher.submit(digest.update, piece.contiguous().view(torch.uint8).numpy())
             yield piece
             start += rows
             if start >= total:
                 break
+        if hashing is not None:
+            hashing.result()
         if digest.hexdigest() != self.checksums.get(name):
             raise self._corrupted(f"the data of tensor {name!r} does not match its checksum")
 
     def close(self) -> None:
         """Unmap the file."""
+        self._hasher.shutdown()
         self._file.__exit__(None, None, None)
 
     def __enter__(self) -> "CacheFile":

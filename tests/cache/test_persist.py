@@ -320,3 +320,11 @@ def test_save_into_a_read_only_directory(tmp_path):
     finally:
         tmp_path.chmod(0o700)
 
+
+def test_the_weights_fingerprint_samples_within_large_parameters():
+    """Sample positions are spaced in float32, which rounds past 2**24 elements: the last one must stay inside."""
+    from hf_offload.cache.persist import _weights_hash
+
+    module = torch.nn.Linear(1, 1)
+    module.weight = torch.nn.Parameter(torch.zeros(2**24 + 4, dtype=torch.bfloat16), requires_grad=False)
+    assert len(_weights_hash(module)) == 64

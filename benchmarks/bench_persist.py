@@ -1,0 +1,148 @@
+"""``OffloadCache.save`` and ``OffloadCache.load`` against the drive they run on, measured in the same run.
+
+* **drive**: a file of the size of the saved cache, written in 16 MiB writes and fsynced (what ``save`` does), its
+  pages then dropped from the page cache (``posix_fadvise(DONTNEED)``), and read back sequentially in 16 MiB reads
+  (what ``load`` reads through its memory map); GB/s each. The file system's page cache is used as ``save`` and
+  ``load`` use it (no direct I/O), so both sides pay the same copies.
+* **save**: a cache of a Llama-architecture model of ``--shape`` (random weights; ``--layers`` overrides the layer
+  count) filled with ``--context`` tokens of random KV per sequence (``hf_offload.tools.bench.fill_random``, no
+  prefill computed), saved (checksums, fsync and rename included); the file's pages are then dropped.
+* **load**: ``OffloadCache.load`` of that file (checksums verified, every block copied into the host pool), from a
+  cold page cache; then three decode steps, to show the loaded cache runs (the third one timed).
+
+Throughput counts the file's bytes. The checksum (SHA-256) alone is timed too: it bounds both directions.
+
+    python benchmarks/bench_persist.py --shape llama-3.2-1b --layers 4 --context 32768 --batch 2 --dir /tmp \\
+        --out results/persist/cpu_llama1b4l_32k.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_disk import build  # noqa: E402
+from benchmarks.common import run_metadata, write_results  # noqa: E402
+from hf_offload import OffloadCache  # noqa: E402
+from hf_offload.tools.bench import SHAPES, _decode, fill_random  # noqa: E402
+
+MIB = 1 << 20
+PIECE = 16 * MIB
+WORKLOAD = "random weights, random KV written into the cache (no prefill computed)"
+
+
+def _drop(path: Path) -> None:
+    """Drop ``path``'s pages from the page cache (they are clean after an fsync), so that the next read is cold."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def drive(directory: Path, nbytes: int) -> dict:
+    """Sequential write (fsynced) and cold sequential read of ``nbytes`` in 16 MiB pieces; GB/s each."""
+    data = memoryview(torch.randint(0, 256, (PIECE,), dtype=torch.uint8).numpy())
+    path = directory / f"hf-offload-drive-{os.getpid()}.bin"
+    pieces = max(1, -(-nbytes // PIECE))
+    try:
+        start = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            for _ in range(pieces):
+                f.write(data)
+            os.fsync(f.fileno())
+        write_s = time.perf_counter() - start
+        _drop(path)
+        buffer = bytearray(PIECE)
+        start = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.readinto(buffer):
+                pass
+        read_s = time.perf_counter() - start
+    finally:
+        path.unlink(missing_ok=True)
+    total = pieces * PIECE
+    return {"bytes": total, "seq_write_gbs": total / write_s / 1e9, "seq_read_gbs": total / read_s / 1e9}
+
+
+def sha256_gbs(nbytes: int = 256 * MIB) -> float:
+    """SHA-256 throughput of this CPU on one thread, GB/s."""
+    data = memoryview(torch.randint(0, 256, (PIECE,), dtype=torch.uint8).numpy())
+    digest = hashlib.sha256()
+    start = time.perf_counter()
+    for _ in range(nbytes // PIECE):
+        digest.update(data)
+    return nbytes / (time.perf_counter() - start) / 1e9
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-3.2-1b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--budget", type=int, default=1024)
+    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file is written")
+    parser.add_argument("--repeats", type=int, default=2, help="save / load rounds (each reported)")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--out", default="results/persist/bench_persist.json")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, args.dtype)
+    directory = Path(args.dir)
+    model = build(args.shape, args.layers, args.context + 64, device, dtype)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    cache = OffloadCache(model, budget_tokens=args.budget)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        fill_random(cache, args.batch, args.context, config.num_key_value_heads, head_dim, device, dtype=dtype)
+    kv_bytes = cache.stats()["host_kv_bytes"] + cache.stats()["device_kv_bytes"]
+    result = {"metadata": run_metadata(args, note=WORKLOAD), "workload": WORKLOAD, "device": str(device),
+              "kv_bytes": kv_bytes, "sha256_gbs": sha256_gbs(), "rounds": []}  # fmt: skip
+    path = directory / f"hf-offload-bench-{os.getpid()}.safetensors"
+    try:
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            cache.save(path, overwrite=True)
+            save_s = time.perf_counter() - start
+            file_bytes = path.stat().st_size
+            _drop(path)
+            start = time.perf_counter()
+            loaded = OffloadCache.load(path, model)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            load_s = time.perf_counter() - start
+            step_s = _decode(model, loaded, args.batch, args.context, 3, device)  # the loaded cache decodes
+            del loaded
+            _drop(path)
+            disk = drive(directory, file_bytes)
+            row = {"file_bytes": file_bytes, "save_s": save_s, "load_s": load_s, "save_gbs": file_bytes / save_s / 1e9,
+                   "load_gbs": file_bytes / load_s / 1e9, "decode_step_after_load_s": step_s, "drive": disk}  # fmt: skip
+            row["save_vs_drive_write"] = row["save_gbs"] / disk["seq_write_gbs"]
+            row["load_vs_drive_read"] = row["load_gbs"] / disk["seq_read_gbs"]
+            result["rounds"].append(row)
+            write_results(args.out, result)
+            print(f"file {file_bytes / 2**30:.2f} GiB: save {row['save_gbs']:.2f} GB/s (drive write "
+                  f"{disk['seq_write_gbs']:.2f}, {row['save_vs_drive_write']:.2f}x), load {row['load_gbs']:.2f} GB/s "
+                  f"(drive read {disk['seq_read_gbs']:.2f}, {row['load_vs_drive_read']:.2f}x); "
+                  f"SHA-256 {result['sha256_gbs']:.2f} GB/s")  # fmt: skip
+    finally:
+        path.unlink(missing_ok=True)
+    result["complete"] = True
+    write_results(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
