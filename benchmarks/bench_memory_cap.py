@@ -11,10 +11,14 @@ Two questions, one run:
   prompt lengths; device memory allocated after each call (and pinned host memory where torch reports it), so that
   growth per call shows.
 
-Random weights: speed and memory depend on shapes, not weights; the hit rate does not (it is reported for what it
-is: random-weight activations). Raw JSON (``benchmarks.common.write_results``).
+Random weights by default: speed and memory depend on shapes, not weights; the hit rate does not (it is reported for
+what it is: random-weight activations). ``--model qwen05`` runs a real model on real text instead (per sequence a
+document of key-value records and a question), where selection and hit rate are the model's. Raw JSON
+(``benchmarks.common.write_results``).
 
     python benchmarks/bench_memory_cap.py --shape qwen2.5-coder-0.5b --context 32768 --batches 16 48 --cap-gib 16
+    python benchmarks/bench_memory_cap.py --model qwen05 --context 32768 --batches 1 8 32 64 --cap-gib 140 \
+        --caches dynamic defaults
 """
 
 from __future__ import annotations
@@ -75,9 +79,23 @@ def make_cache(kind: str, model, budget: int):
     raise ValueError(kind)
 
 
+def real_prompts(tokenizer, batch: int, context: int) -> torch.Tensor:
+    """``[batch, context]`` token ids of real text: per sequence a document of key-value records (its own seed) and
+    a question about one of them, cut to ``context`` tokens with the question kept at the end."""
+    from benchmarks.bench_prefix_sharing import build_document
+
+    rows = []
+    gap = tokenizer("\n\n", add_special_tokens=False).input_ids
+    for seed in range(batch):
+        prefix, [(question, _)] = build_document(tokenizer, context, 1, seed)
+        rows.append(prefix[: context - len(gap) - len(question)] + gap + question)
+    return torch.tensor(rows)
+
+
 def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, budget: int, chunk: int,
-                 device: torch.device) -> dict:  # fmt: skip
-    """One ``generate()`` of ``batch`` random prompts of ``context`` tokens; times, memory and cache stats."""
+                 device: torch.device, tokenizer=None) -> dict:  # fmt: skip
+    """One ``generate()`` of ``batch`` prompts of ``context`` tokens (random ids, or real text with a
+    ``tokenizer``); times, memory and cache stats."""
     from transformers import LogitsProcessorList
 
     row = {"cache": kind, "batch": batch, "context": context, "new_tokens": new_tokens}
@@ -85,7 +103,10 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    if tokenizer is None:
+        ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    else:
+        ids = real_prompts(tokenizer, batch, context).to(device)
     clock = StepClock()
     cache = None
     try:
@@ -175,6 +196,9 @@ def soak(models, calls: int, budget: int, device: torch.device, lengths=(3000, 2
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-coder-0.5b", choices=sorted(SHAPES))
+    parser.add_argument("--model", default=None,
+                        help="a real model (a name for hf_offload.tools.models.load, e.g. qwen05) on real text, "
+                             "instead of --shape with random weights and ids")  # fmt: skip
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument(
         "--batches", type=int, nargs="*", default=[16, 48], help="batches of the cap sweep (none: soak only)"
@@ -207,8 +231,16 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     total = torch.cuda.mem_get_info(device)[1]
     torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), device)
-    model = build(args.shape, args.context + args.new_tokens + 16, device)
-    result = {"metadata": run_metadata(args, note=WORKLOAD), "workload": WORKLOAD, "cap_gib": args.cap_gib,
+    tokenizer, workload = None, WORKLOAD
+    if args.model:
+        from hf_offload.tools.models import load
+
+        model, tokenizer = load(args.model, dtype=torch.bfloat16, device=device)
+        workload = (f"real model {args.model} (bf16), real text: documents of key-value records with a question; "
+                    "generate() with a chunked prefill")  # fmt: skip
+    else:
+        model = build(args.shape, args.context + args.new_tokens + 16, device)
+    result = {"metadata": run_metadata(args, note=workload), "workload": workload, "cap_gib": args.cap_gib,
               "weights_gib": torch.cuda.memory_allocated(device) / GIB, "runs": [], "skipped": []}  # fmt: skip
     print(f"{'cache':9s} {'batch':>5s} {'ok':>3s} {'ttft s':>7s} {'1st step s':>10s} {'tok/s':>8s} {'peak GiB':>9s} "
           f"{'host KV GiB':>11s} {'hit':>5s}")  # fmt: skip
@@ -218,7 +250,7 @@ def main(argv=None) -> int:
                 result["skipped"].append({"cache": kind, "batch": batch, "reason": "time budget"})
                 continue
             r = run_generate(model, kind, batch, args.context, args.new_tokens, args.budget, args.prefill_chunk,
-                             device)  # fmt: skip
+                             device, tokenizer)  # fmt: skip
             result["runs"].append(r)
             write_results(args.out, result)
             print(f"{kind:9s} {batch:5d} {'yes' if r['ok'] else 'no':>3s} {r.get('ttft_s', float('nan')):7.2f} "
