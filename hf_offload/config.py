@@ -53,16 +53,12 @@ class Attended:
         transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer, resident blocks
             within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
         transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
-        max_budget_tokens: with ``missed_mass_target``, the adaptive budget's cap: a decode step may attend up to
-            this many KV tokens (sink, window and open block included); a whole number of blocks above
-            ``budget_tokens``. ``None`` (default): every step attends ``budget_tokens``.
-        missed_mass_target: with ``max_budget_tokens``, the share of the estimated attention over the sealed blocks
-            that a step may leave out: a step whose ``budget_tokens`` selection leaves out more takes the next best
-            blocks, one at a time, until the estimate is at most the target or the step attends
-            ``max_budget_tokens``. In ``(0, 1)``; needs a selector whose scores are block masses
-            (``Selector.mass_scores``: ``quantkey``, the default, ``solohead``, ``meanbound``, ``meanvar``,
-            ``union``, ``oracle``). The estimate is the selector's, not a bound (docs/tuning.md, "Adaptive
-            budget"). ``None`` (default): a fixed budget.
+        max_budget_tokens: the adaptive budget's cap: with ``missed_mass_target``, a decode step attends up to this
+            many tokens (sink, window and open block included); whole blocks above ``budget_tokens``. Default
+            ``None``: every step attends ``budget_tokens``.
+        missed_mass_target: a step whose selection leaves out more than this share of the estimated attention takes
+            more blocks, best first, up to ``max_budget_tokens`` (docs/tuning.md, "Adaptive budget"); in ``(0, 1)``,
+            for selectors with ``mass_scores``. Default ``None``: a fixed budget.
     """
 
     budget_tokens: int = 2048
