@@ -142,7 +142,7 @@ def test_blocks_a_step_selects_stay_the_same_over_the_seals_of_one_capacity():
         assert seen == {(capacity, min(capacity, 112 // 8 - 1), 48 // 8 - 1)}
 
 
-def test_reused_config_values_are_validated_with_what_to_change():
+def test_adaptive_settings_are_validated_with_what_to_change():
     with pytest.raises(ValueError, match="set missed_mass_target too"):
         OffloadConfig(max_budget_tokens=4096)
     with pytest.raises(ValueError, match="e.g. max_budget_tokens=4096"):
