@@ -584,7 +584,11 @@ class OffloadCache(Cache):
             with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
             blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
-            decode steps, sequences and query heads; else ``None``), ``reused_selections`` (layer decode steps that
+            decode steps, sequences and query heads; else ``None``), ``missed_mass`` (the accuracy certificate: the
+            estimated share of attention decode steps left out, ``mean``, ``max``, ``last``, ``steps`` and its
+            ``source``, ``"tail"``, ``"scores"`` or ``"exact"``: an estimate, not a bound, see docs/tuning.md;
+            ``None`` before a step with one, or for a selector without one), ``attended_blocks`` (sealed blocks a
+            decode step attended per sequence, mean), ``reused_selections`` (layer decode steps that
             attended the previous step's selection, ``reselect_every``), ``decode_steps`` and ``layers`` (the same
             counters per
             offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
