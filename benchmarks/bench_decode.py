@@ -330,17 +330,24 @@ def offload_config(method: str, args) -> OffloadConfig | None:
     if method not in OFFLOAD_METHODS:
         return None
     if method == "defaults":
-        return OffloadConfig(budget_tokens=args.budget)
+        return OffloadConfig(budget_tokens=args.budget, **adaptive_of(args))
     selector = selector_of(method, args)
     capacity = dict(decode_capacity_blocks=getattr(args, "decode_capacity", None),
                     decode_attention=getattr(args, "decode_attention", "auto"),
-                    reselect_every=getattr(args, "reselect_every", 1))  # fmt: skip
+                    reselect_every=getattr(args, "reselect_every", 1), **adaptive_of(args))  # fmt: skip
     if not method.endswith("-auto"):
         return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="always", **fusions_of(args),
                              **capacity)  # fmt: skip
     return OffloadConfig(budget_tokens=args.budget, selector=selector, admission="auto",
                          device_memory_gib=args.admission_gib, graph_scope=getattr(args, "graph_scope", "layer"),
                          **fusions_of(args), **capacity)  # fmt: skip
+
+
+def adaptive_of(args) -> dict:
+    """OffloadConfig.max_budget_tokens and missed_mass_target for ``--max-budget`` and ``--missed-mass-target``
+    (the adaptive budget of every OffloadCache method but ``headwise-copy``; none where they are not given)."""
+    cap, target = getattr(args, "max_budget", None), getattr(args, "missed_mass_target", None)
+    return {} if cap is None and target is None else {"max_budget_tokens": cap, "missed_mass_target": target}
 
 
 def fusions_of(args) -> dict:
@@ -474,19 +481,20 @@ def make_cache(method: str, model, context: int, args, device: torch.device, con
     capacity = getattr(args, "decode_capacity", None)
     attention = getattr(args, "decode_attention", "auto")
     every = getattr(args, "reselect_every", 1)
+    adaptive = adaptive_of(args)
     if method in ("solohead", "quantkey"):
         graphs = {"cuda_graphs": False} if getattr(args, "cuda_graphs", "default") == "off" else {}
         return OffloadCache(model, budget_tokens=args.budget, selector=selector_of(method, args), transfer="auto",
                             admission="always",
                             decode_capacity_blocks=capacity, decode_attention=attention, reselect_every=every,
-                            **graphs, **fusions_of(args)), "auto"  # fmt: skip
+                            **graphs, **fusions_of(args), **adaptive), "auto"  # fmt: skip
     if method in ("solohead-graphs", "quantkey-graphs"):
         selector = selector_of(method, args)
         return OffloadCache(model, budget_tokens=args.budget, selector=selector, transfer="auto", cuda_graphs=True,
                             admission="always",
                             decode_capacity_blocks=capacity, decode_attention=attention, reselect_every=every,
                             graph_scope=getattr(args, "graph_scope", "layer"),
-                            **fusions_of(args)), "auto"  # fmt: skip
+                            **fusions_of(args), **adaptive), "auto"  # fmt: skip
     if method in ("solohead-auto", "quantkey-auto", "defaults"):
         return OffloadCache(model, config=config or offload_config(method, args)), "auto"
 
@@ -618,6 +626,11 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             row["hit_rate"] = stats["hit_rate"]
             # The estimated attention share the selection holds (selectors with an estimate of the rest: tail_bits).
             row["selected_mass"] = None if stats["tail_share"] is None else 1.0 - stats["tail_share"]
+            # The budget the decode steps used (sealed tokens attended per sequence; the open block aside) and the
+            # accuracy certificate (the estimated share of attention left out), for fixed and adaptive budgets.
+            blocks = stats["attended_blocks"]
+            row["attended_tokens"] = None if blocks is None else blocks * cache.config.block_tokens
+            row["missed_mass"] = stats["missed_mass"]
             row["stats"] = stats
             row["admitted_kv_bytes"] = sum(layer.blocks.host.used_bytes_on(True) for layer in cache.offload_layers
                                            if layer.is_initialized)  # fmt: skip
@@ -626,7 +639,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         else:
             on_device, elsewhere = tensor_bytes(cache, device)
             row["cache_device_bytes"], row["host_bytes"], row["host_kv_bytes"] = on_device, elsewhere, elsewhere
-            row["hit_rate"] = row["selected_mass"] = None
+            row["hit_rate"] = row["selected_mass"] = row["attended_tokens"] = row["missed_mass"] = None
             # transformers' offloading copies every layer's whole KV to the device (and back) at every step.
             kv_mid = fill_tokens + args.warmup + (steps + 1) / 2
             pcie_per_step = layers * batch * kv_mid * 2 * kv_heads * head_dim * 2 if method == "hf-offloaded" else 0
@@ -800,6 +813,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="*", choices=METHODS, default=METHODS,
                         help="methods to sweep (none: only --e2e)")  # fmt: skip
     parser.add_argument("--budget", type=int, default=2048, help="OffloadCache budget_tokens")
+    parser.add_argument("--max-budget", type=int, default=None,
+                        help="max_budget_tokens of the OffloadCache methods (with --missed-mass-target: the adaptive "
+                        "budget's cap; headwise-copy keeps a fixed budget)")  # fmt: skip
+    parser.add_argument("--missed-mass-target", type=float, default=None,
+                        help="missed_mass_target of the OffloadCache methods: a step leaving out more of the "
+                        "estimated attention takes more blocks, up to --max-budget")  # fmt: skip
     parser.add_argument("--quantkey-selector", default="quantkey",
                         help="the selector of the quantkey* methods, with settings: e.g. 'quantkey[bits=4,tail_bits=2]' "
                              "(4-bit keys, the unselected blocks estimated from 2-bit values)")
@@ -934,6 +953,10 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
             "--fused-rotary", args.fused_rotary, "--fused-projections", args.fused_projections,
             "--seal-graphs", args.seal_graphs, "--reselect-every", str(args.reselect_every),
             "--profile-seal", str(args.profile_seal)]  # fmt: skip
+    if args.max_budget is not None:
+        out += ["--max-budget", str(args.max_budget)]
+    if args.missed_mass_target is not None:
+        out += ["--missed-mass-target", str(args.missed_mass_target)]
     if args.decode_capacity is not None:
         out += ["--decode-capacity", str(args.decode_capacity)]
     if args.admission_gib is not None:

@@ -725,7 +725,7 @@ GEOMETRIES = {
 
 
 def measure_hit_rate(recording: Recording | None, geometry: str, layers: int, context: int, batch: int,
-                     budget: int, steps: int, selector: str, warmup: int = 1) -> dict:  # fmt: skip
+                     budget: int, steps: int, selector: str, warmup: int = 1, **settings) -> dict:  # fmt: skip
     """Decode ``steps`` tokens on the CPU through a random-weight Llama model of ``geometry`` with an
     ``OffloadCache`` and return its selection statistics.
 
@@ -740,10 +740,12 @@ def measure_hit_rate(recording: Recording | None, geometry: str, layers: int, co
             resident to hit).
         selector: the selector spec.
         warmup: decode steps before the counters are reset.
+        settings: further ``OffloadCache`` settings (e.g. ``max_budget_tokens`` and ``missed_mass_target``).
 
     Returns:
         ``hit_rate``, ``selected_mass`` (``1 - tail_share`` where the selector estimates the rest, else ``None``),
-        ``hit_rate_per_layer``, ``seconds``.
+        ``missed_mass`` (``stats()["missed_mass"]``), ``attended_tokens`` (sealed tokens a step attended per
+        sequence, mean), ``hit_rate_per_layer``, ``seconds``.
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -757,7 +759,7 @@ def measure_hit_rate(recording: Recording | None, geometry: str, layers: int, co
     model = LlamaForCausalLM(cfg).eval()
     t0 = time.perf_counter()
     with torch.inference_mode(), contextlib.ExitStack() as stack:
-        cache = OffloadCache(model, budget_tokens=budget, selector=selector)
+        cache = OffloadCache(model, budget_tokens=budget, selector=selector, **settings)
         if recording is not None:
             replay = Replay(recording, cfg, batch, context, torch.device("cpu"), dtype=torch.float32)
             replay.fill(cache)
@@ -779,6 +781,8 @@ def measure_hit_rate(recording: Recording | None, geometry: str, layers: int, co
     return {
         "hit_rate": stats["hit_rate"],
         "selected_mass": None if stats["tail_share"] is None else 1.0 - stats["tail_share"],
+        "missed_mass": stats["missed_mass"],
+        "attended_tokens": stats["attended_blocks"] * cache.config.block_tokens,
         "hit_rate_per_layer": {str(k): v["hit_rate"] for k, v in stats["layers"].items()},
         "seconds": time.perf_counter() - t0,
     }

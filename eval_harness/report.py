@@ -331,6 +331,24 @@ def study_averages(study: str, results_dir="results") -> dict[str, dict]:
     }
 
 
+def _mean_table(s, lengths: list, title: str, value, note: str) -> list[str]:
+    """A section of the per-sample ``value(record)`` (``None``: none) of ``s.results``, mean over samples per method
+    and length; nothing where no record has one (each result carries its batch's cache figures)."""
+    found: dict[tuple, list[float]] = defaultdict(list)
+    for r in s.results:
+        if value(r) is not None:
+            found[(r["length"], r["method"], r["budget"])].append(float(value(r)))
+    if not found:
+        return []
+    lines = ["", f"## {title}", "", note, "", "| method | " + " | ".join(_point(x) for x in lengths) + " |",
+             "|---|" + "---:|" * len(lengths)]  # fmt: skip
+    for method, budget in s.columns:
+        if any((x, method, budget) in found for x in lengths):
+            cells = [_fmt(_mean(found.get((x, method, budget), [])), 3) for x in lengths]
+            lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def render(study: str, results_dir="results", plot_file: str | None = None) -> str:
     """The markdown report of a study (``plot_file``: name of a plot image beside it to link, if any)."""
     s = _Study(results_dir, study)
@@ -392,25 +410,16 @@ def render(study: str, results_dir="results", plot_file: str | None = None) -> s
     for method, budget in s.columns:
         cells = [_fmt(_mean(times.get((x, method, budget), [])), 3) for x in lengths]
         lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
-    hits: dict[tuple, list[float]] = defaultdict(list)  # each result carries its batch's cache stats
-    for r in s.results:
-        if (r.get("cache") or {}).get("hit_rate") is not None:
-            hits[(r["length"], r["method"], r["budget"])].append(float(r["cache"]["hit_rate"]))
-    if hits:
-        lines += [
-            "",
-            "## Mean decode hit rate of the slot pool",
-            "",
-            "Share of the selected blocks already on the device at a decode step (`cache.stats()[\"hit_rate\"]` of "
-            "each sample's batch), mean over samples.",
-            "",
-            "| method | " + " | ".join(_point(x) for x in lengths) + " |",
-            "|---|" + "---:|" * len(lengths),
-        ]
-        for method, budget in s.columns:
-            if any((x, method, budget) in hits for x in lengths):
-                cells = [_fmt(_mean(hits.get((x, method, budget), [])), 3) for x in lengths]
-                lines.append(f"| {_label(method, budget)} | " + " | ".join(cells) + " |")
+    lines += _mean_table(
+        s, lengths, "Mean decode hit rate of the slot pool", lambda r: (r.get("cache") or {}).get("hit_rate"),
+        "Share of the selected blocks already on the device at a decode step (`cache.stats()[\"hit_rate\"]` of "
+        "each sample's batch), mean over samples.",
+    )  # fmt: skip
+    lines += _mean_table(
+        s, lengths, "Mean estimated attention left out", lambda r: (r.get("missed_mass") or {}).get("mean"),
+        "Estimated share of the attention that decode steps did not attend exactly (`cache.stats()[\"missed_mass\"]"
+        "[\"mean\"]` of each sample's batch: the selector's estimate, not a bound), mean over samples.",
+    )  # fmt: skip
     lines += s.paired_section()
     if s.failed:
         groups: dict[tuple, list[dict]] = defaultdict(list)

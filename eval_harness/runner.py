@@ -7,11 +7,15 @@ task and length, without a budget; every other method runs once per budget.
 Results go to ``{results_dir}/{study}/{study}-{UTC time}.jsonl``, one file per run: a header line (``"type":
 "header"``: machine, versions, git commit, settings, suite metadata) and then one line per sample (``"type":
 "result"``: study, suite, task, length, method, budget, budget_tokens, sample_id, prediction, references, score,
-time_s, prompt_sha256, estimate_kernel, ...), flushed as they finish. ``prompt_sha256`` (:func:`prompt_sha256`)
-identifies the prompt, so that results of two methods pair sample by sample; ``estimate_kernel`` lists the estimates
+time_s, prompt_sha256, estimate_kernel, missed_mass, ...), flushed as they finish. ``prompt_sha256``
+(:func:`prompt_sha256`) identifies the prompt, so that results of two methods pair sample by sample; ``estimate_kernel`` lists the estimates
 of the unselected blocks that ran in the sample's ``generate()`` call (``"mma"``, ``"dot"``, ``"loop"``,
 ``"reference"``; empty where none ran, e.g. dense), and the header's ``estimate_kernel`` those of the file's first
-call. Files written before these fields existed read the same (the report then pairs by sample id).
+call. ``missed_mass`` is the accuracy certificate of the sample's ``generate()`` call (``OffloadCache.stats()``:
+the estimated share of attention its decode steps left out, ``mean``, ``max``, ``last``, ``steps`` and ``source``;
+``None`` for dense, or a selector without an estimate), so that a score lost can be set against the attention missed;
+like ``cache``, it is the batch's where a batch holds several samples. Files written before these fields existed
+read the same (the report then pairs by sample id).
 
 A later run with the same study skips every (task, length, method, budget, sample id) already in a result line of
 any file of the study, so an interrupted run resumes where it stopped.
@@ -39,7 +43,8 @@ from . import files
 
 REPO = Path(__file__).resolve().parent.parent
 DENSE = "dense"
-_STATS_KEYS = ("device_kv_bytes", "host_kv_bytes", "recalled_bytes", "decode_recalled_bytes", "hit_rate")
+_STATS_KEYS = ("device_kv_bytes", "host_kv_bytes", "recalled_bytes", "decode_recalled_bytes", "hit_rate",
+               "attended_blocks")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------------------------------------- budgets
@@ -315,6 +320,13 @@ def _trim(tokens: list[int], stop: set[int]) -> list[int]:
     return tokens
 
 
+def _missed_mass(cache) -> dict | None:
+    """The accuracy certificate of a ``generate()`` call: ``cache.stats()["missed_mass"]`` (mean, max and last
+    estimated share of attention its decode steps left out, with its source), ``None`` for a cache without one."""
+    stats = getattr(cache, "stats", None)
+    return stats().get("missed_mass") if callable(stats) else None
+
+
 def _cache_stats(cache) -> dict | None:
     stats = getattr(cache, "stats", None)
     if not callable(stats):
@@ -449,6 +461,7 @@ def run_study(
                         if writer.header["estimate_kernel"] is None and not writer.written:
                             writer.header["estimate_kernel"] = kernels
                         stats = _cache_stats(cache)
+                        missed = _missed_mass(cache)
                         del cache
                     except Exception as err:
                         if fail_fast:
@@ -477,6 +490,7 @@ def run_study(
                             "max_new_tokens": n_new,
                             "prompt_sha256": prompt_sha256(s["input_ids"]),
                             "estimate_kernel": kernels,
+                            "missed_mass": missed,
                             "extra": s.get("extra", {}),
                         }
                         if stats is not None:

@@ -53,6 +53,12 @@ class Attended:
         transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer, resident blocks
             within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
         transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
+        max_budget_tokens: the adaptive budget's cap: with ``missed_mass_target``, a decode step attends up to this
+            many tokens (sink, window and open block included); whole blocks above ``budget_tokens``. Default
+            ``None``: every step attends ``budget_tokens``.
+        missed_mass_target: a step whose selection leaves out more than this share of the estimated attention takes
+            more blocks, best first, up to ``max_budget_tokens`` (docs/tuning.md, "Adaptive budget"); in ``(0, 1)``,
+            for selectors with ``mass_scores``. Default ``None``: a fixed budget.
     """
 
     budget_tokens: int = 2048
@@ -63,6 +69,8 @@ class Attended:
     reselect_every: int = 1
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
+    max_budget_tokens: int | None = None
+    missed_mass_target: float | None = None
 
 
 @dataclass(frozen=True)
@@ -71,8 +79,8 @@ class Memory:
 
     Attributes:
         pool_tokens: device slot pool capacity per sequence and layer, whole blocks (a larger selection is attended
-            in rounds). ``None`` (default): ``1.25 x budget_tokens`` rounded up to whole blocks; for ``"streaming"``
-            sink + window + 2 blocks.
+            in rounds). ``None`` (default): ``1.25 x budget_tokens`` (``max_budget_tokens`` where set) rounded up to
+            whole blocks; for ``"streaming"`` sink + window + 2 blocks.
         prefill_chunk_tokens: queries per attention tile in prefill, which bounds its score matrix to ``batch x heads
             x prefill_chunk_tokens**2`` floats; positive. Default 1024.
         host_chunk_mib: MiB per host pool allocation (the pool grows by whole chunks); positive. Default 16.
@@ -322,11 +330,13 @@ class OffloadConfig:
                 f"{self.sink_tokens} + {self.window_tokens} + {block} = {needed}. Raise budget_tokens to at least "
                 f"{needed}, or lower sink_tokens / window_tokens."
             )
+        self._validate_adaptive()
         if self.pool_tokens is None:
             if self.selector == "streaming":  # reads only the sink and the window (plus the block being sealed)
                 fill("pool_tokens", self.sink_tokens + self.window_tokens + 2 * block)
             else:
-                fill("pool_tokens", -(-self.budget_tokens * 5 // 4 // block) * block)
+                attended = self.budget_tokens if self.max_budget_tokens is None else self.max_budget_tokens
+                fill("pool_tokens", -(-attended * 5 // 4 // block) * block)
         if isinstance(self.pool_tokens, bool) or not isinstance(self.pool_tokens, int) or self.pool_tokens < block:
             raise ValueError(f"pool_tokens must be an integer >= block_tokens={block}, got {self.pool_tokens!r}.")
         if self.pool_tokens % block:
@@ -421,6 +431,48 @@ class OffloadConfig:
             raise TypeError(
                 f"selector must be a selector name or a Selector instance, got {type(self.selector).__name__}."
             )
+
+    def _validate_adaptive(self) -> None:
+        """Raise ``ValueError`` with what to change if the adaptive budget's settings do not fit together."""
+        cap, target = self.max_budget_tokens, self.missed_mass_target
+        budget, block = self.budget_tokens, self.block_tokens
+        if cap is None and target is None:
+            return
+        if target is None:
+            raise ValueError(
+                f"max_budget_tokens={cap!r} caps the adaptive budget, which missed_mass_target turns on: set "
+                f"missed_mass_target too (e.g. missed_mass_target=0.05: a step leaving out more than 5% of the "
+                f"estimated attention takes more blocks), or leave max_budget_tokens None."
+            )
+        if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < 1:
+            raise ValueError(
+                f"missed_mass_target must be a share strictly between 0 and 1 (e.g. 0.05: at most 5% of the estimated "
+                f"attention left out), got {target!r}."
+            )
+        if cap is None:
+            raise ValueError(
+                f"missed_mass_target={target} needs max_budget_tokens, the most tokens a step may attend: set it above "
+                f"budget_tokens={budget}, e.g. max_budget_tokens={2 * budget - 2 * budget % block}."
+            )
+        if isinstance(cap, bool) or not isinstance(cap, int) or cap < budget + block:
+            raise ValueError(
+                f"max_budget_tokens must be an integer of at least budget_tokens + block_tokens = {budget} + {block} = "
+                f"{budget + block} (room for one more block), got {cap!r}."
+            )
+        # Whole blocks: a step's extra blocks are then (max_budget_tokens - budget_tokens) / block_tokens whatever
+        # the open block holds, so the blocks a step selects stay the same over a block's steps (one CUDA graph).
+        for name, value in (("budget_tokens", budget), ("max_budget_tokens", cap)):
+            if value % block:
+                down, up = value - value % block, value - value % block + block
+                raise ValueError(
+                    f"With an adaptive budget (missed_mass_target), {name} must be a multiple of block_tokens={block}, "
+                    f"got {value}; use {down} or {up}."
+                )
+
+    @property
+    def adaptive(self) -> bool:
+        """Whether decode steps choose their budget between ``budget_tokens`` and ``max_budget_tokens``."""
+        return self.missed_mass_target is not None
 
     @property
     def sink_blocks(self) -> int:

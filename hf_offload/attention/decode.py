@@ -104,6 +104,9 @@ def decode_body(
     if timer is not None:
         timer.add("recall", t_select, t_recalled := timer.mark())
     out = decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling, selection)
+    planner = layer.planner
+    if not (planner.leaves_out(n, k) and layer.selector.estimates_tail):  # else counted with the estimate
+        planner.count_step(selection, q_heads, exact=not planner.leaves_out(n, k))
     if timer is not None:
         timer.add("attention", t_recalled, timer.mark())
     return out
@@ -147,7 +150,7 @@ def decode_sdpa(
     pool = layer.blocks.pool
     batch, q_heads, _, head_dim = query.shape
     heads, sel_heads, k = pool.kv_heads, blocks.shape[1], blocks.shape[-1]
-    tail = k < n and layer.selector.estimates_tail
+    tail = layer.planner.leaves_out(n, k) and layer.selector.estimates_tail
     if layer.execution.paged:
         return decode_paged(layer, query, blocks, keep, slots, inputs, n, scaling, plan, tail)
     total, tokens = pool.slots + 1, layer.block_tokens
@@ -192,7 +195,7 @@ def with_tail(
                           ranked=None if plan is None or plan.blocks is not blocks else plan.ranked)  # fmt: skip
     out, tail_lse = layer.planner.estimate_tail_merged(grouped, scaling, n, selection, inputs.rows[:, :n], out, lse,
                                                query.dtype)  # fmt: skip
-    layer.planner.count_tail(tail_lse, lse)
+    layer.planner.count_step(selection, q_heads, False, tail_lse, lse)
     return out.reshape(batch, 1, q_heads, head_dim)
 
 

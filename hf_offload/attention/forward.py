@@ -125,13 +125,16 @@ def offload_attention_forward(
             ).view(1, 1, -1)
             acc.add(recent_k[:, :, k_slice], recent_v[:, :, k_slice], allowed(q_slice, kv_pos), q_slice)
 
-    if q_len == 1 and n and selection.blocks.shape[-1] < n and layer.selector.estimates_tail:
+    leaves_out = q_len == 1 and n and planner.leaves_out(n, selection.blocks.shape[-1])
+    if leaves_out and layer.selector.estimates_tail:
         # The unselected blocks' attention, estimated by the selector, joins the softmax through its log-sum-exp.
         kv_pos = torch.arange(n * store.block_tokens, device=device).view(1, 1, -1)
         tokens_ok = allowed(slice(0, 1), kv_pos)[:, 0, 0, 0].expand(batch, -1).reshape(batch, n, -1)
         tail_out, tail_lse = planner.estimate_tail(grouped[:, :, :, 0], scaling, n, selection, tokens_ok, softcap)
-        planner.count_tail(tail_lse, (acc.m + torch.log(acc.l))[:, :, :, 0])
+        planner.count_step(selection, q_heads, False, tail_lse, (acc.m + torch.log(acc.l))[:, :, :, 0])
         acc.add_partial(tail_out[:, :, :, None], tail_lse[:, :, :, None])
+    elif q_len == 1 and n:
+        planner.count_step(selection, q_heads, exact=not leaves_out)
 
     layer.finish_step()
     out = acc.result(sink_logits)  # [B, H, G, Q, D]

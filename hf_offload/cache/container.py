@@ -113,6 +113,7 @@ class OffloadCache(Cache):
                 "masked_score() (every built-in selector has one or needs none)."
             )
         _check_reselect(config, self.selector)
+        _check_adaptive(config, self.selector)
         self.model_config = text_config
         self.disk = _disk_tier(config, model)
         self.host_budget = HostMemoryBudget(config.host_memory_gib, self.disk)
@@ -583,7 +584,11 @@ class OffloadCache(Cache):
             with the paged decode attention, blocks of admitted chunks are read in place and count as resident;
             ``None`` before the first decode step), ``tail_share`` (with a selector that estimates the unselected
             blocks, ``quantkey[tail_bits=b]``: the estimated share of attention outside the selection, mean over
-            decode steps, sequences and query heads; else ``None``), ``reused_selections`` (layer decode steps that
+            decode steps, sequences and query heads; else ``None``), ``missed_mass`` (the accuracy certificate: the
+            estimated share of attention decode steps left out, ``mean``, ``max``, ``last``, ``steps`` and its
+            ``source``, ``"tail"``, ``"scores"`` or ``"exact"``: an estimate, not a bound, see docs/tuning.md;
+            ``None`` before a step with one, or for a selector without one), ``attended_blocks`` (sealed blocks a
+            decode step attended per sequence, mean), ``reused_selections`` (layer decode steps that
             attended the previous step's selection, ``reselect_every``), ``decode_steps`` and ``layers`` (the same
             counters per
             offloaded layer, keyed by layer index), ``fusions`` (``norm_modules`` and ``rotary_modules``: the
@@ -677,6 +682,19 @@ def _check_reselect(config: OffloadConfig, selector: Selector) -> None:
             f"reselect_every={config.reselect_every} reuses a selection without scoring, but selector "
             f"{selector.name!r} estimates the attention outside its selection from every step's scores "
             "(tail_bits). Use reselect_every=1 with it, or a selector without the estimate (e.g. 'quantkey')."
+        )
+
+
+def _check_adaptive(config: OffloadConfig, selector: Selector) -> None:
+    """Raise ``ValueError`` where the adaptive budget (``missed_mass_target``) meets a selector whose scores are not
+    block masses, from which it reads what a selection leaves out."""
+    if config.adaptive and (not selector.mass_scores or selector.per_head):
+        raise ValueError(
+            f"missed_mass_target={config.missed_mass_target} widens a selection by the attention it leaves out, read "
+            f"from the selector's block masses, which selector {selector.name!r} does not give "
+            "(Selector.mass_scores is False, or it selects per KV head). Use a selector that does (quantkey, the "
+            "default, solohead, meanbound, meanvar, union, oracle), or leave missed_mass_target and "
+            "max_budget_tokens None."
         )
 
 

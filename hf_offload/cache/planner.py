@@ -13,7 +13,8 @@ import torch
 
 from ..config import OffloadConfig
 from ..selectors import Selection, Selector
-from ..selectors.base import unselected_tokens
+from ..selectors.adaptive import keep_to_target
+from ..selectors.base import missed_share, unselected_tokens
 from ..selectors.transfer_cap import cap_transfers, resident_blocks
 from .blocks import BlockStore
 from ..attention.handoff import Handoff
@@ -71,13 +72,32 @@ class DecodePlanner:
 
     def decode_blocks(self, n: int, recent: int) -> int:
         """Sealed blocks one decode query selects among ``n`` with ``recent`` tokens in the open block (all ``n`` if
-        the budget holds them)."""
-        return min(n, (self.config.budget_tokens - recent) // self.blocks.block_tokens)
+        the budget holds them). With an adaptive budget whose base does not hold them all: the cap's blocks, at most
+        :meth:`decode_capacity`'s (entries past the sealed blocks are never kept), so that the number stays the same
+        over the seals of one capacity; :meth:`keeps_at_least` of them are always attended."""
+        config, block = self.config, self.blocks.block_tokens
+        k = min(n, (config.budget_tokens - recent) // block)
+        if k >= n or not config.adaptive:
+            return k
+        return min(decode_capacity(n, 0, self.execution.capacity_blocks), (config.max_budget_tokens - recent) // block)
+
+    def keeps_at_least(self, k: int) -> int:
+        """Of ``k`` selected entries (:meth:`decode_blocks`), those the base budget attends whatever the estimate:
+        ``k`` with a fixed budget, else the base budget's blocks beside the open block (``budget_tokens`` is whole
+        blocks and the open block holds 1 to ``block_tokens`` tokens with the step's own: one block less)."""
+        if not self.config.adaptive:
+            return k
+        return min(k, self.config.budget_tokens // self.blocks.block_tokens - 1)
+
+    def leaves_out(self, n: int, k: int) -> bool:
+        """Whether a decode step that scores ``n`` blocks and selects ``k`` may leave blocks out (fewer selected, or
+        an adaptive budget that may keep fewer): where it may not, it attends every sealed block exactly."""
+        return k < n or self.keeps_at_least(k) < k
 
     def decode_capacity(self, n: int, k: int) -> int:
         """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to
-        ``capacity_blocks`` (the blocks past ``n`` are never valid), or ``n`` when every block is selected."""
-        return decode_capacity(n, k, self.execution.capacity_blocks)
+        ``capacity_blocks`` (the blocks past ``n`` are never valid), or ``n`` when every block is attended."""
+        return decode_capacity(n, 0 if self.keeps_at_least(k) < min(k, n) else k, self.execution.capacity_blocks)
 
     def select_all(self, n_blocks: int) -> Selection:
         """Every sealed block below ``n_blocks``, for every sequence (exact attention)."""
@@ -172,13 +192,15 @@ class DecodePlanner:
         store = self.blocks
         if k is None:
             k = self.decode_blocks(n, recent)
+        k = min(k, n)  # an adaptive cap's entries past n are for the decode step's capacity, not n sealed blocks
+        base = self.keeps_at_least(k)
         if inputs is not None:
             valid = inputs.valid
         elif mask is None:
             valid = torch.ones((store.batch, n), dtype=torch.bool, device=store.device)
         else:
             valid = mask.block_valid(q_pos, n, store.block_tokens, store.device)
-        if k >= n:
+        if base >= n:
             selection = self.select_all(n)
             selection.keep = valid[:, None, :]
             return selection
@@ -193,6 +215,9 @@ class DecodePlanner:
         else:
             forced = mask.memo(key, lambda: forced_blocks(valid, sink, window))
         selection = self.selector.select(query, store.summary_views(n), scaling, k, forced, valid)
+        if base < k:  # the adaptive budget: the base budget's blocks, and more while the estimate asks for them
+            heads = query.shape[1] * query.shape[2]
+            selection = keep_to_target(selection, base, self.config.missed_mass_target, heads)
         cap = self.config.transfer_cap_blocks
         if cap is not None and selection.scores is not None:
             resident = resident_blocks(store.pool.block, selection.blocks.shape[1], n)
@@ -253,13 +278,36 @@ class DecodePlanner:
         return self.selector.tail_attention_merged(query, self.blocks.summary_views(n), scaling, tokens_ok, out, lse,
                                                    selection=selection, out_dtype=out_dtype)  # fmt: skip
 
-    def count_tail(self, tail_lse: torch.Tensor, selection_lse: torch.Tensor) -> None:
-        """Count one decode step's estimated share of attention outside the selection (device-side, no sync).
+    def count_step(
+        self,
+        selection: Selection,
+        query_heads: int,
+        exact: bool,
+        tail_lse: torch.Tensor | None = None,
+        selection_lse: torch.Tensor | None = None,
+    ) -> None:
+        """Count one decode step's attended blocks and its estimated share of attention outside the selection (the
+        accuracy certificate, ``stats()["missed_mass"]``), on the device, no host synchronisation, capturable.
+
+        The share is, by what the step has: with the selector's estimate of the unselected blocks (``tail_lse``)
+        that estimate's share of the whole softmax (open block included); else, for a selector whose scores are
+        block masses (``Selector.mass_scores``), their share left out (:func:`missed_share`; the open block not
+        counted); ``0`` for a step that attends every sealed block (``exact``); nothing otherwise (a reused
+        selection, or a selector without such scores).
 
         Args:
-            tail_lse: log-sum-exp of the estimate, ``[batch, kv_heads, group]``, float32.
-            selection_lse: log-sum-exp of the exact attention over the selection, same shape.
+            selection: the step's selection (``blocks`` / ``keep`` ``[batch, 1 or kv_heads, k]``).
+            query_heads: query heads of the layer.
+            exact: the step attended every sealed block.
+            tail_lse: log-sum-exp of the estimate, ``[batch, kv_heads, group]``, float32, or ``None``.
+            selection_lse: log-sum-exp of the exact attention over the selection, same shape as ``tail_lse``.
         """
-        share = torch.sigmoid(tail_lse - selection_lse).mean()
-        self.stats.add_later(("tail_ppm",), (share * 1e6).round().long())
-        self.stats.add_later(("tail_steps",), torch.ones((), dtype=torch.long, device=share.device))
+        if tail_lse is not None:
+            missed, source = torch.sigmoid(tail_lse - selection_lse).mean(dtype=torch.float64), "tail"
+        elif exact:
+            missed, source = None, "exact"
+        elif self.selector.mass_scores and not self.selector.per_head and selection.scores is not None:
+            missed, source = missed_share(selection, query_heads).mean(dtype=torch.float64), "scores"
+        else:
+            missed, source = None, None
+        self.stats.record_step(selection.keep, missed, source)

@@ -9,6 +9,8 @@ class LayerStats:
 
     Counters are Python ints or 0-d device tensors. Device counts of decode steps may be queued with
     :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
+    The accuracy certificate of the decode steps (:meth:`record_step`) goes into one persistent device tensor, the
+    same in steps run op by op and in replayed graphs.
     Counts added while a CUDA graph is being captured go into a persistent device tensor instead, one entry per
     distinct ``(fields, factor)`` of :meth:`add_later` (one in-place add per call, recorded in the graph; the factor
     and the fields are applied when a counter is read), so that every replay of the graph counts; masks counted with
@@ -36,8 +38,6 @@ class LayerStats:
         "layer_graph_replays",  # decode steps of a whole decoder layer replayed (included in graph_replays)
         "seal_graph_captures",  # seals of a full block after a replayed step, captured into a CUDA graph
         "seal_graph_replays",  # seals of a full block after a replayed step, replayed from that graph
-        "tail_ppm",  # estimated attention share outside the selection (tail_bits), millionths, summed over steps
-        "tail_steps",  # decode steps with that estimate
         "reused_selections",  # decode steps that attended the previous step's selection (reselect_every)
     )
     _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
@@ -58,9 +58,12 @@ class LayerStats:
                 self._captured.zero_()
             for buffer in self._captured_masks.values():
                 buffer.zero_()
+            if getattr(self, "_steps", None) is not None:
+                self._steps.zero_()
 
     def prepare_capture(self, device: torch.device) -> None:
         """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
+        self._step_buffers(device)
         if getattr(self, "_captured", None) is None:
             self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
             self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
@@ -115,6 +118,63 @@ class LayerStats:
         elif mask.is_cuda and key not in self._captured_masks:  # made in the decode's own mode, as the graphs' adds
             self._captured_masks[key] = torch.zeros(mask.shape, dtype=torch.int64, device=mask.device)
         self.add_later(fields, mask.sum(), factor)
+
+    # Entries of the step buffer (float64, so that sums over many steps stay exact enough).
+    _MISSED_SUM, _MISSED_MAX, _MISSED_LAST, _MISSED_STEPS, _TAIL_SUM, _TAIL_STEPS, _KEPT_SUM, _KEPT_STEPS = range(8)
+    _EXACT_STEPS, _N_STEP_ENTRIES = 8, 9
+    _SOURCES = ("tail", "scores", "exact", None)
+
+    def _step_buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step buffer ``[9]`` and, per source of :meth:`record_step`, what one step adds to it: ``[4, 3, 9]``
+        (per unit of the missed share, per kept entry, and constant), float64, on ``device``; made once."""
+        if getattr(self, "_steps", None) is None:
+            with torch.inference_mode(False), torch.no_grad():
+                patterns = torch.zeros((len(self._SOURCES), 3, self._N_STEP_ENTRIES), dtype=torch.float64)
+                for i, source in enumerate(self._SOURCES):
+                    patterns[i, 1, self._KEPT_SUM] = patterns[i, 2, self._KEPT_STEPS] = 1
+                    if source is not None:
+                        patterns[i, 2, self._MISSED_STEPS] = 1
+                    if source in ("tail", "scores"):
+                        patterns[i, 0, self._MISSED_SUM] = 1
+                    if source == "exact":
+                        patterns[i, 2, self._EXACT_STEPS] = 1
+                    if source == "tail":
+                        patterns[i, 0, self._TAIL_SUM] = patterns[i, 2, self._TAIL_STEPS] = 1
+                self._steps = torch.zeros(self._N_STEP_ENTRIES, dtype=torch.float64, device=device)
+                self._patterns = patterns.to(device)
+        return self._steps, self._patterns
+
+    def record_step(self, keep: torch.Tensor, missed: torch.Tensor | None, source: str | None) -> None:
+        """Record one decode step's kept entries and estimated share of attention left out (device operations only,
+        in place on a persistent buffer: no host synchronisation, and a captured graph's replays record too).
+
+        Args:
+            keep: the step's kept entries, ``[batch, 1 or kv_heads, k]``, ``torch.bool``, compute device.
+            missed: the share, a 0-d float64 tensor on that device, or ``None`` (``source`` ``"exact"``: 0).
+            source: ``"tail"`` (the selector's estimate of the unselected blocks), ``"scores"`` (the selector's
+                block masses), ``"exact"`` (every sealed block attended) or ``None`` (no estimate).
+        """
+        if keep.is_cuda and torch.cuda.is_current_stream_capturing() and getattr(self, "_steps", None) is None:
+            raise RuntimeError("LayerStats.record_step inside a capture needs prepare_capture() before it.")
+        steps, patterns = self._step_buffers(keep.device)
+        pattern = patterns[self._SOURCES.index(source)]
+        rows = keep.numel() // max(keep.shape[-1], 1)  # sequences (x KV heads): kept entries per row are averaged
+        steps.addcmul_(pattern[1], keep.sum(dtype=torch.float64), value=1 / max(rows, 1)).add_(pattern[2])
+        if missed is not None:
+            steps.addcmul_(pattern[0], missed)
+            torch.maximum(steps[self._MISSED_MAX], missed, out=steps[self._MISSED_MAX])
+            steps[self._MISSED_LAST].copy_(missed)
+        elif source == "exact":
+            steps[self._MISSED_LAST].zero_()
+
+    def step_summary(self) -> dict:
+        """The recorded steps, read once (one host synchronisation): ``missed_sum``, ``missed_max``,
+        ``missed_last``, ``missed_steps``, ``tail_sum``, ``tail_steps``, ``kept_sum``, ``kept_steps``,
+        ``exact_steps``."""
+        names = ("missed_sum", "missed_max", "missed_last", "missed_steps", "tail_sum", "tail_steps", "kept_sum",
+                 "kept_steps", "exact_steps")  # fmt: skip
+        steps = getattr(self, "_steps", None)
+        return dict(zip(names, [0.0] * len(names) if steps is None else steps.tolist()))
 
     def settle(self) -> None:
         """Sum the queued device counts into the counters (device operations only, no host synchronisation)."""
@@ -189,6 +249,33 @@ def _disk_stats(offload: list, disk) -> dict:
     return out
 
 
+def _ratio(steps, numerator: str, denominator: str) -> float | None:
+    """Sum of ``numerator`` over sum of ``denominator`` of layers' :meth:`LayerStats.step_summary`; ``None`` at 0."""
+    steps = list(steps)
+    below = sum(s[denominator] for s in steps)
+    return sum(s[numerator] for s in steps) / below if below else None
+
+
+def _missed_mass(steps) -> dict | None:
+    """``stats()["missed_mass"]`` of one layer or of all (their steps pooled): the estimated share of attention that
+    decode steps left out, mean and max over the steps (and layers) that have one, ``last`` the mean of the layers'
+    last steps, ``steps`` how many; ``source`` says where it came from: ``"tail"`` (the selector's estimate of the
+    unselected blocks), ``"scores"`` (its block masses), ``"exact"`` (every step attended every sealed block: 0).
+    ``None`` before a step with an estimate."""
+    steps = [s for s in steps if s["missed_steps"]]
+    if not steps:
+        return None
+    n = sum(s["missed_steps"] for s in steps)
+    tail, exact = sum(s["tail_steps"] for s in steps), sum(s["exact_steps"] for s in steps)
+    return {
+        "mean": sum(s["missed_sum"] for s in steps) / n,
+        "max": max(s["missed_max"] for s in steps),
+        "last": sum(s["missed_last"] for s in steps) / len(steps),
+        "steps": int(n),
+        "source": "tail" if tail else "scores" if n > exact else "exact",
+    }
+
+
 def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> dict:
     """The ``OffloadCache.stats()`` dict of a cache's layers (see that method for the keys).
 
@@ -198,12 +285,13 @@ def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> di
         fusions: ``stats()["fusions"]``.
         disk: the cache's :class:`~hf_offload.store.disk.DiskTier`, or ``None``.
     """
-    per_layer = {}
+    per_layer, step_summaries = {}, {}
     device = summaries = host = shared = reserved = 0
     offload = [layer for layer in layers if isinstance(getattr(layer, "stats", None), LayerStats)]
     for layer in layers:
         if layer in offload:
             s, blocks = layer.stats, layer.blocks
+            steps = step_summaries[layer.layer_idx] = s.step_summary()
             lookups, hits = int(s.lookups), int(s.hits)
             per_layer[layer.layer_idx] = {
                 "device_kv_bytes": blocks.device_kv_bytes(),
@@ -218,7 +306,9 @@ def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> di
                 "prefetch_used_blocks": int(s.prefetch_used_blocks),
                 "hit_rate": hits / lookups if lookups else None,
                 "lookups": lookups,
-                "tail_share": int(s.tail_ppm) / 1e6 / int(s.tail_steps) if int(s.tail_steps) else None,
+                "tail_share": steps["tail_sum"] / steps["tail_steps"] if steps["tail_steps"] else None,
+                "missed_mass": _missed_mass([steps]),
+                "attended_blocks": steps["kept_sum"] / steps["kept_steps"] if steps["kept_steps"] else None,
                 "reused_selections": int(s.reused_selections),
             }
             device += blocks.device_kv_bytes()
@@ -255,7 +345,9 @@ def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> di
         "seal_graph_captures": total("seal_graph_captures"),
         "seal_graph_replays": total("seal_graph_replays"),
         "hit_rate": total("hits") / lookups if lookups else None,
-        "tail_share": total("tail_ppm") / 1e6 / tail_steps if (tail_steps := total("tail_steps")) else None,
+        "tail_share": _ratio(step_summaries.values(), "tail_sum", "tail_steps"),
+        "missed_mass": _missed_mass(step_summaries.values()),
+        "attended_blocks": _ratio(step_summaries.values(), "kept_sum", "kept_steps"),
         "reused_selections": total("reused_selections"),
         "decode_steps": max((layer.stats.decode_steps for layer in offload), default=0),
         **_disk_stats(offload, disk),

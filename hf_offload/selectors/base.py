@@ -50,6 +50,11 @@ class Selector:
         name: registry name.
         per_head: ``True`` if each KV head selects its own blocks (recall then moves per-head pieces of a block);
             ``False`` if one selection is shared by all heads of the layer (recall moves whole blocks).
+        mass_scores: ``True`` if the scores of a shared selection are each block's estimated attention mass: per
+            query head a softmax over the valid blocks, summed over the query heads (a sequence's scores sum to its
+            number of query heads), so that the share a selection leaves out can be read from them
+            (:func:`missed_share`) and an adaptive budget can widen it (``OffloadConfig.missed_mass_target``).
+            How close that estimate is to the attention depends on what the selector scores with.
         masks_invalid: ``True`` if no block's score depends on the summaries of blocks that ``valid`` leaves out
             of :meth:`select` (needed for ``OffloadConfig.decode_capacity_blocks`` above 1). In the base: ``True``
             where the class that defines :meth:`score` also defines :meth:`masked_score` (a subclass that
@@ -59,6 +64,7 @@ class Selector:
 
     name = "base"
     per_head = False
+    mass_scores = False
 
     @property
     def masks_invalid(self) -> bool:
@@ -314,3 +320,26 @@ def unselected_tokens(tokens_ok: torch.Tensor, selection: Selection) -> torch.Te
     blocks = torch.where(selection.keep, selection.blocks, n)[:, 0]  # not kept: a spare column, dropped below
     chosen = torch.zeros((batch, n + 1), dtype=torch.bool, device=tokens_ok.device).scatter_(1, blocks, True)
     return tokens_ok & ~chosen[:, :n, None]
+
+
+def missed_share(selection: Selection, query_heads: int) -> torch.Tensor:
+    """The share of a shared selection's estimated attention over the sealed blocks that it leaves out, from the
+    scores of a selector with :attr:`Selector.mass_scores`: the masses of the valid blocks it does not keep, over the
+    masses of every valid block. Sink and window blocks (``+inf``) are always kept and blocks that may not be attended
+    (``-inf``) take no mass, so only finite scores count. An estimate: as good as the selector's masses.
+
+    Args:
+        selection: a shared selection with ``scores`` (``[batch, 1, n_blocks]``, float32) and ``blocks`` / ``keep``
+            (``[batch, 1, k]``).
+        query_heads: query heads of the layer (what each sequence's masses sum to).
+
+    Returns:
+        ``[batch]``, float32, compute device; no host synchronisation.
+    """
+    scores = selection.scores
+    n = scores.shape[-1]
+    blocks = torch.where(selection.keep, selection.blocks, n)  # not kept: a spare column, dropped below
+    chosen = torch.zeros((scores.shape[0], 1, n + 1), dtype=torch.bool, device=scores.device)
+    chosen = chosen.scatter_(-1, blocks, True)[..., :n]
+    left = torch.where(torch.isfinite(scores) & ~chosen, scores, 0.0).sum(dim=(1, 2))
+    return left / query_heads

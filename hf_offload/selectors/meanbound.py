@@ -31,6 +31,7 @@ class MeanBoundSelector(Selector):
 
     name = "meanbound"
     per_head = False
+    mass_scores = True
     shrink: float = 0.6
 
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -45,6 +45,7 @@ class MeanVarSelector(Selector):
 
     name = "meanvar"
     per_head = False
+    mass_scores = True
     parts: int = 2
     variance: float = 0.5
 

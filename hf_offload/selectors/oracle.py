@@ -19,6 +19,7 @@ class OracleSelector(Selector):
 
     name = "oracle"
     per_head = False
+    mass_scores = True
 
     def summarize(self, keys: torch.Tensor) -> dict[str, torch.Tensor]:
         """All keys of the block, shape ``[batch, n_new, kv_heads, block_tokens, head_dim]``."""

@@ -62,6 +62,7 @@ class QuantKeySelector(Selector):
 
     name = "quantkey"
     per_head = False
+    mass_scores = True
     bits: int = 2
     chunk_blocks: int = 512
     tail_bits: int = 0

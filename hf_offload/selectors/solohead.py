@@ -23,6 +23,7 @@ class SoloHeadSelector(Selector):
 
     name = "solohead"
     per_head = False
+    mass_scores = True
 
     def score(self, query: torch.Tensor, summaries: dict[str, torch.Tensor], scaling: float) -> torch.Tensor:
         """Summed per-head softmax of Quest bounds, shape ``[batch, 1, n_blocks]``, float32."""

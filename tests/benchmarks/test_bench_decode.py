@@ -159,12 +159,12 @@ def test_isolated_children_get_the_offload_settings():
             "--decode-attention", "pool", "--cuda-graphs", "off", "--graph-scope", "attention", "--fused-norms", "off",
             "--fused-rotary", "off",
             "--fused-projections", "off", "--seal-graphs", "off", "--profile-seal", "20", "--reselect-every", "2",
-            "--isolate"]  # fmt: skip
+            "--max-budget", "4096", "--missed-mass-target", "0.05", "--isolate"]  # fmt: skip
     parent = bench_decode.parse_args(argv)
     child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "quantkey"])
     for name in ("quantkey_selector", "decode_capacity", "decode_attention", "cuda_graphs", "graph_scope",
                  "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "budget",
-                 "steps", "reselect_every", "warmup"):  # fmt: skip
+                 "steps", "reselect_every", "warmup", "max_budget", "missed_mass_target"):  # fmt: skip
         assert getattr(child, name) == getattr(parent, name), name
 
 

@@ -95,6 +95,10 @@ def test_ruler_run_records_scores_and_resumes(tmp_path, tok, model, monkeypatch)
     assert "| niah_single_1 | 512 |" in md
     hits = md.split("## Mean decode hit rate of the slot pool")[1].split("##")[0]
     assert "| solohead 128 |" in hits and "| dense |" not in hits  # dense has no cache stats
+    missed = md.split("## Mean estimated attention left out")[1].split("##")[0]
+    shares = [r["missed_mass"]["mean"] for r in all_results if r["method"] == "solohead"]
+    assert all(0 < x < 1 for x in shares) and len(shares) == 4
+    assert f"| solohead 128 | {sum(shares) / len(shares):.3f} |" in missed and "| dense |" not in missed
 
 
 def test_longbench_e_run_and_report(tmp_path, tok, model):
@@ -259,7 +263,12 @@ def test_results_record_prompt_hash_and_estimate_kernel(tmp_path, tok, model):
     assert len(set(prompts.values())) == 2
     for r in results:
         assert r["estimate_kernel"] == ["reference"] and r["prompt_sha256"] == prompts[r["sample_id"]]
+        # The accuracy certificate of the sample's generate() call, from the estimate of the unselected blocks.
+        missed = r["missed_mass"]
+        assert missed["source"] == "tail" and 0 < missed["mean"] <= missed["max"] < 1 and missed["steps"] > 0
+        assert r["cache"]["attended_blocks"] > 0
     dense = ruler_run(tmp_path, tok, model, study="dense_only", methods=["dense"], tasks=["niah_single_1"])
     header, *results = [json.loads(x) for x in dense.path.read_text().splitlines()]
     assert header["estimate_kernel"] == [] and all(r["estimate_kernel"] == [] for r in results)
+    assert all(r["missed_mass"] is None for r in results)
     assert prompt_sha256([1, 22, 333]) == hashlib.sha256(b"1,22,333").hexdigest()
