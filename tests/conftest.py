@@ -12,6 +12,7 @@ Every skip reason says what would make the test run; the end of a run counts the
 from __future__ import annotations
 
 import collections
+import os
 import re
 
 import pytest
@@ -34,6 +35,14 @@ INSTALL = {
     "rouge": "pip install 'hf-offload[test]' (rouge 1.0.1, the reference the ROUGE-L metric is compared with)",
 }
 _NOT_IMPORTED = re.compile(r"could not import '([\w.]+)'")
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker takes its share of the cores for torch's threads: the tiny models' operations
+    are too small to gain from threads, and more threads than cores over all workers only make them wait."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(params=ARCHS)
