@@ -58,9 +58,7 @@ def test_capture_is_the_dense_run(tiny):
     assert len(cap["kv"]) == 2 and cap["kv"][0].shape == (2, 2, PROMPT_TOKENS, 32)
 
 
-# A shared selection scored from summaries, a per-head one, and the oracle (scored from the exact keys): the replay
-# handles each kind the same way whatever the selector.
-@pytest.mark.parametrize("selector", ["meanbound", "headwise", "oracle"])
+@pytest.mark.parametrize("selector", ["meanbound", "meanvar", "solohead", "headwise", "oracle", "union"])
 def test_replay_equals_generate_with_offload_cache(tiny, selector):
     model, sample, cap = tiny
     settings = dict(budget_tokens=192, selector=make_selector(selector))
@@ -96,7 +94,7 @@ def test_full_budget_replay_equals_dense(tiny, chunk):
     assert got == cap["dense_ids"]
 
 
-@pytest.mark.parametrize("selector", ["headwise"])
+@pytest.mark.parametrize("selector", ["meanvar", "headwise"])
 def test_batched_replay_equals_one_at_a_time(tiny, selector):
     model, sample, cap = tiny
     torch.manual_seed(5)
