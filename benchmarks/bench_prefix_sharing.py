@@ -35,23 +35,12 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
+from eval_harness.shared_context import FirstToken  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 
 WORDS = ("amber", "birch", "cobalt", "delta", "ember", "fjord", "garnet", "harbor", "indigo", "juniper", "kestrel",
          "lagoon", "meadow", "nectar", "onyx", "prairie", "quartz", "raven", "saffron", "tundra", "umber", "violet",
          "willow", "xenon", "yarrow", "zephyr")  # fmt: skip
-
-
-class FirstToken:
-    """A logits processor that records when ``generate()`` first processes logits (the end of the prefill)."""
-
-    def __init__(self):
-        self.at: float | None = None
-
-    def __call__(self, input_ids, scores):
-        if self.at is None:
-            self.at = time.perf_counter()
-        return scores
 
 
 def build_document(tokenizer, context: int, questions: int, seed: int) -> tuple[list[int], list[tuple[list[int], str]]]:
