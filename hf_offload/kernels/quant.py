@@ -15,6 +15,8 @@ Everything here runs on any device and never waits for it.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
@@ -68,20 +70,73 @@ def grid_codes(keys: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits
     return codes
 
 
-def dequantize_keys(codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int) -> torch.Tensor:
-    """Keys back from :func:`quantize_keys`' output, ``[batch, n, kv_heads, block_tokens, channels]``, float32.
+LAYOUT = "bnhtc"
+"""Dimensions of the codes and of :func:`dequantize_keys`' default result: batch, block, KV head, token, channel."""
+
+
+def dequantize_keys(
+    codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, layout: str = LAYOUT
+) -> torch.Tensor:
+    """Keys back from :func:`quantize_keys`' output, float32, contiguous in ``layout``.
+
+    ``kmin + code * kstep`` in float32, one multiply and one add per element. The layout is a permutation of
+    :data:`LAYOUT`'s letters: ``"bnhtc"`` (default) gives ``[batch, n, kv_heads, block_tokens, channels]``;
+    ``"bhcnt"`` gives keys ready for ``query @ keys`` per (batch, KV head), ``[batch, kv_heads, channels, n,
+    block_tokens]``; ``"bhntc"`` gives values ready for ``weights @ values``. The same float32 values in every
+    layout: a product can read them where they lie instead of copying them into its own order.
+
+    The codes are moved into the layout as whole 32-bit words where their bytes allow (a transposing copy element by
+    element costs about as much per byte as per word), then unpacked in place: every word's codes come out with one
+    shift and one mask, whatever ``bits``.
 
     Args:
         codes: ``[batch, n, kv_heads, block_tokens, channels * bits // 8]``, ``torch.uint8``, any device.
         kmin: ``[batch, n, kv_heads, channels]``, float dtype, same device.
         kstep: same shape as ``kmin``.
         bits: the bits the codes were packed with.
+        layout: the result's dimensions, a permutation of ``"bnhtc"``.
     """
-    per = 8 // bits
-    if per > 1:
-        shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
-        codes = ((codes[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
-    return kmin.float()[:, :, :, None] + codes.float() * kstep.float()[:, :, :, None]
+    if sorted(layout) != sorted(LAYOUT):
+        raise ValueError(f"dequantize_keys: layout must be a permutation of {LAYOUT!r}, got {layout!r}")
+    order = [LAYOUT.index(axis) for axis in layout]
+    at = layout.index("c")
+    words = _code_words(codes).permute(order).contiguous()  # [..., words, ...] in the layout
+    per_word = words.element_size() * 8 // bits
+    code = torch.empty((*words.shape[: at + 1], per_word, *words.shape[at + 1 :]), dtype=words.dtype,
+                       device=codes.device)  # fmt: skip
+    shifts = _word_shifts(bits, words.dtype, codes.device).view(per_word, *[1] * (words.dim() - at - 1))
+    torch.bitwise_right_shift(words.unsqueeze(at + 1), shifts, out=code)
+    code = code.bitwise_and_((1 << bits) - 1).flatten(at, at + 1)  # the codes of channels in order
+
+    def param(t: torch.Tensor) -> torch.Tensor:  # [batch, n, kv_heads, channels] broadcast over the tokens
+        return t.float()[:, :, :, None].permute(order)
+
+    out = torch.empty(code.shape, dtype=torch.float32, device=codes.device).copy_(code)
+    return out.mul_(param(kstep)).add_(param(kmin))
+
+
+def _code_words(codes: torch.Tensor) -> torch.Tensor:
+    """``codes`` (``[..., code_bytes]``, ``torch.uint8``) as the widest of ``torch.int32``, ``torch.int16`` and
+    ``torch.uint8`` whose words tile each row of code bytes and whose view the strides allow (a view, no copy)."""
+    for word in (torch.int32, torch.int16):
+        if codes.shape[-1] % word.itemsize or codes.stride(-1) != 1:
+            continue
+        try:
+            return codes.view(word)  # fails where a stride or the offset is not a whole number of words
+        except RuntimeError:
+            continue
+    return codes
+
+
+def _word_shifts(bits: int, word: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Right shifts that bring each code of a ``word`` to its lowest bits, in channel order (byte ``i`` of the word,
+    code ``p`` of the byte: channel ``i * 8 // bits + p``), in the machine's byte order; ``word`` dtype."""
+    size = word.itemsize
+    if sys.byteorder == "little":  # byte i at bit 8 * i: code s of the word at bit bits * s
+        return torch.arange(0, 8 * size, bits, dtype=word, device=device)
+    slot = torch.arange(8 * size // bits, device=device)
+    byte, code = slot // (8 // bits), slot % (8 // bits)
+    return (8 * (size - 1 - byte) + bits * code).to(word)
 
 
 def take_blocks(t: torch.Tensor, index: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:

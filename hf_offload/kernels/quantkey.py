@@ -20,11 +20,19 @@ from . import quantkey_mma
 from .gather import kernels_available, tl, triton
 from .quant import dequantize_keys
 
+REFERENCE_CHUNK_BYTES = 2 << 20
+"""Most bytes of float32 keys :func:`block_lse_reference` dequantizes at a time."""
+
 
 def block_lse_reference(
     query: torch.Tensor, codes: torch.Tensor, kmin: torch.Tensor, kstep: torch.Tensor, bits: int, chunk_blocks: int = 512
 ) -> torch.Tensor:
     """Log-sum-exp over each block's tokens of ``query . key`` for dequantized keys, in pure torch.
+
+    The keys of a chunk of blocks are dequantized straight into the layout of one batched matrix product per
+    (sequence, KV head), ``[channels, blocks * block_tokens]`` (:func:`dequantize_keys`' ``"bhcnt"``), so no copy
+    of them is made into another order; a chunk's float32 keys take at most about :data:`REFERENCE_CHUNK_BYTES`
+    (a temporary that stays in the processor's caches), whatever ``chunk_blocks``.
 
     Args:
         query: decode queries, already multiplied by the softmax scale, ``[batch, kv_heads, group, head_dim]``,
@@ -33,18 +41,23 @@ def block_lse_reference(
         kmin: ``[batch, n_blocks, kv_heads, head_dim]``, float dtype, same device.
         kstep: same shape, dtype and device as ``kmin``.
         bits: bits per code (1, 2, 4 or 8).
-        chunk_blocks: blocks dequantized at a time (bounds the float32 temporary).
+        chunk_blocks: most blocks dequantized at a time (bounds the float32 temporary).
 
     Returns:
         ``[batch, kv_heads, group, n_blocks]``, float32.
     """
-    n = codes.shape[1]
+    batch, n, heads, tokens = codes.shape[:4]
+    per_block = batch * heads * tokens * query.shape[-1] * 4  # bytes of one block's float32 keys
+    chunk = max(1, min(chunk_blocks, REFERENCE_CHUNK_BYTES // max(1, per_block)))
     parts = []
-    for start in range(0, n, chunk_blocks):
-        part = slice(start, min(n, start + chunk_blocks))
-        keys = dequantize_keys(codes[:, part], kmin[:, part], kstep[:, part], bits)  # [B, n, H, T, D]
-        parts.append(torch.einsum("bhgd,bnhtd->bhgnt", query, keys).logsumexp(dim=-1))
-    return torch.cat(parts, dim=-1)
+    for start in range(0, n, chunk):
+        part = slice(start, min(n, start + chunk))
+        keys = dequantize_keys(codes[:, part], kmin[:, part], kstep[:, part], bits, "bhcnt")  # [B, H, D, n, T]
+        logits = torch.matmul(query, keys.flatten(-2)).unflatten(-1, keys.shape[-2:])  # [B, H, G, n, T]
+        parts.append(logits.logsumexp(dim=-1))
+    if len(parts) == 1:
+        return parts[0]
+    return torch.cat(parts, dim=-1) if parts else query.new_empty((*query.shape[:-1], 0))
 
 
 def block_lse_supported(query: torch.Tensor, codes: torch.Tensor) -> bool:

@@ -72,18 +72,21 @@ def tail_attention_reference(
     o = torch.zeros((batch, heads, group, channels), dtype=torch.float32, device=query.device)
     for start in range(0, n, chunk_blocks):
         part = slice(start, min(n, start + chunk_blocks))
-        k = dequantize_keys(keys["codes"][:, part], keys["kmin"][:, part], keys["kstep"][:, part], key_bits)
-        logits = torch.einsum("bhgd,bnhtd->bhgnt", query, k)  # [B, H, G, c, T]
+        # Keys and values dequantized straight into the layouts of the two batched products (per sequence and KV
+        # head: query @ [channels, tokens], weights @ [tokens, channels]), so neither is copied into another order.
+        k = dequantize_keys(keys["codes"][:, part], keys["kmin"][:, part], keys["kstep"][:, part], key_bits, "bhcnt")
+        logits = torch.matmul(query, k.flatten(-2)).unflatten(-1, k.shape[-2:])  # [B, H, G, c, T]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        logits = logits.masked_fill(~tokens_ok[:, None, None, part], float("-inf")).flatten(-2)
+        logits = logits.masked_fill_(~tokens_ok[:, None, None, part], float("-inf")).flatten(-2)
         m_new = torch.maximum(m, logits.amax(-1))
         shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # nothing attended yet: no inf - inf
-        p = torch.exp(logits - shift[..., None])
+        p = logits.sub_(shift[..., None]).exp_()
         rescale = torch.exp(m - shift)
-        v = dequantize_keys(values["codes"][:, part], values["kmin"][:, part], values["kstep"][:, part], value_bits)
+        v = dequantize_keys(values["codes"][:, part], values["kmin"][:, part], values["kstep"][:, part], value_bits,
+                            "bhntc")  # fmt: skip
         l = l * rescale + p.sum(-1)
-        o = o * rescale[..., None] + torch.einsum("bhgx,bxhd->bhgd", p, v.transpose(2, 3).flatten(1, 2))
+        o = o * rescale[..., None] + torch.matmul(p, v.flatten(2, 3))
         m = m_new
     attended = l > 0
     out = torch.where(attended[..., None], o / l.clamp(min=1e-30)[..., None], torch.zeros_like(o))

@@ -16,7 +16,8 @@ Summaries: ``codes`` (``[batch, n_blocks, kv_heads, block_tokens, head_dim * bit
 ``(2 * bits + 4) * head_dim`` bytes, 6 / 8 / 12 x ``head_dim`` at 1 / 2 / 4 bits, against SoloHead's
 ``4 x head_dim``, ``meanbound``'s ``6 x head_dim`` and the block's own K and V, ``64 x head_dim``. Scoring reads
 every code once: one kernel launch per layer and step where a kernel runs (:mod:`hf_offload.kernels.quantkey`,
-decoding in registers); elsewhere pure torch, ``chunk_blocks`` blocks at a time to bound the dequantized temporary.
+decoding in registers); elsewhere pure torch, at most ``chunk_blocks`` blocks at a time to bound the dequantized
+temporary.
 
 With ``tail_bits`` set, the values of every block are kept on the device too, quantized the same way (per block,
 head and channel), and each decode query adds the attention over the blocks it did not select, estimated from the
@@ -51,7 +52,7 @@ class QuantKeySelector(Selector):
 
     Attributes:
         bits: bits per key element: 1, 2, 4 or 8.
-        chunk_blocks: blocks dequantized at a time while scoring.
+        chunk_blocks: most blocks dequantized at a time while scoring (where the pure-torch scoring runs).
         tail_bits: bits per value element of the on-device copy of every block's values that estimates the
             attention outside the selection (1, 2, 4 or 8); 0: no estimate, the query attends to its selection only.
         tail_near: with ``tail_bits``: estimate token by token only the ``ceil(tail_near * k)`` unselected blocks

@@ -1,5 +1,5 @@
-"""QuantKeySelector: packing round trip, quantization error, oracle agreement at 8 bits, planted mass, full budget,
-errors."""
+"""QuantKeySelector: packing round trip, quantization error, the layouts of the dequantized keys, the reference
+scoring's chunks, oracle agreement at 8 bits, planted mass, full budget, errors."""
 
 from __future__ import annotations
 
@@ -48,6 +48,51 @@ def test_packing_layout_is_little_end_first():
     # token 1, 2 bits: channels 0, 2, 3 at level 3, channel 1 at 0 (its step is 0) -> 0b11_11_00_11
     assert codes[0, 0, 0, 1].tolist() == [0b11110011]
     assert codes[0, 0, 0, 0].tolist() == [0]
+
+
+def _dequantized_code_by_code(codes, kmin, kstep, bits):
+    """``kmin + code * kstep`` from codes unpacked one byte position and one code at a time (float32)."""
+    per = 8 // bits
+    unpacked = torch.stack([(codes >> (bits * p)) & ((1 << bits) - 1) for p in range(per)], dim=-1).flatten(-2)
+    return kmin.float()[:, :, :, None] + unpacked.float() * kstep.float()[:, :, :, None]
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("head_dim", [64, 24, 8])  # code bytes in whole 32-bit words, 16-bit words, or bytes only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantized_keys_are_the_same_values_in_every_layout(bits, head_dim, dtype):
+    g = torch.Generator().manual_seed(bits * head_dim)
+    keys = (torch.randn(2, 7, 3, 8, head_dim, generator=g) * 3).to(dtype)
+    q = quantize_keys(keys, bits)
+    want = _dequantized_code_by_code(q["codes"], q["kmin"], q["kstep"], bits)  # [B, n, H, T, C]
+    for layout in ("bnhtc", "bhcnt", "bhntc", "hbcnt"):
+        got = dequantize_keys(q["codes"], q["kmin"], q["kstep"], bits, layout)
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert torch.equal(got, want.permute(["bnhtc".index(axis) for axis in layout]))
+    # The first blocks of a buffer with capacity, and codes whose bytes are not contiguous.
+    view = dequantize_keys(q["codes"][:, 2:5], q["kmin"][:, 2:5], q["kstep"][:, 2:5], bits, "bhcnt")
+    assert torch.equal(view, want[:, 2:5].permute(0, 2, 4, 1, 3))
+    strided = torch.stack([q["codes"], q["codes"]], dim=-1)[..., 0]
+    assert torch.equal(dequantize_keys(strided, q["kmin"], q["kstep"], bits), want)
+    with pytest.raises(ValueError, match="permutation of 'bnhtc'"):
+        dequantize_keys(q["codes"], q["kmin"], q["kstep"], bits, "bnhc")
+
+
+def test_reference_scores_do_not_depend_on_the_chunking(monkeypatch):
+    from hf_offload.kernels import quantkey
+
+    g = torch.Generator().manual_seed(5)
+    q = quantize_keys(torch.randn(2, 19, 2, 8, 32, generator=g), 4)
+    query = torch.randn(2, 2, 3, 32, generator=g)
+    keys = _dequantized_code_by_code(q["codes"], q["kmin"], q["kstep"], 4)
+    want = torch.einsum("bhgd,bnhtd->bhgnt", query, keys).logsumexp(dim=-1)
+    args = (query, q["codes"], q["kmin"], q["kstep"], 4)
+    for chunk_blocks in (512, 5, 1):
+        torch.testing.assert_close(quantkey.block_lse_reference(*args, chunk_blocks), want)
+    monkeypatch.setattr(quantkey, "REFERENCE_CHUNK_BYTES", 3 * 2 * 2 * 8 * 32 * 4)  # three blocks' keys
+    torch.testing.assert_close(quantkey.block_lse_reference(*args), want)
+    empty = quantkey.block_lse_reference(query, q["codes"][:, :0], q["kmin"][:, :0], q["kstep"][:, :0], 4)
+    assert empty.shape == (2, 2, 3, 0) and empty.dtype == torch.float32
 
 
 def test_eight_bits_rank_like_the_oracle():
