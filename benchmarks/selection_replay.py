@@ -238,7 +238,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--check-full-budget", type=int, default=0,
                         help="replay this many samples per task at a budget covering the context; must equal dense")
     parser.add_argument("--batch", type=int, default=0,
-                        help="0: replay all samples of a task in one batch per selector; 1: one sample at a time")
+                        help="samples per batch: 0 all samples of a task in one batch per selector; 1 one at a time")
     parser.add_argument("--check-unbatched", type=int, default=0,
                         help="with batches: also replay this many samples per task one at a time; must be equal")
     parser.add_argument("--out", default=None)
@@ -312,9 +312,13 @@ def main(argv=None) -> dict:
             else:
                 if len(set(budgets)) != 1:
                     raise ValueError(f"{task}: budgets differ between samples ({sorted(set(budgets))}); use --batch 1")
-                ids_all, seconds = replay_batch(model, tokenizer, task_samples, caps, make_selector(name), budgets[0],
-                                                args.fill_chunk)
-                replay_s.setdefault(name, []).extend([seconds / len(caps)] * len(caps))
+                size = args.batch or len(caps)  # batches of --batch samples (0: all at once)
+                ids_all = []
+                for at in range(0, len(caps), size):
+                    ids, seconds = replay_batch(model, tokenizer, task_samples[at : at + size], caps[at : at + size],
+                                                make_selector(name), budgets[0], args.fill_chunk)
+                    ids_all.extend(ids)
+                    replay_s.setdefault(name, []).extend([seconds / len(ids)] * len(ids))
                 for i in range(min(args.check_unbatched, len(caps))):
                     one, _ = replay(model, tokenizer, task_samples[i], caps[i], make_selector(name), budgets[i],
                                     args.fill_chunk)

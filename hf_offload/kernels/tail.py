@@ -611,6 +611,42 @@ def with_far_mass(lse_t: torch.Tensor, block_lse: torch.Tensor, far: torch.Tenso
     return torch.logaddexp(lse_t, far_lse)
 
 
+def far_midpoints(values: dict[str, torch.Tensor], value_bits: int) -> torch.Tensor:
+    """Each block's value estimate for the far blocks of ``tail_far="mid"``: per KV head and channel the midpoint of
+    the block's quantized value range, ``vmin + vstep * (2**bits - 1) / 2``, ``[batch, n, kv_heads, channels]``,
+    float32 (from the summaries alone: no code is read).
+
+    Args:
+        values: ``codes`` / ``kmin`` / ``kstep`` of the values (``kmin`` / ``kstep`` ``[batch, n, kv_heads,
+            channels]``).
+        value_bits: the bits of the value codes.
+    """
+    return values["kmin"].float() + values["kstep"].float() * (((1 << value_bits) - 1) / 2)
+
+
+def with_far_values(
+    out_t: torch.Tensor, lse_t: torch.Tensor, block_lse: torch.Tensor, far: torch.Tensor, far_values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimate ``(out_t, lse_t)`` merged with the far blocks, each weighted by its scoring log-sum-exp and valued
+    at its own ``far_values`` (:func:`far_midpoints`); the far blocks count where there is no estimate too.
+
+    Args:
+        out_t: ``[batch, kv_heads, group, head_dim]``, float32.
+        lse_t: ``[batch, kv_heads, group]``, float32 (``-inf``: nothing estimated token by token).
+        block_lse: ``[batch, kv_heads, group, n]``, float32.
+        far: ``[batch, n]``, ``torch.bool``.
+        far_values: ``[batch, n, kv_heads, channels >= head_dim]``, float32.
+
+    Returns:
+        ``(out, lse)`` over both, float32, shapes of ``out_t`` and ``lse_t``.
+    """
+    blse = block_lse.masked_fill(~far[:, None, None, :], float("-inf"))
+    far_lse = blse.logsumexp(-1)  # [B, H, G]
+    weight = torch.exp(blse - far_lse[..., None]).nan_to_num_(0.0)  # no far block: -inf - -inf
+    out_f = torch.einsum("bhgn,bnhd->bhgd", weight, far_values[..., : out_t.shape[-1]].float())
+    return merge_attention(out_f, far_lse, out_t, lse_t)
+
+
 def finish_tail_reference(
     out_t: torch.Tensor,
     lse_t: torch.Tensor,
@@ -618,6 +654,7 @@ def finish_tail_reference(
     selection_lse: torch.Tensor,
     block_lse: torch.Tensor | None = None,
     far: torch.Tensor | None = None,
+    far_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The estimate of the unselected blocks completed and merged with the selection's attention, in torch.
 
@@ -631,16 +668,25 @@ def finish_tail_reference(
             stride), float32; the blocks marked in ``far`` count by them, valued at ``out_t``.
         far: ``[batch, n]``, ``torch.bool``: blocks counted by their mass alone (none where ``lse_t`` is infinite:
             no estimate to value them at).
+        far_values: ``[batch, n, kv_heads, channels]``, float32: each far block valued at its own row instead of
+            at ``out_t`` (:func:`with_far_values`); ``None``: at ``out_t``.
 
     Returns:
         ``(out, lse)``: the one softmax over selection and estimate, ``[batch, kv_heads, group, head_dim]``, float32,
         and the estimate's log-sum-exp with the far blocks' mass, ``[batch, kv_heads, group]``, float32.
     """
-    if block_lse is not None:
+    out_t = out_t[..., : selection_out.shape[-1]]
+    if block_lse is not None and far_values is not None:
+        out_t, lse_t = with_far_values(out_t, lse_t, block_lse, far, far_values)
+    elif block_lse is not None:
         lse_t = with_far_mass(lse_t, block_lse, far)
-    out, _ = merge_attention(selection_out, selection_lse, out_t[..., : selection_out.shape[-1]], lse_t)
+    out, _ = merge_attention(selection_out, selection_lse, out_t, lse_t)
     return out, lse_t
 
+
+FINISH_MID_BLOCK_N = 64
+"""Far blocks per step of that loop where each is valued at its own value range's midpoint (a ``[64, head_dim]``
+tile of minima and steps per step)."""
 
 FINISH_BLOCK_N = 4096
 """Most far blocks per step of the merged estimate's loop over them (one program per sequence and query head; the
@@ -664,6 +710,11 @@ if triton is not None:
         sel_lse_ptr,  # float32 [B, H, G]
         blse_ptr,  # float32 [B, H, G, blse_row]: block log-sum-exps (read where HAS_FAR)
         far_ptr,  # uint8 [B, n_blocks]
+        vmin_ptr,  # [B, cap, H, C] value minima (read where FAR_MID)
+        vstep_ptr,  # [B, cap, H, C] value steps
+        v_batch_stride,
+        v_block_stride,
+        half_levels,
         out_ptr,  # [B, H, G, D], the output dtype
         lse_ptr,  # float32 [B, H, G]: the estimate's log-sum-exp with the far mass
         heads,
@@ -676,6 +727,7 @@ if triton is not None:
         DP: tl.constexpr,
         SPLITS: tl.constexpr,  # a power of two >= splits
         HAS_FAR: tl.constexpr,
+        FAR_MID: tl.constexpr,  # far blocks valued at their value ranges' midpoints, not at the estimate's output
         BLOCK_N: tl.constexpr,
         STEPS: tl.constexpr,  # a power of two >= cdiv(n_blocks, BLOCK_N)
     ):
@@ -704,6 +756,8 @@ if triton is not None:
         if HAS_FAR:
             f_top = tl.full([], float("-inf"), tl.float32)
             f_total = tl.full([], 0.0, tl.float32)
+            f_acc = tl.zeros([DP], dtype=tl.float32)
+            h = bh - b * heads
             for step in range(STEPS):
                 n = step * BLOCK_N + tl.arange(0, BLOCK_N)
                 live = n < n_blocks
@@ -711,12 +765,28 @@ if triton is not None:
                 x = tl.load(blse_ptr + bhg * blse_row + n, mask=live & far, other=float("-inf"))
                 new = tl.maximum(f_top, tl.max(x, axis=0))
                 safe = tl.where(new == float("-inf"), 0.0, new)
-                f_total = f_total * tl.exp(f_top - safe) + tl.sum(tl.exp(x - safe), axis=0)
+                scale = tl.exp(f_top - safe)
+                p = tl.exp(x - safe)  # [BLOCK_N], 0 where not far
+                f_total = f_total * scale + tl.sum(p, axis=0)
+                if FAR_MID:
+                    at = b * v_batch_stride + n[:, None].to(tl.int64) * v_block_stride + h * C + c[None, :]
+                    vm = live[:, None] & far[:, None] & live_c[None, :]
+                    low = tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32)
+                    stp = tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32)
+                    f_acc = f_acc * scale + tl.sum(p[:, None] * (low + stp * half_levels), axis=0)
                 f_top = new
             f_some = f_total > 0
             far_lse = tl.where(f_some, f_top + tl.log(tl.where(f_some, f_total, 1.0)), float("-inf"))
-            finite = (lse_t != float("-inf")) & (lse_t != float("inf"))
-            lse_t = _logaddexp(lse_t, tl.where(finite, far_lse, float("-inf")))
+            if FAR_MID:
+                # Each far block at its own midpoint: one more softmax part, counted with or without an estimate.
+                lse_n = _logaddexp(lse_t, far_lse)
+                w_t = tl.where(lse_n == float("-inf"), 0.0, tl.exp(lse_t - lse_n))
+                w_f = tl.where(lse_n == float("-inf"), 0.0, tl.exp(far_lse - lse_n))
+                out_t = out_t * w_t + (f_acc / tl.where(f_some, f_total, 1.0)) * w_f
+                lse_t = lse_n
+            else:
+                finite = (lse_t != float("-inf")) & (lse_t != float("inf"))
+                lse_t = _logaddexp(lse_t, tl.where(finite, far_lse, float("-inf")))
         sel_lse = tl.load(sel_lse_ptr + bhg)
         sel_o = tl.load(sel_o_ptr + bhg * D + c, mask=live_c, other=0.0)
         lse = _logaddexp(sel_lse, lse_t)
@@ -739,6 +809,7 @@ def tail_attention_merged(
     far: torch.Tensor | None = None,
     softcap: float | None = None,
     out_dtype: torch.dtype = torch.float32,
+    far_mid: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention`, completed by the far blocks' mass and merged with the selection's attention
     (:func:`finish_tail_reference`): where the estimate's kernel runs, the merge of its ranges, the far blocks'
@@ -752,6 +823,8 @@ def tail_attention_merged(
             (``[batch, n]``, ``torch.bool``): blocks counted by their mass alone (see
             :func:`finish_tail_reference`); both or neither.
         out_dtype: dtype of the merged output.
+        far_mid: with ``far``: each far block valued at the midpoint of its quantized value range
+            (:func:`far_midpoints`, read from ``values``' ``kmin`` / ``kstep``) instead of at the estimate's output.
 
     Returns:
         ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` in ``out_dtype`` and the estimate's log-sum-exp
@@ -763,10 +836,15 @@ def tail_attention_merged(
     parts = tail_partials(query, keys, key_bits, values, value_bits, tokens_ok, softcap, index=index)
     batch, heads, group, head_dim = selection_out.shape
     n = 0 if far is None else far.shape[-1]
+    mid = far_mid and far is not None
+    vmin, vstep = values["kmin"], values["kstep"]
     fused = len(parts) == 3 and (far is None or (block_lse.stride(-1) == 1 and block_lse.shape[-1] == n))
+    fused = fused and (not mid or (vmin.stride() == vstep.stride() and vmin.stride(3) == 1
+                                   and vmin.stride(2) == vmin.shape[3]))  # fmt: skip
     if not fused:
         out_t, lse_t = merge_ranges(*parts) if len(parts) == 3 else parts
-        out, lse_t = finish_tail_reference(out_t, lse_t, selection_out, selection_lse, block_lse, far)
+        far_values = far_midpoints(values, value_bits) if mid else None
+        out, lse_t = finish_tail_reference(out_t, lse_t, selection_out, selection_lse, block_lse, far, far_values)
         return out.to(out_dtype), lse_t
     o, m, l = parts
     splits, channels = o.shape[2], o.shape[-1]
@@ -780,11 +858,14 @@ def tail_attention_merged(
         if block_lse.stride(0) != heads * group * row or block_lse.stride(1) != group * row:
             blse = block_lse.contiguous()
             row = n
-        step = min(FINISH_BLOCK_N, triton.next_power_of_2(max(1, n)))
+        step = min(FINISH_MID_BLOCK_N if mid else FINISH_BLOCK_N, triton.next_power_of_2(max(1, n)))
+    if not mid:
+        vmin = vstep = lse_t  # not read
     _finish_kernel[(batch * heads * group,)](
-        o, m, l, sel_o, sel_lse, blse, far_u8, out, lse_t, heads, splits, n, row,
+        o, m, l, sel_o, sel_lse, blse, far_u8, vmin, vstep, vmin.stride(0) if mid else 0, vmin.stride(1) if mid else 0,
+        ((1 << value_bits) - 1) / 2, out, lse_t, heads, splits, n, row,
         G=group, C=channels, D=head_dim, DP=triton.next_power_of_2(head_dim),
-        SPLITS=triton.next_power_of_2(splits), HAS_FAR=far is not None, BLOCK_N=step,
+        SPLITS=triton.next_power_of_2(splits), HAS_FAR=far is not None, FAR_MID=mid, BLOCK_N=step,
         STEPS=triton.next_power_of_2(triton.cdiv(max(1, n), step)),
     )  # fmt: skip
     return out, lse_t

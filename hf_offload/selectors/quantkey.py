@@ -59,6 +59,10 @@ class QuantKeySelector(Selector):
             of highest score (``k``: blocks selected per step) and count the other unselected blocks by their
             mass (block log-sum-exps of the scoring; blocks partly padding are left out), valued at that estimate's
             output; 0: every unselected block token by token.
+        tail_far: with ``tail_near``: what the blocks counted by their mass alone are valued at: ``"near"`` (the
+            near blocks' estimate, as above) or ``"mid"`` (each block at the midpoint of its quantized value range
+            per KV head and channel, ``vmin + vstep * (2**tail_bits - 1) / 2``: its own value, from the summaries
+            alone; docs/tuning.md has the measurement).
     """
 
     name = "quantkey"
@@ -68,6 +72,7 @@ class QuantKeySelector(Selector):
     chunk_blocks: int = 512
     tail_bits: int = 0
     tail_near: float = 0.0
+    tail_far: str = "near"
 
     def __post_init__(self) -> None:
         if self.bits not in (1, 2, 4, 8):
@@ -79,10 +84,17 @@ class QuantKeySelector(Selector):
             )
         if isinstance(self.chunk_blocks, bool) or not isinstance(self.chunk_blocks, int) or self.chunk_blocks <= 0:
             raise ValueError(f"QuantKeySelector.chunk_blocks must be a positive integer, got {self.chunk_blocks!r}.")
+        if self.tail_far not in ("near", "mid"):
+            raise ValueError(f"QuantKeySelector.tail_far must be 'near' (the far blocks valued at the near blocks' "
+                             f"estimate) or 'mid' (each at its value range's midpoint), got {self.tail_far!r}.")  # fmt: skip
         near = self.tail_near
         if isinstance(near, bool) or not isinstance(near, (int, float)) or not math.isfinite(near) or near < 0:
             raise ValueError(f"QuantKeySelector.tail_near must be a number >= 0 (0: estimate every unselected "
                              f"block), got {near!r}.")  # fmt: skip
+        if self.tail_far != "near" and not near:
+            raise ValueError("QuantKeySelector.tail_far values the blocks the bounded estimate counts by their mass "
+                             "alone: set tail_near too (e.g. quantkey[bits=4,tail_bits=2,tail_near=3,tail_far=mid]), "
+                             "or leave tail_far at 'near'.")  # fmt: skip
         if near and not self.tail_bits:
             raise ValueError("QuantKeySelector.tail_near bounds the estimate of the unselected blocks: set tail_bits "
                              "too (e.g. quantkey[bits=4,tail_bits=2,tail_near=3]), or leave tail_near at 0.")  # fmt: skip
@@ -140,7 +152,7 @@ class QuantKeySelector(Selector):
                 log-sum-exps are of uncapped logits).
             selection: the step's selection (``scores`` ``[batch, 1, n_blocks]``, ``blocks``, ``block_lse``).
         """
-        from ..kernels.tail import tail_attention, with_far_mass
+        from ..kernels.tail import far_midpoints, tail_attention, with_far_mass, with_far_values
 
         head_dim = query.shape[-1]
         q, keys, values = self._tail_inputs(query, summaries, scaling)
@@ -155,6 +167,9 @@ class QuantKeySelector(Selector):
             # Unselected blocks not estimated token by token, every token of which the query may attend (the block
             # log-sum-exps cover whole blocks: a block with padding in it would count its padding).
             far = tokens_ok.all(dim=-1).scatter(1, index, False)  # [batch, n]
+            if self.tail_far == "mid":
+                return with_far_values(out[..., :head_dim], lse, selection.block_lse[..., :n], far,
+                                       far_midpoints(values, self.tail_bits))  # fmt: skip
             lse = with_far_mass(lse, selection.block_lse[..., :n], far)
         return out[..., :head_dim], lse
 
@@ -211,7 +226,7 @@ class QuantKeySelector(Selector):
             # The far blocks as in tail_attention: unselected, not near, every token attendable.
             far = tail.all(dim=-1).scatter(1, index, False)  # [batch, n]
         return tail_attention_merged(*args, near_ok, out, lse, index=index, block_lse=selection.block_lse[..., :n],
-                                     far=far, out_dtype=out_dtype)  # fmt: skip
+                                     far=far, out_dtype=out_dtype, far_mid=self.tail_far == "mid")  # fmt: skip
 
     def decode_branch(self, n_blocks: int, k: int) -> object:
         """With an estimate of the unselected blocks: whether it is bounded (``tail_near`` and more unselected blocks

@@ -12,11 +12,13 @@ import torch
 
 import hf_offload.kernels.tail as tail_module
 from hf_offload.kernels.tail import (
+    far_midpoints,
     finish_tail_reference,
     merge_attention,
     tail_attention,
     tail_attention_merged,
     tail_partials,
+    with_far_values,
 )
 from hf_offload.kernels.quant import quantize_keys
 
@@ -118,6 +120,74 @@ def test_torch_path_is_the_reference_composition():
     torch.testing.assert_close(out, want_out, atol=0, rtol=0)
     with pytest.raises(ValueError, match="together"):
         tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse)
+
+
+def _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far):
+    """``tail_far="mid"`` written out: the far blocks as one more softmax part, every token of a far block at the
+    midpoint of its block's value range and the block's mass its log-sum-exp, whether anything was estimated."""
+    out_t, lse_t = tail_attention(query, kq, 4, vq, 2, near_ok, index=index, precision="ieee")
+    mid = vq["kmin"].float() + vq["kstep"].float() * 1.5  # [B, n, H, D]
+    blse = block_lse.masked_fill(~far[:, None, None, :], float("-inf"))
+    far_lse = blse.logsumexp(-1)
+    p = torch.softmax(blse, dim=-1).nan_to_num(0.0)
+    out_f = torch.einsum("bhgn,bnhd->bhgd", p, mid)
+    lse = torch.logaddexp(lse_t, far_lse)
+    out_t = torch.where(torch.isinf(lse_t)[..., None], out_f, out_t * torch.exp(lse_t - lse)[..., None]
+                        + out_f * torch.exp(far_lse - lse)[..., None])  # fmt: skip
+    out, _ = merge_attention(sel_out, sel_lse, out_t, lse)
+    return out, lse
+
+
+def test_far_midpoints_value_each_far_block_at_its_own_range():
+    query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(2, 40, 7, 2, 4, 16, 64)
+    kq = {k: v.double() if v.is_floating_point() else v for k, v in kq.items()}  # the torch path
+    out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
+                                     block_lse=block_lse, far=far, far_mid=True)  # fmt: skip
+    want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    # Sequence 0 estimated nothing token by token: its far blocks count all the same, at their midpoints.
+    assert torch.isfinite(lse[0]).all()
+    assert not torch.allclose(out[0], sel_out[0])
+    # A far block's midpoint moves the result; a block that is not far does not.
+    j_far, j_not = int(far[1].nonzero()[0]), int((~far[1]).nonzero()[0])
+    for j, moves in ((j_far, True), (j_not, False)):
+        shifted = dict(vq, kmin=vq["kmin"].clone())
+        shifted["kmin"][1, j] += 3.0
+        other, _ = tail_attention_merged(query, kq, 4, shifted, 2, near_ok, sel_out, sel_lse, index=index,
+                                         block_lse=block_lse, far=far, far_mid=True)  # fmt: skip
+        assert torch.allclose(other[1], out[1]) != moves
+    # No far block: the estimate alone, as without far_mid.
+    none = torch.zeros_like(far)
+    a = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse,
+                              far=none, far_mid=True)  # fmt: skip
+    b = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse,
+                              far=none)  # fmt: skip
+    torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    # The building blocks: the midpoints, and the far part merged with an estimate.
+    torch.testing.assert_close(far_midpoints(vq, 2), vq["kmin"].float() + 1.5 * vq["kstep"].float())
+    out_t, lse_t = tail_attention(query, kq, 4, vq, 2, near_ok, index=index)
+    merged_out, merged_lse = with_far_values(out_t, lse_t, block_lse, far, far_midpoints(vq, 2))
+    torch.testing.assert_close(finish_tail_reference(out_t, lse_t, sel_out, sel_lse, block_lse, far,
+                                                     far_midpoints(vq, 2))[1], merged_lse)  # fmt: skip
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", [(2, 40, 7, 2, 4, 16, 64), (3, 130, 33, 1, 7, 16, 128)])
+def test_merged_kernel_values_far_blocks_at_their_midpoints(shape):
+    query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(*shape)
+    assert len(tail_partials(query, kq, 4, vq, 2, near_ok, index=index)) == 3  # the kernel path
+    want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far)
+    old = tail_module.FINISH_MID_BLOCK_N
+    try:
+        for step in (old, 16):  # one step over the far blocks, and several
+            tail_module.FINISH_MID_BLOCK_N = step
+            out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
+                                             block_lse=block_lse, far=far, far_mid=True)  # fmt: skip
+            torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
+            torch.testing.assert_close(out, want_out, atol=2e-3, rtol=2e-3)
+    finally:
+        tail_module.FINISH_MID_BLOCK_N = old
 
 
 def _plan_inputs(batch=3, capacity=70, n=64, k=9, near=20, tokens=16, seed=0):

@@ -94,6 +94,47 @@ def test_tail_near_is_checked_and_parsed():
         QuantKeySelector(tail_bits=2, tail_near=-1)
 
 
+def test_far_blocks_at_their_midpoints_are_a_softmax_part_of_their_own():
+    """``tail_far="mid"``: the near blocks token by token, and each far block as one more softmax part of mass
+    ``exp(block_lse)`` valued at its value range's midpoint; merged, the same as the selector's merged path."""
+    selector, summaries, query, selection, tokens_ok, *_ = _setup(2)
+    mid = dataclasses.replace(selector, tail_far="mid")
+    out, lse = mid.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
+    near_out, near_lse = selector.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
+    scores = selection.scores[:, 0].masked_fill(~tokens_ok.any(-1), float("-inf"))
+    near = torch.zeros(B, N, dtype=torch.bool).scatter(1, scores.topk(16, dim=-1).indices, True)
+    far = tokens_ok.all(-1) & ~near
+    blse = selection.block_lse.masked_fill(~far[:, None, None, :], float("-inf"))
+    midpoints = summaries["vmin"].float() + 1.5 * summaries["vstep"].float()  # [B, N, H, D]
+    far_out = torch.einsum("bhgn,bnhd->bhgd", blse.softmax(-1), midpoints)
+    # Same total mass as the near-valued estimate; the output moves toward the far blocks' own values.
+    torch.testing.assert_close(lse, near_lse, atol=1e-5, rtol=1e-5)
+    share = torch.exp(blse.logsumexp(-1) - lse)[..., None]
+    assert float(share.min()) > 0
+    torch.testing.assert_close(out, (1 - share) * _near_only(selector, query, summaries, tokens_ok, near)[0]
+                               + share * far_out, atol=1e-5, rtol=1e-5)  # fmt: skip
+    assert not torch.allclose(out, near_out)
+    # The merged path (the decode step's) gives the same as the estimate merged with a selection by hand.
+    sel_out, sel_lse = torch.randn(B, H, G, D), torch.randn(B, H, G)
+    want, _ = merge_attention(sel_out, sel_lse, out, lse)
+    got, got_lse = mid.tail_attention_merged(query, summaries, 0.125, tokens_ok, sel_out, sel_lse, selection=selection)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, lse, atol=1e-5, rtol=1e-5)
+
+
+def _near_only(selector, query, summaries, tokens_ok, near):
+    return QuantKeySelector(bits=4, tail_bits=2).tail_attention(query, summaries, 0.125, tokens_ok & near[:, :, None])
+
+
+def test_tail_far_is_checked_and_parsed():
+    assert get_selector("quantkey[bits=4,tail_bits=2,tail_near=3,tail_far=mid]").tail_far == "mid"
+    assert QuantKeySelector(bits=4, tail_bits=2, tail_near=3).tail_far == "near"
+    with pytest.raises(ValueError, match="'near' .* or 'mid'"):
+        QuantKeySelector(bits=4, tail_bits=2, tail_near=3, tail_far="mean")
+    with pytest.raises(ValueError, match="set tail_near too"):
+        QuantKeySelector(bits=4, tail_bits=2, tail_far="mid")
+
+
 @pytest.mark.parametrize(
     "dtype,inner", [(torch.uint8, (2, 4, 16)), (torch.bfloat16, (2, 8)), (torch.bool, (16,)), (torch.uint8, (3, 5))]
 )
