@@ -1,19 +1,21 @@
 """``OffloadCache.save`` and ``OffloadCache.load`` against the drive they run on, measured in the same run.
 
-* **drive**: a file of the size of the saved cache, written in 16 MiB writes and fsynced (what ``save`` does), its
-  pages then dropped from the page cache (``posix_fadvise(DONTNEED)``), and read back sequentially in 16 MiB reads
-  (what ``load`` reads through its memory map); GB/s each. The file system's page cache is used as ``save`` and
-  ``load`` use it (no direct I/O), so both sides pay the same copies.
+* **drive**: a file of the size of the saved cache, written in 16 MiB writes, each handed to the drive as it is
+  written (``start_writeback``), and fsynced (what ``save`` does), its pages then dropped from the page cache
+  (``posix_fadvise(DONTNEED)``), and read back sequentially in 16 MiB reads of an unbuffered file (what ``load``
+  does, into the host pool's chunks); GB/s each. The file system's page cache is used as ``save`` and ``load`` use
+  it (no direct I/O), so both sides pay the same copies.
 * **save**: a cache of a Llama-architecture model of ``--shape`` (random weights; ``--layers`` overrides the layer
   count) filled with ``--context`` tokens of random KV per sequence (``hf_offload.tools.bench.fill_random``, no
-  prefill computed), saved (checksums, fsync and rename included); the file's pages are then dropped.
+  prefill computed), saved to a new file, as the drive's is (checksums, fsync and rename included; the previous
+  round's file is removed untimed: replacing it would also time freeing it); the file's pages are then dropped.
 * **load**: ``OffloadCache.load`` of that file (checksums verified, every block copied into the host pool), from a
   cold page cache; then three decode steps, to show the loaded cache runs (the third one timed).
 
 Throughput counts the file's bytes. The checksum (SHA-256) alone is timed too: it bounds both directions.
 
     python benchmarks/bench_persist.py --shape llama-3.2-1b --layers 4 --context 32768 --batch 2 --dir /tmp \\
-        --out results/persist/cpu_llama1b4l_32k.json
+        --out results/persist/cpu_llama1b_4layers_32k.json
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from benchmarks.bench_disk import build  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
+from hf_offload.cache.persist import start_writeback  # noqa: E402
 from hf_offload.tools.bench import SHAPES, _decode, fill_random  # noqa: E402
 
 MIB = 1 << 20
@@ -51,15 +54,17 @@ def _drop(path: Path) -> None:
 
 
 def drive(directory: Path, nbytes: int) -> dict:
-    """Sequential write (fsynced) and cold sequential read of ``nbytes`` in 16 MiB pieces; GB/s each."""
+    """Sequential write (handed to the drive piece by piece, fsynced) and cold sequential read of ``nbytes`` in
+    16 MiB pieces; GB/s each."""
     data = memoryview(torch.randint(0, 256, (PIECE,), dtype=torch.uint8).numpy())
     path = directory / f"hf-offload-drive-{os.getpid()}.bin"
     pieces = max(1, -(-nbytes // PIECE))
     try:
         start = time.perf_counter()
         with open(path, "wb", buffering=0) as f:
-            for _ in range(pieces):
+            for i in range(pieces):
                 f.write(data)
+                start_writeback(f.fileno(), i * PIECE, PIECE)  # as save hands its data to the drive
             os.fsync(f.fileno())
         write_s = time.perf_counter() - start
         _drop(path)
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             load_s = time.perf_counter() - start
             step_s = _decode(model, loaded, args.batch, args.context, 3, device)  # the loaded cache decodes
             del loaded
-            _drop(path)
+            path.unlink()  # the next round saves to a new file, as the drive's file is new
             disk = drive(directory, file_bytes)
             row = {"file_bytes": file_bytes, "save_s": save_s, "load_s": load_s, "save_gbs": file_bytes / save_s / 1e9,
                    "load_gbs": file_bytes / load_s / 1e9, "decode_step_after_load_s": step_s, "drive": disk}  # fmt: skip
