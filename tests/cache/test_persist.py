@@ -281,6 +281,25 @@ def test_a_flipped_byte_fails_its_checksum_and_builds_nothing(saved):
     assert _live_stores() == before  # layer 0 was built before the checksum of layer 1 failed: freed again
 
 
+def test_a_failed_read_on_a_hashing_thread_fails_the_load_and_builds_nothing(saved, monkeypatch):
+    model, path = saved
+    preadv, calls = os.preadv, []
+
+    def failing(fd, buffers, offset):  # the blocks of the later layers are read on the hashing threads
+        calls.append(offset)
+        if len(calls) > 3:
+            raise OSError(5, "Input/output error")
+        return preadv(fd, buffers, offset)
+
+    before = _live_stores()
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        OffloadCache.load(path, model)
+    monkeypatch.undo()
+    assert len(calls) > 3 and _live_stores() == before
+    assert OffloadCache.load(path, model).get_seq_length() > 0
+
+
 def test_an_edited_header_fails_the_header_checksum(saved):
     model, path = saved
     _edit(path, b'\\"n_tokens\\": 42', b'\\"n_tokens\\": 44')
