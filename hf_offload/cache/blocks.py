@@ -304,6 +304,7 @@ class BlockStore:
         open_keys: torch.Tensor,
         open_values: torch.Tensor,
         n_tokens: int,
+        keep_summaries: bool = False,
     ) -> None:
         """Hold these tokens (an empty store, allocated for their batch and shapes): the sealed blocks ``table``
         refers to (references already counted in this store's host pool), their summaries and the open block.
@@ -315,6 +316,8 @@ class BlockStore:
             open_keys, open_values: the open block, ``[batch, kv_heads, n_tokens - n_blocks * block_tokens,
                 head_dim]``, the cache dtype, any device.
             n_tokens: tokens per sequence (padding included).
+            keep_summaries: ``summaries`` are buffers made for this store to keep as they are (no copy):
+                ``[batch, summary_capacity(n_blocks), ...]``, contiguous, on its device, zeros past ``n_blocks``.
         """
         n, left = table.shape[1], n_tokens - table.shape[1] * self.block_tokens
         if not 0 <= left < self.block_tokens or open_keys.shape[-2] != left:
@@ -322,20 +325,27 @@ class BlockStore:
                 f"Layer {self.layer_idx}: {n_tokens} tokens are {n} sealed blocks of {self.block_tokens} and an open "
                 f"block of {left}, not {open_keys.shape[-2]}."
             )
-        self.n_blocks = 0  # nothing held yet: _grown copies nothing over
-        self._block_table_store = self._grown(None, table, n, fill=-1, host=True)
-        self._block_table_store[:, :n] = table
+        self.n_blocks = n  # _grown copies the adopted blocks into the new buffers (once) and fills past them
+        self._block_table_store = self._grown(table, table, n, fill=-1, host=True)
         if self.block_table_dev is not None:
-            self.block_table_dev = self._grown(None, table.to(self.device), n, fill=-1)
-            self.block_table_dev[:, :n] = table.to(self.device)
+            table_dev = table.to(self.device)
+            self.block_table_dev = self._grown(table_dev, table_dev, n, fill=-1)
         self.summary_store = {}
         for name, summary in summaries.items():
-            summary = summary.to(self.device)
-            self.summary_store[name] = self._grown(None, summary, n)
-            self.summary_store[name][:, :n] = summary
+            if keep_summaries:
+                capacity = self.summary_capacity(n)
+                if summary.device != self.device or not summary.is_contiguous() or summary.shape[1] != capacity:
+                    raise ValueError(f"Layer {self.layer_idx}: summary {name!r} of shape {tuple(summary.shape)} on "
+                                     f"{summary.device} is not a buffer of {capacity} blocks on {self.device}.")  # fmt: skip
+                self._room_for(summary, capacity)
+                self.storage_epoch += 1
+            else:
+                summary = summary.to(self.device)
+                summary = self._grown(summary, summary, n)
+            self.summary_store[name] = summary
         self.open_k[:, :, :left] = open_keys.to(self.device)
         self.open_v[:, :, :left] = open_values.to(self.device)
-        self.n_blocks, self.n_tokens = n, n_tokens
+        self.n_tokens = n_tokens
         self.block_table = self._block_table_store[:, :n]
         self.summaries = {name: store[:, :n] for name, store in self.summary_store.items()}
         self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
@@ -614,16 +624,29 @@ class BlockStore:
         :attr:`n_blocks` blocks and ``fill`` past them (blocks past the sealed ones are scored, masked, by a step of
         a larger capacity: zeros keep their arithmetic finite); ``like``: any tensor of this name, ``[batch, n,
         ...]``; ``host``: a buffer in host memory (the CPU block table), which the device bound does not count."""
-        blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
-        capacity = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
-        admission = self.host.admission if self.is_initialized and not host else None
-        if admission is not None:  # room for the new buffer, admitted chunks going back to the host if need be
-            admission.make_room(like[:1, :1].numel() * like.element_size() * like.shape[0] * capacity)
-        grown = like.new_full((like.shape[0], capacity, *like.shape[2:]), fill)
-        if store is not None and self.n_blocks:
-            grown[:, : self.n_blocks] = store[:, : self.n_blocks]
+        capacity = self.summary_capacity(blocks)
+        if not host:
+            self._room_for(like, capacity)
+        grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
+        kept = self.n_blocks if store is not None else 0
+        if kept:
+            grown[:, :kept] = store[:, :kept]
+        grown[:, kept:] = fill  # each byte written once: a buffer is as large as the KV's summaries
         self.storage_epoch += 1
         return grown
+
+    def summary_capacity(self, blocks: int) -> int:
+        """Blocks a per-block buffer (:meth:`_grown`) for ``blocks`` blocks is made for: at least ``blocks``, the
+        reservation and the decode capacity of ``blocks``, in whole SUMMARY_CHUNK_BLOCKS."""
+        blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
+        return -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
+
+    def _room_for(self, like: torch.Tensor, capacity: int) -> None:
+        """Make room under the device bound for a device buffer of ``capacity`` blocks shaped like ``like``
+        (admitted chunks going back to the host if need be)."""
+        admission = self.host.admission if self.is_initialized else None
+        if admission is not None:
+            admission.make_room(like[:1, :1].numel() * like.element_size() * like.shape[0] * capacity)
 
     def summary_views(self, n: int) -> dict[str, torch.Tensor]:
         """Every summary over its first ``n`` blocks, ``[batch, n, ...]`` views of the buffers (``n`` may exceed

@@ -488,8 +488,8 @@ class OffloadCache(Cache):
     @normal_tensors
     def load(cls, path: str | os.PathLike, model: torch.nn.Module, **overrides) -> "OffloadCache":
         """A new cache for ``model`` holding the cache :meth:`save` wrote to ``path``, in this or another process:
-        continuing it generates what continuing the saved cache would have. Blocks go to host memory run by run from
-        the memory-mapped file; summaries and open blocks to each layer's device. Continue with the same token ids
+        continuing it generates what continuing the saved cache would have. Blocks are read run by run straight into
+        host memory; summaries and open blocks go to each layer's device. Continue with the same token ids
         and attention mask the saved cache was filled with (as with any cache). Counters start at zero.
 
         Args:

@@ -543,6 +543,38 @@ class HostBlockPool:
             raise
         return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
 
+    def fill(self, n: int, read: Callable[[torch.Tensor], None]) -> torch.Tensor:
+        """Allocate ``n`` blocks and have ``read`` write them in place, run by run, so that their data goes straight
+        into the chunks (no copy) and a disk tier can spill the chunks of earlier runs while later ones arrive;
+        returns their ids in order, ``[n]``, ``torch.int64``, CPU. All or nothing, as :meth:`store`.
+
+        Args:
+            n: blocks to allocate.
+            read: ``read(view)`` fills ``view``, ``[m, *block_shape]``, the pool dtype, CPU, contiguous, with the next
+                ``m`` blocks (runs of consecutive ids within one chunk, at most a chunk each); a chunk in device
+                memory is filled through a host buffer of the run.
+        """
+        ids = []
+        try:
+            while n:
+                new = self.allocate(min(n, self.chunk_blocks))
+                ids.append(new)
+                n -= len(new)
+                self.touch(new)
+                for chunk, first, count in self._spans(new.tolist(), self.chunk_blocks):
+                    target = self.chunks[chunk][first : first + count]
+                    if target.device.type == "cpu":
+                        read(target)
+                    else:
+                        staged = torch.empty(target.shape, dtype=self.dtype, pin_memory=self.pin_memory)
+                        read(staged)
+                        target.copy_(staged)
+        except BaseException:
+            if ids:
+                self.free(torch.cat(ids))
+            raise
+        return torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64)
+
     def share(self, ids: torch.Tensor) -> None:
         """Count one more reference to each of ``ids`` (``[n]``, ``torch.int64``, CPU; repeats count once each)."""
         self._refs.index_put_((ids,), torch.ones(len(ids), dtype=self._refs.dtype), accumulate=True)
@@ -581,7 +613,16 @@ class HostBlockPool:
             ``[m, *block_shape]`` CPU tensors, ``1 <= m <= max_blocks``, whose concatenation is the blocks ``ids``:
             views of host chunks (nothing copied), copies of blocks in admitted device chunks.
         """
-        order = ids.tolist()
+        for chunk, first, n in self._spans(ids.tolist(), max_blocks):
+            if self.chunk_disk[chunk] is not None:
+                start = chunk * self.chunk_blocks + first
+                yield self.disk.read_blocks(self, list(range(start, start + n)))
+            else:
+                yield self.chunks[chunk][first : first + n].cpu()
+
+    def _spans(self, order: list[int], max_blocks: int):
+        """``(chunk, first, n)`` per run of ``order`` (block ids): consecutive ids within one chunk, at most
+        ``max_blocks`` each, in order."""
         i = 0
         while i < len(order):
             chunk, first = divmod(order[i], self.chunk_blocks)
@@ -589,10 +630,7 @@ class HostBlockPool:
             while (i + n < len(order) and n < max_blocks and first + n < self.chunk_blocks
                    and order[i + n] == order[i] + n):  # fmt: skip
                 n += 1
-            if self.chunk_disk[chunk] is not None:
-                yield self.disk.read_blocks(self, list(range(order[i], order[i] + n)))
-            else:
-                yield self.chunks[chunk][first : first + n].cpu()
+            yield chunk, first, n
             i += n
 
     def clear(self) -> None:

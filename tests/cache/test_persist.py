@@ -5,6 +5,7 @@ and builds nothing."""
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import subprocess
@@ -223,6 +224,40 @@ def test_loading_into_another_model_says_what_differs(saved, other):
     assert _live_stores() == before
 
 
+def test_each_checksum_is_the_sha256_of_its_tensors_bytes(saved):
+    _, path = saved
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    index = json.loads(data[8:header])
+    checksums = json.loads(index.pop("__metadata__")["hf_offload.checksums"])
+    assert sorted(checksums) == sorted(index)
+    for name, info in index.items():
+        start, end = info["data_offsets"]
+        assert checksums[name] == hashlib.sha256(data[header + start : header + end]).hexdigest(), name
+
+
+def test_hashing_runs_several_digests_at_once_each_in_order():
+    from hf_offload.cache.persist import _Hashing
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).numpy() for n in sizes]
+               for name, sizes in {"a": [3000, 70000, 5], "b": [], "c": [65536] * 6}.items()}  # fmt: skip
+    hashing = _Hashing(threads=2, held_bytes=100000)  # a few pieces: update waits for the hashing to catch up
+    try:
+        digests = {}
+        for name, pieces in tensors.items():
+            stream = hashing.begin()
+            for piece in pieces:
+                hashing.update(stream, piece, held=True)
+            digests[name] = hashing.end(stream)
+        for name, pieces in tensors.items():
+            assert digests[name].result() == hashlib.sha256(b"".join(p.tobytes() for p in pieces)).hexdigest()
+        assert hashing._held == 0
+        hashing.begin()  # one never ended (a failed save or load): closing drops it and returns
+    finally:
+        hashing.close()
+
+
 def test_a_truncated_file_is_refused(saved):
     model, path = saved
     data = path.read_bytes()
@@ -244,6 +279,25 @@ def test_a_flipped_byte_fails_its_checksum_and_builds_nothing(saved):
     with pytest.raises(CacheFileError, match=r"data of tensor 'layers\.1\.blocks' does not match its checksum"):
         OffloadCache.load(path, model)
     assert _live_stores() == before  # layer 0 was built before the checksum of layer 1 failed: freed again
+
+
+def test_a_failed_read_on_a_hashing_thread_fails_the_load_and_builds_nothing(saved, monkeypatch):
+    model, path = saved
+    preadv, calls = os.preadv, []
+
+    def failing(fd, buffers, offset):  # the blocks of the later layers are read on the hashing threads
+        calls.append(offset)
+        if len(calls) > 3:
+            raise OSError(5, "Input/output error")
+        return preadv(fd, buffers, offset)
+
+    before = _live_stores()
+    monkeypatch.setattr(os, "preadv", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        OffloadCache.load(path, model)
+    monkeypatch.undo()
+    assert len(calls) > 3 and _live_stores() == before
+    assert OffloadCache.load(path, model).get_seq_length() > 0
 
 
 def test_an_edited_header_fails_the_header_checksum(saved):
