@@ -65,8 +65,16 @@ def git_commit() -> str | None:
         return None
 
 
+def _script() -> str:
+    """The running script: its path relative to the repository where it lies inside it, else as given."""
+    script = Path(sys.argv[0]).resolve()
+    repo = Path(__file__).resolve().parent.parent
+    return str(script.relative_to(repo)) if script.is_relative_to(repo) else sys.argv[0]
+
+
 def run_metadata(args, **extra) -> dict:
-    """Machine, versions, git commit, arguments and ``extra`` for a results file."""
+    """Machine, versions, git commit, the script (its path in the repository where it lies there), arguments and
+    ``extra`` for a results file."""
     import transformers
 
     cuda = torch.cuda.is_available()
@@ -86,6 +94,7 @@ def run_metadata(args, **extra) -> dict:
         },
         "versions": versions,
         "git_commit": git_commit(),
+        "script": _script(),
         "args": vars(args),
         **extra,
     }
