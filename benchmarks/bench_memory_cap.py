@@ -190,6 +190,11 @@ def soak(models, calls: int, budget: int, device: torch.device, lengths=(3000, 2
                      "reserved_mib": torch.cuda.memory_reserved(device) / 2**20,
                      "pinned_allocated_mib": host.get("allocated_bytes.current", 0) / 2**20,
                      "rss_mib": _rss_mib()})  # fmt: skip
+        if (i + 1) % 100 == 0:
+            r = rows[-1]
+            print(f"soak call {i + 1}: {r['seconds']:.0f} s, allocated {r['allocated_mib']:.1f} MiB, reserved "
+                  f"{r['reserved_mib']:.1f} MiB, pinned {r['pinned_allocated_mib']:.1f} MiB, RSS {r['rss_mib']:.0f} MiB",
+                  flush=True)  # fmt: skip
     return rows
 
 
