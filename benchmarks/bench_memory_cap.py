@@ -160,10 +160,11 @@ SOAK_SELECTORS = ("default", "quantkey")  # the default selector (with its tail 
 
 
 def soak(models, calls: int, budget: int, device: torch.device, lengths=(3000, 2000),
-         max_seconds: float = float("inf")) -> list[dict]:  # fmt: skip
+         max_seconds: float = float("inf"), on_progress=None) -> list[dict]:  # fmt: skip
     """``calls`` generate() calls with fresh caches, alternating batch sizes (2, 3), prompt lengths, selectors
     (:data:`SOAK_SELECTORS`) and ``models`` (a dict name -> model); device memory allocated and reserved, pinned host
-    memory and RSS after each. Stops early after ``max_seconds``."""
+    memory and RSS after each. Stops early after ``max_seconds``. ``on_progress(rows)`` runs every 100 calls (the
+    caller writes what it has, so that a soak stopped from outside keeps its rows)."""
     rows = []
     names = list(models)
     start = time.perf_counter()
@@ -195,7 +196,23 @@ def soak(models, calls: int, budget: int, device: torch.device, lengths=(3000, 2
             print(f"soak call {i + 1}: {r['seconds']:.0f} s, allocated {r['allocated_mib']:.1f} MiB, reserved "
                   f"{r['reserved_mib']:.1f} MiB, pinned {r['pinned_allocated_mib']:.1f} MiB, RSS {r['rss_mib']:.0f} MiB",
                   flush=True)  # fmt: skip
+            if on_progress is not None:
+                on_progress(rows)
     return rows
+
+
+def _soak_summary(result: dict, rows: list[dict], n_models: int) -> dict:
+    """``result`` with the soak's rows and, after the warm-up calls (each model met each selector and shape once),
+    the drift per call and the largest rise of each counter."""
+    result["soak"] = rows
+    warm = min(2 * 8 * n_models, len(rows) - 1)
+    first, last = rows[warm], rows[-1]
+    calls = max(1, last["call"] - first["call"])
+    for key in ("allocated_mib", "reserved_mib", "pinned_allocated_mib", "rss_mib"):
+        result[f"soak_drift_{key}_per_call"] = (last[key] - first[key]) / calls
+        result[f"soak_growth_{key}"] = max(r[key] for r in rows[warm:]) - first[key]  # the most it rose at any call
+    result["soak_warm_calls"] = warm
+    return result
 
 
 def main(argv=None) -> int:
@@ -272,15 +289,10 @@ def main(argv=None) -> int:
         result["soak_models"] = {name: {"layers": m.config.num_hidden_layers, "heads": m.config.num_attention_heads,
                                         "kv_heads": m.config.num_key_value_heads, "head_dim": m.config.head_dim}
                                  for name, m in models.items()}  # fmt: skip
-        rows = soak(models, args.soak, args.budget, device, args.soak_lengths, args.soak_seconds)
-        result["soak"] = rows
-        warm = min(2 * 8 * len(models), len(rows) - 1)  # after each model met each selector and shape once
-        first, last = rows[warm], rows[-1]
-        calls = max(1, last["call"] - first["call"])
-        for key in ("allocated_mib", "reserved_mib", "pinned_allocated_mib", "rss_mib"):
-            result[f"soak_drift_{key}_per_call"] = (last[key] - first[key]) / calls
-            result[f"soak_growth_{key}"] = max(r[key] for r in rows[warm:]) - first[key]  # the most it rose at any call
-        result["soak_warm_calls"] = warm
+        rows = soak(models, args.soak, args.budget, device, args.soak_lengths, args.soak_seconds,
+                    on_progress=lambda rows: write_results(args.out, _soak_summary(result, rows, len(models))))
+        _soak_summary(result, rows, len(models))
+        first, last = rows[result["soak_warm_calls"]], rows[-1]
         print(f"soak: {len(rows)} calls; from call {first['call']} to {last['call']}: allocated "
               f"{first['allocated_mib']:.1f} -> {last['allocated_mib']:.1f} MiB, reserved {first['reserved_mib']:.1f} "
               f"-> {last['reserved_mib']:.1f} MiB, pinned {first['pinned_allocated_mib']:.1f} -> "
