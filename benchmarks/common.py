@@ -101,8 +101,11 @@ def run_metadata(args, **extra) -> dict:
 
 
 def write_results(path: str, payload: dict) -> None:
-    """Write ``payload`` as indented JSON to ``path`` (folders created) and say where."""
+    """Write ``payload`` as indented JSON to ``path`` (folders created; a file beside it renamed over it, so that a
+    run stopped mid-write leaves the last whole file) and say where."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(payload, indent=1))
+    part = out.with_name(out.name + ".part")
+    part.write_text(json.dumps(payload, indent=1))
+    os.replace(part, out)
     print(f"wrote {out}")
