@@ -153,7 +153,9 @@ def run_cache(model, args, device, disk: dict) -> dict:
     """Fill a cache with ``args.context`` random tokens, decode ``args.steps`` steps; times, tokens/s, stats."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    cache = OffloadCache(model, budget_tokens=args.budget, host_chunk_mib=args.host_chunk_mib, **disk)
+    # Every sealed block in host memory (or on disk): admission "auto" would keep them on a GPU that has room.
+    cache = OffloadCache(model, budget_tokens=args.budget, host_chunk_mib=args.host_chunk_mib, admission="always",
+                         **disk)  # fmt: skip
     torch.manual_seed(0)
     with _Timed() as timed:
         start = time.perf_counter()

@@ -64,12 +64,16 @@ def main() -> int:
             graphs = {"cuda_graphs": True, "graph_scope": scope} if scope else {"cuda_graphs": False}
             cache = OffloadCache(model, budget_tokens=48, block_tokens=8, sink_tokens=8, window_tokens=16,
                                  pool_tokens=32, selector=selector, transfer=transfer, lookahead=lookahead,
-                                 **graphs)  # fmt: skip
+                                 admission="always", **graphs)  # fmt: skip
             with torch.no_grad():
                 outs.append(
-                    model.generate(ids, past_key_values=cache, max_new_tokens=8, do_sample=False, prefill_chunk_size=32)
+                    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
+                                   do_sample=False, prefill_chunk_size=32)
                 )
-            replays = cache.stats()["graph_replays"]
+            stats = cache.stats()
+            replays = stats["graph_replays"]
+            print(selector, transfer, lookahead, scope, {k: stats[k] for k in ("graph_captures", "graph_replays",
+                  "layer_graph_replays", "recalled_blocks", "host_kv_bytes", "device_kv_bytes")})  # fmt: skip
             assert (replays > 0) == bool(scope), (selector, transfer, lookahead, scope, replays)
         for variant, out in zip(variants[1:], outs[1:]):
             assert torch.equal(outs[0], out), (selector, variant)

@@ -3,6 +3,7 @@ memory pool and stream of their CUDA graphs, and the phase timer."""
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 
@@ -17,10 +18,42 @@ from .capture import (
     CapturedLayer,
     CapturedWork,
     StaticInputs,
+    _capture_on,
     capture,
     capture_decoder_layer,
     capture_work,
 )
+
+
+class _PoolLease:
+    """A CUDA graph memory pool held open by an anchor graph (a one-element fill captured into it), so that it outlives
+    the graphs captured into it and can be handed to the next cache: the allocator frees the memory of a pool whose
+    every graph is gone only on ``torch.cuda.empty_cache()`` or when an allocation fails, so a pool per cache would
+    keep one more pool's memory reserved after every cache (a process making a cache per request would grow)."""
+
+    def __init__(self, device: torch.device, stream: torch.cuda.Stream):
+        self.handle = torch.cuda.graph_pool_handle()
+        self.anchor = _capture_on(device, lambda: torch.zeros(1, device=device), self.handle, stream)
+
+
+_IDLE_POOLS: dict[torch.device, list[_PoolLease]] = {}  # pools no live cache captures into, per device
+_IDLE_LOCK = threading.Lock()
+
+
+def _take_pool(device: torch.device, stream: torch.cuda.Stream) -> _PoolLease:
+    """An idle graph pool of ``device`` (its freed memory reused), or a new one. At most as many pools exist per device
+    as caches have graphs on it at once."""
+    with _IDLE_LOCK:
+        idle = _IDLE_POOLS.get(device)
+        if idle:
+            return idle.pop()
+    return _PoolLease(device, stream)
+
+
+def _return_pool(device: torch.device, lease: _PoolLease) -> None:
+    """Give back a pool none of whose graphs (but its anchor) lives any more."""
+    with _IDLE_LOCK:
+        _IDLE_POOLS.setdefault(device, []).append(lease)
 
 
 class DeviceResources:
@@ -35,6 +68,7 @@ class DeviceResources:
         self.inputs: dict[torch.device, DecodeInputs] = {}
         self.graph_pools: dict[torch.device, tuple] = {}
         self.live_graphs: dict[torch.device, int] = {}
+        self.pool_leases: dict[torch.device, _PoolLease] = {}
         self.statics: dict[torch.device, StaticInputs] = {}
 
     def admission(self, device: torch.device) -> DeviceAdmission | None:
@@ -65,8 +99,9 @@ class DeviceResources:
         """Capture a layer's decode step (:func:`~hf_offload.cache.capture.capture`) into the memory pool that the graphs of
         the cache's layers on ``device`` share: they replay one after the other, in the order they were captured,
         so their temporaries may share memory, which needs one capture stream for all of them (the allocator reuses
-        a block only on the stream that freed it). A pool lives as long as one of its graphs does; after the last
-        one is dropped (a reset), the next capture starts a new pool."""
+        a block only on the stream that freed it). The cache holds the pool while one of its graphs lives; after the
+        last one is dropped (a reset, the cache let go of) the pool goes back to the process's idle pools, and the
+        next capture of this or another cache takes one from there."""
         return self._in_pool(device, lambda pool, stream: capture(body, query, pool, held, stream))
 
     def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple) -> CapturedLayer:
@@ -98,21 +133,28 @@ class DeviceResources:
         return self.statics.setdefault(device, StaticInputs())
 
     def _pool(self, device: torch.device) -> None:
-        if not self.live_graphs.get(device):
-            self.graph_pools[device] = torch.cuda.graph_pool_handle()
+        if device not in self.pool_leases:
+            lease = _take_pool(device, self.streams(device).capture)
+            self.pool_leases[device] = lease
+            self.graph_pools[device] = lease.handle
 
     def _pool_failed(self, device: torch.device) -> None:
         """After a failed capture: later captures go to a new pool (the allocator may still count the failed
-        capture as recording into the old one, which refuses every later capture into it)."""
-        self.graph_pools[device] = torch.cuda.graph_pool_handle()
+        capture as recording into the old one, which refuses every later capture into it); the old pool is not
+        handed to another cache."""
+        self.pool_leases.pop(device, None)
+        self._pool(device)
 
     def _count_graph(self, device: torch.device, captured):
         self.live_graphs[device] = self.live_graphs.get(device, 0) + 1
-        weakref.finalize(captured, self._graph_dropped, device)
+        weakref.finalize(captured, self._graph_dropped, device, self.pool_leases[device])
         return captured
 
-    def _graph_dropped(self, device: torch.device) -> None:
+    def _graph_dropped(self, device: torch.device, lease: _PoolLease) -> None:
         self.live_graphs[device] -= 1
+        if self.live_graphs[device] == 0 and self.pool_leases.get(device) is lease:
+            del self.pool_leases[device]
+            _return_pool(device, lease)
 
     def timer(self, device: torch.device) -> PhaseTimer:
         """The cache's phase timer."""

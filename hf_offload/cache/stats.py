@@ -129,7 +129,9 @@ class LayerStats:
         (per unit of the missed share, per kept entry, and constant), float64, on ``device``; made once."""
         if getattr(self, "_steps", None) is None:
             with torch.inference_mode(False), torch.no_grad():
-                patterns = torch.zeros((len(self._SOURCES), 3, self._N_STEP_ENTRIES), dtype=torch.float64)
+                # Made on the device element by element: a copy from pageable host memory would synchronise.
+                patterns = torch.zeros((len(self._SOURCES), 3, self._N_STEP_ENTRIES), dtype=torch.float64,
+                                       device=device)  # fmt: skip
                 for i, source in enumerate(self._SOURCES):
                     patterns[i, 1, self._KEPT_SUM] = patterns[i, 2, self._KEPT_STEPS] = 1
                     if source is not None:
@@ -141,7 +143,7 @@ class LayerStats:
                     if source == "tail":
                         patterns[i, 0, self._TAIL_SUM] = patterns[i, 2, self._TAIL_STEPS] = 1
                 self._steps = torch.zeros(self._N_STEP_ENTRIES, dtype=torch.float64, device=device)
-                self._patterns = patterns.to(device)
+                self._patterns = patterns
         return self._steps, self._patterns
 
     def record_step(self, keep: torch.Tensor, missed: torch.Tensor | None, source: str | None) -> None:

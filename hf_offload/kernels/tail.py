@@ -684,9 +684,14 @@ def finish_tail_reference(
     return out, lse_t
 
 
-FINISH_MID_BLOCK_N = 64
-"""Far blocks per step of that loop where each is valued at its own value range's midpoint (a ``[64, head_dim]``
-tile of minima and steps per step)."""
+FAR_MID_SPLIT_N = 256
+"""Far blocks per program of the midpoint partials (``tail_far="mid"``): the far blocks of one sequence and KV head
+are split over programs of this many, so that a small batch still spreads the pass over the whole context across the
+GPU (one program per KV head would leave most of it idle), and the finish merges their partials."""
+
+FAR_MID_BLOCK_N = 16
+"""Far blocks per step of a midpoint-partials program (a ``[16, head_dim]`` tile of minima and steps, weighted for
+every query head of the KV head at once)."""
 
 FINISH_BLOCK_N = 4096
 """Most far blocks per step of the merged estimate's loop over them (one program per sequence and query head; the
@@ -701,7 +706,7 @@ if triton is not None:
         r = safe + tl.log(tl.exp(a - safe) + tl.exp(b - safe))
         return tl.where(top == float("-inf"), float("-inf"), r)
 
-    @triton.jit(do_not_specialize=["splits", "n_blocks", "blse_row"])
+    @triton.jit(do_not_specialize=["splits", "n_blocks", "blse_row", "fsplits"])
     def _finish_kernel(
         o_ptr,  # float32 [B, H, S, G, C]: the ranges' unnormalised outputs
         m_ptr,  # float32 [B, H, S, G]
@@ -710,11 +715,10 @@ if triton is not None:
         sel_lse_ptr,  # float32 [B, H, G]
         blse_ptr,  # float32 [B, H, G, blse_row]: block log-sum-exps (read where HAS_FAR)
         far_ptr,  # uint8 [B, n_blocks]
-        vmin_ptr,  # [B, cap, H, C] value minima (read where FAR_MID)
-        vstep_ptr,  # [B, cap, H, C] value steps
-        v_batch_stride,
-        v_block_stride,
-        half_levels,
+        fo_ptr,  # float32 [B, H, FS, G, DP]: the far blocks' partial unnormalised outputs (read where FAR_MID)
+        fm_ptr,  # float32 [B, H, FS, G]
+        fl_ptr,  # float32 [B, H, FS, G]
+        fsplits,
         out_ptr,  # [B, H, G, D], the output dtype
         lse_ptr,  # float32 [B, H, G]: the estimate's log-sum-exp with the far mass
         heads,
@@ -727,7 +731,8 @@ if triton is not None:
         DP: tl.constexpr,
         SPLITS: tl.constexpr,  # a power of two >= splits
         HAS_FAR: tl.constexpr,
-        FAR_MID: tl.constexpr,  # far blocks valued at their value ranges' midpoints, not at the estimate's output
+        FAR_MID: tl.constexpr,  # far blocks valued at their value ranges' midpoints (_far_mid_kernel's partials)
+        FSPLITS: tl.constexpr,  # a power of two >= fsplits
         BLOCK_N: tl.constexpr,
         STEPS: tl.constexpr,  # a power of two >= cdiv(n_blocks, BLOCK_N)
     ):
@@ -753,11 +758,31 @@ if triton is not None:
         some = total > 0
         lse_t = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
         out_t = tl.where(some, acc / tl.where(some, total, 1.0), 0.0)
-        if HAS_FAR:
+        if FAR_MID:
+            # The far blocks' partials: merged like the ranges above, then one more softmax part, counted with or
+            # without an estimate.
+            fs = tl.arange(0, FSPLITS)
+            live_fs = fs < fsplits
+            frow = (bh * fsplits + fs) * G + g
+            fm_s = tl.load(fm_ptr + frow, mask=live_fs, other=float("-inf"))
+            fl_s = tl.load(fl_ptr + frow, mask=live_fs, other=0.0)
+            f_top = tl.max(fm_s, axis=0)
+            f_safe = tl.where(f_top == float("-inf"), 0.0, f_top)
+            fw = tl.exp(fm_s - f_safe)
+            f_total = tl.sum(fl_s * fw, axis=0)
+            fo_s = tl.load(fo_ptr + frow[:, None] * DP + c[None, :], mask=live_fs[:, None] & live_c[None, :],
+                           other=0.0)  # fmt: skip
+            f_acc = tl.sum(fo_s * fw[:, None], axis=0)
+            f_some = f_total > 0
+            far_lse = tl.where(f_some, f_top + tl.log(tl.where(f_some, f_total, 1.0)), float("-inf"))
+            lse_n = _logaddexp(lse_t, far_lse)
+            w_t = tl.where(lse_n == float("-inf"), 0.0, tl.exp(lse_t - lse_n))
+            w_f = tl.where(lse_n == float("-inf"), 0.0, tl.exp(far_lse - lse_n))
+            out_t = out_t * w_t + (f_acc / tl.where(f_some, f_total, 1.0)) * w_f
+            lse_t = lse_n
+        elif HAS_FAR:
             f_top = tl.full([], float("-inf"), tl.float32)
             f_total = tl.full([], 0.0, tl.float32)
-            f_acc = tl.zeros([DP], dtype=tl.float32)
-            h = bh - b * heads
             for step in range(STEPS):
                 n = step * BLOCK_N + tl.arange(0, BLOCK_N)
                 live = n < n_blocks
@@ -765,34 +790,81 @@ if triton is not None:
                 x = tl.load(blse_ptr + bhg * blse_row + n, mask=live & far, other=float("-inf"))
                 new = tl.maximum(f_top, tl.max(x, axis=0))
                 safe = tl.where(new == float("-inf"), 0.0, new)
-                scale = tl.exp(f_top - safe)
-                p = tl.exp(x - safe)  # [BLOCK_N], 0 where not far
-                f_total = f_total * scale + tl.sum(p, axis=0)
-                if FAR_MID:
-                    at = b * v_batch_stride + n[:, None].to(tl.int64) * v_block_stride + h * C + c[None, :]
-                    vm = live[:, None] & far[:, None] & live_c[None, :]
-                    low = tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32)
-                    stp = tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32)
-                    f_acc = f_acc * scale + tl.sum(p[:, None] * (low + stp * half_levels), axis=0)
+                f_total = f_total * tl.exp(f_top - safe) + tl.sum(tl.exp(x - safe), axis=0)
                 f_top = new
             f_some = f_total > 0
             far_lse = tl.where(f_some, f_top + tl.log(tl.where(f_some, f_total, 1.0)), float("-inf"))
-            if FAR_MID:
-                # Each far block at its own midpoint: one more softmax part, counted with or without an estimate.
-                lse_n = _logaddexp(lse_t, far_lse)
-                w_t = tl.where(lse_n == float("-inf"), 0.0, tl.exp(lse_t - lse_n))
-                w_f = tl.where(lse_n == float("-inf"), 0.0, tl.exp(far_lse - lse_n))
-                out_t = out_t * w_t + (f_acc / tl.where(f_some, f_total, 1.0)) * w_f
-                lse_t = lse_n
-            else:
-                finite = (lse_t != float("-inf")) & (lse_t != float("inf"))
-                lse_t = _logaddexp(lse_t, tl.where(finite, far_lse, float("-inf")))
+            finite = (lse_t != float("-inf")) & (lse_t != float("inf"))
+            lse_t = _logaddexp(lse_t, tl.where(finite, far_lse, float("-inf")))
         sel_lse = tl.load(sel_lse_ptr + bhg)
         sel_o = tl.load(sel_o_ptr + bhg * D + c, mask=live_c, other=0.0)
         lse = _logaddexp(sel_lse, lse_t)
         share = tl.where(lse == float("-inf"), 0.0, tl.exp(sel_lse - lse))
         tl.store(out_ptr + bhg * D + c, out_t + share * (sel_o - out_t), mask=live_c)
         tl.store(lse_ptr + bhg, lse_t)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["n_blocks", "blse_row", "fsplits"])
+    def _far_mid_kernel(
+        blse_ptr,  # float32 [B, H, G, blse_row]: block log-sum-exps
+        far_ptr,  # uint8 [B, n_blocks]
+        vmin_ptr,  # [B, cap, H, C] value minima
+        vstep_ptr,  # [B, cap, H, C] value steps
+        v_batch_stride,
+        v_block_stride,
+        half_levels,
+        fo_ptr,  # float32 [B, H, FS, G, DP]: out, the far blocks' unnormalised outputs per split
+        fm_ptr,  # float32 [B, H, FS, G]: out, their running maxima
+        fl_ptr,  # float32 [B, H, FS, G]: out, their sums
+        heads,
+        n_blocks,
+        blse_row,
+        fsplits,
+        G: tl.constexpr,
+        GP: tl.constexpr,  # a power of two >= G
+        C: tl.constexpr,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        PER_SPLIT: tl.constexpr,  # far blocks per program, a multiple of BLOCK_N
+        BLOCK_N: tl.constexpr,
+    ):
+        # One program per (sequence and KV head, split): every query head of the KV head weights the same tile of
+        # midpoints, which is read once.
+        bh = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(1)
+        b = bh // heads
+        h = bh - b * heads
+        g = tl.arange(0, GP)
+        live_g = g < G
+        c = tl.arange(0, DP)
+        live_c = c < D
+        top = tl.full([GP], float("-inf"), tl.float32)
+        total = tl.zeros([GP], dtype=tl.float32)
+        acc = tl.zeros([GP, DP], dtype=tl.float32)
+        for step in range(PER_SPLIT // BLOCK_N):
+            n = sp * PER_SPLIT + step * BLOCK_N + tl.arange(0, BLOCK_N)
+            ok = n < n_blocks
+            ok = ok & (tl.load(far_ptr + b * n_blocks + n, mask=ok, other=0) != 0)
+            x = tl.load(blse_ptr + (bh * G + g[:, None]) * blse_row + n[None, :], mask=live_g[:, None] & ok[None, :],
+                        other=float("-inf"))  # fmt: skip
+            new = tl.maximum(top, tl.max(x, axis=1))
+            safe = tl.where(new == float("-inf"), 0.0, new)
+            scale = tl.exp(top - safe)
+            p = tl.exp(x - safe[:, None])  # [GP, BLOCK_N], 0 where not far
+            total = total * scale + tl.sum(p, axis=1)
+            at = b * v_batch_stride + n[:, None].to(tl.int64) * v_block_stride + h * C + c[None, :]
+            vm = ok[:, None] & live_c[None, :]
+            mid = tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32) + tl.load(
+                vstep_ptr + at, mask=vm, other=0.0
+            ).to(tl.float32) * half_levels  # [BLOCK_N, DP]
+            acc = acc * scale[:, None] + tl.sum(p[:, :, None] * mid[None, :, :], axis=1)
+            top = new
+        row = (bh * fsplits + sp) * G + g
+        tl.store(fm_ptr + row, top, mask=live_g)
+        tl.store(fl_ptr + row, total, mask=live_g)
+        tl.store(fo_ptr + row[:, None] * DP + c[None, :], acc, mask=live_g[:, None])
 
 
 def tail_attention_merged(
@@ -858,14 +930,26 @@ def tail_attention_merged(
         if block_lse.stride(0) != heads * group * row or block_lse.stride(1) != group * row:
             blse = block_lse.contiguous()
             row = n
-        step = min(FINISH_MID_BLOCK_N if mid else FINISH_BLOCK_N, triton.next_power_of_2(max(1, n)))
-    if not mid:
-        vmin = vstep = lse_t  # not read
+        step = min(FINISH_BLOCK_N, triton.next_power_of_2(max(1, n)))
+    dp = triton.next_power_of_2(head_dim)
+    fsplits = 1
+    if mid:
+        per_split = max(FAR_MID_BLOCK_N, min(FAR_MID_SPLIT_N, triton.next_power_of_2(max(1, n))))
+        fsplits = triton.cdiv(max(1, n), per_split)
+        fo = torch.empty((batch, heads, fsplits, group, dp), dtype=torch.float32, device=o.device)
+        fm = torch.empty((batch, heads, fsplits, group), dtype=torch.float32, device=o.device)
+        fl = torch.empty_like(fm)
+        _far_mid_kernel[(batch * heads, fsplits)](
+            blse, far_u8, vmin, vstep, vmin.stride(0), vmin.stride(1), ((1 << value_bits) - 1) / 2, fo, fm, fl,
+            heads, n, row, fsplits, G=group, GP=triton.next_power_of_2(group), C=vmin.shape[3], D=head_dim, DP=dp,
+            PER_SPLIT=per_split, BLOCK_N=FAR_MID_BLOCK_N,
+        )  # fmt: skip
+    else:
+        fo = fm = fl = lse_t  # not read
     _finish_kernel[(batch * heads * group,)](
-        o, m, l, sel_o, sel_lse, blse, far_u8, vmin, vstep, vmin.stride(0) if mid else 0, vmin.stride(1) if mid else 0,
-        ((1 << value_bits) - 1) / 2, out, lse_t, heads, splits, n, row,
-        G=group, C=channels, D=head_dim, DP=triton.next_power_of_2(head_dim),
-        SPLITS=triton.next_power_of_2(splits), HAS_FAR=far is not None, FAR_MID=mid, BLOCK_N=step,
+        o, m, l, sel_o, sel_lse, blse, far_u8, fo, fm, fl, fsplits, out, lse_t, heads, splits, n, row,
+        G=group, C=channels, D=head_dim, DP=dp, SPLITS=triton.next_power_of_2(splits), HAS_FAR=far is not None,
+        FAR_MID=mid, FSPLITS=triton.next_power_of_2(fsplits), BLOCK_N=step,
         STEPS=triton.next_power_of_2(triton.cdiv(max(1, n), step)),
     )  # fmt: skip
     return out, lse_t

@@ -17,8 +17,10 @@ from .test_faults import Boom, _fail_at_call
 
 pytestmark = [pytest.mark.cuda, pytest.mark.triton]
 
-# A budget covering every prompt, graphs on (the whole layer captured), the capacity the graphs are sized for.
-FULL = dict(TINY_PREFILL, budget_tokens=4096, cuda_graphs=True, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)
+# A budget covering every prompt, graphs on (the whole layer captured), the capacity the graphs are sized for, every
+# sealed block in host memory (admission "auto" would keep these tiny caches on the device: no transfer to test).
+FULL = dict(TINY_PREFILL, budget_tokens=4096, cuda_graphs=True, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS,
+            admission="always")  # fmt: skip
 ARCHS = ["llama", "qwen2"]
 
 
@@ -87,7 +89,7 @@ def test_disk_tier_on_cuda_matches_dynamic_cache_and_removes_its_files(arch, tmp
     model = build_model(arch).cuda()
     ids, mask = _cuda(*left_padded([101, 77], seed=1))
     expected = _generate(model, DynamicCache(config=model.config), ids, mask)
-    with OffloadCache(model, **dict(TINY_PREFILL, budget_tokens=4096), **disk) as cache:
+    with OffloadCache(model, **dict(TINY_PREFILL, budget_tokens=4096, admission="always"), **disk) as cache:
         assert torch.equal(_generate(model, cache, ids, mask), expected)
         stats = cache.stats()
         assert stats["disk_kv_bytes"] > stats["host_kv_bytes"] > 0 and stats["disk_reads"] > 0

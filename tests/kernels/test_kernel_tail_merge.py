@@ -178,16 +178,18 @@ def test_merged_kernel_values_far_blocks_at_their_midpoints(shape):
     query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(*shape)
     assert len(tail_partials(query, kq, 4, vq, 2, near_ok, index=index)) == 3  # the kernel path
     want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far)
-    old = tail_module.FINISH_MID_BLOCK_N
+    old = tail_module.FAR_MID_SPLIT_N, tail_module.FAR_MID_BLOCK_N
     try:
-        for step in (old, 16):  # one step over the far blocks, and several
-            tail_module.FINISH_MID_BLOCK_N = step
+        # One program per KV head over all far blocks, several programs (the last one part empty), several steps
+        # per program.
+        for split, step in ((old[0], old[1]), (16, 16), (32, 8)):
+            tail_module.FAR_MID_SPLIT_N, tail_module.FAR_MID_BLOCK_N = split, step
             out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
                                              block_lse=block_lse, far=far, far_mid=True)  # fmt: skip
             torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(out, want_out, atol=2e-3, rtol=2e-3)
     finally:
-        tail_module.FINISH_MID_BLOCK_N = old
+        tail_module.FAR_MID_SPLIT_N, tail_module.FAR_MID_BLOCK_N = old
 
 
 def _plan_inputs(batch=3, capacity=70, n=64, k=9, near=20, tokens=16, seed=0):

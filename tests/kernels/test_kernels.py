@@ -83,7 +83,8 @@ def test_kernel_and_torch_transfer_agree_in_sparse_mode(selector):
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     runs = {}
     for transfer in ("kernel", "torch"):
-        cache = OffloadCache(model, budget_tokens=40, selector=selector, transfer=transfer, **SMALL)
+        cache = OffloadCache(model, budget_tokens=40, selector=selector, transfer=transfer, admission="always",
+                             **SMALL)  # fmt: skip
         with torch.no_grad():
             out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
                                  do_sample=False)  # fmt: skip
