@@ -77,6 +77,7 @@ def offload_attention_forward(
         k = planner.decode_blocks(n, handoff.recent_tokens)
         if min(k, n) <= store.pool.slots:  # the selection fits the slot pool: one fused step
             return decode_step(handoff, query, mask, scaling, n, k)
+        layer.graphs.note_rounds(min(k, n), store.pool.slots)
     timer = layer.timer if q_len == 1 else None
     if timer is not None:
         t_start = timer.mark()

@@ -103,6 +103,20 @@ class GraphRunner:
         self.layer_graphs = True
         self.seal_graphs = True
         self.last_key: tuple | None = None  # the graph key of this layer's last decode step
+        self.warned_rounds = False
+
+    def note_rounds(self, k: int, slots: int) -> None:
+        """A decode step whose ``k`` selected blocks exceed the ``slots`` of the slot pool runs in rounds, op by op:
+        where ``cuda_graphs=True`` asked for graphs, say so once (per layer 0: once per cache)."""
+        if self.config.cuda_graphs is True and self.execution.graphs and not self.warned_rounds and not self.layer_idx:
+            self.warned_rounds = True
+            warnings.warn(
+                f"cuda_graphs=True: a decode step selects {k} blocks but the slot pool holds {slots}, so it runs "
+                f"in rounds without CUDA graphs. Raise pool_tokens to at least {k} blocks ({k} x block_tokens) or "
+                "leave it unset (1.25 x the budget).",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def clear(self) -> None:
         """Drop every captured graph (each is captured again at its next step)."""

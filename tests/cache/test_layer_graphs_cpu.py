@@ -262,3 +262,32 @@ def test_routing_is_installed_once_and_removed_with_the_offload_attention():
     assert install_layer_calls(model) == n
     remove_layer_calls(model)
     assert all("forward" not in module.__dict__ for module, _ in layers)
+
+
+def test_asked_for_graphs_with_a_slot_pool_smaller_than_the_selection_warn_once(monkeypatch):
+    """``cuda_graphs=True`` with a slot pool that cannot hold a step's selection: those steps run in rounds, op by op,
+    and the cache says so once; with the default pool the same steps replay."""
+    resolve = OffloadLayer.resolve
+
+    def resolve_as_asked(self):
+        resolve(self)
+        self.execution.graphs = True
+        self.execution.capacity_blocks = GRAPH_CAPACITY_BLOCKS
+        self.graphs._capture_graph = _stand_in_attention
+        self.graphs._capture_layer = _stand_in_layer(self)
+        self.graphs._capture_work = _stand_in_work(self)
+        self.graphs.config = self.config.replace(cuda_graphs=True)  # as asked for on a GPU
+
+    monkeypatch.setattr(OffloadLayer, "resolve", resolve_as_asked)
+    model = build_model("llama")
+    ids, mask = left_padded([70, 53], seed=3)
+    for pool, warns in ((16, True), (None, False)):
+        cache = OffloadCache(model, **dict(TINY_SPARSE, pool_tokens=pool))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.no_grad():
+                model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                               min_new_tokens=12, do_sample=False)  # fmt: skip
+        said = [w for w in caught if "slot pool holds" in str(w.message)]
+        assert len(said) == (1 if warns else 0), [str(w.message) for w in said]
+        assert (cache.stats()["graph_replays"] > 0) != warns
