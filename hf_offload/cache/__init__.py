@@ -10,6 +10,7 @@ from .layer import OffloadLayer
 from .persist import FORMAT_VERSION, CacheFileError
 from .planner import DecodePlanner
 from .recaller import Recaller
+from .shared import release_graph_pools
 from .stats import LayerStats
 
 __all__ = [
@@ -27,4 +28,5 @@ __all__ = [
     "Recaller",
     "generate_cache_kwarg",
     "layer_types",
+    "release_graph_pools",
 ]

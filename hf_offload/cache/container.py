@@ -577,7 +577,9 @@ class OffloadCache(Cache):
             (host wall time of the layer decode steps that captured: the capture, and an op-by-op run first where the
             geometry's kind had not run op by op yet; a graph is captured at the first decode step of each block
             capacity, ``decode_capacity_blocks``, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
-            that failed and were redone after one; expected 0), ``seal_graph_captures`` and ``seal_graph_replays``
+            that failed and were redone after one; expected 0), ``layer_graph_captures`` and ``layer_graph_replays``
+            (those of them that captured / replayed the whole decoder layer, ``graph_scope="layer"``),
+            ``seal_graph_captures`` and ``seal_graph_replays``
             (seals of a full block after a replayed step captured into / replayed from a CUDA graph), ``timing``
             (with ``timing=True``: mean ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;

@@ -38,6 +38,7 @@ class _PoolLease:
 
 _IDLE_POOLS: dict[torch.device, list[_PoolLease]] = {}  # pools no live cache captures into, per device
 _IDLE_LOCK = threading.Lock()
+_IDLE_LIMIT = 1  # idle pools kept per device; one more returned is let go (its memory freed at empty_cache())
 
 
 def _take_pool(device: torch.device, stream: torch.cuda.Stream) -> _PoolLease:
@@ -51,9 +52,23 @@ def _take_pool(device: torch.device, stream: torch.cuda.Stream) -> _PoolLease:
 
 
 def _return_pool(device: torch.device, lease: _PoolLease) -> None:
-    """Give back a pool none of whose graphs (but its anchor) lives any more."""
+    """Give back a pool none of whose graphs (but its anchor) lives any more; past :data:`_IDLE_LIMIT` idle pools
+    on the device it is let go."""
     with _IDLE_LOCK:
-        _IDLE_POOLS.setdefault(device, []).append(lease)
+        idle = _IDLE_POOLS.setdefault(device, [])
+        if len(idle) < _IDLE_LIMIT:
+            idle.append(lease)
+
+
+def release_graph_pools() -> int:
+    """Let go of the CUDA graph memory pools that no cache uses: the caches of a process hand their pool on to the
+    next cache (so that a cache per request does not grow the memory the allocator reserves), and one idle pool per
+    device stays reserved after the last cache is gone. Call this, then ``torch.cuda.empty_cache()``, to give that
+    memory back. Returns how many pools were let go."""
+    with _IDLE_LOCK:
+        released = sum(len(idle) for idle in _IDLE_POOLS.values())
+        _IDLE_POOLS.clear()
+    return released
 
 
 class DeviceResources:
@@ -141,9 +156,8 @@ class DeviceResources:
     def _pool_failed(self, device: torch.device) -> None:
         """After a failed capture: later captures go to a new pool (the allocator may still count the failed
         capture as recording into the old one, which refuses every later capture into it); the old pool is not
-        handed to another cache."""
+        handed to another cache, and the next capture takes a pool (:meth:`_pool`)."""
         self.pool_leases.pop(device, None)
-        self._pool(device)
 
     def _count_graph(self, device: torch.device, captured):
         self.live_graphs[device] = self.live_graphs.get(device, 0) + 1

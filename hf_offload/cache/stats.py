@@ -344,6 +344,8 @@ def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> di
         "graph_replays": total("graph_replays"),
         "graph_capture_ms": total("graph_capture_us") / 1000,
         "graph_capture_retries": total("graph_capture_retries"),
+        "layer_graph_captures": total("layer_graph_captures"),
+        "layer_graph_replays": total("layer_graph_replays"),
         "seal_graph_captures": total("seal_graph_captures"),
         "seal_graph_replays": total("seal_graph_replays"),
         "hit_rate": total("hits") / lookups if lookups else None,

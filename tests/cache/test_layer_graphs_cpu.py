@@ -290,4 +290,7 @@ def test_asked_for_graphs_with_a_slot_pool_smaller_than_the_selection_warn_once(
                                min_new_tokens=12, do_sample=False)  # fmt: skip
         said = [w for w in caught if "slot pool holds" in str(w.message)]
         assert len(said) == (1 if warns else 0), [str(w.message) for w in said]
-        assert (cache.stats()["graph_replays"] > 0) != warns
+        stats = cache.stats()
+        assert (stats["graph_replays"] > 0) != warns
+        assert stats["layer_graph_replays"] == sum(int(layer.stats.layer_graph_replays) for layer in cache.offload_layers)
+        assert (stats["layer_graph_replays"] > 0) != warns and stats["layer_graph_captures"] <= stats["graph_captures"]
