@@ -16,14 +16,15 @@ and positions of every layer), a fingerprint of the model (architecture, layer t
 SHA-256 of a sample of its weights), one SHA-256 per tensor, and a SHA-256 of the header itself.
 
 Saving streams: the header (every shape is known up front) is written first with placeholders for the checksums,
-then each tensor in file order, the blocks run by run straight from the host pool's chunks (views, not copies), in
-large unbuffered writes handed to the drive as they go; the header is then rewritten in place with the checksums
-(the same length). At no point does a second copy of the KV exist in memory: pieces are the cache's own memory,
-except the blocks of device or disk-tier chunks and tensors on the device, copied to the CPU one run or tensor at a
-time, of which at most ``_HELD_BYTES`` wait for their hash. One file rather than one per layer keeps a saved cache
-one thing to move, and lets the official parser validate it whole (offsets, sizes, truncation). The file is written
-under a temporary name in the target's directory, fsynced and renamed when complete, so a failed save leaves nothing
-behind and never a partial file under the name.
+then the tensors, several at once, each by its own thread at its place in the file (:class:`_Writing`), the blocks
+run by run straight from the host pool's chunks (views, not copies), in unbuffered writes handed to the drive as they
+go; the header is then rewritten in place with the checksums (the same length). At no point does a second copy of
+the KV exist in memory: pieces are the cache's own memory, except the blocks of device or disk-tier chunks and
+tensors on the device, copied to the CPU one run or piece at a time, of which at most ``_HELD_BYTES`` (and one piece)
+are held until written and hashed. One file rather than one per layer keeps a saved cache one thing to move, and lets
+the official parser validate it whole (offsets, sizes, truncation). The file is written under a temporary name in the
+target's directory, fsynced and renamed when complete, so a failed save leaves nothing behind and never a partial
+file under the name.
 
 Loading checks everything that can be checked before anything is built (the format and version, the header's
 checksum, the fingerprint against the model, every tensor's shape), then builds the cache layer by layer, reading
@@ -31,10 +32,10 @@ each tensor straight into where it goes (the blocks run by run into the host poo
 layer's buffers on a CPU cache), and checks every tensor against its checksum once all are read; an error at any
 point frees what was built, so a failed load leaves no cache.
 
-Both directions hash on threads (:class:`_Hashing`): each tensor's SHA-256 is one sequential stream, slower than a
-fast drive on one core, so several tensors are hashed at once, each on its thread. A save's thread hashes what the
-caller writes; a load's thread reads what it hashes (where the destination stays in host memory), part by part, so
-that each part is hashed from the cache of the core that just read it.
+Both directions hash on threads: each tensor's SHA-256 is one sequential stream, slower than a fast drive on one
+core, so several tensors are hashed at once, each on its thread. A save's thread writes the tensor it hashes
+(:class:`_Writing`), a load's thread reads it (:class:`_Hashing`, where the destination stays in host memory), part by
+part, so that each part is hashed from the cache of the core that just wrote or read it.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import sys
 import tempfile
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -72,14 +73,17 @@ _WEIGHT_SAMPLE_PARAMS = 8  # parameters of the model the fingerprint hashes a sa
 _WEIGHT_SAMPLE_ELEMENTS = 4096  # elements of each, spread over the whole tensor
 _HASH_THREADS = max(1, min(4, os.cpu_count() or 1))
 """Threads hashing at once. A tensor's SHA-256 is one sequential stream (about 1.5 GB/s on one core with the SHA
-instructions, slower than many drives), so a save or load hashes several tensors side by side, each on one thread."""
+instructions, slower than many drives), so a save or load hashes several tensors side by side, each on one thread
+(a save's thread also writes its tensor)."""
 _HELD_BYTES = 256 << 20
 """The most bytes of copies (pieces that are not the cache's own memory: blocks of device or disk-tier chunks, the
-small tensors a load reads) a save or load holds waiting for their hash; views of the cache's memory do not count."""
+small tensors a load reads) a save or load holds waiting for their write and hash (a save: and one piece more); views
+of the cache's memory do not count."""
+_COPY_BYTES = 16 << 20  # the most bytes of one piece a save copies from a tensor on the device
 _WRITEBACK_BYTES = 8 << 20  # a save hands its data to the drive every this many bytes written
 _PART_BYTES = 1 << 20
-"""A load reads a tensor in parts of this size on a hashing thread, each part hashed right after it is read, from
-that core's cache (SHA-256 of memory read back from DRAM ran about 30% slower here: 1.2 against 1.6 GB/s)."""
+"""A load reads (a save writes) a tensor in parts of this size on a hashing thread, each part hashed right after it
+is read (written), from that core's cache (SHA-256 of memory read back from DRAM ran about 30% slower here: 1.2 against 1.6 GB/s)."""
 
 
 class CacheFileError(ValueError):
@@ -335,39 +339,193 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
         function(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
 
 
-def _write_all(f, data) -> int:
-    """Write all of ``data`` (a contiguous buffer) to the unbuffered file ``f`` at its position; returns its bytes."""
+def _write_all(fd: int, data, offset: int) -> None:
+    """Write all of ``data`` (a contiguous buffer) to file ``fd`` at ``offset`` (``os.pwrite``: the file position is
+    neither used nor moved, so threads write their own ranges of one file at once)."""
     view = memoryview(data).cast("B")
-    nbytes = len(view)
     while view:
-        view = view[f.write(view) :]
-    return nbytes
+        written = os.pwrite(fd, view, offset)
+        view, offset = view[written:], offset + written
 
 
-class _Output:
-    """A file written sequentially in large pieces straight from the caller's memory (no buffer of its own), each
-    handed to the drive every ``_WRITEBACK_BYTES`` (:func:`start_writeback`)."""
+_PAGE = 4096  # the ranges a save hands to the drive are whole pages of one entry
 
-    def __init__(self, f):
-        self.f = f
-        self.offset = 0
-        self._handed = 0  # bytes handed to the drive so far
 
-    def write(self, data) -> None:
-        """Append ``data`` (a contiguous buffer)."""
-        self.offset += _write_all(self.f, data)
-        if self.offset - self._handed >= _WRITEBACK_BYTES:
-            start_writeback(self.f.fileno(), self._handed, self.offset - self._handed)
-            self._handed = self.offset
+class _Stopped(Exception):
+    """A writing thread stops because another failed or the save was interrupted (never raised to the caller)."""
+
+
+class _Writing:
+    """A file's entries written side by side: each by one of ``threads`` threads at its own byte range (``os.pwrite``
+    at the offsets the header gives) and hashed by that thread as it goes, each part of ``_PART_BYTES`` right after
+    it is written (from that core's cache), its pages handed to the drive every ``_WRITEBACK_BYTES``
+    (:func:`start_writeback`). A save so hashes as many entries at once as there are threads, whether their pieces
+    are views of the cache's memory or copies (a single writer that waits for a copy's hash would hash one entry at a
+    time).
+
+    Pieces are taken from the entries' ``pieces`` one at a time over all threads (device-to-host copies and disk-tier
+    reads run one after another, as on one thread), and a piece of an entry of copies, or a piece that must be made
+    contiguous, is taken only while the copies held (taken and not yet written and hashed) are fewer than
+    ``held_bytes``: they never exceed it by more than one piece.
+
+    Args:
+        fd: the file, open for writing.
+        threads: entries written at once.
+        held_bytes: the most bytes of copies held before a thread waits to take another.
+    """
+
+    def __init__(self, fd: int, threads: int, held_bytes: int):
+        self._fd = fd
+        self._threads = max(1, threads)
+        self._held_bytes = held_bytes
+        self._held = 0
+        self._taking = False  # a thread is taking a piece
+        self._changed = threading.Condition()
+        self._stopped = False
+        self._failed: BaseException | None = None  # the first error of a thread
+
+    def write(self, entries: list[Entry], start: int) -> dict[str, str]:
+        """Write ``entries``, laid out in order from byte ``start`` (as :func:`_header` lays them out); returns the
+        hex digest of each by name. Any error (of a thread, or an interrupt here) stops every thread at its next part
+        and is raised once all have stopped: the first error of a thread, else the interrupt."""
+        futures, offset = {}, start
+        # The threads write through a descriptor of their own: were a second interrupt to cut the wait for them
+        # short, the caller's descriptor closes (and its number may be reused) while they finish their part.
+        self._fd = os.dup(self._fd)
+        pool = ThreadPoolExecutor(min(self._threads, max(1, len(entries))), thread_name_prefix="hf-offload-save")
+        try:
+            for entry in entries:  # taken in file order, at most `threads` at once
+                futures[entry.name] = pool.submit(self._entry, entry, offset)
+                offset += entry.nbytes
+            wait(futures.values(), return_when=FIRST_EXCEPTION)
+        finally:
+            if self._failed is not None or not all(future.done() for future in futures.values()):
+                self._stop()
+            pool.shutdown(wait=True, cancel_futures=True)
+            os.close(self._fd)
+        if self._failed is not None:
+            raise self._failed
+        return {name: future.result() for name, future in futures.items()}
+
+    def _entry(self, entry: Entry, offset: int) -> str:
+        """Write and hash ``entry`` from byte ``offset``; its hex digest."""
+        digest, first, end = hashlib.sha256(), offset, offset + entry.nbytes
+        handed = -(-offset // _PAGE) * _PAGE  # where the next range handed to the drive starts
+        pieces = None
+        try:
+            if self._stopped:
+                raise _Stopped
+            pieces = iter(entry.pieces())
+            while (piece := self._take(pieces, entry.copies)) is not None:
+                held = 0
+                try:
+                    if piece.dtype != entry.dtype or piece.device.type != "cpu":
+                        raise TypeError(f"{entry.name}: a piece of {piece.dtype} on {piece.device}, not "
+                                        f"{entry.dtype} on the CPU")  # fmt: skip
+                    if entry.copies or not piece.is_contiguous():
+                        held = piece.numel() * piece.element_size()
+                        self._hold(held, wait=not entry.copies)  # an entry of copies waited before its piece
+                    nbytes = piece.numel() * piece.element_size()
+                    if offset + nbytes > end:
+                        raise self._changed_error(entry, offset + nbytes - first)
+                    handed = self._write_piece(piece, offset, handed, digest)
+                    offset += nbytes
+                finally:
+                    piece = None  # a copy is freed before it stops counting as held
+                    if held:
+                        self._release(held)
+            if offset != end:
+                raise self._changed_error(entry, offset - first)
+            self._hand(handed, end)
+            return digest.hexdigest()
+        except _Stopped:
+            raise
+        except BaseException as err:
+            self._fail(err)
+            raise
+        finally:
+            close = getattr(pieces, "close", None)
+            if close is not None:
+                close()  # a generator left part-way runs its cleanup now, on this thread
+
+    def _write_piece(self, piece: torch.Tensor, offset: int, handed: int, digest) -> int:
+        """Write ``piece`` at ``offset`` and add it to ``digest``, part by part, handing the pages written from
+        ``handed`` on to the drive every ``_WRITEBACK_BYTES``; returns where the next range to hand starts."""
+        data = memoryview(piece.contiguous().view(torch.uint8).numpy()).cast("B")
+        for start in range(0, len(data), _PART_BYTES):
+            if self._stopped:
+                raise _Stopped
+            part = data[start : start + _PART_BYTES]
+            _write_all(self._fd, part, offset)
+            digest.update(part)  # right after the write read it: from this core's cache
+            offset += len(part)
+            if offset - handed >= _WRITEBACK_BYTES:
+                handed = self._hand(handed, offset)
+        return handed
+
+    @staticmethod
+    def _changed_error(entry: Entry, nbytes: int) -> RuntimeError:
+        return RuntimeError(f"{entry.name}: got {nbytes} bytes for a tensor of {entry.nbytes}; the cache changed "
+                            "while it was saved (save between forwards only)")  # fmt: skip
+
+    def _take(self, pieces: Iterator[torch.Tensor], copies: bool) -> torch.Tensor | None:
+        """The next piece of ``pieces`` (``None`` past the last), taken while no other thread takes one and, for
+        ``copies``, while the copies held are fewer than ``held_bytes``."""
+        with self._changed:
+            self._changed.wait_for(
+                lambda: self._stopped or (not self._taking and (not copies or self._held < self._held_bytes))
+            )
+            if self._stopped:
+                raise _Stopped
+            self._taking = True
+        try:
+            return next(pieces, None)
+        finally:
+            with self._changed:
+                self._taking = False
+                self._changed.notify_all()
+
+    def _hold(self, nbytes: int, wait: bool) -> None:
+        """Count ``nbytes`` of copies held; with ``wait``, once fewer than ``held_bytes`` are."""
+        with self._changed:
+            if wait:
+                self._changed.wait_for(lambda: self._stopped or self._held < self._held_bytes)
+            self._held += nbytes
+        if self._stopped:
+            raise _Stopped
+
+    def _release(self, nbytes: int) -> None:
+        with self._changed:
+            self._held -= nbytes
+            self._changed.notify_all()
+
+    def _hand(self, start: int, end: int) -> int:
+        """Hand the whole pages from ``start`` (a page boundary) to ``end`` to the drive; returns where they end.
+        Pages shared with the neighbouring entries are left to the final fsync: they may still be written."""
+        stop = end // _PAGE * _PAGE
+        if stop > start:
+            start_writeback(self._fd, start, stop - start)
+        return max(start, stop)
+
+    def _fail(self, err: BaseException) -> None:
+        with self._changed:
+            self._failed = self._failed or err
+        self._stop()
+
+    def _stop(self) -> None:
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
 
 
 def write_file(path: Path, entries: list[Entry], metadata: dict[str, str], overwrite: bool) -> None:
     """Write a safetensors file of ``entries`` (in that order) and ``metadata`` with checksums, streaming.
 
-    The header is written first (checksums as placeholders), then each entry's pieces straight from their memory,
-    hashed on threads meanwhile (:class:`_Hashing`) and handed to the drive as they go (:func:`start_writeback`),
-    and the header again with the checksums; all under a temporary name in ``path``'s directory, fsynced and renamed
-    to ``path`` at the end (``os.replace``). Any failure removes the temporary file and leaves ``path`` as it was.
+    The header is written first (checksums as placeholders), then the entries, several at once, each at its place
+    straight from its pieces' memory and hashed as it goes (:class:`_Writing`), handed to the drive as they go
+    (:func:`start_writeback`), and the header again with the checksums; all under a temporary name in ``path``'s
+    directory, fsynced and renamed to ``path`` at the end (``os.replace``). Any failure removes the temporary file,
+    leaves ``path`` as it was and raises the first error.
 
     Raises:
         FileExistsError: ``path`` exists and ``overwrite`` is false.
@@ -387,46 +545,19 @@ def write_file(path: Path, entries: list[Entry], metadata: dict[str, str], overw
                                    "a writable directory") from err  # fmt: skip
     try:
         with os.fdopen(handle, "wb", buffering=0) as f:
-            out = _Output(f)
+            fd = f.fileno()
             checksums = {entry.name: _PLACEHOLDER for entry in entries}
             header = _header(entries, metadata, checksums)
-            out.write(struct.pack("<Q", len(header)) + header)
-            hashing = _Hashing()
-            try:
-                digests = {entry.name: _write_entry(out, entry, hashing) for entry in entries}
-                checksums = {name: digest.result() for name, digest in digests.items()}
-            finally:
-                hashing.close()
+            _write_all(fd, struct.pack("<Q", len(header)) + header, 0)
+            checksums = _Writing(fd, _HASH_THREADS, _HELD_BYTES).write(entries, 8 + len(header))
             final = _header(entries, metadata, checksums)
             assert len(final) == len(header), "checksums are fixed-length hex digests"
-            f.seek(8)
-            _write_all(f, final)
-            os.fsync(f.fileno())
+            _write_all(fd, final, 8)
+            os.fsync(fd)
         os.replace(temp, path)
     except BaseException:
         Path(temp).unlink(missing_ok=True)
         raise
-
-
-def _write_entry(out: _Output, entry: Entry, hashing: _Hashing) -> Future:
-    """Write ``entry``'s pieces to ``out``, each hashed on ``hashing``'s threads while it and the next ones are
-    written (file writes release the GIL too), so a save takes the longer of the two, not their sum; returns the
-    future of the entry's hex digest."""
-    stream = hashing.begin()
-    written = 0
-    for piece in entry.pieces():
-        if piece.dtype != entry.dtype or piece.device.type != "cpu":
-            raise TypeError(f"{entry.name}: a piece of {piece.dtype} on {piece.device}, not {entry.dtype} on the CPU")
-        if not piece.numel():
-            continue
-        data = piece.contiguous().view(torch.uint8).numpy()
-        hashing.update(stream, data, held=entry.copies or not piece.is_contiguous())
-        out.write(data)
-        written += data.nbytes
-    if written != entry.nbytes:
-        raise RuntimeError(f"{entry.name}: wrote {written} bytes for a tensor of {entry.nbytes}; the cache changed "
-                           "while it was saved (save between forwards only)")  # fmt: skip
-    return hashing.end(stream)
 
 
 def _header(entries: list[Entry], metadata: dict[str, str], checksums: dict[str, str]) -> bytes:
@@ -679,10 +810,19 @@ def save_cache(cache, path: Path, overwrite: bool) -> None:
 
 
 def _tensor_entry(name: str, tensor: torch.Tensor) -> Entry:
-    """The entry of a small tensor (an open block, a summary, a table): one piece, the whole of it, copied to the CPU
-    when written (a view where it is there already)."""
-    return Entry(name, tensor.dtype, tuple(tensor.shape), lambda: iter([tensor.detach().cpu()]),
-                 copies=tensor.device.type != "cpu")  # fmt: skip
+    """The entry of a small tensor (an open block, a summary, a table): one piece, the whole of it, where it is on
+    the CPU (a view); else copied to the CPU when written, in pieces of at most ``_COPY_BYTES``."""
+
+    def pieces() -> Iterator[torch.Tensor]:
+        if tensor.device.type == "cpu":
+            yield tensor.detach()
+            return
+        flat = tensor.detach().reshape(-1)
+        step = max(1, _COPY_BYTES // flat.element_size())
+        for start in range(0, flat.numel(), step):
+            yield flat[start : start + step].cpu()
+
+    return Entry(name, tensor.dtype, tuple(tensor.shape), pieces, copies=tensor.device.type != "cpu")
 
 
 def _offload_entries(store, prefix: str, entries: list[Entry]) -> dict:
