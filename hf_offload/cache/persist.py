@@ -422,6 +422,8 @@ class _Writing:
                     if piece.dtype != entry.dtype or piece.device.type != "cpu":
                         raise TypeError(f"{entry.name}: a piece of {piece.dtype} on {piece.device}, not "
                                         f"{entry.dtype} on the CPU")  # fmt: skip
+                    if not piece.numel():
+                        continue
                     if entry.copies or not piece.is_contiguous():
                         held = piece.numel() * piece.element_size()
                         self._hold(held, wait=not entry.copies)  # an entry of copies waited before its piece
