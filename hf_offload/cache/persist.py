@@ -83,7 +83,8 @@ _COPY_BYTES = 16 << 20  # the most bytes of one piece a save copies from a tenso
 _WRITEBACK_BYTES = 8 << 20  # a save hands its data to the drive every this many bytes written
 _PART_BYTES = 1 << 20
 """A load reads (a save writes) a tensor in parts of this size on a hashing thread, each part hashed right after it
-is read (written), from that core's cache (SHA-256 of memory read back from DRAM ran about 30% slower here: 1.2 against 1.6 GB/s)."""
+is read (written), from that core's cache (SHA-256 of memory read back from DRAM ran about 30% slower here: 1.2
+against 1.6 GB/s)."""
 
 
 class CacheFileError(ValueError):
@@ -424,10 +425,10 @@ class _Writing:
                                         f"{entry.dtype} on the CPU")  # fmt: skip
                     if not piece.numel():
                         continue
-                    if entry.copies or not piece.is_contiguous():
-                        held = piece.numel() * piece.element_size()
-                        self._hold(held, wait=not entry.copies)  # an entry of copies waited before its piece
                     nbytes = piece.numel() * piece.element_size()
+                    if entry.copies or not piece.is_contiguous():
+                        held = nbytes
+                        self._hold(held, wait=not entry.copies)  # an entry of copies waited before its piece
                     if offset + nbytes > end:
                         raise self._changed_error(entry, offset + nbytes - first)
                     handed = self._write_piece(piece, offset, handed, digest)
