@@ -706,6 +706,22 @@ if triton is not None:
         r = safe + tl.log(tl.exp(a - safe) + tl.exp(b - safe))
         return tl.where(top == float("-inf"), float("-inf"), r)
 
+    @triton.jit
+    def _merge_parts(m_ptr, l_ptr, o_ptr, row, live, c, live_c, o_stride):
+        """Partial softmaxes ``row`` (``live`` of them) merged: their maximum, then sums relative to it; returns the
+        log-sum-exp (``-inf`` where nothing was attended) and the normalised output (0 there)."""
+        m_s = tl.load(m_ptr + row, mask=live, other=float("-inf"))
+        l_s = tl.load(l_ptr + row, mask=live, other=0.0)
+        top = tl.max(m_s, axis=0)
+        safe = tl.where(top == float("-inf"), 0.0, top)
+        w = tl.exp(m_s - safe)  # 0 for a part with nothing attended
+        total = tl.sum(l_s * w, axis=0)
+        o_s = tl.load(o_ptr + row[:, None] * o_stride + c[None, :], mask=live[:, None] & live_c[None, :], other=0.0)
+        acc = tl.sum(o_s * w[:, None], axis=0)
+        some = total > 0
+        lse = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
+        return lse, tl.where(some, acc / tl.where(some, total, 1.0), 0.0)
+
     @triton.jit(do_not_specialize=["splits", "n_blocks", "blse_row", "fsplits"])
     def _finish_kernel(
         o_ptr,  # float32 [B, H, S, G, C]: the ranges' unnormalised outputs
@@ -743,42 +759,20 @@ if triton is not None:
         b = bh // heads
         c = tl.arange(0, DP)
         live_c = c < D
-        # The ranges merged at once: their maximum, then sums relative to it.
+        # The ranges merged at once.
         s = tl.arange(0, SPLITS)
-        live_s = s < splits
         row = (bh * splits + s) * G + g
-        m_s = tl.load(m_ptr + row, mask=live_s, other=float("-inf"))
-        l_s = tl.load(l_ptr + row, mask=live_s, other=0.0)
-        top = tl.max(m_s, axis=0)
-        safe = tl.where(top == float("-inf"), 0.0, top)
-        w = tl.exp(m_s - safe)  # 0 for a range with nothing attended
-        total = tl.sum(l_s * w, axis=0)
-        o_s = tl.load(o_ptr + row[:, None] * C + c[None, :], mask=live_s[:, None] & live_c[None, :], other=0.0)
-        acc = tl.sum(o_s * w[:, None], axis=0)
-        some = total > 0
-        lse_t = tl.where(some, top + tl.log(tl.where(some, total, 1.0)), float("-inf"))
-        out_t = tl.where(some, acc / tl.where(some, total, 1.0), 0.0)
+        lse_t, out_t = _merge_parts(m_ptr, l_ptr, o_ptr, row, s < splits, c, live_c, C)
         if FAR_MID:
-            # The far blocks' partials: merged like the ranges above, then one more softmax part, counted with or
-            # without an estimate.
+            # The far blocks' partials, merged the same way, then one more softmax part, counted with or without an
+            # estimate.
             fs = tl.arange(0, FSPLITS)
-            live_fs = fs < fsplits
             frow = (bh * fsplits + fs) * G + g
-            fm_s = tl.load(fm_ptr + frow, mask=live_fs, other=float("-inf"))
-            fl_s = tl.load(fl_ptr + frow, mask=live_fs, other=0.0)
-            f_top = tl.max(fm_s, axis=0)
-            f_safe = tl.where(f_top == float("-inf"), 0.0, f_top)
-            fw = tl.exp(fm_s - f_safe)
-            f_total = tl.sum(fl_s * fw, axis=0)
-            fo_s = tl.load(fo_ptr + frow[:, None] * DP + c[None, :], mask=live_fs[:, None] & live_c[None, :],
-                           other=0.0)  # fmt: skip
-            f_acc = tl.sum(fo_s * fw[:, None], axis=0)
-            f_some = f_total > 0
-            far_lse = tl.where(f_some, f_top + tl.log(tl.where(f_some, f_total, 1.0)), float("-inf"))
+            far_lse, far_out = _merge_parts(fm_ptr, fl_ptr, fo_ptr, frow, fs < fsplits, c, live_c, DP)
             lse_n = _logaddexp(lse_t, far_lse)
             w_t = tl.where(lse_n == float("-inf"), 0.0, tl.exp(lse_t - lse_n))
             w_f = tl.where(lse_n == float("-inf"), 0.0, tl.exp(far_lse - lse_n))
-            out_t = out_t * w_t + (f_acc / tl.where(f_some, f_total, 1.0)) * w_f
+            out_t = out_t * w_t + far_out * w_f
             lse_t = lse_n
         elif HAS_FAR:
             f_top = tl.full([], float("-inf"), tl.float32)
@@ -856,9 +850,10 @@ if triton is not None:
             total = total * scale + tl.sum(p, axis=1)
             at = b * v_batch_stride + n[:, None].to(tl.int64) * v_block_stride + h * C + c[None, :]
             vm = ok[:, None] & live_c[None, :]
-            mid = tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32) + tl.load(
-                vstep_ptr + at, mask=vm, other=0.0
-            ).to(tl.float32) * half_levels  # [BLOCK_N, DP]
+            mid = (
+                tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32)
+                + tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32) * half_levels
+            )  # [BLOCK_N, DP]
             acc = acc * scale[:, None] + tl.sum(p[:, :, None] * mid[None, :, :], axis=1)
             top = new
         row = (bh * fsplits + sp) * G + g
