@@ -92,8 +92,11 @@ class Memory:
             room for temporaries allow, and go back to the host when that room is needed; ``"always"``: every
             block to the host. The same output either way (docs/tuning.md).
         device_memory_gib: GiB of device memory the whole cache may take (admitted blocks, summaries, slot pools,
-            block tables), ``>= 0``; too small for the summaries: ``MemoryError``. ``None`` (default): what the
-            process may allocate (``set_per_process_memory_fraction`` included) less room for temporaries.
+            block tables), ``>= 0``; too small even for the coarsest summaries: ``MemoryError``. ``None`` (default):
+            what the process may allocate (``set_per_process_memory_fraction`` included) less room for temporaries.
+        coarsen_summaries: summaries that would outgrow that room are re-encoded at the selector's next coarser
+            level (``Selector.coarser``; docs/tuning.md) with a warning, after every admitted block went back to the
+            host. ``True`` (default); ``False``: ``MemoryError`` instead (under ``device_memory_gib``).
         disk_dir: a directory for the disk tier: past ``host_memory_gib`` (which it needs), the least recently used
             host chunks spill to a file in a private directory made inside it (``hf_offload.store.disk``). ``None``
             (default): no disk tier; past the cap, ``MemoryError``.
@@ -111,6 +114,7 @@ class Memory:
     pin_memory: bool | None = None
     admission: str = "auto"
     device_memory_gib: float | None = None
+    coarsen_summaries: bool = True
     disk_dir: str | None = None
     disk_memory_gib: float | None = None
     disk_staging_chunks: int = 8
@@ -379,6 +383,8 @@ class OffloadConfig:
             raise ValueError(f"admission must be 'always' or 'auto', got {self.admission!r}.")
         if self.device_memory_gib is not None and not self.device_memory_gib >= 0:
             raise ValueError(f"device_memory_gib must be >= 0 or None, got {self.device_memory_gib!r}.")
+        if not isinstance(self.coarsen_summaries, bool):
+            raise ValueError(f"coarsen_summaries must be True or False, got {self.coarsen_summaries!r}.")
         if self.lookahead is not None and not isinstance(self.lookahead, bool):
             raise ValueError(
                 f"lookahead must be True, False or None (None: on where blocks move through the copy kernels on "

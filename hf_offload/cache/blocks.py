@@ -452,6 +452,7 @@ class BlockStore:
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
+        self.make_summary_room(self.n_blocks + n_new)
         for name, summary in self.summaries_of(keys, values).items():
             self.summary_store[name] = self._appended(self.summary_store.get(name), summary)
         self._sealed(ids, blocks, n_new)
@@ -641,6 +642,44 @@ class BlockStore:
         blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
         return -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
 
+    def make_summary_room(self, blocks: int) -> None:
+        """Before the summary buffers grow to hold ``blocks`` blocks: if they would not fit the device room (after
+        every admitted chunk went back to the host), have the cache re-encode every layer's summaries at a coarser
+        level (``coarsen_summaries``), as often as that helps; the growth itself then takes the new level's
+        bytes (and raises ``MemoryError`` under ``device_memory_gib`` if even they do not fit)."""
+        admission = self.host.admission if self.is_initialized else None
+        if admission is None or not self.config.coarsen_summaries:
+            return
+        while True:
+            need = self._summary_growth_bytes(blocks)
+            if not need or admission.room_for(need) or not admission.coarsen_summaries():
+                return
+
+    def _summary_growth_bytes(self, blocks: int) -> int:
+        """Device bytes the summary buffers add to hold ``blocks`` blocks (0: they hold them)."""
+        capacity = self.summary_capacity(blocks)
+        if self.summary_store:
+            stores = self.summary_store.values()
+            if all(store.shape[1] >= blocks for store in stores):
+                return 0
+            return sum(store[:, :1].numel() * store.element_size() * capacity for store in stores)
+        if not blocks:
+            return 0
+        empty = torch.zeros((1, 1, self.kv_heads, self.block_tokens, self.head_dim), dtype=self.dtype,
+                            device=self.device)  # fmt: skip
+        one = self.summaries_of(empty, empty)
+        return sum(t.numel() * t.element_size() for t in one.values()) * self.batch * capacity
+
+    def coarsen(self, coarser: Selector) -> None:
+        """Re-encode this layer's summaries as ``coarser`` (the selector's :meth:`~Selector.coarser` level) makes
+        them, and use it from now on. Graphs that read the old buffers must be dropped first (they keep them)."""
+        if self.summary_store:
+            stores = self.selector.coarsen_summaries(self.summary_store, coarser, self.head_dim, self.n_blocks)
+            self.summary_store = stores
+            self.summaries = {name: store[:, : self.n_blocks] for name, store in stores.items()}
+            self.storage_epoch += 1
+        self.selector = coarser
+
     def _room_for(self, like: torch.Tensor, capacity: int) -> None:
         """Make room under the device bound for a device buffer of ``capacity`` blocks shaped like ``like``
         (admitted chunks going back to the host if need be)."""
@@ -651,6 +690,8 @@ class BlockStore:
     def summary_views(self, n: int) -> dict[str, torch.Tensor]:
         """Every summary over its first ``n`` blocks, ``[batch, n, ...]`` views of the buffers (``n`` may exceed
         :attr:`n_blocks` up to the decode capacity: those blocks hold zeros and are never valid)."""
+        if any(store.shape[1] < n for store in self.summary_store.values()):
+            self.make_summary_room(n)
         stores = self.summary_store
         if any(store.shape[1] < n for store in stores.values()):
             for name, store in stores.items():  # a capacity larger than the buffers were made for
@@ -670,6 +711,8 @@ class BlockStore:
         tokens = int(tokens)
         self.reserved_blocks = max(self.reserved_blocks, tokens // self.block_tokens)
         replaced = False
+        if self.summary_store:
+            self.make_summary_room(self.reserved_blocks)
         for name, store in self.summary_store.items():
             if store.shape[1] < self.reserved_blocks:
                 self.summary_store[name] = self._grown(store, store, self.reserved_blocks)

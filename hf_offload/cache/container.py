@@ -103,8 +103,10 @@ class OffloadCache(Cache):
             changes = dict(overrides, **({} if budget_tokens is None else {"budget_tokens": budget_tokens}))
             config = config.replace(**changes) if changes else config
         text_config = _check_model(model)
-        self.config = config
-        self.selector = get_selector(config.selector)
+        # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
+        # holds is freed at once (its pinned host pools with it), not at the next cyclic garbage collection. It
+        # also holds the settings and the selector as they stand (a coarsening of the summaries changes both).
+        self._shared = DeviceResources(config, get_selector(config.selector))
         if (config.decode_capacity_blocks or 1) > 1 and not self.selector.masks_invalid:
             raise ValueError(
                 f"decode_capacity_blocks={config.decode_capacity_blocks} scores blocks past the sealed ones, masked, "
@@ -118,9 +120,6 @@ class OffloadCache(Cache):
         self.disk = _disk_tier(config, model)
         self.host_budget = HostMemoryBudget(config.host_memory_gib, self.disk)
         self._closed = False
-        # What the layers share lives outside the cache, so that no layer refers back to the cache: a cache nobody
-        # holds is freed at once (its pinned host pools with it), not at the next cyclic garbage collection.
-        self._shared = DeviceResources(config)
         types = layer_types(text_config)
         unsupported = sorted(set(types) - {"full_attention", *_SLIDING_TYPES})
         if unsupported:
@@ -158,6 +157,21 @@ class OffloadCache(Cache):
         self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
         self._broken: str | None = None  # why the cache cannot be used until reset(), or None
+
+    @property
+    def config(self) -> OffloadConfig:
+        """The cache's settings as they stand (:meth:`set_options` and a coarsening of the summaries change them)."""
+        return self._shared.config
+
+    @config.setter
+    def config(self, config: OffloadConfig) -> None:
+        self._shared.config = config
+
+    @property
+    def selector(self) -> Selector:
+        """The selection policy as it stands (a coarser level once the summaries were coarsened:
+        ``OffloadConfig.coarsen_summaries``)."""
+        return self._shared.selector
 
     # ------------------------------------------------------------------------------------------------ life cycle
     @normal_tensors
@@ -350,6 +364,7 @@ class OffloadCache(Cache):
             self._check_usable()
         self._release_all()  # 5.17's reset of a sliding layer keeps zeroed keys: each gets a new one
         self._broken = None
+        self._shared.restore_level()
 
     # ------------------------------------------------------------------------------------------------- editing
     @normal_tensors
@@ -598,11 +613,17 @@ class OffloadCache(Cache):
             on, see :mod:`hf_offload.patches.norms` and :mod:`hf_offload.patches.rotary`; ``projection_groups``: the groups of
             sibling projections computed as one product where ``fused_projections`` is on,
             :mod:`hf_offload.patches.projections`; ``norms``, ``rotary`` and ``projections``: whether the offloaded layers'
-            calls run them, ``None`` before the first call). Blocks are counted per KV head for
-            per-head selectors.
+            calls run them, ``None`` before the first call), ``selector`` (the selector as it stands, by name with
+            settings) and ``summary_levels`` (each re-encoding of the summaries at a coarser level since the cache
+            was built or reset, ``coarsen_summaries``: ``from``, ``to``, ``tokens`` per sequence then,
+            ``summary_bytes_before`` and ``summary_bytes_after``). Blocks are counted per KV head for per-head
+            selectors.
         """
         timing = self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None
-        return summarize(self.layers, timing, self._fusions(), self.disk)
+        result = summarize(self.layers, timing, self._fusions(), self.disk)
+        result["selector"] = _spec_or_repr(self.selector)
+        result["summary_levels"] = [dict(entry) for entry in self._shared.coarsenings]
+        return result
 
     def _fusions(self) -> dict:
         """``stats()["fusions"]``: how many of the model's modules have a fused forward, and whether the offloaded
@@ -674,6 +695,16 @@ def _disk_tier(config: OffloadConfig, model) -> DiskTier | None:
     limit = None if config.disk_memory_gib is None else int(config.disk_memory_gib * (1 << 30))
     return DiskTier(config.disk_dir, limit, config.disk_staging_chunks, config.disk_read_threads, bool(pin),
                     int(config.host_chunk_mib * (1 << 20)))  # fmt: skip
+
+
+def _spec_or_repr(selector: Selector) -> str:
+    """The selector by registered name with settings, else its repr (an unregistered instance)."""
+    from .persist import selector_spec
+
+    try:
+        return selector_spec(selector)
+    except ValueError:
+        return repr(selector)
 
 
 def _check_reselect(config: OffloadConfig, selector: Selector) -> None:

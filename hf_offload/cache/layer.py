@@ -86,6 +86,7 @@ class OffloadLayer(CacheLayerMixin):
         self.model_name = getattr(model_config, "model_type", "?")
         self.timer = None  # the cache's PhaseTimer when timing is on
         self._decode_noted = False  # the admission saw a decode step since the last prefill
+        resources.layers.add(self)
 
     # The CacheLayerMixin surface reads and writes these; the block store owns them.
     @property
@@ -150,6 +151,13 @@ class OffloadLayer(CacheLayerMixin):
         device = self.blocks.device if self.blocks.is_initialized else None
         resolve(self.execution, self.config, device, self.selector.masks_invalid)
         self.graphs.clear()
+
+    def set_selector(self, selector) -> None:
+        """Use ``selector``, a coarser level of the current one (``Selector.coarser``), from now on: the summaries
+        are re-encoded for it (``DeviceResources.coarsen_summaries`` drops the graphs first)."""
+        self.blocks.coarsen(selector)
+        for part in (self, self.planner, self.recaller, self.graphs):
+            part.selector = selector
 
     def set_config(self, config: OffloadConfig) -> None:
         """Use ``config`` for the coming steps (only settings that leave the layout alone may differ)."""

@@ -4,6 +4,7 @@ memory pool and stream of their CUDA graphs, and the phase timer."""
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 
@@ -11,6 +12,7 @@ import torch
 
 from ..attention.inputs import DecodeInputs
 from ..config import OffloadConfig
+from ..selectors import Selector, get_selector
 from ..store import DeviceAdmission, transfer
 from ..timing import PhaseTimer
 from .capture import (
@@ -73,10 +75,15 @@ def release_graph_pools() -> int:
 
 class DeviceResources:
     """Per-device objects the offloaded layers of one cache share, created on first use: the device admission
-    budget, the side streams and the phase timer. Holds no reference to the cache or its layers."""
+    budget, the side streams and the phase timer; and what is the cache's as a whole: its settings and selector as
+    they stand (:meth:`coarsen_summaries` changes both). Holds no strong reference to the cache or its layers."""
 
-    def __init__(self, config: OffloadConfig):
+    def __init__(self, config: OffloadConfig, selector: Selector | None = None):
         self.config = config
+        self.selector = get_selector(config.selector) if selector is None else selector
+        self.initial = (config.selector, self.selector)  # the level reset() goes back to
+        self.layers: weakref.WeakSet = weakref.WeakSet()  # the cache's offloaded layers (OffloadLayer.set_selector)
+        self.coarsenings: list[dict] = []  # one entry per coarsening of the summaries (stats()["summary_levels"])
         self.admissions: dict[torch.device, DeviceAdmission] = {}
         self.transfer_streams: dict[torch.device, transfer.TransferStreams] = {}
         self.phase_timer: PhaseTimer | None = None
@@ -94,10 +101,69 @@ class DeviceResources:
             return None
         if device not in self.admissions:
             gib = config.device_memory_gib
-            self.admissions[device] = DeviceAdmission(
+            admission = DeviceAdmission(
                 device, None if gib is None else int(gib * (1 << 30)), admits=config.admission == "auto"
             )
+            admission.coarsen = weakref.WeakMethod(self.coarsen_summaries)
+            self.admissions[device] = admission
         return self.admissions[device]
+
+    def restore_level(self) -> None:
+        """After a reset (no summaries held): the selector the cache was built with again, if the summaries had been
+        coarsened."""
+        if not self.coarsenings:
+            return
+        spec, selector = self.initial
+        self.selector = selector
+        self.config = self.config.replace(selector=spec)
+        for layer in self.layers:
+            layer.set_selector(selector)
+            layer.set_config(self.config)
+        self.coarsenings.clear()
+
+    def coarsen_summaries(self) -> bool:
+        """Re-encode the block summaries of every offloaded layer at the selector's next coarser level
+        (:meth:`Selector.coarser <hf_offload.selectors.base.Selector.coarser>`) and use that level from now on (the
+        layers' captured graphs are dropped first: they hold the old buffers). Called where a growth of the
+        summaries would not fit the device (:meth:`BlockStore.make_summary_room
+        <hf_offload.cache.blocks.BlockStore.make_summary_room>`); warns once per level.
+
+        Returns:
+            Whether the summaries changed: ``False`` with ``coarsen_summaries=False``, at the coarsest level, or
+            while a CUDA graph is being captured.
+        """
+        if not self.config.coarsen_summaries or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            return False
+        coarser = self.selector.coarser()
+        if coarser is None:
+            return False
+        from .persist import selector_spec
+
+        layers = sorted(self.layers, key=lambda layer: layer.layer_idx)
+        before = sum(layer.blocks.device_summary_bytes() for layer in layers if layer.blocks.is_initialized)
+        for layer in layers:
+            layer.graphs.reset()  # the graphs hold the old buffers, and their kernels were compiled for the old level
+        for layer in layers:
+            layer.set_selector(coarser)
+        after = sum(layer.blocks.device_summary_bytes() for layer in layers if layer.blocks.is_initialized)
+        old, new = selector_spec(self.selector), selector_spec(coarser)
+        tokens = max((layer.blocks.n_tokens for layer in layers if layer.blocks.is_initialized), default=0)
+        self.selector = coarser
+        self.config = self.config.replace(selector=new)
+        for layer in layers:
+            layer.set_config(self.config)
+        self.coarsenings.append({"from": old, "to": new, "tokens": tokens, "summary_bytes_before": before,
+                                 "summary_bytes_after": after})  # fmt: skip
+        warnings.warn(
+            f"The block summaries no longer fit the device at {tokens} tokens per sequence: re-encoded from "
+            f"{old!r} ({before / (1 << 20):.1f} MiB) to {new!r} ({after / (1 << 20):.1f} MiB); decoding goes on at "
+            "that level (docs/tuning.md, 'Summaries that fit', has each level's accuracy). cache.reserve(tokens) "
+            "before the prompt, a larger device_memory_gib, a smaller batch or context keeps the finer level; "
+            "coarsen_summaries=False raises MemoryError instead.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return True
 
     def streams(self, device: torch.device) -> transfer.TransferStreams:
         """The side streams of a CUDA device: one set per device and process

@@ -97,6 +97,31 @@ class Selector:
         """
         return {"kmin": keys.amin(dim=3), "kmax": keys.amax(dim=3)}
 
+    def coarser(self) -> "Selector | None":
+        """The next coarser summary level of this selector: a selector of the same kind whose summaries take fewer
+        device bytes per block and that :meth:`coarsen_summaries` converts this one's summaries to, or ``None``
+        (the base: no coarser level). A cache whose summaries no longer fit the device moves to it
+        (``OffloadConfig.coarsen_summaries``)."""
+        return None
+
+    def coarsen_summaries(
+        self, summaries: dict[str, torch.Tensor], coarser: "Selector", head_dim: int, n_blocks: int
+    ) -> dict[str, torch.Tensor]:
+        """This selector's summary buffers re-encoded as ``coarser`` (:meth:`coarser`) makes them.
+
+        Args:
+            summaries: the buffers by name, ``[batch, capacity, ...]``; the first ``n_blocks`` blocks hold sealed
+                blocks, the rest zeros.
+            coarser: the level to convert to.
+            head_dim: the keys' and values' head size.
+            n_blocks: sealed blocks per sequence.
+
+        Returns:
+            New buffers by name (``coarser``'s names), ``[batch, capacity, ...]``, zeros past ``n_blocks``; a buffer
+            that does not change may be returned as it is.
+        """
+        raise NotImplementedError(f"Selector {self.name!r} has no coarser summary level.")
+
     def summarize_values(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """Summaries of the new blocks' values (none in the base class), kept on the compute device beside
         :meth:`summarize`'s; their names must differ from those.

@@ -32,11 +32,12 @@ bounded number of blocks per step, like the recall, instead of every block.
 from __future__ import annotations
 
 import math
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
-from ..kernels.quant import quantize_keys, take_blocks
+from ..kernels.quant import dequantize_keys, quantize_keys, take_blocks
 from .base import Selection, Selector, unselected_tokens
 
 
@@ -44,6 +45,11 @@ def _block_mass(lse: torch.Tensor) -> torch.Tensor:
     """Attention mass per block summed over query and KV heads, ``[batch, 1, n_blocks]``, float32, from the block
     log-sum-exps ``[batch, kv_heads, group, n_blocks]`` (per head, the softmax over blocks)."""
     return torch.softmax(lse, dim=-1).sum(dim=(1, 2))[:, None, :]
+
+
+# Blocks re-encoded at a time by QuantKeySelector.coarsen_summaries (its float32 temporaries: this many blocks of
+# keys per sequence).
+RECODE_BLOCKS = 64
 
 
 @dataclass
@@ -111,6 +117,55 @@ class QuantKeySelector(Selector):
             keys: ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
         """
         return quantize_keys(keys, self.bits)
+
+    def coarser(self) -> "QuantKeySelector | None":
+        """The next coarser summary level: keys at half the bits, down to 2; then no estimate of the unselected
+        blocks (the values' summaries dropped). From the default, ``quantkey[bits=4,tail_bits=2,tail_near=3]``
+        (``20·H·D`` bytes per 16-token block, bf16): ``quantkey[bits=2,tail_bits=2,tail_near=3]`` (``16·H·D``),
+        then ``quantkey`` (``8·H·D``). ``None`` from plain 2-bit (or 1-bit) keys, and for a subclass with summaries
+        of its own."""
+        own = ("summarize", "summarize_values", "coarsen_summaries")
+        if any(getattr(type(self), name) is not getattr(QuantKeySelector, name) for name in own):
+            return None
+        if self.bits > 2:
+            return dataclasses.replace(self, bits=self.bits // 2)
+        if self.tail_bits:
+            return dataclasses.replace(self, tail_bits=0, tail_near=0.0, tail_far="near")
+        return None
+
+    def coarsen_summaries(
+        self, summaries: dict[str, torch.Tensor], coarser: Selector, head_dim: int, n_blocks: int
+    ) -> dict[str, torch.Tensor]:
+        """Summaries re-encoded at ``coarser``'s bits (see :meth:`Selector.coarsen_summaries
+        <hf_offload.selectors.base.Selector.coarsen_summaries>`): each block's keys (values) as its codes give them,
+        quantized again at the new bits with their own minimum and step, ``RECODE_BLOCKS`` blocks at a time (so the
+        temporaries stay small); the values' summaries dropped where ``coarser`` estimates nothing."""
+        if not isinstance(coarser, QuantKeySelector):
+            raise TypeError(f"QuantKeySelector summaries convert to another QuantKeySelector's, not {coarser!r}.")
+        parts = [("codes", "kmin", "kstep", self.bits, coarser.bits)]
+        if coarser.tail_bits:
+            if not self.tail_bits:
+                raise ValueError("Summaries without values cannot be converted to a level that estimates the "
+                                 "unselected blocks (tail_bits).")  # fmt: skip
+            parts.append(("vcodes", "vmin", "vstep", self.tail_bits, coarser.tail_bits))
+        out: dict[str, torch.Tensor] = {}
+        for codes_name, min_name, step_name, old, new in parts:
+            codes, low, step = summaries[codes_name], summaries[min_name], summaries[step_name]
+            if old == new:
+                out.update({codes_name: codes, min_name: low, step_name: step})
+                continue
+            batch, capacity, heads, tokens = codes.shape[:4]
+            like = quantize_keys(torch.zeros((1, 1, heads, tokens, head_dim), dtype=low.dtype, device=low.device), new)
+            made = {name: torch.zeros((batch, capacity, *like[name].shape[2:]), dtype=like[name].dtype,
+                                      device=low.device) for name in like}  # fmt: skip
+            for start in range(0, n_blocks, RECODE_BLOCKS):
+                end = min(n_blocks, start + RECODE_BLOCKS)
+                values = dequantize_keys(codes[:, start:end], low[:, start:end], step[:, start:end], old)
+                again = quantize_keys(values[..., :head_dim].to(low.dtype), new)
+                for name, tensor in again.items():
+                    made[name][:, start:end] = tensor
+            out.update({codes_name: made["codes"], min_name: made["kmin"], step_name: made["kstep"]})
+        return out
 
     @property
     def estimates_tail(self) -> bool:

@@ -148,6 +148,9 @@ class DeviceAdmission:
         self._stores = weakref.WeakSet()  # owners of block pools and device buffers: ``device_buffer_bytes()``,
         # ``demote_chunk()`` (see BlockStore)
         self._last_forward: tuple[int, int] | None = None  # (allocated, peak) at the last forward's start
+        # () -> (() -> bool) | None: a weak reference to what re-encodes the cache's summaries at a coarser level
+        # (DeviceResources.coarsen_summaries), or None.
+        self.coarsen: Callable | None = None
 
     @property
     def margin_bytes(self) -> int:
@@ -179,21 +182,35 @@ class DeviceAdmission:
         self.admitted_bytes += nbytes
         return True
 
-    def make_room(self, nbytes: int) -> None:
-        """Move admitted chunks to host memory, newest first, until ``nbytes`` more fit (or none is left)."""
+    def room_for(self, nbytes: int) -> bool:
+        """Move admitted chunks to host memory, newest first, until ``nbytes`` more fit (or none is left); whether
+        they fit now (under the bound and, on CUDA, in the process's headroom less :attr:`margin_bytes`)."""
         room = self.headroom_bytes()
         while room is not None and room < nbytes and self.admitted_bytes > 0:
             if not any(store.demote_chunk() for store in self._newest_first()):
                 break
             self.demoted_chunks += 1
             room = self.headroom_bytes()
+        return room is None or room >= nbytes
+
+    def coarsen_summaries(self) -> bool:
+        """Re-encode the cache's block summaries at the selector's next coarser level (the cache's
+        ``DeviceResources.coarsen_summaries``, set as :attr:`coarsen`); whether anything changed."""
+        coarsen = self.coarsen() if self.coarsen is not None else None
+        return bool(coarsen is not None and coarsen())
+
+    def make_room(self, nbytes: int) -> None:
+        """Move admitted chunks to host memory, newest first, until ``nbytes`` more fit (or none is left);
+        ``MemoryError`` if they would exceed the bound all the same."""
+        self.room_for(nbytes)
         if self.limit_bytes is not None and self.cache_bytes() + nbytes > self.limit_bytes:
             raise MemoryError(
                 f"device_memory_gib={self.limit_bytes / _GIB:.4g} ({_size(self.limit_bytes)}) cannot hold the "
                 f"cache's device buffers: {_size(self.cache_bytes() + nbytes)} are needed besides any admitted block (block "
                 "summaries, slot pools, block tables). Raise device_memory_gib (or leave it None), lower the batch "
-                "size or the context length, or use selector='quantkey' (its summaries are about 1/4 of the "
-                "default's)."
+                "size or the context length, or use selector='quantkey' (its summaries are 0.4 of the default's); "
+                "coarsen_summaries=True (the default) re-encodes the summaries at a coarser level first where the "
+                "selector has one."
             )
 
     def _newest_first(self) -> list:
