@@ -121,6 +121,9 @@ class Plan:
         disk_kv_bytes: sealed blocks in chunks spilled to the disk tier (``disk_dir``; ``host_memory_gib`` caps
             the host chunks, each layer keeping at least its newest one in host memory).
         disk_reserved_bytes: bytes of the spill file's extents (whole chunks, rounded up to 4 KiB).
+        summary_selector: the selector level whose summaries the cache holds at this context (``"offload"``): the
+            configured one, or the coarser level ``coarsen_summaries`` moves to where that one's do not fit the
+            room (``device_memory_gib``, or ``device_free_bytes`` less the margin); ``None`` for the others.
     """
 
     method: str
@@ -135,6 +138,7 @@ class Plan:
     step_transient_bytes: int = 0
     disk_kv_bytes: int = 0
     disk_reserved_bytes: int = 0
+    summary_selector: str | None = None
 
     @property
     def device_bytes(self) -> int:
@@ -147,13 +151,13 @@ class Plan:
         return self.device_bytes + self.step_transient_bytes
 
 
-def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig) -> int:
+def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig, selector=None) -> int:
     """Device bytes of one block's summaries: the selector's own ``summarize`` (and ``summarize_values``, where it
     estimates the unselected blocks) run on one block of ``meta`` keys (no memory, any registered selector); Quest
-    bounds where that cannot run."""
+    bounds where that cannot run. ``selector``: this one instead of ``config.selector``'s."""
     import torch
 
-    selector = get_selector(config.selector)
+    selector = get_selector(config.selector) if selector is None else selector
     dtype = {1: torch.float8_e4m3fn, 2: torch.bfloat16, 4: torch.float32}.get(shape.dtype_bytes, torch.bfloat16)
     keys = torch.empty((1, 1, shape.kv_heads, config.block_tokens, shape.head_dim), dtype=dtype, device="meta")
     try:
@@ -218,7 +222,19 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
     open_bytes = batch * block_bytes if context_tokens else 0
     device = shape.full_layers * (pool_bytes + open_bytes) + sliding_bytes
     summary_blocks = -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS  # allocated by SUMMARY_CHUNK_BLOCKS
-    summaries = shape.full_layers * batch * summary_blocks * _summary_bytes_per_block(shape, config)
+    selector = get_selector(config.selector)
+    summaries = shape.full_layers * batch * summary_blocks * _summary_bytes_per_block(shape, config, selector)
+    bounded = config.device_memory_gib is not None or (config.admission == "auto" and device_free_bytes is not None)
+    if config.coarsen_summaries and bounded:
+        # Where the summaries do not fit the room the cache's other device buffers leave, it re-encodes them at
+        # coarser levels until they do (or none is left).
+        if config.device_memory_gib is not None:
+            room = int(config.device_memory_gib * GIB) - (device - sliding_bytes)
+        else:
+            room = device_free_bytes - device - admission_margin_bytes(device_free_bytes)
+        while summaries > room and (coarser := selector.coarser()) is not None:
+            selector = coarser
+            summaries = shape.full_layers * batch * summary_blocks * _summary_bytes_per_block(shape, config, selector)
     layer_kv = batch * blocks * block_bytes
     chunk_blocks = max(1, int(config.host_chunk_mib * (1 << 20)) // block_bytes)
     chunk_bytes = chunk_blocks * block_bytes
@@ -245,8 +261,15 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         disk, disk_reserved = spilled * chunk_bytes, spilled * (-(-chunk_bytes // 4096) * 4096)
         host, host_chunks = host - disk, kept
     reserved = host_chunks * chunk_bytes
+    from .cache.persist import selector_spec
+
+    try:
+        level = selector_spec(selector)
+    except ValueError:
+        level = repr(selector)
     return Plan("offload", batch, context_tokens, device + admitted_kv, summaries, host, reserved, admitted_kv,
-                admitted * chunk_bytes, disk_kv_bytes=disk, disk_reserved_bytes=disk_reserved)  # fmt: skip
+                admitted * chunk_bytes, disk_kv_bytes=disk, disk_reserved_bytes=disk_reserved,
+                summary_selector=level)  # fmt: skip
 
 
 def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: int, config: OffloadConfig,

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_offload import OffloadCache, OffloadConfig
-from hf_offload.planner import ModelShape, largest_batch, plan, shape_from_config
+from hf_offload.planner import GIB, ModelShape, largest_batch, plan, shape_from_config
 
 from .helpers import TINY_BLOCKS, build_model, left_padded
 
@@ -281,3 +281,48 @@ def test_largest_batch_counts_the_disk_tier():
     assert more > base
     p = plan(shape, 131072, more, "offload", disk)
     assert p.host_reserved_bytes <= host and 0 < p.disk_reserved_bytes <= 1 << 40
+
+
+@pytest.mark.parametrize("share", [1.5, 0.95, 0.6])  # the default's summaries fit / the first level / plain quantkey
+def test_the_summary_level_a_bound_forces_is_predicted(share):
+    """Under a device_memory_gib that the default's summaries do not fit, the cache re-encodes them at a coarser
+    level (coarsen_summaries); the planner names the level the cache ends at and predicts its summary bytes."""
+    model = build_model("llama")
+    ids, mask = left_padded([61, 40, 52], seed=11)
+
+    def run(config):
+        cache = OffloadCache(model, config=config)
+        with torch.no_grad(), __import__("warnings").catch_warnings():
+            __import__("warnings").simplefilter("ignore", RuntimeWarning)
+            model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=7, do_sample=False)
+        return cache
+
+    probe = run(OffloadConfig(budget_tokens=48, admission="always", **SMALL))
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in probe.offload_layers)
+    summaries = probe.stats()["device_summary_bytes"]
+    config = OffloadConfig(budget_tokens=48, admission="auto", **SMALL,
+                           device_memory_gib=(buffers - summaries + share * summaries) / 2**30)  # fmt: skip
+    cache = run(config)
+    stats = cache.stats()
+    predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
+    assert predicted.summary_selector == stats["selector"]
+    assert predicted.device_summary_bytes == stats["device_summary_bytes"]
+    assert (stats["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]") == (share >= 1)
+    fixed = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload",
+                 config.replace(coarsen_summaries=False))  # fmt: skip
+    assert fixed.summary_selector == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert fixed.device_summary_bytes == summaries
+
+
+def test_coarser_summaries_let_a_small_device_run_larger_batches():
+    shape = ModelShape(full_layers=32, sliding_layers=0, sliding_window=None, kv_heads=8, head_dim=128)
+    free = int(9 * GIB)  # a 24 GiB device less 8B weights
+    config = OffloadConfig(budget_tokens=2048)
+    coarse = largest_batch(shape, 131072, "offload", free, int(1e12), config)
+    fine = largest_batch(shape, 131072, "offload", free, int(1e12), config.replace(coarsen_summaries=False))
+    assert coarse > fine >= 1
+    level = plan(shape, 131072, coarse, "offload", config, device_free_bytes=free)
+    assert level.summary_selector == "quantkey" and level.peak_device_bytes <= free
+    assert plan(shape, 131072, fine, "offload", config, device_free_bytes=free).summary_selector == (
+        "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    )

@@ -31,8 +31,8 @@ bounded number of blocks per step, like the recall, instead of every block.
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
@@ -118,7 +118,7 @@ class QuantKeySelector(Selector):
         """
         return quantize_keys(keys, self.bits)
 
-    def coarser(self) -> "QuantKeySelector | None":
+    def coarser(self) -> QuantKeySelector | None:
         """The next coarser summary level: keys at half the bits, down to 2; then no estimate of the unselected
         blocks (the values' summaries dropped). From the default, ``quantkey[bits=4,tail_bits=2,tail_near=3]``
         (``20·H·D`` bytes per 16-token block, bf16): ``quantkey[bits=2,tail_bits=2,tail_near=3]`` (``16·H·D``),

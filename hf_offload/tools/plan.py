@@ -52,7 +52,7 @@ def load_shape(model: str) -> ModelShape:
         raise ValueError(f"Unknown model {model!r}: did you mean the preset {close[0]!r}? Pass {what}.")
     try:
         return shape_from_config(AutoConfig.from_pretrained(model))
-    except Exception as err:  # noqa: BLE001 -- the hub and config errors differ by version; all mean the same here
+    except Exception as err:
         raise ValueError(f"Could not read the config of {model!r} ({type(err).__name__}: {str(err)[:200]}). "
                          f"Pass {what}.") from err
 
@@ -84,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-gib", type=float, default=None,
                         help="with --host-gib: a disk tier of this many GiB takes the blocks past --host-gib "
                         "(OffloadCache(host_memory_gib=HOST_GIB, disk_dir=..., disk_memory_gib=DISK_GIB))")
+    parser.add_argument("--gpus", type=float, nargs="+", default=None, metavar="GIB",
+                        help="what runs on devices of these sizes (e.g. 24 48 80): per size, the largest batch at "
+                        "--context with the defaults, the summary level it takes, and the every-block-on-the-device "
+                        "batch")  # fmt: skip
     args = parser.parse_args(argv)
     if args.disk_gib is not None and args.host_gib is None:
         parser.error("--disk-gib needs --host-gib (the disk tier takes what is past host_memory_gib)")
@@ -108,8 +112,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{p.device_summary_bytes / GIB:14.2f} {p.step_transient_bytes / GIB:9.2f} {p.host_kv_bytes / GIB:12.2f} "
               f"{p.host_reserved_bytes / GIB:18.2f}" + (f" {p.disk_kv_bytes / GIB:12.2f}" if disk else ""))  # fmt: skip
     print("(dense: DynamicCache; static: StaticCache; step: what a decode step allocates beyond the cache)")
+    p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
+    if p.summary_selector != _spec(config.selector):
+        print(f"\nsummaries: the configured {_spec(config.selector)!r} would not fit beside the cache's other device "
+              f"bytes; the cache re-encodes them at {p.summary_selector!r} (coarsen_summaries; docs/tuning.md, "
+              "'Summaries that fit')")  # fmt: skip
     if device_free is not None and args.admission == "auto":
-        p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
         suggest = suggested_device_memory_gib(shape, args.context, args.batch, config, device_free, args.margin_gib)
         print(f"\nadmission='auto': {p.admitted_reserved_bytes / GIB:.2f} GiB admitted, "
               f"{(device_free - p.device_bytes) / GIB:.2f} GiB of the device left after weights and cache; to leave "
@@ -129,7 +137,42 @@ def main(argv: list[str] | None = None) -> int:
               + (f" (device_memory_gib={gib:.1f})" if resident else "")
               + "\n(past that batch a decode step reads the blocks it selects from host memory, at PCIe speed: "
               "usually the fastest decode is at the every-block-on-the-device batch)")  # fmt: skip
+    if args.gpus:
+        _print_gpus(shape, args, config)
     return 0
+
+
+def _spec(selector) -> str:
+    from ..cache.persist import selector_spec
+    from ..selectors import get_selector
+
+    return selector_spec(get_selector(selector))
+
+
+def _print_gpus(shape, args, config: OffloadConfig) -> None:
+    """``--gpus``: per device size, the largest batch at the context (host memory unbounded unless --host-gib),
+    its summary level, and the every-block-on-the-device batch."""
+    weights = shape.weights_bytes or 0
+    host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
+    print(f"\nwhat runs at {args.context:,} tokens (weights {weights / GIB:.1f} GiB, admission={args.admission!r}, "
+          f"budget {args.budget}{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}):")  # fmt: skip
+    fine = config.replace(coarsen_summaries=False)
+    print(f"  {'device GiB':>10s} {'dense':>6s} {'offload':>8s}  {'summaries at that batch':40s} "
+          f"{'configured summaries':>20s} {'resident':>8s}")  # fmt: skip
+    for gib in args.gpus:
+        free = int(gib * GIB) - weights
+        if free <= 0:
+            print(f"  {gib:10g}  the weights alone do not fit")
+            continue
+        dense = largest_batch(shape, args.context, "dense", free, host_free, config)
+        batch = largest_batch(shape, args.context, "offload", free, host_free, config)
+        level = plan(shape, args.context, max(batch, 1), "offload", config, device_free_bytes=free).summary_selector
+        kept = largest_batch(shape, args.context, "offload", free, host_free, fine)
+        resident = largest_resident_batch(shape, args.context, free, config, args.margin_gib)
+        print(f"  {gib:10g} {dense:6d} {batch:8d}  {level if batch else '-':40s} {kept:20d} {resident:8d}")
+    print("  (offload: the largest batch, its summaries coarsened where they must be; configured summaries: the "
+          "largest batch without that, coarsen_summaries=False; resident: every block on the device with a margin of "
+          "--margin-gib, past it a decode step reads its misses from host memory)")
 
 
 if __name__ == "__main__":

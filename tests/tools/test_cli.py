@@ -82,3 +82,20 @@ def test_plan_names_the_resident_batch_and_rejects_a_mistyped_preset(capsys):
         main(["plan", "llama-8b", "--context", "65536"])
     err = capsys.readouterr().err
     assert "did you mean the preset 'llama-3.1-8b'" in err
+
+
+def test_plan_says_what_runs_on_several_devices_and_the_summary_level(capsys):
+    from hf_offload import OffloadConfig
+    from hf_offload.planner import largest_batch, plan, shape_from_preset
+
+    args = ["plan", "llama-3.1-8b", "--context", "131072", "--batch", "4", "--device-gib", "24", "--gpus", "24", "80"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "the cache re-encodes them at 'quantkey'" in out  # 4 x 128K of the default's summaries: 20 GiB
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("24 ", "80 "))]
+    shape, config = shape_from_preset("llama-3.1-8b"), OffloadConfig(budget_tokens=2048)
+    for row in rows:
+        free = int(float(row[0]) * 2**30) - shape.weights_bytes
+        batch = largest_batch(shape, 131072, "offload", free, int(1e9 * 2**30), config)
+        assert int(row[2]) == batch and row[3] == plan(shape, 131072, batch, "offload", config, free).summary_selector
+    assert len(rows) == 2 and int(rows[1][2]) > int(rows[0][2])

@@ -1,0 +1,215 @@
+"""Summaries that outgrow the device room are re-encoded at the selector's next coarser level
+(``OffloadConfig.coarsen_summaries``) instead of failing: the levels, the re-encoding, and a cache that goes on."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache
+from hf_offload.kernels.quant import dequantize_keys
+from hf_offload.selectors import QuantKeySelector, get_selector
+from hf_offload.selectors.base import Selector
+
+from ..helpers import TINY_PREFILL as SMALL
+from ..helpers import build_model, left_padded
+
+NEW_TOKENS = 8
+
+
+def _generate(model, ids, mask, cache, new_tokens=NEW_TOKENS):
+    with torch.no_grad():
+        return model.generate(
+            input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens, do_sample=False
+        )
+
+
+def _summary_free_bound(model, ids, mask, share: float, **settings) -> float:
+    """A ``device_memory_gib`` that holds a cache's device buffers other than its summaries plus ``share`` of the
+    default selector's summaries (measured on a cache filled without a bound)."""
+    probe = OffloadCache(model, **settings)
+    _generate(model, ids, mask, probe, new_tokens=2)
+    layers = probe.offload_layers
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in layers)
+    summaries = sum(layer.blocks.device_summary_bytes() for layer in layers)
+    return (buffers - summaries + share * summaries) / 2**30
+
+
+def _coarsened_generate(model, ids, mask, **settings):
+    cache = OffloadCache(model, **settings)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = _generate(model, ids, mask, cache)
+    messages = [str(w.message) for w in caught if "block summaries no longer fit" in str(w.message)]
+    return cache, out, messages
+
+
+# --------------------------------------------------------------------------------------------------------- levels
+def test_the_default_selector_coarsens_in_two_levels_then_stops():
+    default = get_selector("quantkey[bits=4,tail_bits=2,tail_near=3]")
+    first = default.coarser()
+    assert (first.bits, first.tail_bits, first.tail_near) == (2, 2, 3)
+    second = first.coarser()
+    assert (second.bits, second.tail_bits, second.tail_near, second.tail_far) == (2, 0, 0.0, "near")
+    assert second.coarser() is None
+    assert get_selector("quantkey[bits=8]").coarser().bits == 4
+    assert get_selector("meanbound").coarser() is None  # no coarser level: the cache raises as before
+    assert Selector().coarser() is None
+
+    class OwnSummaries(QuantKeySelector):
+        def summarize(self, keys):
+            return super().summarize(keys)
+
+    assert OwnSummaries(bits=4).coarser() is None  # summaries of its own: no conversion known
+
+
+@pytest.mark.parametrize("head_dim", [16, 10])
+def test_recoded_keys_stay_within_both_quantization_steps(head_dim):
+    torch.manual_seed(0)
+    fine = get_selector("quantkey[bits=4,tail_bits=2,tail_near=3]")
+    batch, n, heads, tokens, capacity = 2, 5, 3, 8, 7
+    keys = torch.randn(batch, n, heads, tokens, head_dim)
+    values = torch.randn(batch, n, heads, tokens, head_dim)
+    made = {**fine.summarize(keys), **fine.summarize_values(values)}
+    buffers = {name: torch.zeros((batch, capacity, *t.shape[2:]), dtype=t.dtype) for name, t in made.items()}
+    for name, t in made.items():
+        buffers[name][:, :n] = t
+    coarse = fine.coarser()
+    recoded = fine.coarsen_summaries(buffers, coarse, head_dim, n)
+    assert set(recoded) == set(buffers)
+    fresh = {**coarse.summarize(keys), **coarse.summarize_values(values)}
+    for name, t in recoded.items():
+        assert t.shape == (batch, capacity, *fresh[name].shape[2:]) and t.dtype == fresh[name].dtype
+        assert not t[:, n:].any()  # zeros past the sealed blocks, as a grown buffer has
+    assert recoded["vcodes"] is buffers["vcodes"]  # the values keep their 2 bits: not copied
+    for prefix, x, bits_f, bits_c in (("", keys, 4, 2), ("v", values, 2, 2)):
+        low, step = ("kmin", "kstep") if not prefix else ("vmin", "vstep")
+        deq_f = dequantize_keys(buffers[f"{prefix}codes"][:, :n], buffers[low][:, :n], buffers[step][:, :n], bits_f)
+        deq_c = dequantize_keys(recoded[f"{prefix}codes"][:, :n], recoded[low][:, :n], recoded[step][:, :n], bits_c)
+        step_f = buffers[step][:, :n, :, None, :head_dim]
+        step_c = recoded[step][:, :n, :, None, :head_dim]
+        err = (deq_c[..., :head_dim] - x).abs()
+        assert (err <= step_c / 2 + step_f / 2 + 1e-5).all()
+        assert (deq_f[..., :head_dim] - x).abs().max() > 0  # the fine level is lossy too: the bound is not vacuous
+    dropped = coarse.coarsen_summaries(recoded, coarse.coarser(), head_dim, n)
+    assert set(dropped) == {"codes", "kmin", "kstep"} and dropped["codes"] is recoded["codes"]
+    with pytest.raises(ValueError, match="tail_bits"):
+        coarse.coarser().coarsen_summaries(dropped, coarse, head_dim, n)
+
+
+# ----------------------------------------------------------------------------------------------- a cache goes on
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3"])
+def test_a_bound_too_small_for_the_default_summaries_coarsens_and_stays_exact(arch):
+    model = build_model(arch)
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(budget_tokens=4096, admission="auto", **SMALL)
+    gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache, got, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
+    assert torch.equal(got, expected)
+    stats = cache.stats()
+    assert [(e["from"], e["to"]) for e in stats["summary_levels"]] == [
+        ("quantkey[bits=4,tail_bits=2,tail_near=3.0]", "quantkey[tail_bits=2,tail_near=3.0]"),
+        ("quantkey[tail_bits=2,tail_near=3.0]", "quantkey"),
+    ]
+    assert stats["selector"] == "quantkey" and cache.config.selector == "quantkey"
+    assert len(messages) == 2 and "re-encoded from" in messages[0] and "coarsen_summaries=False" in messages[0]
+    for layer in cache.offload_layers:
+        assert set(layer.blocks.summary_store) == {"codes", "kmin", "kstep"}
+        assert layer.selector is cache.selector and layer.blocks.selector is cache.selector
+        assert layer.planner.selector is cache.selector and layer.graphs.selector is cache.selector
+    admission = cache.offload_layers[0].blocks.host.admission
+    assert admission.cache_bytes() <= admission.limit_bytes
+
+
+def test_without_coarsening_the_same_bound_raises_what_to_change():
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(budget_tokens=4096, admission="auto", **SMALL)
+    gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
+    cache = OffloadCache(model, device_memory_gib=gib, coarsen_summaries=False, **settings)
+    with pytest.raises(MemoryError, match=r"device_memory_gib=.*cannot hold.*coarsen_summaries=True"):
+        _generate(model, ids, mask, cache)
+    with pytest.raises(ValueError, match="coarsen_summaries must be True or False"):
+        OffloadCache(model, coarsen_summaries="yes")
+
+
+def test_summaries_held_are_recoded_when_a_later_growth_does_not_fit():
+    # 8-token blocks: the summaries grow by 256 blocks (2,048 tokens) at a time, so a 2,100-token prompt grows them
+    # once while the first 256 blocks are held at the fine level; a bound between the two levels' bytes makes that
+    # growth coarsen what is held.
+    model = build_model("llama")
+    ids, mask = left_padded([2100, 2060], seed=5)
+    settings = dict(budget_tokens=64, block_tokens=8, sink_tokens=8, window_tokens=8, admission="auto")
+    gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
+    cache, got, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
+    levels = cache.stats()["summary_levels"]
+    assert [e["to"] for e in levels] == ["quantkey[tail_bits=2,tail_near=3.0]", "quantkey"]
+    assert levels[0]["summary_bytes_before"] > 0 and levels[-1]["summary_bytes_after"] < levels[0]["summary_bytes_before"]
+    assert got.shape == (2, ids.shape[1] + NEW_TOKENS)
+    # Every held summary is the coarse level's encoding of the keys it summarises, within both levels' steps.
+    for layer in cache.offload_layers:
+        store = layer.blocks
+        keys, _ = store.sealed_kv(store.n_blocks)  # [batch, kv_heads, n * T, head_dim]
+        b, h, _, d = keys.shape
+        keys = keys.view(b, h, store.n_blocks, 8, d).transpose(1, 2)
+        s = store.summaries
+        deq = dequantize_keys(s["codes"], s["kmin"], s["kstep"], 2)[..., :d]
+        # fine step: (max - min) / 15; coarse step: (max - min) / 3 (of the dequantized keys, at most the keys' own)
+        span = (keys.amax(dim=3) - keys.amin(dim=3))[:, :, :, None]
+        assert ((deq - keys).abs() <= span / 6 + span / 30 + 1e-5).all()
+    # It decodes on at the coarse level: the same tokens as a cache made at that level, refilled with these keys?
+    # Not identical (blocks sealed before the switch were re-encoded from 4-bit codes); what must hold is that its
+    # output continues the dense one's first token (prefill is exact whatever the summaries).
+    dense = _generate(model, ids, mask, DynamicCache(config=model.config), new_tokens=1)
+    assert torch.equal(got[:, : dense.shape[1]], dense)
+
+
+def test_reset_goes_back_to_the_configured_level_and_copies_keep_the_coarse_one(tmp_path):
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(budget_tokens=4096, admission="auto", **SMALL)
+    gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
+    cache, _, _ = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
+    follow, _ = left_padded([6, 6], seed=7)
+    path = tmp_path / "coarse.safetensors"
+    cache.save(path)
+    copies = [__import__("copy").deepcopy(cache), OffloadCache.load(path, model)]
+    for other in copies:
+        assert other.selector == cache.selector and other.config.selector == "quantkey"
+    # Each continues the same way as the cache itself.
+    full_ids = torch.cat([_generate(model, ids, mask, DynamicCache(config=model.config)), follow], dim=1)
+    full_mask = torch.cat([mask, torch.ones((2, full_ids.shape[1] - mask.shape[1]), dtype=mask.dtype)], dim=1)
+    outs = [_generate(model, full_ids, full_mask, c, new_tokens=3) for c in (cache, *copies)]
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    cache.reset()
+    assert cache.stats()["summary_levels"] == []
+    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert all(layer.selector is cache.selector for layer in cache.offload_layers)
+    assert cache.config.selector == "quantkey[bits=4,tail_bits=2,tail_near=3]"
+    _generate(model, ids, mask, cache)  # and fills again, coarsening again under the same bound
+    assert cache.stats()["selector"] == "quantkey"
+
+
+def test_a_fork_of_a_coarsened_cache_reads_the_coarse_summaries():
+    # A fork's device buffers count under its prefix's bound, so the coarsening is called directly here.
+    model = build_model("qwen2")
+    ids, mask = left_padded([45, 30], seed=4)
+    cache = OffloadCache(model, budget_tokens=24, **dict(SMALL, pool_tokens=24))
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    with pytest.warns(RuntimeWarning, match="re-encoded from"):
+        assert cache._shared.coarsen_summaries()
+    fork = cache.fork(batch=4)
+    assert fork.selector == cache.selector and fork.selector is not cache.selector
+    assert set(fork.offload_layers[0].blocks.summary_store) == set(cache.offload_layers[0].blocks.summary_store)
+    step = torch.tensor([[5], [6]])
+    step_mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        want = model(input_ids=step, attention_mask=step_mask, past_key_values=cache).logits
+        got = model(input_ids=step.repeat_interleave(2, 0), attention_mask=step_mask.repeat_interleave(2, 0),
+                    past_key_values=fork).logits  # fmt: skip
+    torch.testing.assert_close(got, want.repeat_interleave(2, 0))
