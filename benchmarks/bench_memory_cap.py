@@ -138,6 +138,9 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         row["host_kv_gib"] = stats["host_kv_bytes"] / GIB
         row["device_kv_gib"] = stats["device_kv_bytes"] / GIB
         row["hit_rate"] = stats.get("hit_rate")
+        row["device_summary_gib"] = stats["device_summary_bytes"] / GIB
+        row["selector"] = stats.get("selector")  # the summary level in use (coarsen_summaries)
+        row["summary_levels"] = stats.get("summary_levels")
         admission = next(iter(cache._shared.admissions.values()), None)
         if admission is not None:
             row["admitted_gib"] = admission.admitted_bytes / GIB
@@ -265,7 +268,7 @@ def main(argv=None) -> int:
     result = {"metadata": run_metadata(args, note=workload), "workload": workload, "cap_gib": args.cap_gib,
               "weights_gib": torch.cuda.memory_allocated(device) / GIB, "runs": [], "skipped": []}  # fmt: skip
     print(f"{'cache':9s} {'batch':>5s} {'ok':>3s} {'ttft s':>7s} {'1st step s':>10s} {'tok/s':>8s} {'peak GiB':>9s} "
-          f"{'host KV GiB':>11s} {'hit':>5s}")  # fmt: skip
+          f"{'host KV GiB':>11s} {'hit':>5s} summaries")  # fmt: skip
     for batch in args.batches:
         for kind in args.caches:
             if time.perf_counter() - start > args.max_seconds:
@@ -278,7 +281,7 @@ def main(argv=None) -> int:
             print(f"{kind:9s} {batch:5d} {'yes' if r['ok'] else 'no':>3s} {r.get('ttft_s', float('nan')):7.2f} "
                   f"{r.get('first_decode_step_s', float('nan')):10.3f} {r.get('decode_tok_s', float('nan')):8.1f} "
                   f"{r['peak_device_gib']:9.2f} {r.get('host_kv_gib', float('nan')):11.2f} "
-                  f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('error', '')[:90]}")  # fmt: skip
+                  f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('selector') or '-'} {r.get('error', '')[:90]}")  # fmt: skip
     if args.soak:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         positions = max(args.soak_lengths) + 64

@@ -157,8 +157,8 @@ class DeviceResources:
         warnings.warn(
             f"The block summaries no longer fit the device at {tokens} tokens per sequence: re-encoded from "
             f"{old!r} ({before / (1 << 20):.1f} MiB) to {new!r} ({after / (1 << 20):.1f} MiB); decoding goes on at "
-            "that level (docs/tuning.md, 'Summaries that fit', has each level's accuracy). cache.reserve(tokens) "
-            "before the prompt, a larger device_memory_gib, a smaller batch or context keeps the finer level; "
+            "that level (docs/tuning.md, 'Summaries that fit', has each level's accuracy). More device memory for the "
+            "cache (device_memory_gib), a smaller batch or a shorter context keeps the finer level; "
             "coarsen_summaries=False raises MemoryError instead.",
             RuntimeWarning,
             stacklevel=2,
