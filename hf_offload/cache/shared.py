@@ -109,16 +109,16 @@ class DeviceResources:
         return self.admissions[device]
 
     def restore_level(self) -> None:
-        """After a reset (no summaries held): the selector the cache was built with again, if the summaries had been
-        coarsened."""
-        if not self.coarsenings:
-            return
+        """After a reset (no summaries held): the selector the cache was built with again, in every layer (also in
+        those a coarsening that failed part-way had reached)."""
         spec, selector = self.initial
-        self.selector = selector
-        self.config = self.config.replace(selector=spec)
+        if self.selector is not selector:
+            self.selector = selector
+            self.config = self.config.replace(selector=spec)
         for layer in self.layers:
-            layer.set_selector(selector)
-            layer.set_config(self.config)
+            if layer.selector is not selector:
+                layer.set_selector(selector)
+                layer.set_config(self.config)
         self.coarsenings.clear()
 
     def coarsen_summaries(self) -> bool:

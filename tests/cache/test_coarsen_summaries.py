@@ -214,3 +214,58 @@ def test_a_fork_of_a_coarsened_cache_reads_the_coarse_summaries():
         got = model(input_ids=step.repeat_interleave(2, 0), attention_mask=step_mask.repeat_interleave(2, 0),
                     past_key_values=fork).logits  # fmt: skip
     torch.testing.assert_close(got, want.repeat_interleave(2, 0))
+
+
+def test_a_fault_part_way_through_a_coarsening_leaves_each_layer_whole(monkeypatch):
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache = OffloadCache(model, budget_tokens=4096, **SMALL)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers left-padded prompts
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    calls = []
+    recode = QuantKeySelector.coarsen_summaries
+
+    def failing(self, summaries, coarser, head_dim, n_blocks):
+        calls.append(n_blocks)
+        if len(calls) == 2:  # the second layer's re-encoding runs out of memory
+            raise torch.OutOfMemoryError("injected")
+        return recode(self, summaries, coarser, head_dim, n_blocks)
+
+    monkeypatch.setattr(QuantKeySelector, "coarsen_summaries", failing)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        cache._shared.coarsen_summaries()
+    first, second = cache.offload_layers
+    assert first.selector.bits == 2 and second.selector.bits == 4  # each layer whole, at its own level
+    for layer in (first, second):
+        store = layer.blocks.summary_store
+        assert store["codes"].shape[-1] * 8 // layer.selector.bits == store["kmin"].shape[-1]
+        assert layer.planner.selector is layer.selector and layer.blocks.selector is layer.selector
+    assert cache.stats()["summary_levels"] == []  # not reported as done
+    monkeypatch.setattr(QuantKeySelector, "coarsen_summaries", recode)
+    # It decodes on exactly (a budget covering the context), and the next coarsening completes the level.
+    step = _continue(model, ids, mask, cache, expected)
+    with pytest.warns(RuntimeWarning, match="re-encoded from"):
+        assert cache._shared.coarsen_summaries()
+    assert {layer.selector.bits for layer in cache.offload_layers} == {2} and cache.selector.bits == 2
+    _continue(model, ids, mask, cache, expected, start=step)
+    cache.reset()
+    assert all(layer.selector is cache.selector for layer in cache.offload_layers)
+    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert torch.equal(_generate(model, ids, mask, cache), expected)
+
+
+def _continue(model, ids, mask, cache, expected, start=0, steps=3):
+    """Feed the dense output's next ``steps`` tokens one by one from position ``start`` after the prompt and check
+    each step's greedy choice against it; returns the next start."""
+    width = ids.shape[1]
+    with torch.no_grad():
+        for i in range(start, start + steps):
+            token = expected[:, width + i : width + i + 1]
+            step_mask = torch.cat([mask, torch.ones((2, i + 1), dtype=mask.dtype)], dim=1)
+            position = step_mask.sum(-1, keepdim=True) - 1
+            logits = model(input_ids=token, attention_mask=step_mask, position_ids=position,
+                           past_key_values=cache).logits  # fmt: skip
+            assert torch.equal(logits[:, -1].argmax(-1), expected[:, width + i + 1])
+    return start + steps
