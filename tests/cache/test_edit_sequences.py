@@ -1,7 +1,8 @@
-"""Property test: random sequences of prefill chunks, decode steps, crops, batch edits, resets and forwards stopped
-after the first layer (rolled back); after each one
-the layer's KV re-assembled from every tier equals ``DynamicCache``'s after the same calls, bit for bit, and every
-host block is referenced exactly as counted (``Pair.check``).
+"""Property test: random sequences of prefill chunks, decode steps, crops, batch edits, resets, forwards stopped
+after the first layer (rolled back) and re-encodings of the summaries at a coarser level; after each one the layer's
+KV re-assembled from every tier equals ``DynamicCache``'s after the same calls, bit for bit, every host block is
+referenced exactly as counted, and the summaries are the layer's selector's, within their quantization steps of the
+KV (``Pair.check``).
 
 The default run draws a CI-sized sample; ``HF_OFFLOAD_PROPERTY_EXAMPLES=10000 python -m pytest
 tests/cache/test_edit_sequences.py`` is the long run.
@@ -10,6 +11,7 @@ tests/cache/test_edit_sequences.py`` is the long run.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +31,7 @@ OPS = st.one_of(
     st.tuples(st.just("reorder"), st.integers(0, 2**16)),  # reorder_cache (beam indices, repeats allowed)
     st.tuples(st.just("reset"), st.just(0)),
     st.tuples(st.just("fault"), st.integers(1, 20)),  # a forward of that many tokens stopped after the first layer
+    st.tuples(st.just("coarsen"), st.just(0)),  # the summaries re-encoded at the next coarser level, if any
 )
 
 
@@ -53,6 +56,10 @@ def _apply(pair: Pair, name: str, arg: int) -> None:
     elif name == "reset":
         pair.cache.reset()
         pair.ref = DynamicCache(config=pair.model.config)
+    elif name == "coarsen":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            pair.cache._shared.coarsen_summaries()
     elif name == "fault":
         pair.append(arg, layers=1)  # the forward stopped after layer 0: the reference never saw it
         assert pair.cache.get_seq_length() == length  # rolled back

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache
 from hf_offload.attention.handoff import take_handoff
+from hf_offload.kernels.quant import dequantize_keys
 
 from ..helpers import TINY_PREFILL as SMALL
 from ..helpers import build_model, left_padded
@@ -56,11 +57,32 @@ class Pair:
             assert store.block_table.shape == (self.batch, store.n_blocks)
             assert all(s.shape[:2] == (self.batch, store.n_blocks) for s in store.summaries.values())
             assert all(not s[:, store.n_blocks :].any() for s in store.summary_store.values())  # zeros past them
+            _check_summaries(layer, keys, values)
             # Every referenced host block is counted once per reference, and no other block is held.
             ids = store.block_table.flatten()
             unique, counts = torch.unique(ids, return_counts=True)
             assert torch.equal(store.host.refs(unique), counts.int())
             assert store.host.used_blocks == len(unique)
+
+
+def _check_summaries(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """The layer's summaries are its selector's (names), and each quantized key and value is within half a step of
+    its level, plus half a 4-bit step where it was re-encoded from 4-bit codes (``coarsen_summaries``), of the KV."""
+    store, selector = layer.blocks, layer.selector
+    n, T = store.n_blocks, store.block_tokens
+    names = {"codes", "kmin", "kstep"} | ({"vcodes", "vmin", "vstep"} if selector.tail_bits else set())
+    if not n:
+        return
+    assert set(store.summary_store) == names
+    pairs = [(keys, "codes", "kmin", "kstep", selector.bits)]
+    if selector.tail_bits:
+        pairs.append((values, "vcodes", "vmin", "vstep", selector.tail_bits))
+    for kv, codes, low, step, bits in pairs:
+        b, h, _, d = kv.shape
+        blocks = kv[:, :, : n * T].reshape(b, h, n, T, d).transpose(1, 2)  # [batch, n, heads, T, d]
+        got = dequantize_keys(store.summaries[codes], store.summaries[low], store.summaries[step], bits)[..., :d]
+        span = (blocks.amax(dim=3) - blocks.amin(dim=3))[:, :, :, None]
+        assert ((got - blocks).abs() <= span * (0.5 / ((1 << bits) - 1) + 0.5 / 15) + 1e-5).all()
 
 
 def test_crop_within_the_open_block_and_into_sealed_blocks():
