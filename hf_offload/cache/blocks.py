@@ -647,12 +647,15 @@ class BlockStore:
         every admitted chunk went back to the host), have the cache re-encode every layer's summaries at a coarser
         level (``coarsen_summaries``), as often as that helps; the growth itself then takes the new level's
         bytes (and raises ``MemoryError`` under ``device_memory_gib`` if even they do not fit)."""
+        # The room is that of the admission this store is registered with (a fork's is its prefix's: they share the
+        # host pools and their bound); the coarsening is this cache's own (its layers, its selector).
         admission = self.host.admission if self.is_initialized else None
         if admission is None or not self.config.coarsen_summaries:
             return
+        own = self.admission(self.device)
         while True:
             need = self._summary_growth_bytes(blocks)
-            if not need or admission.room_for(need) or not admission.coarsen_summaries():
+            if not need or admission.room_for(need) or own is None or not own.coarsen_summaries():
                 return
 
     def _summary_growth_bytes(self, blocks: int) -> int:

@@ -269,3 +269,30 @@ def _continue(model, ids, mask, cache, expected, start=0, steps=3):
                            past_key_values=cache).logits  # fmt: skip
             assert torch.equal(logits[:, -1].argmax(-1), expected[:, width + i + 1])
     return start + steps
+
+
+def test_a_fork_that_outgrows_the_shared_bound_coarsens_itself_not_its_prefix():
+    # A fork's device buffers count under its prefix's bound (they share the host pools); when the fork's summaries
+    # must grow past it, the fork's own layers move to the coarser level and the prefix keeps its own.
+    model = build_model("llama")
+    ids, _ = left_padded([2030], seed=9)
+    settings = dict(budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, admission="auto")
+    probe = OffloadCache(model, **settings)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=probe)
+    layers = probe.offload_layers
+    summaries = sum(layer.blocks.device_summary_bytes() for layer in layers)  # 256 blocks per layer, fine level
+    buffers = sum(layer.blocks.device_buffer_bytes() for layer in layers)
+    # The prefix and a fork of it at 256 blocks each, and a little more: not the fork's next 256 at the fine level.
+    gib = (2 * buffers + 0.5 * summaries) / 2**30
+    prefix = OffloadCache(model, device_memory_gib=gib, **settings)
+    with torch.no_grad():
+        model(input_ids=ids[:, :-1], past_key_values=prefix)  # generate() then feeds the prompt's last token
+    fork = prefix.fork()
+    expected = _generate(model, ids, None, DynamicCache(config=model.config), new_tokens=40)
+    with pytest.warns(RuntimeWarning, match="re-encoded from"):
+        got = _generate(model, ids, None, fork, new_tokens=40)  # crosses 2,048 tokens: 256 sealed blocks
+    assert torch.equal(got, expected)  # a budget covering the context: exact at any summary level
+    assert fork.stats()["summary_levels"] and fork.selector.bits == 2
+    assert prefix.stats()["summary_levels"] == [] and prefix.selector.bits == 4
+    assert all(layer.selector is prefix.selector for layer in prefix.offload_layers)
