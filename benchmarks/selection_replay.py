@@ -53,10 +53,34 @@ SELECTORS = ["dense", "oracle", "headwise", "solohead", "meanbound", "meanvar"]
 
 def make_selector(name: str):
     """The selector of a name as given on the command line: a registered name, or one with settings in brackets
-    (``union[share=0.5]``, ``quantkey[bits=4]``; see :func:`hf_offload.selectors.get_selector`)."""
+    (``union[share=0.5]``, ``quantkey[bits=4]``; see :func:`hf_offload.selectors.get_selector`); cache settings
+    after ``@`` (:func:`cache_settings`) are not part of it."""
     from hf_offload.selectors import get_selector
 
-    return get_selector(name)
+    return get_selector(name.split("@", 1)[0])
+
+
+def cache_settings(name: str) -> dict:
+    """``OffloadCache`` settings a method name carries after ``@``, comma-separated ``field=value`` pairs read as
+    numbers where they parse (``quantkey[bits=4,tail_bits=2]@max_budget_tokens=1024,missed_mass_target=0.05``:
+    the adaptive budget; ``@budget_tokens=1024``: a budget of its own instead of ``--budget``'s); ``{}`` without ``@``.
+    Checked by ``OffloadConfig`` like any keyword."""
+    if "@" not in name:
+        return {}
+    settings = {}
+    for pair in filter(None, (p.strip() for p in name.split("@", 1)[1].split(","))):
+        if "=" not in pair:
+            raise ValueError(f"Method {name!r}: write each cache setting after '@' as field=value, got {pair!r}.")
+        key, value = (part.strip() for part in pair.split("=", 1))
+        for kind in (int, float):
+            try:
+                settings[key] = kind(value)
+                break
+            except ValueError:
+                continue
+        else:
+            settings[key] = {"true": True, "false": False, "none": None}.get(value.lower(), value)
+    return settings
 
 
 # ----------------------------------------------------------------------------------------------------------- capture
@@ -229,7 +253,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seed", type=int, default=1, help="RULER seed (0 is the GPU report's)")
     parser.add_argument("--samples", type=int, default=12, help="samples per task (indices 0..samples-1)")
     parser.add_argument("--selectors", nargs="+", default=SELECTORS,
-                        help="dense, registered selectors, union[share=0.5,head_score=quest]")
+                        help="dense, registered selectors, union[share=0.5,head_score=quest]; cache settings after "
+                        "'@': quantkey[bits=4,tail_bits=2]@max_budget_tokens=1024,missed_mass_target=0.05")
     parser.add_argument("--budget", default="1/16")
     parser.add_argument("--budget-min", type=int, default=512)
     parser.add_argument("--fill-chunk", type=int, default=None, help="tokens per update in the fill (default: all)")
@@ -301,27 +326,33 @@ def main(argv=None) -> dict:
                       "capture_s": cap.get("capture_s"), "answers": {}, "scores": {}, "ids": {}}
                      for sample, cap, budget in zip(task_samples, caps, budgets)]
         for name in args.selectors:
+            settings = cache_settings(name)
+            own = settings.pop("budget_tokens", None)  # a method's own budget (@budget_tokens=N)
+            method_budgets = [own] * len(budgets) if own is not None else budgets
             if name == "dense":
                 ids_all = [cap["dense_ids"] for cap in caps]
             elif args.batch == 1:
                 ids_all = []
-                for sample, cap, budget in zip(task_samples, caps, budgets):
-                    ids, seconds = replay(model, tokenizer, sample, cap, make_selector(name), budget, args.fill_chunk)
+                for sample, cap, budget in zip(task_samples, caps, method_budgets):
+                    ids, seconds = replay(model, tokenizer, sample, cap, make_selector(name), budget, args.fill_chunk,
+                                          **settings)
                     ids_all.append(ids)
                     replay_s.setdefault(name, []).append(seconds)
             else:
-                if len(set(budgets)) != 1:
-                    raise ValueError(f"{task}: budgets differ between samples ({sorted(set(budgets))}); use --batch 1")
+                if len(set(method_budgets)) != 1:
+                    raise ValueError(f"{task}: budgets differ between samples ({sorted(set(method_budgets))}); use "
+                                     "--batch 1")  # fmt: skip
                 size = args.batch or len(caps)  # batches of --batch samples (0: all at once)
                 ids_all = []
                 for at in range(0, len(caps), size):
                     ids, seconds = replay_batch(model, tokenizer, task_samples[at : at + size], caps[at : at + size],
-                                                make_selector(name), budgets[0], args.fill_chunk)
+                                                make_selector(name), method_budgets[0], args.fill_chunk,
+                                                **settings)
                     ids_all.extend(ids)
                     replay_s.setdefault(name, []).extend([seconds / len(ids)] * len(ids))
                 for i in range(min(args.check_unbatched, len(caps))):
-                    one, _ = replay(model, tokenizer, task_samples[i], caps[i], make_selector(name), budgets[i],
-                                    args.fill_chunk)
+                    one, _ = replay(model, tokenizer, task_samples[i], caps[i], make_selector(name),
+                                    method_budgets[i], args.fill_chunk, **settings)
                     if one != ids_all[i]:
                         unbatched_diff.append((task, task_samples[i]["id"], name))
             for row, sample, ids in zip(task_rows, task_samples, ids_all):
@@ -374,7 +405,8 @@ def main(argv=None) -> dict:
             "replay": "OffloadCache(model, budget_tokens, selector) filled by each layer's update with the captured "
                       "KV (one-shot prefill), then greedy generate from prompt + first token for the task's "
                       "max_new_tokens - 1; scored with RULER's string_match_all",
-            "selectors": {n: repr(make_selector(n)) for n in args.selectors if n != "dense"},
+            "selectors": {n: repr(make_selector(n)) + (f" with {cache_settings(n)}" if cache_settings(n) else "")
+                          for n in args.selectors if n != "dense"},
         },
         timing=timing,
         means=means,

@@ -7,6 +7,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from benchmarks.selection_replay import (
+    cache_settings,
     capture_dense,
     fill_from_kv,
     make_selector,
@@ -102,3 +103,19 @@ def test_batched_replay_equals_one_at_a_time(tiny, selector):
     other_cap = capture_dense(model, _Tokenizer(), other)
     batched, _ = replay_batch(model, _Tokenizer(), [sample, other], [cap, other_cap], selector, 192)
     assert batched == [replay(model, _Tokenizer(), s, c, selector, 192)[0] for s, c in ((sample, cap), (other, other_cap))]
+
+
+def test_a_method_name_carries_cache_settings_after_an_at_sign(tiny):
+    name = "quantkey[bits=4,tail_bits=2,tail_near=3]@max_budget_tokens=192,missed_mass_target=0.05"
+    assert cache_settings(name) == {"max_budget_tokens": 192, "missed_mass_target": 0.05}
+    assert cache_settings("quantkey[bits=4]") == {}
+    assert make_selector(name) == make_selector("quantkey[bits=4,tail_bits=2,tail_near=3]")
+    with pytest.raises(ValueError, match="field=value"):
+        cache_settings("quantkey@max_budget_tokens")
+    # The settings reach the cache: an adaptive budget that takes more blocks than the fixed one answers otherwise
+    # or the same, and at a cap covering the context it is the dense answer.
+    model, sample, cap = tiny
+    wide, _ = replay(model, _Tokenizer(), sample, cap, make_selector(name), 64,
+                     **cache_settings(f"x@max_budget_tokens={PROMPT_TOKENS + NEW_TOKENS + 64},missed_mass_target=0.000001"))
+    assert wide == cap["dense_ids"]
+    assert cache_settings("streaming@budget_tokens=512") == {"budget_tokens": 512}  # main() takes it as the budget
