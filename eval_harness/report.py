@@ -13,7 +13,9 @@ resamples, fixed seed :data:`BOOTSTRAP_SEED`, each task and length resampled on 
 scored higher / the method scored higher / both equal. Samples pair by ``prompt_sha256`` where every record has one,
 else by sample id within task and length; a cell where dense and a method hold different samples is refused
 (``ValueError``). Methods whose results ran at another git commit or batch size than dense's (their files' headers)
-are named beside the tables. Nothing in the markdown is typed by hand.
+are named beside the tables. Where records carry the accuracy certificate (``missed_mass``), how it tracks the score
+each sample lost against dense (:func:`certificate_fit`: Spearman's rank correlation with a bootstrap interval, by
+quarters of the certificate). Nothing in the markdown is typed by hand.
 """
 
 from __future__ import annotations
@@ -183,6 +185,76 @@ def paired_bootstrap(
     return {c: summary([c]) for c in cells}, summary
 
 
+# --------------------------------------------------------------------------------- the certificate against scores
+@dataclass(frozen=True)
+class CertificateFit:
+    """How well the accuracy certificate (a sample's estimated missed attention mass) tracks the score it lost
+    against dense, over paired samples.
+
+    Attributes:
+        samples: paired samples with a certificate.
+        spearman: Spearman's rank correlation between the certificate and the loss (dense minus the method, points);
+            ``None`` where either is constant.
+        low, high: its 95% bootstrap interval (samples resampled with replacement); ``None`` with ``spearman``.
+        pearson: the linear correlation; ``None`` where either is constant.
+        quartiles: per quarter of the samples by certificate, lowest first: ``(samples, mean certificate, mean loss,
+            share of samples that lost points)``.
+    """
+
+    samples: int
+    spearman: float | None
+    low: float | None
+    high: float | None
+    pearson: float | None
+    quartiles: tuple[tuple[int, float, float, float], ...]
+
+
+def _ranks(x):
+    """Ranks from 1 of a float64 array, ties given their average rank."""
+    import numpy as np
+
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x), dtype=np.float64)
+    ranks[order] = np.arange(1, len(x) + 1)
+    values, inverse = np.unique(x, return_inverse=True)
+    sums = np.bincount(inverse, weights=ranks)
+    return (sums / np.bincount(inverse))[inverse]
+
+
+def _correlation(x, y) -> float | None:
+    import numpy as np
+
+    if len(x) < 2 or np.all(x == x[0]) or np.all(y == y[0]):
+        return None
+    return float(np.corrcoef(x, y)[0, 1])
+
+
+def certificate_fit(certificates: list[float], losses: list[float], resamples: int = BOOTSTRAP_RESAMPLES,
+                    seed: tuple = ()) -> CertificateFit:  # fmt: skip
+    """:class:`CertificateFit` of paired samples: each sample's certificate (``missed_mass["mean"]``) and its loss
+    (dense's score minus the method's, points). The interval resamples the samples (generator seeded by
+    :data:`BOOTSTRAP_SEED` and ``seed``); resamples whose ranks are constant are left out of it."""
+    import numpy as np
+
+    x, y = np.asarray(certificates, dtype=np.float64), np.asarray(losses, dtype=np.float64)
+    if x.shape != y.shape:
+        raise ValueError(f"certificate_fit: {len(x)} certificates for {len(y)} losses")
+    spearman = _correlation(_ranks(x), _ranks(y)) if len(x) else None
+    low = high = None
+    if spearman is not None:
+        rng = np.random.default_rng([BOOTSTRAP_SEED, *seed])
+        boot = [r for idx in rng.integers(0, len(x), size=(resamples, len(x)))
+                if (r := _correlation(_ranks(x[idx]), _ranks(y[idx]))) is not None]  # fmt: skip
+        if boot:
+            low, high = (float(v) for v in np.percentile(boot, [2.5, 97.5]))
+    quartiles = []
+    order = np.argsort(x, kind="mergesort")
+    for part in np.array_split(order, 4) if len(x) >= 4 else [order]:
+        if len(part):
+            quartiles.append((len(part), float(x[part].mean()), float(y[part].mean()), float((y[part] > 0).mean())))
+    return CertificateFit(len(x), spearman, low, high, _correlation(x, y), tuple(quartiles))
+
+
 def _fmt_diff(d: PairedDiff | None, of: int | None = None) -> str:
     if d is None:
         return "-"
@@ -297,6 +369,52 @@ class _Study:
                 if any(c != "-" for c in cells):
                     cells.append(_fmt_diff(average([(t, p) for p in self.points]), len(self.points)))
                     lines.append(f"| {_label(method, budget)} | {t} | " + " | ".join(cells) + " |")
+        return lines
+
+    def certificate_section(self) -> list[str]:
+        """Markdown lines of how the accuracy certificate tracks the score lost against dense (:func:`certificate_fit`),
+        per method whose records carry ``missed_mass``, per point and over all; none where no record carries it."""
+        dense = [r for r in self.results if r["method"] == DENSE]
+        methods = [c for c in self.columns if c[0] != DENSE]
+        by_prompt = all(r.get("prompt_sha256") for r in self.results)
+
+        def key(r):
+            return r["task"], self.axis(r), int(r["length"]), (r["prompt_sha256"] if by_prompt else str(r["sample_id"]))
+
+        base = {key(r): float(r["score"]) for r in dense}
+        rows = []
+        for method, budget in methods:
+            pairs = defaultdict(list)  # point -> [(certificate, loss)]
+            for r in self.results:
+                mean = (r.get("missed_mass") or {}).get("mean")
+                if (r["method"], r["budget"]) == (method, budget) and mean is not None and key(r) in base:
+                    pairs[self.axis(r)].append((float(mean), base[key(r)] - float(r["score"])))
+            if not pairs:
+                continue
+            for point in [*self.points, "all"]:
+                chosen = [p for q, ps in pairs.items() for p in ps] if point == "all" else pairs.get(point, [])
+                if chosen:
+                    import zlib
+
+                    fit = certificate_fit([c for c, _ in chosen], [d for _, d in chosen],
+                                          seed=(zlib.crc32(repr((method, budget, point)).encode()),))  # fmt: skip
+                    rows.append((_label(method, budget), point, fit))
+        if not rows:
+            return []
+        lines = ["", "## The accuracy certificate against the score lost", "",
+                 "Per sample: the estimated share of attention its decode steps left out (`missed_mass[\"mean\"]` of "
+                 "its `generate()` call) against the points it lost to dense on the same sample (dense minus the "
+                 "method). Spearman's rank correlation with a 95% bootstrap interval (samples resampled, "
+                 f"{BOOTSTRAP_RESAMPLES:,} times), the linear correlation, and the samples in four quarters by "
+                 "certificate, lowest first: mean certificate, mean loss in points, share of samples that lost points.",
+                 "", "| method | " + ("bucket" if self.by_bucket else "length") + " | samples | Spearman [interval] | "
+                 "Pearson | quarters: certificate / loss / share lost |", "|---|---:|---:|---|---:|---|"]  # fmt: skip
+        for label, point, fit in rows:
+            rho = "-" if fit.spearman is None else f"{fit.spearman:.2f}" + (
+                "" if fit.low is None else f" [{fit.low:.2f}, {fit.high:.2f}]")
+            quarters = "; ".join(f"{c:.3f} / {d:.1f} / {share:.2f}" for _, c, d, share in fit.quartiles)
+            lines.append(f"| {label} | {point if point == 'all' else _point(point)} | {fit.samples} | {rho} | "
+                         f"{_fmt(fit.pearson, 2)} | {quarters} |")  # fmt: skip
         return lines
 
     def axis(self, record: dict):
@@ -421,6 +539,7 @@ def render(study: str, results_dir="results", plot_file: str | None = None) -> s
         "[\"mean\"]` of each sample's batch: the selector's estimate, not a bound), mean over samples.",
     )  # fmt: skip
     lines += s.paired_section()
+    lines += s.certificate_section()
     if s.failed:
         groups: dict[tuple, list[dict]] = defaultdict(list)
         for e in s.failed:

@@ -88,3 +88,42 @@ def test_rendered_section_pairs_by_prompt_and_names_differing_runs(tmp_path):
 def test_no_dense_no_comparison(tmp_path):
     write_study(tmp_path, [({"git_commit": "aaaa"}, records("m", [100.0]))])
     assert "This study has no dense results" in render("s", tmp_path)
+
+
+def test_certificate_fit_ranks_losses_by_the_missed_mass():
+    from eval_harness.report import certificate_fit
+
+    rng = random.Random(3)
+    certificates = [rng.random() for _ in range(80)]
+    losses = [100.0 if c > 0.7 and rng.random() < 0.8 else 0.0 for c in certificates]  # losses where much is missed
+    fit = certificate_fit(certificates, losses)
+    assert fit.samples == 80 and fit.low < fit.spearman < fit.high and fit.low > 0.3
+    assert [q[0] for q in fit.quartiles] == [20] * 4
+    assert fit.quartiles[0][2] == 0.0 and fit.quartiles[-1][2] > 50 and fit.quartiles[-1][3] > 0.5
+    assert fit.quartiles[0][1] < fit.quartiles[-1][1]
+    unrelated = certificate_fit(certificates, [rng.choice([0.0, 100.0]) for _ in certificates])
+    assert unrelated.low < 0 < unrelated.high  # no relation: the interval covers zero
+    assert certificate_fit([0.1] * 5, [0.0] * 5).spearman is None  # constant: no correlation, no interval
+    assert certificate_fit(certificates, losses) == fit  # fixed seed
+    with pytest.raises(ValueError, match="certificates for"):
+        certificate_fit([0.1, 0.2], [0.0])
+
+
+def test_rendered_certificate_section_only_where_records_carry_it(tmp_path):
+    rng = random.Random(4)
+    dense_scores = [100.0] * 40
+    missed = [rng.random() * 0.3 for _ in range(40)]
+    method_scores = [0.0 if m > 0.2 else 100.0 for m in missed]
+    dense = records("dense", dense_scores)
+    other = [{**r, "missed_mass": {"mean": m, "max": m, "steps": 5}} for r, m in zip(records("m", method_scores), missed)]
+    write_study(tmp_path, [({"git_commit": "aaaa"}, dense + other)])
+    text = render("s", tmp_path)
+    assert "## The accuracy certificate against the score lost" in text
+    rows = [line for line in text.splitlines() if line.startswith("| m 1/16 |") and "Spearman" not in line]
+    cert = [line for line in rows if line.count("/") >= 8]
+    assert len(cert) == 2 and "| 40 |" in cert[0] and "| all |" in cert[1]  # the length and all
+    spearman = float(cert[1].split("|")[4].split()[0])
+    assert spearman > 0.7
+    (tmp_path / "plain").mkdir()
+    write_study(tmp_path / "plain", [({"git_commit": "aaaa"}, dense + records("m", method_scores))])
+    assert "accuracy certificate" not in render("s", tmp_path / "plain")
