@@ -143,8 +143,11 @@ def fill_from_kv(cache, kv: list[torch.Tensor], chunk: int | None = None) -> Non
                 layer.finish_step()
 
 
-def replay(model, tokenizer, sample: dict, cap: dict, selector, budget_tokens: int, fill_chunk=None, **offload):
-    """Greedy answer of ``sample`` with an ``OffloadCache`` filled from ``cap`` (see the module docstring).
+def replay(model, tokenizer, sample: dict, cap: dict, selector, budget_tokens: int, fill_chunk=None,
+           stats_out: dict | None = None, **offload):  # fmt: skip
+    """Greedy answer of ``sample`` with an ``OffloadCache`` filled from ``cap`` (see the module docstring);
+    ``stats_out``, if given, receives the cache's ``stats()`` after the decode (its ``missed_mass``: the sample's
+    accuracy certificate).
 
     Returns:
         ``(new_ids, seconds)``: the new tokens up to the first stop token (first token included) and the wall time
@@ -160,7 +163,10 @@ def replay(model, tokenizer, sample: dict, cap: dict, selector, budget_tokens: i
     fill_from_kv(cache, cap["kv"], fill_chunk)
     cont = dict(sample, input_ids=list(sample["input_ids"]) + [cap["first_token"]])
     (rest,), _ = _generate(model, tokenizer, [cont], cache, sample["max_new_tokens"] - 1, None)
-    return [cap["first_token"], *rest], time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if stats_out is not None:
+        stats_out.update(cache.stats())
+    return [cap["first_token"], *rest], seconds
 
 
 def replay_batch(model, tokenizer, samples: list[dict], caps: list[dict], selector, budget_tokens: int,
@@ -193,6 +199,24 @@ def replay_batch(model, tokenizer, samples: list[dict], caps: list[dict], select
     for i, ids in zip(live, rest):
         out[i] = [caps[i]["first_token"], *ids]
     return out, time.perf_counter() - start
+
+
+def certificate_summary(rows: list[dict], names: list[str]) -> dict:
+    """Per method replayed one sample per cache (``--batch 1``, whose rows carry each sample's ``missed_mass``): how
+    its accuracy certificate tracks the points each sample lost to dense (``eval_harness.report.certificate_fit``),
+    as a dict of its fields; methods without per-sample certificates are left out."""
+    import dataclasses
+
+    from eval_harness.report import certificate_fit
+
+    out = {}
+    for name in names:
+        pairs = [((r.get("missed_mass") or {}).get(name) or {}, r["scores"]["dense"] - r["scores"][name])
+                 for r in rows if name != "dense" and "dense" in r["scores"] and name in r["scores"]]  # fmt: skip
+        pairs = [(m["mean"], loss) for m, loss in pairs if m.get("mean") is not None]
+        if pairs:
+            out[name] = dataclasses.asdict(certificate_fit([m for m, _ in pairs], [loss for _, loss in pairs]))
+    return out
 
 
 def budget_for(sample: dict, share: str, minimum: int) -> int:
@@ -333,11 +357,13 @@ def main(argv=None) -> dict:
                 ids_all = [cap["dense_ids"] for cap in caps]
             elif args.batch == 1:
                 ids_all = []
-                for sample, cap, budget in zip(task_samples, caps, method_budgets):
+                for row, sample, cap, budget in zip(task_rows, task_samples, caps, method_budgets):
+                    stats: dict = {}
                     ids, seconds = replay(model, tokenizer, sample, cap, make_selector(name), budget, args.fill_chunk,
-                                          **settings)
+                                          stats_out=stats, **settings)
                     ids_all.append(ids)
                     replay_s.setdefault(name, []).append(seconds)
+                    row.setdefault("missed_mass", {})[name] = stats.get("missed_mass")  # this sample's certificate
             else:
                 if len(set(method_budgets)) != 1:
                     raise ValueError(f"{task}: budgets differ between samples ({sorted(set(method_budgets))}); use "
@@ -388,6 +414,10 @@ def main(argv=None) -> dict:
     print(f"{'average':18s} " + " ".join(f"{average[n]:12.1f}" for n in args.selectors))
     if agree:
         print(f"{'= dense tokens':18s} " + " ".join(f"{agree[n]:12.2f}" for n in args.selectors))
+    certificate = certificate_summary(rows, args.selectors)
+    for n, fit in certificate.items():
+        print(f"certificate {n}: {fit['samples']} samples, Spearman {fit['spearman']} [{fit['low']}, {fit['high']}] "
+              f"between the missed mass and the points lost to dense")  # fmt: skip
     timing = {"capture_s_per_sample": [r["capture_s"] for r in rows],
               "replay_s_per_sample": {n: sum(v) / len(v) for n, v in replay_s.items()}}
     print("replay s per sample: " + ", ".join(f"{n} {s:.1f}" for n, s in timing["replay_s_per_sample"].items()))
@@ -412,6 +442,7 @@ def main(argv=None) -> dict:
         means=means,
         average=average,
         equals_dense_tokens=agree,
+        certificate=certificate,
         full_budget_mismatches=mismatches if args.check_full_budget else None,
         batched_vs_unbatched_differences=unbatched_diff if args.check_unbatched else None,
         samples=rows,

@@ -119,3 +119,18 @@ def test_a_method_name_carries_cache_settings_after_an_at_sign(tiny):
                      **cache_settings(f"x@max_budget_tokens={PROMPT_TOKENS + NEW_TOKENS + 64},missed_mass_target=0.000001"))
     assert wide == cap["dense_ids"]
     assert cache_settings("streaming@budget_tokens=512") == {"budget_tokens": 512}  # main() takes it as the budget
+
+
+def test_one_sample_per_cache_records_its_certificate(tiny):
+    from benchmarks.selection_replay import certificate_summary
+
+    model, sample, cap = tiny
+    stats: dict = {}
+    ids, _ = replay(model, _Tokenizer(), sample, cap, make_selector("quantkey[bits=4,tail_bits=2,tail_near=3]"), 64,
+                    stats_out=stats)  # fmt: skip
+    assert stats["missed_mass"]["mean"] > 0 and stats["missed_mass"]["steps"] > 0
+    rows = [{"scores": {"dense": 100.0, "m": 100.0 - 50 * i}, "missed_mass": {"m": {"mean": 0.1 * i}}}
+            for i in range(3)]  # fmt: skip
+    summary = certificate_summary(rows, ["dense", "m"])
+    assert set(summary) == {"m"} and summary["m"]["samples"] == 3 and summary["m"]["spearman"] == pytest.approx(1.0)
+    assert certificate_summary([{"scores": {"dense": 1.0, "m": 0.0}}], ["dense", "m"]) == {}  # batched: none
