@@ -364,6 +364,7 @@ def main(argv=None) -> dict:
                     ids_all.append(ids)
                     replay_s.setdefault(name, []).append(seconds)
                     row.setdefault("missed_mass", {})[name] = stats.get("missed_mass")  # this sample's certificate
+                    row.setdefault("attended_blocks", {})[name] = stats.get("attended_blocks")  # per step, mean
             else:
                 if len(set(method_budgets)) != 1:
                     raise ValueError(f"{task}: budgets differ between samples ({sorted(set(method_budgets))}); use "
