@@ -296,3 +296,24 @@ def test_a_fork_that_outgrows_the_shared_bound_coarsens_itself_not_its_prefix():
     assert fork.stats()["summary_levels"] and fork.selector.bits == 2
     assert prefix.stats()["summary_levels"] == [] and prefix.selector.bits == 4
     assert all(layer.selector is prefix.selector for layer in prefix.offload_layers)
+
+
+@pytest.mark.triton
+def test_coarsened_summaries_through_the_kernel_path():
+    """The kernels read the re-encoded summaries (scoring, the estimate, the one-launch seal of plain quantkey): on
+    CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``). A budget covering the context: exact."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model("llama").to(device)
+    ids, mask = left_padded([45, 30], seed=4)
+    ids, mask = ids.to(device), mask.to(device)
+    settings = dict(budget_tokens=4096, admission="auto", transfer="kernel", cuda_graphs=False, **SMALL)
+    gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    cache, got, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
+    assert torch.equal(got, expected) and len(messages) == 2 and cache.stats()["selector"] == "quantkey"
+    for layer in cache.offload_layers:
+        assert layer.execution.use_kernels and layer.blocks.seal_is_one_launch()  # plain quantkey: one launch
+    # A sparse budget through the same path: the coarse level's scoring kernel selects, and decoding goes on.
+    sparse, out, _ = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **dict(settings, budget_tokens=24,
+                                                                                         pool_tokens=24))  # fmt: skip
+    assert out.shape == expected.shape and sparse.stats()["selector"] == "quantkey"
