@@ -65,6 +65,16 @@ def git_commit() -> str | None:
         return None
 
 
+_COMMIT_AT_START: list = []  # HEAD when this process first asked (its results record the code it started with)
+
+
+def _commit_at_start() -> str | None:
+    """:func:`git_commit` as it was at this process's first call (made at import), not when a long run ends."""
+    if not _COMMIT_AT_START:
+        _COMMIT_AT_START.append(git_commit())
+    return _COMMIT_AT_START[0]
+
+
 def _script() -> str:
     """The running script: its path relative to the repository where it lies inside it, else as given."""
     script = Path(sys.argv[0]).resolve()
@@ -93,7 +103,7 @@ def run_metadata(args, **extra) -> dict:
             "cpu_count": os.cpu_count(),
         },
         "versions": versions,
-        "git_commit": git_commit(),
+        "git_commit": _commit_at_start(),
         "script": _script(),
         "args": vars(args),
         **extra,
@@ -109,3 +119,6 @@ def write_results(path: str, payload: dict) -> None:
     part.write_text(json.dumps(payload, indent=1))
     os.replace(part, out)
     print(f"wrote {out}")
+
+
+_commit_at_start()  # at import, i.e. when a benchmark script starts
