@@ -353,6 +353,9 @@ def main(argv=None) -> dict:
             settings = cache_settings(name)
             own = settings.pop("budget_tokens", None)  # a method's own budget (@budget_tokens=N)
             method_budgets = [own] * len(budgets) if own is not None else budgets
+            if own is not None:  # the rows' budget_tokens is --budget's; this method's own is recorded beside it
+                for row in task_rows:
+                    row.setdefault("method_budget_tokens", {})[name] = own
             if name == "dense":
                 ids_all = [cap["dense_ids"] for cap in caps]
             elif args.batch == 1:
