@@ -201,6 +201,27 @@ def replay_batch(model, tokenizer, samples: list[dict], caps: list[dict], select
     return out, time.perf_counter() - start
 
 
+def print_paired(payloads: list[dict]) -> None:
+    """Per task, pooled over ``payloads`` (replays of the same methods, e.g. two RULER seeds): each method minus dense
+    and minus the first method named, in points, with a 95% paired bootstrap interval and the samples better / worse
+    (``eval_harness.report.pair_scores`` and ``paired_bootstrap``; samples pair by file and sample id)."""
+    from eval_harness.report import pair_scores, paired_bootstrap
+
+    names = list(payloads[0]["samples"][0]["scores"])
+    records = {n: [{"method": n, "task": r["task"], "sample_id": (i, r["sample_id"]), "score": r["scores"][n]}
+                   for i, p in enumerate(payloads) for r in p["samples"]] for n in names}  # fmt: skip
+    first = next((n for n in names if n != "dense"), None)
+    print(f"\npaired, pooled over {len(payloads)} file(s): method minus reference, points [95% interval] better/worse")
+    for ref in [n for n in ("dense", first) if n in names]:
+        for name in names:
+            if name == ref:
+                continue
+            per_cell, _ = paired_bootstrap(pair_scores(records[ref], records[name], lambda r: (r["task"], r["sample_id"])))
+            for task, d in per_cell.items():
+                print(f"  {task:18s} {name} minus {ref}: {-d.mean:+.1f} [{-d.high:+.1f}, {-d.low:+.1f}] "
+                      f"{d.method_higher}/{d.dense_higher}")
+
+
 def certificate_summary(rows: list[dict], names: list[str]) -> dict:
     """Per method replayed one sample per cache (``--batch 1``, whose rows carry each sample's ``missed_mass``): how
     its accuracy certificate tracks the points each sample lost to dense (``eval_harness.report.certificate_fit``),
@@ -291,14 +312,22 @@ def main(argv=None) -> dict:
     parser.add_argument("--check-unbatched", type=int, default=0,
                         help="with batches: also replay this many samples per task one at a time; must be equal")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--table", default=None, metavar="JSON", help="print the tables of a results file and stop")
+    parser.add_argument("--table", default=None, nargs="+", metavar="JSON",
+                        help="print the tables of results files, then their paired differences pooled over the files "
+                        "(per task: each method against dense and against the first method), and stop")
     args = parser.parse_args(argv)
     if args.table:
         import json
 
-        payload = json.loads(Path(args.table).read_text())
-        print_table(payload)
-        return payload
+        payloads = [json.loads(Path(path).read_text()) for path in args.table]
+        for payload in payloads:
+            print_table(payload)
+        print_paired(payloads)
+        pooled = certificate_summary([r for p in payloads for r in p["samples"]], list(payloads[0]["samples"][0]["scores"]))
+        for n, fit in pooled.items():
+            print(f"certificate {n}, pooled: {fit['samples']} samples, Spearman {fit['spearman']:.2f} "
+                  f"[{fit['low']:.2f}, {fit['high']:.2f}]")  # fmt: skip
+        return payloads[0] if len(payloads) == 1 else payloads
 
     from eval_harness.ruler import RulerSuite
     from hf_offload.tools.models import load

@@ -134,3 +134,24 @@ def test_one_sample_per_cache_records_its_certificate(tiny):
     summary = certificate_summary(rows, ["dense", "m"])
     assert set(summary) == {"m"} and summary["m"]["samples"] == 3 and summary["m"]["spearman"] == pytest.approx(1.0)
     assert certificate_summary([{"scores": {"dense": 1.0, "m": 0.0}}], ["dense", "m"]) == {}  # batched: none
+
+
+def test_table_pools_files_and_prints_paired_differences(tmp_path, capsys):
+    import json
+
+    from benchmarks.selection_replay import main
+
+    def payload(scores):
+        rows = [{"task": "fwe", "sample_id": f"0-{i}", "scores": {"dense": d, "a": a, "b": b},
+                 "ids": {"dense": [1], "a": [1], "b": [2]}} for i, (d, a, b) in enumerate(scores)]  # fmt: skip
+        return {"samples": rows, "setting": {"length": 8, "seed": 1, "budget": "1/16", "budget_min_tokens": 1},
+                "means": {"fwe": {n: 0.0 for n in ("dense", "a", "b")}}, "average": {n: 0.0 for n in ("dense", "a", "b")}}
+
+    paths = []
+    for i, scores in enumerate([[(100, 0, 100)] * 4, [(100, 0, 100)] * 4]):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(payload(scores)))
+    main(["--table", *map(str, paths)])
+    out = capsys.readouterr().out
+    assert "pooled over 2 file(s)" in out
+    assert "a minus dense: -100.0 [-100.0, -100.0] 0/8" in out and "b minus a: +100.0 [+100.0, +100.0] 8/0" in out
