@@ -5,7 +5,8 @@ Two questions, one run:
 * **cap**: with the process limited to ``--cap-gib`` of the device (``torch.cuda.set_per_process_memory_fraction``,
   what a 16 / 24 / 48 GiB GPU allows), which batches of a model at ``--context`` tokens run through ``generate()``
   (chunked prefill), with ``DynamicCache``, with the library's defaults (``OffloadCache(model, budget_tokens=B)``,
-  nothing else set) and with every block in host memory (``admission="always"``); per batch: time to first token,
+  nothing else set), with every block in host memory (``admission="always"``) and with ``DynamicCache(offloading=True)``
+  (``offloaded``); per batch: time to first token,
   steady decode tokens/s, peak device memory, host KV, hit rate, or the out-of-memory error.
 * **soak**: ``--soak N`` calls of ``generate()``, each with a fresh cache, alternating two batch sizes and two
   prompt lengths; device memory allocated after each call (and pinned host memory where torch reports it), so that
@@ -72,6 +73,8 @@ def make_cache(kind: str, model, budget: int):
 
     if kind == "dynamic":
         return DynamicCache(config=model.config)
+    if kind == "offloaded":  # transformers' own offloading: each layer's whole KV to the device and back per step
+        return DynamicCache(config=model.config, offloading=True)
     if kind == "defaults":
         return OffloadCache(model, budget_tokens=budget)
     if kind == "always":
@@ -98,7 +101,7 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
     ``tokenizer``); times, memory and cache stats."""
     from transformers import LogitsProcessorList
 
-    row = {"cache": kind, "batch": batch, "context": context, "new_tokens": new_tokens}
+    row = {"cache": kind, "batch": batch, "context": context, "new_tokens": new_tokens, "prefill_chunk": chunk}
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -148,6 +151,14 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
             row["margin_gib"] = admission.margin_bytes / GIB
     del cache
     return row
+
+
+def prefill_chunk(chunk: int, batch_tokens: int, batch: int) -> int:
+    """The prefill chunk of one ``generate()``: ``chunk``, or with ``batch_tokens`` that many tokens over the batch
+    (a multiple of 256, at least 256, at most ``chunk``)."""
+    if not batch_tokens:
+        return chunk
+    return max(256, min(chunk, batch_tokens // batch // 256 * 256))
 
 
 def _rss_mib() -> float:
@@ -228,11 +239,19 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--batches", type=int, nargs="*", default=[16, 48], help="batches of the cap sweep (none: soak only)"
     )
-    parser.add_argument("--caches", nargs="+", default=["dynamic", "defaults", "always"])
+    parser.add_argument(
+        "--caches", nargs="+", default=["dynamic", "defaults", "always"], choices=["dynamic", "offloaded", "defaults", "always"]
+    )
     parser.add_argument("--cap-gib", type=float, default=16.0, help="device memory the process may allocate")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument(
+        "--prefill-batch-tokens", type=int, default=0,
+        help="tokens of one prefill chunk over the whole batch: the chunk is this divided by the batch (a multiple of "
+             "256, at most --prefill-chunk), so that prefill activations stay the same size as the batch grows "
+             "(0: --prefill-chunk at every batch)",
+    )  # fmt: skip
     parser.add_argument("--soak", type=int, default=0, help="generate() calls of the soak (0: none)")
     parser.add_argument("--soak-lengths", type=int, nargs="+", default=[3000, 2000], help="prompt lengths of the soak")
     parser.add_argument(
@@ -274,8 +293,8 @@ def main(argv=None) -> int:
             if time.perf_counter() - start > args.max_seconds:
                 result["skipped"].append({"cache": kind, "batch": batch, "reason": "time budget"})
                 continue
-            r = run_generate(model, kind, batch, args.context, args.new_tokens, args.budget, args.prefill_chunk,
-                             device, tokenizer)  # fmt: skip
+            r = run_generate(model, kind, batch, args.context, args.new_tokens, args.budget,
+                             prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, batch), device, tokenizer)  # fmt: skip
             result["runs"].append(r)
             write_results(args.out, result)
             print(f"{kind:9s} {batch:5d} {'yes' if r['ok'] else 'no':>3s} {r.get('ttft_s', float('nan')):7.2f} "
