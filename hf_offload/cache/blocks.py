@@ -642,11 +642,13 @@ class BlockStore:
         blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
         return -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
 
-    def make_summary_room(self, blocks: int) -> None:
+    def make_summary_room(self, blocks: int, before_coarsening: Callable[[], None] | None = None) -> None:
         """Before the summary buffers grow to hold ``blocks`` blocks: if they would not fit the device room (after
         every admitted chunk went back to the host), have the cache re-encode every layer's summaries at a coarser
         level (``coarsen_summaries``), as often as that helps; the growth itself then takes the new level's
-        bytes (and raises ``MemoryError`` under ``device_memory_gib`` if even they do not fit)."""
+        bytes (and raises ``MemoryError`` under ``device_memory_gib`` if even they do not fit).
+        ``before_coarsening`` runs once before the first re-encoding (a load waits there for the summaries it is
+        still reading)."""
         # The room is that of the admission this store is registered with (a fork's is its prefix's: they share the
         # host pools and their bound); the coarsening is this cache's own (its layers, its selector).
         admission = self.host.admission if self.is_initialized else None
@@ -655,7 +657,12 @@ class BlockStore:
         own = self.admission(self.device)
         while True:
             need = self._summary_growth_bytes(blocks)
-            if not need or admission.room_for(need) or own is None or not own.coarsen_summaries():
+            if not need or admission.room_for(need) or own is None:
+                return
+            if before_coarsening is not None:
+                before_coarsening()
+                before_coarsening = None
+            if not own.coarsen_summaries():
                 return
 
     def _summary_growth_bytes(self, blocks: int) -> int:

@@ -886,11 +886,12 @@ def load_cache(cls, path: Path, model: torch.nn.Module, overrides: dict):
         _check_layers(file, layers, types, config.block_tokens)
         devices = _layer_devices(model)
         cache = cls(model, config=config)
+        saved_level = cache.selector  # the file's summaries are this level's; a small device may coarsen on load
         try:
             for i, layer_state in enumerate(layers):
                 device = devices.get(i, model.device)
                 if layer_state["kind"] == "offload":
-                    _load_offload(cache.layers[i], layer_state, file, f"layers.{i}", device)
+                    _load_offload(cache.layers[i], layer_state, file, f"layers.{i}", device, saved_level)
                 else:
                     cache.layers[i] = _load_sliding(layer_state, file, f"layers.{i}", device)
             file.verify()
@@ -943,16 +944,25 @@ def _check_layers(file: CacheFile, layers: list[dict], types: list[str], block_t
                 raise file._corrupted(f"summary {name!r} of layer {i} has shape {shape}")
 
 
-def _load_offload(layer, state: dict, file: CacheFile, prefix: str, device: torch.device) -> None:
+def _load_offload(layer, state: dict, file: CacheFile, prefix: str, device: torch.device, saved_level) -> None:
     """Fill an empty offloaded layer from the file: host blocks run by run, then the tables, summaries and the open
-    block (:meth:`~hf_offload.cache.blocks.BlockStore.adopt`)."""
+    block (:meth:`~hf_offload.cache.blocks.BlockStore.adopt`).
+
+    ``saved_level`` is the selector the file's summaries were made by. Where they would not fit the device room
+    (``device_memory_gib``, or the process's free memory under ``admission="auto"``), the cache coarsens as it does
+    while it fills (``coarsen_summaries``: the layers loaded so far re-encoded, the rest switched), and this layer's
+    summaries are re-encoded from the file's level to the cache's before they go to the device."""
     if state["batch"] is None:
         return
     dtype = getattr(torch, state["dtype"])
     empty = torch.empty(state["batch"], state["kv_heads"], 0, state["head_dim"], dtype=dtype, device=device)
     layer.initialize_like(empty, empty)
     store = layer.blocks
-    _check_summaries(store, state, file, prefix)
+    _check_summaries(store, state, file, prefix, saved_level)
+    if state["n_blocks"] and state["summaries"]:
+        # May coarsen the whole cache, this layer's selector included; the summaries of the layers loaded so far
+        # must be whole first (read by the hashing threads: verify() waits for them).
+        store.make_summary_room(state["n_blocks"], before_coarsening=file.verify)
     n_used = file.shapes[f"{prefix}.blocks"][0]
     # Run by run into the pool: with a disk tier, chunks of earlier runs spill while later ones are read.
     ids = file.fill(f"{prefix}.blocks", store.host)
@@ -960,7 +970,9 @@ def _load_offload(layer, state: dict, file: CacheFile, prefix: str, device: torc
     if index.numel() and not (0 <= int(index.min()) and int(index.max()) < n_used):
         raise file._corrupted(f"{prefix}.block_table refers to blocks past the {n_used} stored")
     open_k, open_v = file.read(f"{prefix}.open_keys"), file.read(f"{prefix}.open_values")  # in the file's order
-    keep = store.device.type == "cpu"  # summaries read straight into the store's buffers, else copied there
+    recode = store.selector != saved_level
+    # Summaries read straight into the store's buffers (CPU, the file's level kept), else copied there.
+    keep = store.device.type == "cpu" and not recode
     summaries = {}
     for name in state["summaries"]:
         key = f"{prefix}.summaries.{name}"
@@ -972,24 +984,35 @@ def _load_offload(layer, state: dict, file: CacheFile, prefix: str, device: torc
             summaries[name] = buffer
         else:
             summaries[name] = file.read(key)
+    level = saved_level
+    while recode and level != store.selector:  # on the host, layer by layer: one layer's summaries held twice at most
+        coarser = level.coarser()
+        if coarser is None:
+            raise RuntimeError(f"{prefix}: the cache's selector {store.selector!r} is not a coarser level of the "
+                               f"file's {saved_level!r}")  # fmt: skip
+        summaries = level.coarsen_summaries(summaries, coarser, store.head_dim, state["n_blocks"])
+        level = coarser
     store.adopt(store.refer(ids, index), summaries, open_k, open_v, state["n_tokens"], keep_summaries=keep)
 
 
-def _check_summaries(store, state: dict, file: CacheFile, prefix: str) -> None:
-    """Raise :class:`CacheFileError` unless the file's summaries are the ones the cache's selector makes (names,
-    dtypes, shapes per block)."""
+def _check_summaries(store, state: dict, file: CacheFile, prefix: str, saved_level) -> None:
+    """Raise :class:`CacheFileError` unless the file's summaries are the ones ``saved_level`` (the selector the file
+    names) makes (names, dtypes, shapes per block)."""
     if not state["n_blocks"]:
         return
     block = torch.zeros(store.batch, 1, store.kv_heads, store.block_tokens, store.head_dim, dtype=store.dtype,
                         device=store.device)  # fmt: skip
-    made = {name: (s.dtype, tuple(s.shape[2:])) for name, s in store.summaries_of(block, block).items()}
+    made = saved_level.summarize(block)
+    if saved_level.estimates_tail:
+        made.update(saved_level.summarize_values(block))
+    made = {name: (s.dtype, tuple(s.shape[2:])) for name, s in made.items()}
     saved = {}
     for name in state["summaries"]:
         saved[name] = (file.dtype(f"{prefix}.summaries.{name}"), file.shapes[f"{prefix}.summaries.{name}"][2:])
     if saved != made:
         raise CacheFileError(
             f"{file.path}: the block summaries of {prefix} ({sorted(saved)}) are not what selector "
-            f"{store.selector.name!r} makes now ({sorted(made)}): the selector changed since the file was written. "
+            f"{saved_level.name!r} makes now ({sorted(made)}): the selector changed since the file was written. "
             "Load it with the hf-offload that wrote it, or prefill the prompt again."
         )
 

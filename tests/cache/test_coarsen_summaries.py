@@ -317,3 +317,70 @@ def test_coarsened_summaries_through_the_kernel_path():
     sparse, out, _ = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **dict(settings, budget_tokens=24,
                                                                                          pool_tokens=24))  # fmt: skip
     assert out.shape == expected.shape and sparse.stats()["selector"] == "quantkey"
+
+
+def _bound_for_level(model, ids, mask, level: str, **settings) -> float:
+    """A ``device_memory_gib`` that holds a cache's device buffers with ``level``'s summaries (a cache made at that
+    level and filled without a bound), and no more."""
+    probe = OffloadCache(model, selector=level, **settings)
+    _generate(model, ids, mask, probe, new_tokens=2)
+    return sum(layer.blocks.device_buffer_bytes() for layer in probe.offload_layers) / 2**30
+
+
+@pytest.mark.parametrize("level", ["quantkey[bits=2,tail_bits=2,tail_near=3]", "quantkey"])
+def test_a_load_into_a_bound_too_small_for_the_files_level_coarsens_as_it_loads(tmp_path, level):
+    # A cache filled with no bound is saved at the default level and loaded under a bound that holds the device
+    # buffers with `level`'s summaries: one level down or two. The load re-encodes the file's summaries as the
+    # filling cache would have, and the loaded cache decodes exactly as the saved one does once coarsened in memory
+    # to the same level.
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(SMALL, budget_tokens=24, pool_tokens=24, admission="auto")  # sparse: the summaries choose
+    gib = _bound_for_level(model, ids, mask, level, **settings)
+    cache = OffloadCache(model, **settings)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+              past_key_values=cache)  # fmt: skip
+    path = tmp_path / "fine.safetensors"
+    cache.save(path)
+    with pytest.warns(RuntimeWarning, match="re-encoded from") as caught:
+        loaded = OffloadCache.load(path, model, device_memory_gib=gib)
+    levels = 2 if level == "quantkey" else 1
+    assert len([w for w in caught if "re-encoded from" in str(w.message)]) == levels
+    with pytest.warns(RuntimeWarning, match="re-encoded from"):
+        for _ in range(levels):
+            assert cache._shared.coarsen_summaries()
+    assert loaded.selector == cache.selector == get_selector(level)
+    assert loaded.config.selector == cache.config.selector
+    for mine, theirs in zip(loaded.offload_layers, cache.offload_layers):
+        assert mine.selector is loaded.selector
+        assert set(mine.blocks.summaries) == set(theirs.blocks.summaries)
+        for name, summary in theirs.blocks.summaries.items():
+            assert torch.equal(mine.blocks.summaries[name], summary), name  # the same re-encoding, bit for bit
+    admission = loaded.offload_layers[0].blocks.host.admission
+    assert admission.cache_bytes() <= admission.limit_bytes
+    step = torch.tensor([[5], [6]])
+    step_mask = torch.cat([mask, torch.ones((2, 1), dtype=mask.dtype)], dim=1)
+    position = mask.sum(-1, keepdim=True)
+    with torch.no_grad():
+        want = model(input_ids=step, attention_mask=step_mask, position_ids=position, past_key_values=cache).logits
+        got = model(input_ids=step, attention_mask=step_mask, position_ids=position, past_key_values=loaded).logits
+    torch.testing.assert_close(got, want)  # the same blocks attended (rounding apart: device or host blocks)
+    loaded.reset()
+    assert loaded.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"  # the file's level again
+
+
+def test_a_load_that_cannot_fit_even_the_coarsest_summaries_raises_and_leaves_nothing(tmp_path):
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(SMALL, budget_tokens=24, pool_tokens=24, admission="auto")
+    gib = 0.9 * _bound_for_level(model, ids, mask, "quantkey", **settings)
+    cache = OffloadCache(model, **settings)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    path = tmp_path / "fine.safetensors"
+    cache.save(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(MemoryError, match="device_memory_gib=.*cannot hold"):
+            OffloadCache.load(path, model, device_memory_gib=gib)
