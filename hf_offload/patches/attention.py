@@ -78,6 +78,13 @@ def _make_attention_function(original: str):
                 "OffloadCache received a ready-made attention mask (e.g. a custom 4D mask); pass a 2D attention_mask "
                 "(padding) instead."
             )
+        if original not in OWN_FIRST_PREFILL and _is_first_prefill(handoff, query):
+            # Nothing cached before this forward: the attention is the model's own over the prompt, so a fast kernel
+            # the model was loaded with (flash attention, a Hub kernel) computes it, with the mask it would get.
+            mask = attention_mask.materialize() if isinstance(attention_mask, OffloadMask) else attention_mask
+            out = _original_attention(original, module)(module, query, key, value, mask, **kwargs)
+            layer.finish_step()
+            return out
         out = offload.offload_attention_forward(
             handoff,
             query,
@@ -90,6 +97,19 @@ def _make_attention_function(original: str):
 
     offload_attention.__name__ = f"{PREFIX}{original}"
     return offload_attention
+
+
+OWN_FIRST_PREFILL = ("eager", "sdpa", "flex_attention")
+"""Implementations whose first prefill the library computes itself (``scaled_dot_product_attention`` per sequence's
+unpadded span, or tiles): no faster there, and lighter on memory than their materialized masks. Under any other
+(``flash_attention_2`` / ``_3`` / ``_4``, a Hub kernel, a user's function) a prompt's first forward runs the model's
+own function."""
+
+
+def _is_first_prefill(handoff, query: torch.Tensor) -> bool:
+    """Whether this call is a prompt's first forward: several queries, nothing cached before them."""
+    q_len = query.shape[-2]
+    return q_len > 1 and not handoff.n_blocks_before and not handoff.first_recent_pos and handoff.key.shape[-2] == q_len
 
 
 def _register(original: str) -> str:
@@ -156,8 +176,10 @@ def supported_implementations() -> tuple[str, ...]:
     registered with transformers' ``AttentionInterface`` (``sdpa``, ``flash_attention_2`` / ``_3`` / ``_4``,
     ``flex_attention``, a Hub kernel loaded by name, a user's own), except the paged ones of continuous batching.
 
-    Whatever the model runs, the cache's layers attend through the library's own attention (prefill and decode);
-    the model's implementation serves the calls the cache does not take (another cache, no cache, sliding layers)."""
+    The cache's layers attend through the library's own attention (decode and later prefill chunks; a first
+    prefill too under ``eager``, ``sdpa`` and ``flex_attention``: :data:`OWN_FIRST_PREFILL`); the model's
+    implementation serves a first prefill under the others (flash attention, Hub kernels) and the calls the cache
+    does not take (another cache, no cache, sliding layers)."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     names = {"eager", *ALL_ATTENTION_FUNCTIONS.keys()}

@@ -86,3 +86,40 @@ def test_mask_of_an_implementation_without_a_mask_function_is_the_padding_as_giv
     padding = torch.tensor([[0, 1, 1], [1, 1, 1]], dtype=torch.bool)
     mask = OffloadMask("no_mask_function_here", {"attention_mask": padding, "kv_length": 3, "batch_size": 2})
     assert mask.materialize() is padding
+
+
+def test_a_first_prefill_runs_the_models_own_fast_kernel_and_later_calls_the_librarys():
+    """Under an implementation other than eager / sdpa / flex (flash attention, a Hub kernel, here a user's function
+    standing for one) a prompt's first forward is the model's own function with the mask it would get; later
+    prefill chunks and decode steps attend through the library. Tokens are DynamicCache's."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    calls = []
+
+    def counting(module, query, key, value, attention_mask, **kwargs):
+        calls.append((query.shape[-2], key.shape[-2]))
+        return _user_attention(module, query, key, value, attention_mask, **kwargs)
+
+    AttentionInterface.register("user_fast", counting)
+    AttentionMaskInterface.register("user_fast", sdpa_mask)
+    model = build_model("llama")
+    model.set_attn_implementation("user_fast")
+    layers = model.config.num_hidden_layers
+    ids, mask = left_padded([37, 22], seed=5)
+    with torch.no_grad():
+        expected = model.generate(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config),
+                                  max_new_tokens=6, do_sample=False)  # fmt: skip
+        calls.clear()
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8)
+        got = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6,
+                             do_sample=False)  # fmt: skip
+        assert torch.equal(got, expected)
+        assert calls == [(37, 37)] * layers  # the first prefill only, once per layer
+        calls.clear()
+        # A second turn on the same cache is a later prefill chunk: the library's attention (earlier blocks recalled).
+        follow = torch.cat([got, torch.tensor([[3, 4, 5], [6, 7, 8]])], dim=1)
+        follow_mask = torch.cat([mask, torch.ones((2, follow.shape[1] - mask.shape[1]), dtype=mask.dtype)], dim=1)
+        model(input_ids=follow[:, got.shape[1] - 1 :], attention_mask=follow_mask, past_key_values=cache)
+        assert calls == []
+    disable_offload_attention(model)
