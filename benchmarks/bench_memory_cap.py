@@ -96,9 +96,10 @@ def real_prompts(tokenizer, batch: int, context: int) -> torch.Tensor:
 
 
 def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, budget: int, chunk: int,
-                 device: torch.device, tokenizer=None) -> dict:  # fmt: skip
+                 device: torch.device, tokenizer=None, roofline_of=None) -> dict:  # fmt: skip
     """One ``generate()`` of ``batch`` prompts of ``context`` tokens (random ids, or real text with a
-    ``tokenizer``); times, memory and cache stats."""
+    ``tokenizer``); times, memory and cache stats (and with ``roofline_of``, :func:`step_roofline`'s bound of an
+    OffloadCache's decode step)."""
     from transformers import LogitsProcessorList
 
     row = {"cache": kind, "batch": batch, "context": context, "new_tokens": new_tokens, "prefill_chunk": chunk}
@@ -138,6 +139,8 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
     row["peak_above_model_gib"] = (torch.cuda.max_memory_allocated(device) - base) / GIB
     if isinstance(cache, OffloadCache) and row.get("ok"):
         stats = cache.stats()
+        if roofline_of is not None:
+            row["roofline"] = roofline_of(stats, batch, row["steady_step_s"])
         row["host_kv_gib"] = stats["host_kv_bytes"] / GIB
         row["device_kv_gib"] = stats["device_kv_bytes"] / GIB
         row["hit_rate"] = stats.get("hit_rate")
@@ -151,6 +154,29 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
             row["margin_gib"] = admission.margin_bytes / GIB
     del cache
     return row
+
+
+def step_roofline(model, budget: int, bandwidth: dict):
+    """``roofline_of(stats, batch, step_s)``: the lower bound of an OffloadCache's decode step from bandwidths
+    measured in this run (``benchmarks.bench_decode.measure_bandwidths``): the weights, the attended KV
+    (``budget`` tokens per sequence and layer) and every block summary read once from device memory, and the bytes
+    the decode read from host memory (``decode_host_bytes`` over the decode steps) over PCIe."""
+    from benchmarks.bench_decode import weight_bytes
+
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    per_token = 2 * cfg.num_key_value_heads * head_dim * model.dtype.itemsize * cfg.num_hidden_layers
+    weights = weight_bytes(model)[1]
+
+    def roofline_of(stats: dict, batch: int, step_s: float) -> dict:
+        steps = max(1, stats.get("decode_steps") or 0)
+        pcie = stats.get("decode_host_bytes", 0) / steps
+        hbm = weights + budget * batch * per_token + stats["device_summary_bytes"]
+        bound = hbm / bandwidth["hbm_bytes_per_s"] + pcie / bandwidth["h2d_pinned_bytes_per_s"]
+        return {"hbm_bytes": int(hbm), "pcie_bytes": int(pcie), "roofline_ms": bound * 1e3,
+                "step_over_roofline": step_s / bound}  # fmt: skip
+
+    return roofline_of
 
 
 def prefill_chunk(chunk: int, batch_tokens: int, batch: int) -> int:
@@ -240,7 +266,10 @@ def main(argv=None) -> int:
         "--batches", type=int, nargs="*", default=[16, 48], help="batches of the cap sweep (none: soak only)"
     )
     parser.add_argument(
-        "--caches", nargs="+", default=["dynamic", "defaults", "always"], choices=["dynamic", "offloaded", "defaults", "always"]
+        "--caches",
+        nargs="+",
+        default=["dynamic", "defaults", "always"],
+        choices=["dynamic", "offloaded", "defaults", "always"],
     )
     parser.add_argument("--cap-gib", type=float, default=16.0, help="device memory the process may allocate")
     parser.add_argument("--budget", type=int, default=2048)
@@ -286,6 +315,12 @@ def main(argv=None) -> int:
         model = build(args.shape, args.context + args.new_tokens + 16, device)
     result = {"metadata": run_metadata(args, note=workload), "workload": workload, "cap_gib": args.cap_gib,
               "weights_gib": torch.cuda.memory_allocated(device) / GIB, "runs": [], "skipped": []}  # fmt: skip
+    roofline_of = None
+    if args.batches:
+        from benchmarks.bench_decode import measure_bandwidths
+
+        result["bandwidth"] = measure_bandwidths(device, 512 << 20)
+        roofline_of = step_roofline(model, args.budget, result["bandwidth"])
     print(f"{'cache':9s} {'batch':>5s} {'ok':>3s} {'ttft s':>7s} {'1st step s':>10s} {'tok/s':>8s} {'peak GiB':>9s} "
           f"{'host KV GiB':>11s} {'hit':>5s} summaries")  # fmt: skip
     for batch in args.batches:
@@ -294,13 +329,15 @@ def main(argv=None) -> int:
                 result["skipped"].append({"cache": kind, "batch": batch, "reason": "time budget"})
                 continue
             r = run_generate(model, kind, batch, args.context, args.new_tokens, args.budget,
-                             prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, batch), device, tokenizer)  # fmt: skip
+                             prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, batch), device, tokenizer,
+                             roofline_of)  # fmt: skip
             result["runs"].append(r)
             write_results(args.out, result)
             print(f"{kind:9s} {batch:5d} {'yes' if r['ok'] else 'no':>3s} {r.get('ttft_s', float('nan')):7.2f} "
                   f"{r.get('first_decode_step_s', float('nan')):10.3f} {r.get('decode_tok_s', float('nan')):8.1f} "
                   f"{r['peak_device_gib']:9.2f} {r.get('host_kv_gib', float('nan')):11.2f} "
-                  f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('selector') or '-'} {r.get('error', '')[:90]}")  # fmt: skip
+                  f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('selector') or '-'} "
+                  f"{r.get('roofline', {}).get('step_over_roofline', float('nan')):.2f}x roofline {r.get('error', '')[:90]}")  # fmt: skip
     if args.soak:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         positions = max(args.soak_lengths) + 64
