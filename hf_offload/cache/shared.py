@@ -90,6 +90,7 @@ class DeviceResources:
         self.inputs: dict[torch.device, DecodeInputs] = {}
         self.graph_pools: dict[torch.device, tuple] = {}
         self.live_graphs: dict[torch.device, int] = {}
+        self.graph_bytes: dict[torch.device, int] = {}  # device memory the captures reserved, while the pool is held
         self.pool_leases: dict[torch.device, _PoolLease] = {}
         self.statics: dict[torch.device, StaticInputs] = {}
 
@@ -105,6 +106,7 @@ class DeviceResources:
                 device, None if gib is None else int(gib * (1 << 30)), admits=config.admission == "auto"
             )
             admission.coarsen = weakref.WeakMethod(self.coarsen_summaries)
+            admission.graph_bytes = weakref.WeakMethod(self.graph_pool_bytes)
             self.admissions[device] = admission
         return self.admissions[device]
 
@@ -202,12 +204,25 @@ class DeviceResources:
         """``capture_with(pool, stream)`` with the pool and capture stream the cache's graphs on ``device`` share;
         the captured graph is counted as one of the pool's (a failed capture sends later ones to a new pool)."""
         self._pool(device)
+        before = _reserved_bytes(device)
         try:
             captured = capture_with(self.graph_pools[device], self.streams(device).capture)
         except Exception:
             self._pool_failed(device)
             raise
+        finally:
+            grown = _reserved_bytes(device) - before
+            if grown > 0:
+                self.graph_bytes[device] = self.graph_bytes.get(device, 0) + grown
+        # Counted under device_memory_gib from now on: the next forward's start (DeviceAdmission.note_forward) moves
+        # admitted blocks to the host to make way for it, at a point where no step is under way.
         return self._count_graph(device, captured)
+
+    def graph_pool_bytes(self, device: torch.device) -> int:
+        """Device memory this cache's graph captures on ``device`` reserved (the allocator's growth while they ran),
+        counted under ``device_memory_gib`` while one of its graphs lives; 0 once its last graph is dropped (the
+        pool, and what it reserved, then serves the next cache)."""
+        return self.graph_bytes.get(device, 0) if self.live_graphs.get(device) else 0
 
     def static_inputs(self, device: torch.device) -> StaticInputs:
         """The fixed-address input buffers of the decoder-layer graphs on ``device``."""
@@ -232,6 +247,8 @@ class DeviceResources:
 
     def _graph_dropped(self, device: torch.device, lease: _PoolLease) -> None:
         self.live_graphs[device] -= 1
+        if self.live_graphs[device] == 0:
+            self.graph_bytes.pop(device, None)
         if self.live_graphs[device] == 0 and self.pool_leases.get(device) is lease:
             del self.pool_leases[device]
             _return_pool(device, lease)
@@ -241,6 +258,13 @@ class DeviceResources:
         if self.phase_timer is None:
             self.phase_timer = PhaseTimer(device)
         return self.phase_timer
+
+
+def _reserved_bytes(device: torch.device) -> int:
+    """Device memory the allocator holds on ``device`` (0 off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return 0
+    return torch.cuda.memory_reserved(device)
 
 
 def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: int, tile_tokens: int) -> int:
