@@ -131,6 +131,7 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
     except torch.OutOfMemoryError as err:
         row["ok"] = False
         row["error"] = f"OutOfMemoryError: {str(err).splitlines()[0][:300]}"
+        row["traceback"] = traceback.format_exc()[-2000:]  # where it ran out: prefill, a growth, a decode step
     except Exception as err:  # noqa: BLE001 -- recorded, the sweep goes on
         row["ok"] = False
         row["error"] = f"{type(err).__name__}: {str(err)[:300]}"

@@ -200,7 +200,7 @@ class OffloadLayer(CacheLayerMixin):
         batch = key_states.shape[0]
         admission.note_forward(
             forward_transient_bytes(self.model_config, batch, q_len, key_states.element_size(),
-                                    self.config.prefill_chunk_tokens)  # fmt: skip
+                                    self.config.prefill_chunk_tokens, self.blocks.n_tokens)  # fmt: skip
         )
 
     @normal_tensors

@@ -267,17 +267,22 @@ def _reserved_bytes(device: torch.device) -> int:
     return torch.cuda.memory_reserved(device)
 
 
-def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: int, tile_tokens: int) -> int:
+def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: int, tile_tokens: int,
+                            cached_tokens: int = 0) -> int:  # fmt: skip
     """Device bytes a forward of ``batch x q_len`` new tokens holds at its peak besides weights and cache, as its
     shapes predict them: the MLP's intermediate activations (three of them), a few hidden-size copies (residual,
-    norm, attention output), the query, the prefill attention's score tile (``batch x heads x tile**2`` floats) and
-    the last position's logits in float32. An estimate for admission, which learns the real peak after the forward.
+    norm, attention output), the query, the prefill attention's score tile (``batch x heads x tile**2`` floats),
+    the last position's logits in float32 and, for a prefill chunk after ``cached_tokens`` tokens, one layer's
+    earlier keys and values on the device twice (recalled, then joined to the chunk's) plus one KV head's repeated
+    for its query heads (:func:`~hf_offload.attention.prefill.chunk_prefill`). An estimate for admission, which
+    learns the real peak after the forward.
 
     Args:
         model_config: the decoder's text config.
         batch, q_len: the forward's shape.
         dtype_bytes: bytes per activation element.
         tile_tokens: queries per prefill attention tile (``prefill_chunk_tokens``).
+        cached_tokens: tokens per sequence the cache holds before this forward.
     """
     hidden = getattr(model_config, "hidden_size", 0) or 0
     inter = getattr(model_config, "intermediate_size", None) or 4 * hidden
@@ -287,4 +292,11 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
     tokens = batch * q_len
     tile = min(q_len, tile_tokens)
     scores = batch * heads * tile * tile * 4 if q_len > 1 else 0
-    return tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4
+    recalled = 0
+    if q_len > 1 and cached_tokens:
+        kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+        group = heads // kv_heads if kv_heads else 1
+        keys = batch * (cached_tokens + q_len) * head_dim * dtype_bytes  # one head's keys
+        recalled = 2 * 2 * kv_heads * keys + (2 * group * keys if group > 1 else 0)
+    return (tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4
+            + recalled)  # fmt: skip
