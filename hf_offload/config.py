@@ -91,9 +91,9 @@ class Memory:
         admission: ``"auto"`` (default): sealed blocks stay on the device while the cache's bound and the process's
             room for temporaries allow, and go back to the host when that room is needed; ``"always"``: every
             block to the host. The same output either way (docs/tuning.md).
-        device_memory_gib: GiB of device memory the whole cache may take (admitted blocks, summaries, slot pools,
-            block tables, CUDA graph pools), ``>= 0``; too small for the coarsest summaries: ``MemoryError``. ``None``
-            (default): what the process may allocate (its memory fraction included) less room for temporaries.
+        device_memory_gib: GiB of device memory the cache's buffers may take (admitted blocks, summaries, slot
+            pools, block tables; not its graph pools), ``>= 0``; too small for the coarsest summaries: ``MemoryError``.
+            ``None`` (default): what the process may allocate (its memory fraction included) less temporaries.
         coarsen_summaries: summaries that would outgrow that room are re-encoded at the selector's next coarser
             level (``Selector.coarser``; docs/tuning.md) with a warning, after every admitted block went back to the
             host. ``True`` (default); ``False``: ``MemoryError`` instead (under ``device_memory_gib``).

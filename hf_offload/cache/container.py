@@ -594,7 +594,8 @@ class OffloadCache(Cache):
             capacity, ``decode_capacity_blocks``, so this is what graphs cost), ``graph_capture_retries`` (captures without an op-by-op run first
             that failed and were redone after one; expected 0), ``layer_graph_captures`` and ``layer_graph_replays``
             (those of them that captured / replayed the whole decoder layer, ``graph_scope="layer"``),
-            ``seal_graph_captures`` and ``seal_graph_replays``
+            ``graph_pool_bytes`` (device memory the cache's graph captures reserved, while its graphs live; not
+            counted under ``device_memory_gib``), ``seal_graph_captures`` and ``seal_graph_replays``
             (seals of a full block after a replayed step captured into / replayed from a CUDA graph), ``timing``
             (with ``timing=True``: mean ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
@@ -623,6 +624,7 @@ class OffloadCache(Cache):
         result = summarize(self.layers, timing, self._fusions(), self.disk)
         result["selector"] = _spec_or_repr(self.selector)
         result["summary_levels"] = [dict(entry) for entry in self._shared.coarsenings]
+        result["graph_pool_bytes"] = sum(self._shared.graph_pool_bytes(device) for device in self._shared.graph_pools)
         return result
 
     def _fusions(self) -> dict:

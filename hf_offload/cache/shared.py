@@ -106,7 +106,6 @@ class DeviceResources:
                 device, None if gib is None else int(gib * (1 << 30)), admits=config.admission == "auto"
             )
             admission.coarsen = weakref.WeakMethod(self.coarsen_summaries)
-            admission.graph_bytes = weakref.WeakMethod(self.graph_pool_bytes)
             self.admissions[device] = admission
         return self.admissions[device]
 
@@ -214,14 +213,12 @@ class DeviceResources:
             grown = _reserved_bytes(device) - before
             if grown > 0:
                 self.graph_bytes[device] = self.graph_bytes.get(device, 0) + grown
-        # Counted under device_memory_gib from now on: the next forward's start (DeviceAdmission.note_forward) moves
-        # admitted blocks to the host to make way for it, at a point where no step is under way.
         return self._count_graph(device, captured)
 
     def graph_pool_bytes(self, device: torch.device) -> int:
-        """Device memory this cache's graph captures on ``device`` reserved (the allocator's growth while they ran),
-        counted under ``device_memory_gib`` while one of its graphs lives; 0 once its last graph is dropped (the
-        pool, and what it reserved, then serves the next cache)."""
+        """Device memory this cache's graph captures on ``device`` reserved (the allocator's growth while they ran)
+        while one of its graphs lives; 0 once its last graph is dropped (the pool, and what it reserved, then serves
+        the next cache). Reported by ``stats()["graph_pool_bytes"]``; not counted under ``device_memory_gib``."""
         return self.graph_bytes.get(device, 0) if self.live_graphs.get(device) else 0
 
     def static_inputs(self, device: torch.device) -> StaticInputs:

@@ -151,9 +151,6 @@ class DeviceAdmission:
         # () -> (() -> bool) | None: a weak reference to what re-encodes the cache's summaries at a coarser level
         # (DeviceResources.coarsen_summaries), or None.
         self.coarsen: Callable | None = None
-        # () -> ((device) -> int) | None: a weak reference to the bytes the cache's CUDA graph captures reserved
-        # (DeviceResources.graph_pool_bytes), or None.
-        self.graph_bytes: Callable | None = None
 
     @property
     def margin_bytes(self) -> int:
@@ -165,11 +162,8 @@ class DeviceAdmission:
         self._stores.add(store)
 
     def cache_bytes(self) -> int:
-        """The cache's device bytes on this device: admitted chunks, the registered stores' buffers and what its
-        CUDA graph captures reserved (:attr:`graph_bytes`)."""
-        graphs = self.graph_bytes() if self.graph_bytes is not None else None
-        graphs = graphs(self.device) if graphs is not None else 0
-        return self.admitted_bytes + sum(store.device_buffer_bytes() for store in list(self._stores)) + graphs
+        """The cache's device bytes on this device: admitted chunks and the registered stores' buffers."""
+        return self.admitted_bytes + sum(store.device_buffer_bytes() for store in list(self._stores))
 
     def headroom_bytes(self) -> int | None:
         """Bytes that may still be allocated for the cache: under its bound and, on CUDA, the process's headroom
@@ -226,9 +220,7 @@ class DeviceAdmission:
     def note_forward(self, estimate_bytes: int) -> None:
         """At the start of a forward (its first offloaded layer's update): learn the temporaries of the previous
         forward from the allocator's peak (CUDA), take ``estimate_bytes`` (this forward's temporaries as its shapes
-        predict them) if larger, and move admitted chunks to host memory until they fit (and the cache's device
-        bytes fit its bound, as far as demoting admitted chunks can make them: what its graph captures reserved counts
-        there, and nothing else gives way for it)."""
+        predict them) if larger, and move admitted chunks to host memory until they fit."""
         if self.cuda:
             allocated = torch.cuda.memory_allocated(self.device)
             peak = torch.cuda.max_memory_allocated(self.device)
@@ -237,7 +229,7 @@ class DeviceAdmission:
             self._last_forward = (allocated, peak)
         self.transient_bytes = max(self.transient_bytes, estimate_bytes)
         if self.admitted_bytes:
-            self.room_for(0)
+            self.make_room(0)
 
 
 class HostBlockPool:
