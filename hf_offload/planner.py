@@ -16,8 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 from .cache import SUMMARY_CHUNK_BLOCKS, layer_types
+from .cache.shared import forward_transient_bytes
 from .config import OffloadConfig
 from .selectors import get_selector
 
@@ -26,17 +28,17 @@ GIB = 1 << 30
 # Shapes of common models (for planning without downloading a config).
 PRESETS: dict[str, dict] = {
     "llama-3.1-8b": dict(num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                         params=8.03e9),
+                         params=8.03e9, hidden_size=4096, intermediate_size=14336, vocab_size=128256),
     "llama-3.2-1b": dict(num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                         params=1.24e9),
+                         params=1.24e9, hidden_size=2048, intermediate_size=8192, vocab_size=128256),
     "llama-3.2-3b": dict(num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                         params=3.21e9),
+                         params=3.21e9, hidden_size=3072, intermediate_size=8192, vocab_size=128256),
     "qwen2.5-7b": dict(num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, head_dim=128,
-                       params=7.62e9),
+                       params=7.62e9, hidden_size=3584, intermediate_size=18944, vocab_size=152064),
     "qwen2.5-coder-0.5b": dict(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, head_dim=64,
-                               params=0.63e9),
+                               params=0.63e9, hidden_size=896, intermediate_size=4864, vocab_size=151936),
     "qwen2.5-coder-1.5b": dict(num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128,
-                               params=1.54e9),
+                               params=1.54e9, hidden_size=1536, intermediate_size=8960, vocab_size=151936),
 }
 
 
@@ -54,6 +56,8 @@ class ModelShape:
         weights_bytes: bytes of the weights, when known (for the largest-batch search).
         query_heads: query heads per layer, when known (``StaticCache``'s decode step repeats the KV heads to
             them); ``None``: as many as KV heads.
+        hidden_size, intermediate_size, vocab_size: the decoder's, when known (a prefill chunk's temporaries,
+            :attr:`Plan.prefill_transient_bytes`).
     """
 
     full_layers: int
@@ -64,6 +68,9 @@ class ModelShape:
     dtype_bytes: int = 2
     weights_bytes: int | None = None
     query_heads: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -87,6 +94,9 @@ def shape_from_config(config, dtype_bytes: int = 2, weights_bytes: int | None = 
         dtype_bytes=dtype_bytes,
         weights_bytes=weights_bytes,
         query_heads=heads,
+        hidden_size=getattr(config, "hidden_size", None),
+        intermediate_size=getattr(config, "intermediate_size", None),
+        vocab_size=getattr(config, "vocab_size", None),
     )
 
 
@@ -96,7 +106,7 @@ def shape_from_preset(name: str) -> ModelShape:
         raise KeyError(f"Unknown preset {name!r}; presets: {sorted(PRESETS)}")
     p = PRESETS[name]
     return ModelShape(p["num_hidden_layers"], 0, None, p["num_key_value_heads"], p["head_dim"], 2, int(2 * p["params"]),
-                      p["num_attention_heads"])
+                      p["num_attention_heads"], p["hidden_size"], p["intermediate_size"], p["vocab_size"])
 
 
 @dataclass(frozen=True)
@@ -124,6 +134,10 @@ class Plan:
         summary_selector: the selector level whose summaries the cache holds at this context (``"offload"``): the
             configured one, or the coarser level ``coarsen_summaries`` moves to where that one's do not fit the
             room (``device_memory_gib``, or ``device_free_bytes`` less the margin); ``None`` for the others.
+        prefill_chunk_tokens: the prefill chunk planned for (``generate(prefill_chunk_size=...)``), or ``None``.
+        prefill_transient_bytes: with a prefill chunk (``"offload"``), the temporaries of the last chunk as the
+            cache's admission estimates them (``hf_offload.cache.shared.forward_transient_bytes``: the MLP's
+            activations, the query, the layer's earlier KV recalled and joined to the chunk's).
     """
 
     method: str
@@ -139,6 +153,8 @@ class Plan:
     disk_kv_bytes: int = 0
     disk_reserved_bytes: int = 0
     summary_selector: str | None = None
+    prefill_chunk_tokens: int | None = None
+    prefill_transient_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -149,6 +165,12 @@ class Plan:
     def peak_device_bytes(self) -> int:
         """:attr:`device_bytes` plus :attr:`step_transient_bytes`: the cache's peak during a decode step."""
         return self.device_bytes + self.step_transient_bytes
+
+    @property
+    def prefill_peak_bytes(self) -> int:
+        """The cache's device bytes less its admitted blocks (they make way for a forward's temporaries) plus
+        :attr:`prefill_transient_bytes`: what the last prefill chunk needs on the device besides the weights."""
+        return self.device_bytes - self.admitted_reserved_bytes + self.prefill_transient_bytes
 
 
 def _summary_bytes_per_block(shape: ModelShape, config: OffloadConfig, selector=None) -> int:
@@ -176,7 +198,8 @@ def admission_margin_bytes(device_free_bytes: int) -> int:
 
 
 def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offload",
-         config: OffloadConfig | None = None, device_free_bytes: int | None = None) -> Plan:  # fmt: skip
+         config: OffloadConfig | None = None, device_free_bytes: int | None = None,
+         prefill_chunk_tokens: int | None = None) -> Plan:  # fmt: skip
     """Predict the bytes of a cache holding ``context_tokens`` tokens for ``batch`` sequences.
 
     With ``admission="auto"`` the first block-pool chunks, up to the admission limit, are device memory; the split
@@ -195,6 +218,8 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
             (what it may allocate less the weights). With ``admission="auto"`` and no ``device_memory_gib``, blocks
             are admitted into what it leaves after the cache's other device bytes and
             :func:`admission_margin_bytes`; ``None``: nothing admitted (as on a CPU).
+        prefill_chunk_tokens: the prompt's prefill chunk (``"offload"``): :attr:`Plan.prefill_transient_bytes`
+            is then its last chunk's temporaries; ``None``: not planned.
 
     Raises:
         ValueError: an unknown method.
@@ -267,9 +292,25 @@ def plan(shape: ModelShape, context_tokens: int, batch: int, method: str = "offl
         level = selector_spec(selector)
     except ValueError:
         level = repr(selector)
+    prefill = 0
+    if prefill_chunk_tokens:
+        chunk = min(prefill_chunk_tokens, context_tokens)
+        prefill = forward_transient_bytes(_shape_config(shape), batch, chunk, shape.dtype_bytes,
+                                          config.prefill_chunk_tokens, context_tokens - chunk)  # fmt: skip
     return Plan("offload", batch, context_tokens, device + admitted_kv, summaries, host, reserved, admitted_kv,
                 admitted * chunk_bytes, disk_kv_bytes=disk, disk_reserved_bytes=disk_reserved,
-                summary_selector=level)  # fmt: skip
+                summary_selector=level, prefill_chunk_tokens=prefill_chunk_tokens,
+                prefill_transient_bytes=prefill)  # fmt: skip
+
+
+def _shape_config(shape: ModelShape) -> SimpleNamespace:
+    """The config attributes :func:`~hf_offload.cache.shared.forward_transient_bytes` reads, from a shape."""
+    if shape.hidden_size is None or shape.intermediate_size is None:
+        raise ValueError("Planning a prefill chunk needs the model's hidden_size and intermediate_size: plan from a "
+                         "preset or a model's config.json, or leave the prefill chunk out.")  # fmt: skip
+    return SimpleNamespace(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+                           num_attention_heads=shape.query_heads or shape.kv_heads, head_dim=shape.head_dim,
+                           num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab_size or 0)  # fmt: skip
 
 
 def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: int, config: OffloadConfig,
@@ -283,17 +324,23 @@ def suggested_device_memory_gib(shape: ModelShape, context_tokens: int, batch: i
 
 def largest_batch(shape: ModelShape, context_tokens: int, method: str, device_free_bytes: int,
                   host_free_bytes: int, config: OffloadConfig | None = None, limit: int = 4096,
-                  disk_free_bytes: int | None = None) -> int:  # fmt: skip
+                  disk_free_bytes: int | None = None, prefill_chunk_tokens: int | None = None) -> int:  # fmt: skip
     """The largest batch whose cache, with its decode step's transient bytes, fits ``device_free_bytes`` (after
     weights), ``host_free_bytes`` and, with a disk tier, ``disk_free_bytes`` (``None``: unbounded). With
     ``admission="auto"`` blocks are admitted as :func:`plan` says (into what the cache's other device bytes and the
-    margin leave, or within ``device_memory_gib``), the rest go to the host, and past ``host_memory_gib`` to disk."""
+    margin leave, or within ``device_memory_gib``), the rest go to the host, and past ``host_memory_gib`` to disk.
+    With ``prefill_chunk_tokens`` (``"offload"``) the last prefill chunk must fit too
+    (:attr:`Plan.prefill_peak_bytes`)."""
     config = config or OffloadConfig()
+    chunk = prefill_chunk_tokens if method == "offload" else None
 
     def fits(batch: int) -> bool:
-        p = plan(shape, context_tokens, batch, method, config, device_free_bytes=device_free_bytes)
+        p = plan(shape, context_tokens, batch, method, config, device_free_bytes=device_free_bytes,
+                 prefill_chunk_tokens=chunk)  # fmt: skip
         disk_ok = disk_free_bytes is None or p.disk_reserved_bytes <= disk_free_bytes
-        return p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes and disk_ok
+        prefill_ok = p.prefill_peak_bytes <= device_free_bytes
+        return (p.peak_device_bytes <= device_free_bytes and p.host_reserved_bytes <= host_free_bytes and disk_ok
+                and prefill_ok)  # fmt: skip
 
     return _largest(fits, limit)
 

@@ -326,3 +326,40 @@ def test_coarser_summaries_let_a_small_device_run_larger_batches():
     assert plan(shape, 131072, fine, "offload", config, device_free_bytes=free).summary_selector == (
         "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
     )
+
+
+def test_the_planned_prefill_temporaries_are_the_admissions_own_estimate():
+    # A chunked prefill of 61 tokens in chunks of 16 through a bounded cache (the admission exists on the CPU only
+    # under a bound): the largest estimate the admission took, at the last chunk, equals the plan's.
+    model = build_model("llama")
+    config = OffloadConfig(budget_tokens=48, device_memory_gib=1.0, **SMALL)
+    cache = OffloadCache(model, config=config)
+    ids = torch.randint(0, model.config.vocab_size, (2, 64), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for start in range(0, 64, 16):
+            model(input_ids=ids[:, start : start + 16], past_key_values=cache)
+    admission = cache.offload_layers[0].blocks.host.admission
+    shape = shape_from_config(model.config, dtype_bytes=4)
+    predicted = plan(shape, 64, 2, "offload", config, prefill_chunk_tokens=16)
+    assert predicted.prefill_transient_bytes == admission.transient_bytes > 0
+    assert predicted.prefill_peak_bytes == predicted.device_bytes - predicted.admitted_reserved_bytes + admission.transient_bytes
+
+
+def test_a_planned_prefill_chunk_bounds_the_largest_batch_and_needs_the_layer_sizes():
+    from hf_offload.planner import shape_from_preset
+
+    shape = shape_from_preset("llama-3.1-8b")
+    free, host = 9 * GIB, 10**6 * GIB  # a 24 GiB device less the 8B weights
+    config = OffloadConfig(budget_tokens=2048)
+    without = largest_batch(shape, 131072, "offload", free, host, config)
+    chunked = largest_batch(shape, 131072, "offload", free, host, config, prefill_chunk_tokens=8192)
+    assert 1 <= chunked < without
+    p = plan(shape, 131072, chunked, "offload", config, free, prefill_chunk_tokens=8192)
+    assert p.prefill_peak_bytes <= free < plan(shape, 131072, chunked + 1, "offload", config, free,
+                                               prefill_chunk_tokens=8192).prefill_peak_bytes  # fmt: skip
+    # The recalled KV of a later chunk grows with the context, not the chunk.
+    small = plan(shape, 131072, 1, "offload", config, free, prefill_chunk_tokens=1024).prefill_transient_bytes
+    assert small > 2 * 131072 * 2 * shape.kv_heads * shape.head_dim * 2
+    bare = ModelShape(32, 0, None, 8, 128, 2, shape.weights_bytes, 32)
+    with pytest.raises(ValueError, match="hidden_size and intermediate_size"):
+        plan(bare, 131072, 1, "offload", config, free, prefill_chunk_tokens=8192)

@@ -88,7 +88,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="what runs on devices of these sizes (e.g. 24 48 80): per size, the largest batch at "
                         "--context with the defaults, the summary level it takes, and the every-block-on-the-device "
                         "batch")  # fmt: skip
+    parser.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                        help="the prompt's prefill chunk (generate(prefill_chunk_size=...)): the largest batches "
+                        "then also need its last chunk's temporaries to fit, and the offload row gives them")  # fmt: skip
     args = parser.parse_args(argv)
+    if args.prefill_chunk is not None and args.prefill_chunk < 1:
+        parser.error("--prefill-chunk takes a number of tokens >= 1")
     if args.disk_gib is not None and args.host_gib is None:
         parser.error("--disk-gib needs --host-gib (the disk tier takes what is past host_memory_gib)")
     try:
@@ -112,7 +117,17 @@ def main(argv: list[str] | None = None) -> int:
               f"{p.device_summary_bytes / GIB:14.2f} {p.step_transient_bytes / GIB:9.2f} {p.host_kv_bytes / GIB:12.2f} "
               f"{p.host_reserved_bytes / GIB:18.2f}" + (f" {p.disk_kv_bytes / GIB:12.2f}" if disk else ""))  # fmt: skip
     print("(dense: DynamicCache; static: StaticCache; step: what a decode step allocates beyond the cache)")
-    p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free)
+    try:
+        p = plan(shape, args.context, args.batch, "offload", config, device_free_bytes=device_free,
+                 prefill_chunk_tokens=args.prefill_chunk)  # fmt: skip
+    except ValueError as err:
+        parser.error(str(err))
+    if args.prefill_chunk:
+        fits = "" if device_free is None else (" (fits)" if p.prefill_peak_bytes <= device_free else
+                                               " (does NOT fit: a smaller batch or prefill chunk)")  # fmt: skip
+        print(f"\nprefill in chunks of {args.prefill_chunk:,}: the last chunk's temporaries "
+              f"{p.prefill_transient_bytes / GIB:.2f} GiB; with the cache less its admitted blocks "
+              f"{p.prefill_peak_bytes / GIB:.2f} GiB of the device besides the weights{fits}")  # fmt: skip
     if p.summary_selector != _spec(config.selector):
         print(f"\nsummaries: the configured {_spec(config.selector)!r} would not fit beside the cache's other device "
               f"bytes; the cache re-encodes them at {p.summary_selector!r} (coarsen_summaries; docs/tuning.md, "
@@ -129,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{'' if args.disk_gib is None else f', {args.disk_gib:g} GiB disk'}; weights {weights / GIB:.1f} GiB):")
         for method in ("dense", "static", "offload"):
             disk_free = None if args.disk_gib is None else int(args.disk_gib * GIB)
-            print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config, disk_free_bytes=disk_free)}")
+            print(f"  {method:8s} {largest_batch(shape, args.context, method, device_free, host_free, config, disk_free_bytes=disk_free, prefill_chunk_tokens=args.prefill_chunk)}")
         resident = largest_resident_batch(shape, args.context, device_free, config, args.margin_gib)
         gib = suggested_device_memory_gib(shape, args.context, max(resident, 1), config.replace(admission="auto"),
                                           device_free, args.margin_gib)  # fmt: skip
@@ -155,7 +170,8 @@ def _print_gpus(shape, args, config: OffloadConfig) -> None:
     weights = shape.weights_bytes or 0
     host_free = int((args.host_gib if args.host_gib is not None else 1e9) * GIB)
     print(f"\nwhat runs at {args.context:,} tokens (weights {weights / GIB:.1f} GiB, admission={args.admission!r}, "
-          f"budget {args.budget}{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}):")  # fmt: skip
+          f"budget {args.budget}{'' if args.host_gib is None else f', {args.host_gib:g} GiB host'}"
+          f"{'' if args.prefill_chunk is None else f', prefill chunks of {args.prefill_chunk:,}'}):")  # fmt: skip
     fine = config.replace(coarsen_summaries=False)
     print(f"  {'device GiB':>10s} {'dense':>6s} {'offload':>8s}  {'summaries at that batch':40s} "
           f"{'configured summaries':>20s} {'resident':>8s}")  # fmt: skip
@@ -165,9 +181,10 @@ def _print_gpus(shape, args, config: OffloadConfig) -> None:
             print(f"  {gib:10g}  the weights alone do not fit")
             continue
         dense = largest_batch(shape, args.context, "dense", free, host_free, config)
-        batch = largest_batch(shape, args.context, "offload", free, host_free, config)
+        chunk = args.prefill_chunk
+        batch = largest_batch(shape, args.context, "offload", free, host_free, config, prefill_chunk_tokens=chunk)
         level = plan(shape, args.context, max(batch, 1), "offload", config, device_free_bytes=free).summary_selector
-        kept = largest_batch(shape, args.context, "offload", free, host_free, fine)
+        kept = largest_batch(shape, args.context, "offload", free, host_free, fine, prefill_chunk_tokens=chunk)
         resident = largest_resident_batch(shape, args.context, free, config, args.margin_gib)
         print(f"  {gib:10g} {dense:6d} {batch:8d}  {level if batch else '-':40s} {kept:20d} {resident:8d}")
     print("  (offload: the largest batch, its summaries coarsened where they must be; configured summaries: the "

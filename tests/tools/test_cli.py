@@ -99,3 +99,14 @@ def test_plan_says_what_runs_on_several_devices_and_the_summary_level(capsys):
         batch = largest_batch(shape, 131072, "offload", free, int(1e9 * 2**30), config)
         assert int(row[2]) == batch and row[3] == plan(shape, 131072, batch, "offload", config, free).summary_selector
     assert len(rows) == 2 and int(rows[1][2]) > int(rows[0][2])
+
+
+def test_plan_with_a_prefill_chunk_prints_its_peak_and_bounds_the_batches(capsys):
+    args = ["plan", "llama-3.1-8b", "--context", "131072", "--device-gib", "24", "--prefill-chunk", "8192", "--gpus", "24"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "prefill in chunks of 8,192: the last chunk's temporaries" in out and "(fits)" in out
+    assert "prefill chunks of 8,192" in out
+    with pytest.raises(SystemExit):
+        main(["plan", "llama-3.1-8b", "--context", "131072", "--prefill-chunk", "0"])
+    assert "--prefill-chunk takes a number of tokens >= 1" in capsys.readouterr().err
