@@ -38,12 +38,10 @@ def chunk_prefill(
     left_padded, starts = left_padding(mask, total)
     if not left_padded:
         return None  # not left padding: the tiled path evaluates the mask exactly
-    sealed_k, sealed_v = layer.blocks.sealed_kv(handoff.n_blocks_before)
+    k, v = layer.blocks.sealed_kv(handoff.n_blocks_before, handoff.key, handoff.recent_values)
+    k, v = k.to(query.dtype), v.to(query.dtype)
     kv_heads = layer.blocks.kv_heads
     group = q_heads // kv_heads
-    k = torch.cat([sealed_k, handoff.key], dim=-2).to(query.dtype)
-    v = torch.cat([sealed_v, handoff.recent_values], dim=-2).to(query.dtype)
-    del sealed_k, sealed_v
 
     def attend(q, k, v):
         bias = causal_lower_right(q.shape[-2], k.shape[-2])

@@ -761,31 +761,44 @@ class BlockStore:
         self.pool.write(slots, blocks)
 
     # ---------------------------------------------------------------------------------------------------- reading
-    def sealed_kv(self, n_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def sealed_kv(
+        self, n_blocks: int, tail_keys: torch.Tensor | None = None, tail_values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of the first ``n_blocks`` sealed blocks of every sequence, recalled onto the device in
-        one pass (a prefill chunk attends to all of them; counted as recalled, not as decode traffic).
+        one pass (a prefill chunk attends to all of them; counted as recalled, not as decode traffic), followed by
+        ``tail_keys`` / ``tail_values`` where given (the chunk's own tokens: on the kernel path they are written
+        behind the recalled blocks in the same buffer, so that the layer's KV is on the device once, not twice).
 
         Args:
             n_blocks: sealed blocks to read per sequence, at most :attr:`n_blocks`.
+            tail_keys, tail_values: ``[batch, kv_heads, r, head_dim]`` to append, or ``None``.
 
         Returns:
-            ``(keys, values)``, each ``[batch, kv_heads, n_blocks * block_tokens, head_dim]``, compute device.
+            ``(keys, values)``, each ``[batch, kv_heads, n_blocks * block_tokens (+ r), head_dim]``, compute device.
         """
         batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        tail = 0 if tail_keys is None else tail_keys.shape[-2]
         if self.execution.use_kernels and not self.host.disk_chunks:
-            scratch = DeviceSlotPool(batch, n_blocks, heads, T, D, self.dtype, self.device)
+            scratch = DeviceSlotPool(batch, n_blocks + -(-tail // T), heads, T, D, self.dtype, self.device)
             transfer.wait_event(self.selectable_written, self.device)
             self.selectable_written = None
             slots = torch.arange(n_blocks, device=self.device).repeat(batch)
             rows = torch.arange(batch, device=self.device).repeat_interleave(n_blocks)
             transfer.recall_blocks_kernel(self.host, scratch, self.block_table_dev[:, :n_blocks].flatten(), rows, slots)
-            keys, values = scratch.keys, scratch.values  # slot j holds block j: the pool is the sequence in order
+            # Slot j holds block j: the pool is the sequence in order, the tail behind it.
+            end = n_blocks * T + tail
+            keys, values = scratch.keys[:, :, :end], scratch.values[:, :, :end]
+            if tail:
+                keys[:, :, n_blocks * T :].copy_(tail_keys)
+                values[:, :, n_blocks * T :].copy_(tail_values)
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host writes may still be in flight
             blocks = self.host.read(self.block_table[:, :n_blocks].flatten()).to(self.device)
             blocks = blocks.view(batch, n_blocks, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
             keys, values = blocks.reshape(2, batch, heads, n_blocks * T, D).unbind(0)
+            if tail:
+                keys, values = torch.cat([keys, tail_keys], dim=-2), torch.cat([values, tail_values], dim=-2)
         count_recall(self.stats, batch * n_blocks, self.host.block_bytes, decode=False)
         return keys, values
 
