@@ -137,7 +137,7 @@ class Plan:
         prefill_chunk_tokens: the prefill chunk planned for (``generate(prefill_chunk_size=...)``), or ``None``.
         prefill_transient_bytes: with a prefill chunk (``"offload"``), the temporaries of the last chunk as the
             cache's admission estimates them (``hf_offload.cache.shared.forward_transient_bytes``: the MLP's
-            activations, the query, the layer's earlier KV recalled and joined to the chunk's).
+            activations, the query, the layer's earlier KV recalled with the chunk's behind it).
     """
 
     method: str

@@ -457,16 +457,18 @@ class BlockStore:
             self.summary_store[name] = self._appended(self.summary_store.get(name), summary)
         self._sealed(ids, blocks, n_new)
 
-    def summaries_of(self, keys: torch.Tensor, values: torch.Tensor) -> dict[str, torch.Tensor]:
+    def summaries_of(self, keys: torch.Tensor, values: torch.Tensor, selector=None) -> dict[str, torch.Tensor]:
         """The selector's summaries of new blocks (of their values too where it estimates the unselected blocks).
 
         Args:
             keys, values: the new blocks' keys and values, ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the
                 cache dtype, compute device.
+            selector: another level's selector to summarize with (a file's, on load); ``None``: this store's.
         """
-        summaries = self.selector.summarize(keys)
-        if self.selector.estimates_tail:
-            summaries.update(self.selector.summarize_values(values))
+        selector = self.selector if selector is None else selector
+        summaries = selector.summarize(keys)
+        if selector.estimates_tail:
+            summaries.update(selector.summarize_values(values))
         return summaries
 
     def _offload_on_stream(self, ids: torch.Tensor, flat: torch.Tensor):

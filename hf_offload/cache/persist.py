@@ -1002,10 +1002,7 @@ def _check_summaries(store, state: dict, file: CacheFile, prefix: str, saved_lev
         return
     block = torch.zeros(store.batch, 1, store.kv_heads, store.block_tokens, store.head_dim, dtype=store.dtype,
                         device=store.device)  # fmt: skip
-    made = saved_level.summarize(block)
-    if saved_level.estimates_tail:
-        made.update(saved_level.summarize_values(block))
-    made = {name: (s.dtype, tuple(s.shape[2:])) for name, s in made.items()}
+    made = {name: (s.dtype, tuple(s.shape[2:])) for name, s in store.summaries_of(block, block, saved_level).items()}
     saved = {}
     for name in state["summaries"]:
         saved[name] = (file.dtype(f"{prefix}.summaries.{name}"), file.shapes[f"{prefix}.summaries.{name}"][2:])

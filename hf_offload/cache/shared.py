@@ -90,7 +90,7 @@ class DeviceResources:
         self.inputs: dict[torch.device, DecodeInputs] = {}
         self.graph_pools: dict[torch.device, tuple] = {}
         self.live_graphs: dict[torch.device, int] = {}
-        self.graph_bytes: dict[torch.device, int] = {}  # device memory the captures reserved, while the pool is held
+        self.graph_bytes: dict[torch.device, int] = {}  # device memory the captures reserved, while a graph lives
         self.pool_leases: dict[torch.device, _PoolLease] = {}
         self.statics: dict[torch.device, StaticInputs] = {}
 
@@ -246,9 +246,9 @@ class DeviceResources:
         self.live_graphs[device] -= 1
         if self.live_graphs[device] == 0:
             self.graph_bytes.pop(device, None)
-        if self.live_graphs[device] == 0 and self.pool_leases.get(device) is lease:
-            del self.pool_leases[device]
-            _return_pool(device, lease)
+            if self.pool_leases.get(device) is lease:
+                del self.pool_leases[device]
+                _return_pool(device, lease)
 
     def timer(self, device: torch.device) -> PhaseTimer:
         """The cache's phase timer."""
