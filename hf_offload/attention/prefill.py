@@ -47,22 +47,38 @@ def chunk_prefill(
         bias = causal_lower_right(q.shape[-2], k.shape[-2])
         if group == 1:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
-        # One KV head (and its query heads) at a time: the keys and values repeated for the query heads of one KV
-        # head only, not of all of them (at 128K tokens, 8 KV heads and 32 query heads, 1.9 GiB per layer at once).
-        return torch.cat([
-            torch.nn.functional.scaled_dot_product_attention(
-                q[:, h * group : (h + 1) * group],
-                k[:, h : h + 1].expand(-1, group, -1, -1).contiguous(),
-                v[:, h : h + 1].expand(-1, group, -1, -1).contiguous(),
-                attn_mask=bias,
-                scale=scaling,
-            )
-            for h in range(kv_heads)
-        ], dim=1)  # fmt: skip
+        # One KV head (and its query heads) at a time, over as many sequences as keep the repeated keys and values
+        # within REPEAT_BYTES: not every KV head's copies for the whole batch at once (at 128K tokens, 8 KV heads
+        # and 32 query heads, 1.9 GiB per sequence and layer).
+        out = torch.empty_like(q)
+        rows = repeat_rows(group, k.shape[-2], k.shape[-1], k.element_size())
+        for b in range(0, q.shape[0], rows):
+            for h in range(kv_heads):
+                heads = slice(h * group, (h + 1) * group)
+                out[b : b + rows, heads] = torch.nn.functional.scaled_dot_product_attention(
+                    q[b : b + rows, heads],
+                    k[b : b + rows, h : h + 1].expand(-1, group, -1, -1).contiguous(),
+                    v[b : b + rows, h : h + 1].expand(-1, group, -1, -1).contiguous(),
+                    attn_mask=bias,
+                    scale=scaling,
+                )
+        return out
 
     if starts is None:
         return attend(query, k, v).transpose(1, 2).contiguous()
     return per_sequence(query, k, v, starts, attend)
+
+
+# Bytes of keys and values repeated for the query heads of one KV head that a later prefill chunk holds at once
+# (at least one sequence's): the batch is attended in slices of sequences below it.
+REPEAT_BYTES = 256 << 20
+
+
+def repeat_rows(group: int, tokens: int, head_dim: int, dtype_bytes: int) -> int:
+    """Sequences per slice of a later prefill chunk's attention: one KV head's keys and values repeated for its
+    ``group`` query heads over ``tokens`` keys stay within :data:`REPEAT_BYTES` (at least one sequence)."""
+    per_sequence = 2 * group * tokens * head_dim * dtype_bytes
+    return max(1, REPEAT_BYTES // max(per_sequence, 1))
 
 
 def first_prefill(

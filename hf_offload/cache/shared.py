@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention.inputs import DecodeInputs
+from ..attention.prefill import repeat_rows
 from ..config import OffloadConfig
 from ..selectors import Selector, get_selector
 from ..store import DeviceAdmission, transfer
@@ -271,8 +272,8 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
     norm, attention output), the query, the prefill attention's score tile (``batch x heads x tile**2`` floats),
     the last position's logits in float32 and, for a prefill chunk after ``cached_tokens`` tokens, one layer's
     earlier keys and values recalled to the device with the chunk's behind them, plus one KV head's repeated for its
-    query heads (:func:`~hf_offload.attention.prefill.chunk_prefill`). An estimate for admission, which learns the
-    real peak after the forward.
+    query heads over a slice of the batch (:func:`~hf_offload.attention.prefill.chunk_prefill`). An estimate for
+    admission, which learns the real peak after the forward.
 
     Args:
         model_config: the decoder's text config.
@@ -294,6 +295,9 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         group = heads // kv_heads if kv_heads else 1
         keys = batch * (cached_tokens + q_len) * head_dim * dtype_bytes  # one head's keys
-        recalled = 2 * kv_heads * keys + (2 * group * keys if group > 1 else 0)
+        recalled = 2 * kv_heads * keys
+        if group > 1:  # one KV head's repeated for its query heads, over a slice of the batch
+            rows = min(batch, repeat_rows(group, cached_tokens + q_len, head_dim, dtype_bytes))
+            recalled += 2 * group * keys // batch * rows
     return (tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4
             + recalled)  # fmt: skip

@@ -129,19 +129,23 @@ class LayerStats:
         (per unit of the missed share, per kept entry, and constant), float64, on ``device``; made once."""
         if getattr(self, "_steps", None) is None:
             with torch.inference_mode(False), torch.no_grad():
-                # Made on the device element by element: a copy from pageable host memory would synchronise.
+                # Made on the device by fill kernels: an item assigned from a Python number, like a copy from
+                # pageable host memory, synchronises with the host (CUDA's sync debug mode raises on it).
                 patterns = torch.zeros((len(self._SOURCES), 3, self._N_STEP_ENTRIES), dtype=torch.float64,
                                        device=device)  # fmt: skip
+                ones = [(1, self._KEPT_SUM), (2, self._KEPT_STEPS)]
                 for i, source in enumerate(self._SOURCES):
-                    patterns[i, 1, self._KEPT_SUM] = patterns[i, 2, self._KEPT_STEPS] = 1
+                    entries = list(ones)
                     if source is not None:
-                        patterns[i, 2, self._MISSED_STEPS] = 1
+                        entries.append((2, self._MISSED_STEPS))
                     if source in ("tail", "scores"):
-                        patterns[i, 0, self._MISSED_SUM] = 1
+                        entries.append((0, self._MISSED_SUM))
                     if source == "exact":
-                        patterns[i, 2, self._EXACT_STEPS] = 1
+                        entries.append((2, self._EXACT_STEPS))
                     if source == "tail":
-                        patterns[i, 0, self._TAIL_SUM] = patterns[i, 2, self._TAIL_STEPS] = 1
+                        entries += [(0, self._TAIL_SUM), (2, self._TAIL_STEPS)]
+                    for row, entry in entries:
+                        patterns[i, row, entry].fill_(1)
                 self._steps = torch.zeros(self._N_STEP_ENTRIES, dtype=torch.float64, device=device)
                 self._patterns = patterns
         return self._steps, self._patterns

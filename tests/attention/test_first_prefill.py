@@ -111,3 +111,37 @@ def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, tr
     assert sum(calls) == 2 * layers  # chunks 2 and 3 of 45 tokens, in every layer
     assert cache.stats()["recalled_bytes"] > 0
     assert len(decode_calls) == 5 * layers  # every decode step after the first token, in every layer
+
+
+@pytest.mark.parametrize("repeat_bytes", [None, 1])
+def test_later_prefill_chunks_in_slices_of_the_batch_match_dense(monkeypatch, repeat_bytes):
+    """A later chunk attends one KV head at a time over slices of the batch (REPEAT_BYTES bounds the keys and values
+    repeated for the query heads): with one sequence per slice and with the whole batch at once, the tokens and
+    logits match DynamicCache."""
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+    from hf_offload.attention import prefill
+
+    from ..helpers import build_model, left_padded
+
+    if repeat_bytes is not None:
+        monkeypatch.setattr(prefill, "REPEAT_BYTES", repeat_bytes)
+    assert prefill.repeat_rows(4, 64, 16, 4) == (1 if repeat_bytes else prefill.REPEAT_BYTES // (2 * 4 * 64 * 16 * 4))
+    rows = []
+    original = prefill.repeat_rows
+    monkeypatch.setattr(prefill, "repeat_rows", lambda *a: rows.append(original(*a)) or rows[-1])
+    model = build_model("llama")  # 2 query heads per KV head
+    ids, mask = left_padded([45, 45, 45], seed=3)  # no padding: the batch is attended at once or in slices
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert cache.stats()["recalled_bytes"] > 0  # the later chunks recalled the earlier blocks
+    # Each later chunk of each layer: one sequence per slice, or the whole batch of 3 at once.
+    assert rows and (set(rows) == {1} if repeat_bytes else min(rows) >= 3)
