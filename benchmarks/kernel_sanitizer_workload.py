@@ -3,6 +3,9 @@
     compute-sanitizer --tool memcheck python benchmarks/kernel_sanitizer_workload.py
     compute-sanitizer --tool racecheck python benchmarks/kernel_sanitizer_workload.py
 
+``--variants`` and ``--selectors`` run a part of it (racecheck is slow: a part per call), for example
+``--variants lookahead --selectors headwise --no-copies``.
+
 It gathers and scatters blocks of several sizes between pinned host chunks (and an admitted device chunk) and device
 tensors, then decodes a few steps of a tiny model with ``transfer="kernel"`` and both selectors (replayed from CUDA
 graphs of the whole layer and of the attention alone, the offload stream for sealed blocks, and once with the
@@ -12,6 +15,7 @@ bytes and tokens against the host-side reference and the torch path.
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -25,10 +29,20 @@ from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import DeviceAdmission, HostBlockPool, HostMemoryBudget  # noqa: E402
 
 
-def main() -> int:
+VARIANTS = {"layer": ("kernel", False, "layer"), "attention": ("kernel", False, "attention"),
+            "torch": ("torch", False, None), "lookahead": ("kernel", True, None)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS),
+                        help="decodes to run (their tokens are compared with the first's)")  # fmt: skip
+    parser.add_argument("--selectors", nargs="+", choices=("solohead", "headwise"), default=["solohead", "headwise"])
+    parser.add_argument("--no-copies", action="store_true", help="skip the copy kernels' part")
+    args = parser.parse_args(argv)
     device = torch.device("cuda")
     g = torch.Generator().manual_seed(0)
-    for block_elems in (512, 2048, 32768):
+    for block_elems in () if args.no_copies else (512, 2048, 32768):
         block_bytes = block_elems * 2
         admission = DeviceAdmission(device, 4 * block_bytes)  # the first chunk goes to the device
         host = HostBlockPool((block_elems,), torch.bfloat16, True, 4 * block_bytes, HostMemoryBudget(None), admission)
@@ -46,7 +60,8 @@ def main() -> int:
         torch.cuda.synchronize()
         assert torch.equal(dst, src[perm]), block_elems
         assert torch.equal(host.read(ids).view(16, -1).to(device), src)
-    print("copy kernels: ok")
+    if not args.no_copies:
+        print("copy kernels: ok")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -56,9 +71,8 @@ def main() -> int:
     ids = torch.randint(0, 128, (2, 90), device=device)
     # (transfer, lookahead, graph scope): the whole layer and the attention alone replayed from CUDA graphs, the
     # torch path, and the layer-ahead lookahead on the prefetch stream (no graphs).
-    variants = [("kernel", False, "layer"), ("kernel", False, "attention"), ("torch", False, None),
-                ("kernel", True, None)]  # fmt: skip
-    for selector in ("solohead", "headwise"):
+    variants = [VARIANTS[name] for name in args.variants]
+    for selector in args.selectors:
         outs = []
         for transfer, lookahead, scope in variants:
             graphs = {"cuda_graphs": True, "graph_scope": scope} if scope else {"cuda_graphs": False}
@@ -77,10 +91,8 @@ def main() -> int:
             assert (replays > 0) == bool(scope), (selector, transfer, lookahead, scope, replays)
         for variant, out in zip(variants[1:], outs[1:]):
             assert torch.equal(outs[0], out), (selector, variant)
-    print(
-        "kernel transfer path (graphs of the layer and of the attention, offload stream, lookahead, chunked "
-        "prefill): ok"
-    )
+    print(f"kernel transfer path ({', '.join(args.variants)}; {', '.join(args.selectors)}; offload stream, chunked "
+          "prefill): ok")  # fmt: skip
     return 0
 
 
