@@ -148,6 +148,10 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         row["device_summary_gib"] = stats["device_summary_bytes"] / GIB
         row["selector"] = stats.get("selector")  # the summary level in use (coarsen_summaries)
         row["summary_levels"] = stats.get("summary_levels")
+        # Whether the decode replayed CUDA graphs (a capture that failed leaves the steps op by op).
+        for key in ("graph_captures", "graph_replays", "graph_capture_retries", "graph_pool_bytes", "decode_steps",
+                    "prefetched_blocks"):  # fmt: skip
+            row[key] = stats.get(key)
         admission = next(iter(cache._shared.admissions.values()), None)
         if admission is not None:
             row["admitted_gib"] = admission.admitted_bytes / GIB

@@ -1,0 +1,15 @@
+#!/bin/bash
+# The H200 runs of this folder (579e5ee), each in its own call: the soak (started in the background, collected by a
+# later call), then the 8B shape at 128K under 40 and 24 GiB, then the 0.5B shape at 32K under 16 GiB.
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false PYTHONPATH=$PWD
+OUT=${OUT:-results/memory_cap}
+python3 benchmarks/bench_memory_cap.py --batches --soak 2000 --soak-shapes qwen2.5-coder-0.5b llama-3.2-1b \
+  --soak-layers 2 --soak-lengths 3000 2000 --soak-seconds 1400 --out "$OUT/soak_2000_h200.json" && gzip -9 -n "$OUT/soak_2000_h200.json"
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --batches 4 8 --cap-gib 40 \
+  --caches defaults --new-tokens 32 --prefill-chunk 8192 --max-seconds 150 --out "$OUT/smallgpu_8b_128k_cap40_h200.json"
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --batches 1 --cap-gib 24 \
+  --caches defaults offloaded --new-tokens 32 --prefill-chunk 8192 --max-seconds 200 --out "$OUT/smallgpu_8b_128k_cap24_h200.json"
+python3 benchmarks/bench_memory_cap.py --shape qwen2.5-coder-0.5b --context 32768 --batches 16 48 96 --cap-gib 16 \
+  --caches defaults --new-tokens 16 --prefill-chunk 4096 --prefill-batch-tokens 65536 --max-seconds 130 \
+  --out "$OUT/smallgpu_05b_32k_cap16_h200.json"
