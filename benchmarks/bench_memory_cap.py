@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -127,6 +128,10 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         steady = marks[3:]
         row["steady_step_s"] = (steady[-1] - steady[0]) / (len(steady) - 1)
         row["decode_tok_s"] = batch / row["steady_step_s"]
+        # Each step's time: a step that seals a block may capture that seal's graph once per layer, a spike the
+        # mean carries over a short run and the median does not.
+        row["step_s"] = [b - a for a, b in zip(marks[1:], marks[2:])]
+        row["median_step_s"] = statistics.median(row["step_s"][1:]) if len(row["step_s"]) > 1 else None
         row["ok"] = True
     except torch.OutOfMemoryError as err:
         row["ok"] = False
@@ -148,6 +153,11 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         row["device_summary_gib"] = stats["device_summary_bytes"] / GIB
         row["selector"] = stats.get("selector")  # the summary level in use (coarsen_summaries)
         row["summary_levels"] = stats.get("summary_levels")
+        first = cache.offload_layers[0].blocks if cache.offload_layers else None
+        if first is not None and first.is_initialized:
+            row["kernel_transfer"] = bool(first.execution.use_kernels)  # else pageable or portable copies
+            row["pinned_host"] = bool(first.host.pin_memory)
+            row["paged_attention"] = bool(first.execution.paged)
         # Whether the decode replayed CUDA graphs (a capture that failed leaves the steps op by op).
         for key in ("graph_captures", "graph_replays", "graph_capture_retries", "graph_pool_bytes", "decode_steps",
                     "prefetched_blocks"):  # fmt: skip
