@@ -37,6 +37,17 @@ from .stats import LayerStats, count_recall
 SUMMARY_CHUNK_BLOCKS = 256
 
 
+def release_cached_memory(device: torch.device) -> bool:
+    """Give the caching allocator's unallocated blocks on a CUDA ``device`` back (``torch.cuda.empty_cache``), outside
+    a capture; whether it did. Under a memory fraction the admission's room excludes them (PyTorch applies the
+    fraction to reserved memory), and a prefill chunk's activations leave gigabytes of them: a summary growth tries
+    again after this before it re-encodes the summaries at a coarser level, which costs accuracy."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return False
+    torch.cuda.empty_cache()
+    return True
+
+
 class BlockStore:
     """The KV of one offloaded layer, block by block, in every tier.
 
@@ -657,10 +668,15 @@ class BlockStore:
         if admission is None or not self.config.coarsen_summaries:
             return
         own = self.admission(self.device)
+        released = False
         while True:
             need = self._summary_growth_bytes(blocks)
             if not need or admission.room_for(need) or own is None:
                 return
+            if not released:
+                released = True
+                if release_cached_memory(self.device):
+                    continue
             if before_coarsening is not None:
                 before_coarsening()
                 before_coarsening = None

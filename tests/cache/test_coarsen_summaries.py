@@ -384,3 +384,33 @@ def test_a_load_that_cannot_fit_even_the_coarsest_summaries_raises_and_leaves_no
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(MemoryError, match="device_memory_gib=.*cannot hold"):
             OffloadCache.load(path, model, device_memory_gib=gib)
+
+
+def test_cached_allocator_memory_is_given_back_before_a_coarsening(monkeypatch):
+    """Before a growth re-encodes the summaries at a coarser level, the allocator's cached blocks are given back
+    (``release_cached_memory``: ``torch.cuda.empty_cache`` on CUDA) and the room checked again; where that makes
+    room, nothing is coarsened. Stood in on a CPU by a release that raises the bound."""
+    from hf_offload.cache import blocks as blocks_module
+
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(budget_tokens=4096, admission="auto", **SMALL)
+    gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
+    calls = []
+
+    def release(device):  # what the allocator's cached blocks would free: room for every summary
+        calls.append(device)
+        cache.offload_layers[0].blocks.host.admission.limit_bytes += 1 << 30
+        return True
+
+    monkeypatch.setattr(blocks_module, "release_cached_memory", release)
+    cache = OffloadCache(model, device_memory_gib=gib, **settings)
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    got = _generate(model, ids, mask, cache)
+    assert torch.equal(got, expected)
+    assert len(calls) == 1 and cache.stats()["summary_levels"] == []
+    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    # Without the release (a CPU: nothing to give back), the same bound coarsens.
+    monkeypatch.setattr(blocks_module, "release_cached_memory", lambda device: False)
+    coarsened, _, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
+    assert coarsened.stats()["summary_levels"] and messages
