@@ -38,6 +38,13 @@ def chunk_prefill(
     left_padded, starts = left_padding(mask, total)
     if not left_padded:
         return None  # not left padding: the tiled path evaluates the mask exactly
+    store = layer.blocks
+    earlier = 2 * store.batch * store.kv_heads * handoff.n_blocks_before * store.block_tokens * store.head_dim
+    if segments_pay(earlier * query.element_size(), batch, q_heads, q_len, query.shape[-1]) and lse_attention_available(
+        query.device, query.dtype, query.shape[-1]
+    ):
+        segment = segment_blocks(store.batch, store.kv_heads, store.block_tokens, store.head_dim, query.element_size())
+        return segmented_prefill(handoff, query, starts, scaling, segment)
     k, v = layer.blocks.sealed_kv(handoff.n_blocks_before, handoff.key, handoff.recent_values)
     k, v = k.to(query.dtype), v.to(query.dtype)
     kv_heads = layer.blocks.kv_heads
@@ -69,6 +76,39 @@ def chunk_prefill(
     return per_sequence(query, k, v, starts, attend)
 
 
+# Bytes of earlier keys and values a later prefill chunk holds on the device at once: past them, the earlier sealed
+# blocks are recalled and attended a segment at a time, the segments' attentions merged by their log-sum-exp.
+SEGMENT_BYTES = 256 << 20
+
+# Bytes of the float32 output and log-sum-exp a segmented chunk accumulates at once (a slice of the sequences).
+ACCUMULATOR_BYTES = 256 << 20
+
+
+def segment_blocks(batch: int, kv_heads: int, block_tokens: int, head_dim: int, dtype_bytes: int) -> int:
+    """Sealed blocks per segment of a later prefill chunk: the keys and values of that many blocks of every
+    sequence stay within :data:`SEGMENT_BYTES` (at least one block)."""
+    per_block = 2 * batch * kv_heads * block_tokens * head_dim * dtype_bytes
+    return max(1, SEGMENT_BYTES // max(per_block, 1))
+
+
+def accumulator_rows(q_heads: int, q_len: int, head_dim: int) -> int:
+    """Sequences per slice of a segmented chunk: their float32 output and log-sum-exp stay within
+    :data:`ACCUMULATOR_BYTES` (at least one sequence)."""
+    return max(1, ACCUMULATOR_BYTES // max(4 * q_heads * q_len * (head_dim + 1), 1))
+
+
+def accumulator_bytes(batch: int, q_heads: int, q_len: int, head_dim: int) -> int:
+    """Bytes of the float32 output and log-sum-exp of one slice of a segmented chunk's sequences."""
+    per_row = 4 * q_heads * q_len * (head_dim + 1)
+    return per_row * min(batch, accumulator_rows(q_heads, q_len, head_dim))
+
+
+def segments_pay(earlier_bytes: int, batch: int, q_heads: int, q_len: int, head_dim: int) -> bool:
+    """Whether a later chunk whose earlier keys and values take ``earlier_bytes`` holds less in segments: one
+    segment, the accumulator and one call's output (under twice the accumulator) against all of them at once."""
+    return earlier_bytes > SEGMENT_BYTES + 2 * accumulator_bytes(batch, q_heads, q_len, head_dim)
+
+
 # Bytes of keys and values repeated for the query heads of one KV head that a later prefill chunk holds at once
 # (at least one sequence's): the batch is attended in slices of sequences below it.
 REPEAT_BYTES = 256 << 20
@@ -79,6 +119,170 @@ def repeat_rows(group: int, tokens: int, head_dim: int, dtype_bytes: int) -> int
     ``group`` query heads over ``tokens`` keys stay within :data:`REPEAT_BYTES` (at least one sequence)."""
     per_sequence = 2 * group * tokens * head_dim * dtype_bytes
     return max(1, REPEAT_BYTES // max(per_sequence, 1))
+
+
+def _attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    """Attention and its log-sum-exp per query through the fused kernel's own entry point (the one
+    ``scaled_dot_product_attention`` dispatches to): ``(out, lse)``, ``out`` like ``q``, ``lse`` ``[B, H, L]``
+    float32. ``causal`` only with as many keys as queries."""
+    if q.device.type == "cpu":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, causal, attn_mask=None, scale=scale
+        )
+        return out, lse
+    if q.device.type != "cuda":
+        raise NotImplementedError(f"no fused attention with a log-sum-exp on {q.device.type}")
+    if q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+        result = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
+    else:
+        result = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal, scale=scale)
+    return result[0], result[1][..., : q.shape[-2]].float()
+
+
+_LSE_CHECKED: dict[tuple, bool] = {}
+
+
+def lse_attention_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether :func:`_attention_with_lse` runs on ``device`` for ``dtype`` and ``head_dim`` and its segments,
+    merged, give the attention ``scaled_dot_product_attention`` gives over all keys at once; checked once per
+    combination on a small random case (a torch build without these entry points, or with other conventions,
+    keeps the unsegmented path)."""
+    key = (device.type, device.index, dtype, head_dim)
+    if key not in _LSE_CHECKED:
+        _LSE_CHECKED[key] = _check_lse(device, dtype, head_dim)
+    return _LSE_CHECKED[key]
+
+
+def _check_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    from torch.nn.attention.bias import causal_lower_right
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, head_dim, generator=g).to(device, dtype) for n in (24, 56, 56))
+    scale = head_dim**-0.5
+    try:
+        with torch.no_grad():
+            expected = torch.nn.functional.scaled_dot_product_attention(
+                q.float(), k.float(), v.float(), attn_mask=causal_lower_right(24, 56), scale=scale
+            )
+            merge = _Merge(q.shape, device)
+            for part, causal in ((slice(0, 32), False), (slice(32, 56), True)):
+                out, lse = _attention_with_lse(q, k[:, :, part].contiguous(), v[:, :, part].contiguous(), causal, scale)
+                merge.add(out, lse, slice(None), slice(None))
+            got = merge.out
+    except (RuntimeError, NotImplementedError, TypeError, AttributeError):
+        return False
+    tolerance = 1e-4 if dtype == torch.float32 else 3e-2
+    return bool((got - expected).abs().max() <= tolerance)
+
+
+class _Merge:
+    """The attention of queries over several parts of their keys, merged by each part's log-sum-exp: ``out``
+    float32, normalized over the keys added so far (zeros where none), ``lse`` ``-inf`` where none."""
+
+    def __init__(self, shape: torch.Size, device: torch.device):
+        self.out = torch.zeros(shape, dtype=torch.float32, device=device)  # [rows, q_heads, q_len, head_dim]
+        self.lse = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device)
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows, queries: slice) -> None:
+        """Merge one part's ``out`` ``[r, q_heads, q, head_dim]`` and ``lse`` ``[r, q_heads, q]`` into ``rows``
+        (a slice or an index) and ``queries``."""
+        old = self.lse[rows, :, queries]
+        new = torch.logaddexp(old, lse)
+        kept, added = torch.exp(old - new), torch.exp(lse - new)
+        self.out[rows, :, queries] = self.out[rows, :, queries] * kept[..., None] + out.float() * added[..., None]
+        self.lse[rows, :, queries] = new
+
+
+def segmented_prefill(
+    handoff: Handoff, query: torch.Tensor, starts: list[int] | None, scaling: float, segment: int
+) -> torch.Tensor:
+    """Exact attention of a later prefill chunk whose earlier blocks are attended a segment of ``segment`` blocks
+    at a time (each recalled in one pass, :meth:`~hf_offload.cache.blocks.BlockStore.sealed_segment`), then the
+    recent tokens before the chunk, then the chunk's own tokens (causal); the parts merged by their log-sum-exp.
+    The device holds one segment of the layer's earlier KV instead of all of it. Sequences are taken in slices
+    (:func:`accumulator_rows`); left padding is cut per sequence from each part.
+
+    Returns:
+        Shape ``[batch, q_len, q_heads, head_dim]``, ``query.dtype``; zeros at padded queries.
+    """
+    layer = handoff.layer
+    store = layer.blocks
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, T, n = store.kv_heads, store.block_tokens, handoff.n_blocks_before
+    group = q_heads // kv_heads
+    recent_k, recent_v = handoff.key.to(query.dtype), handoff.recent_values.to(query.dtype)
+    before = recent_k.shape[-2] - q_len  # recent tokens before the chunk (the open block's)
+    first_query = handoff.first_recent_pos + before
+    starts = [0] * batch if starts is None else starts
+    out = torch.zeros_like(query)
+
+    def attend(merge: _Merge, rows: slice, k: torch.Tensor, v: torch.Tensor, causal: bool, q_from: int, merged) -> None:
+        """One part for the sequences ``rows`` (queries from ``q_from``), one KV head at a time, merged into
+        ``merge`` at ``merged`` (its rows)."""
+        q = query[rows, :, q_from:]
+        sub = repeat_rows(group, k.shape[-2], head_dim, k.element_size())
+        for r in range(0, q.shape[0], sub):
+            for h in range(kv_heads):
+                heads = slice(h * group, (h + 1) * group)
+                kk, vv = k[r : r + sub, h : h + 1], v[r : r + sub, h : h + 1]
+                if group > 1:
+                    kk, vv = kk.expand(-1, group, -1, -1), vv.expand(-1, group, -1, -1)
+                o, lse = _attention_with_lse(q[r : r + sub, heads].contiguous(), kk.contiguous(), vv.contiguous(),
+                                             causal, scaling)  # fmt: skip
+                target = _sub_rows(merged, r, sub)
+                old = merge.lse[target, heads, q_from:]
+                new = torch.logaddexp(old, lse)
+                kept, added = torch.exp(old - new), torch.exp(lse - new)
+                merge.out[target, heads, q_from:] = (merge.out[target, heads, q_from:] * kept[..., None]
+                                                     + o.float() * added[..., None])  # fmt: skip
+                merge.lse[target, heads, q_from:] = new
+
+    def earlier(merge: _Merge, r0: int, r1: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+        """Keys at positions ``pos`` onwards, before every query of the chunk: no mask, but each sequence's
+        padding cut off."""
+        cut = [max(0, starts[b] - pos) for b in range(r0, r1)]
+        if not any(cut):
+            attend(merge, slice(r0, r1), k, v, False, 0, slice(0, r1 - r0))
+            return
+        for i, c in enumerate(cut):
+            if c < k.shape[-2]:
+                attend(merge, slice(r0 + i, r0 + i + 1), k[i : i + 1, :, c:], v[i : i + 1, :, c:], False, 0,
+                       slice(i, i + 1))  # fmt: skip
+
+    rows_per = accumulator_rows(q_heads, q_len, head_dim)
+    for r0 in range(0, batch, rows_per):
+        r1 = min(batch, r0 + rows_per)
+        merge = _Merge((r1 - r0, q_heads, q_len, head_dim), query.device)
+        for first in range(0, n, segment):
+            last = min(n, first + segment)
+            if all(starts[b] >= last * T for b in range(r0, r1)):
+                continue  # padding only
+            k, v = store.sealed_segment(slice(r0, r1), first, last)
+            earlier(merge, r0, r1, k.to(query.dtype), v.to(query.dtype), first * T)
+        if before:
+            earlier(merge, r0, r1, recent_k[r0:r1, :, :before], recent_v[r0:r1, :, :before], handoff.first_recent_pos)
+        # The chunk's own tokens: as many keys as queries from each sequence's first real one, causal.
+        own_k, own_v = recent_k[r0:r1, :, before:], recent_v[r0:r1, :, before:]
+        q_from = [max(0, starts[b] - first_query) for b in range(r0, r1)]
+        if not any(q_from):
+            attend(merge, slice(r0, r1), own_k, own_v, True, 0, slice(0, r1 - r0))
+        else:
+            for i, f in enumerate(q_from):
+                if f < q_len:
+                    attend(merge, slice(r0 + i, r0 + i + 1), own_k[i : i + 1, :, f:], own_v[i : i + 1, :, f:], True,
+                           f, slice(i, i + 1))  # fmt: skip
+        result = merge.out
+        for i, f in enumerate(q_from):
+            if f:
+                result[i, :, :f] = 0  # padded queries (no real token reads them)
+        out[r0:r1] = result.to(query.dtype)
+    return out.transpose(1, 2).contiguous()
+
+
+def _sub_rows(rows: slice, r: int, sub: int) -> slice:
+    """Rows ``r`` to ``r + sub`` of the slice ``rows`` (clipped to it)."""
+    start = rows.start + r
+    return slice(start, min(rows.stop, start + sub))
 
 
 def first_prefill(

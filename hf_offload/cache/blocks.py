@@ -820,6 +820,34 @@ class BlockStore:
         count_recall(self.stats, batch * n_blocks, self.host.block_bytes, decode=False)
         return keys, values
 
+    def sealed_segment(self, rows: slice, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of sealed blocks ``first`` to ``last - 1`` of the sequences ``rows``, recalled onto the
+        device in one pass (a later prefill chunk that attends to the earlier blocks a segment at a time; counted as
+        recalled, not as decode traffic).
+
+        Returns:
+            ``(keys, values)``, each ``[rows, kv_heads, (last - first) * block_tokens, head_dim]``, compute device.
+        """
+        r0, r1, _ = rows.indices(self.batch)
+        n_rows, n, heads, T, D = r1 - r0, last - first, self.kv_heads, self.block_tokens, self.head_dim
+        if self.execution.use_kernels and not self.host.disk_chunks:
+            scratch = DeviceSlotPool(n_rows, n, heads, T, D, self.dtype, self.device)
+            transfer.wait_event(self.selectable_written, self.device)
+            self.selectable_written = None
+            slots = torch.arange(n, device=self.device).repeat(n_rows)
+            dest = torch.arange(n_rows, device=self.device).repeat_interleave(n)
+            ids = self.block_table_dev[r0:r1, first:last].flatten()
+            transfer.recall_blocks_kernel(self.host, scratch, ids, dest, slots)
+            keys, values = scratch.keys[:, :, : n * T], scratch.values[:, :, : n * T]  # slot j: block first + j
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # host writes may still be in flight
+            blocks = self.host.read(self.block_table[r0:r1, first:last].flatten()).to(self.device)
+            blocks = blocks.view(n_rows, n, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
+            keys, values = blocks.reshape(2, n_rows, heads, n * T, D).unbind(0)
+        count_recall(self.stats, n_rows * n, self.host.block_bytes, decode=False)
+        return keys, values
+
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of this layer re-assembled from the host pool and the open block (for checks and export).
 

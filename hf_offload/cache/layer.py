@@ -29,6 +29,7 @@ from .graphs import GraphRunner
 from .modes import normal_tensors
 from .planner import DecodePlanner
 from .recaller import Recaller
+from ..attention.prefill import lse_attention_available
 from .shared import forward_transient_bytes
 from .stats import LayerStats
 
@@ -198,9 +199,12 @@ class OffloadLayer(CacheLayerMixin):
             return
         self._decode_noted = q_len == 1
         batch = key_states.shape[0]
+        # A later chunk attends its earlier blocks in segments where the device's fused attention gives its
+        # log-sum-exp (checked once per device, dtype and head size).
+        segmented = q_len > 1 and lse_attention_available(key_states.device, key_states.dtype, key_states.shape[-1])
         admission.note_forward(
             forward_transient_bytes(self.model_config, batch, q_len, key_states.element_size(),
-                                    self.config.prefill_chunk_tokens, self.blocks.n_tokens)  # fmt: skip
+                                    self.config.prefill_chunk_tokens, self.blocks.n_tokens, segmented)  # fmt: skip
         )
 
     @normal_tensors

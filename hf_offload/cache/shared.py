@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from ..attention.inputs import DecodeInputs
+from ..attention import prefill
 from ..attention.prefill import repeat_rows
 from ..config import OffloadConfig
 from ..selectors import Selector, get_selector
@@ -266,13 +267,15 @@ def _reserved_bytes(device: torch.device) -> int:
 
 
 def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: int, tile_tokens: int,
-                            cached_tokens: int = 0) -> int:  # fmt: skip
+                            cached_tokens: int = 0, segmented: bool = True) -> int:  # fmt: skip
     """Device bytes a forward of ``batch x q_len`` new tokens holds at its peak besides weights and cache, as its
     shapes predict them: the MLP's intermediate activations (three of them), a few hidden-size copies (residual,
     norm, attention output), the query, the prefill attention's score tile (``batch x heads x tile**2`` floats),
-    the last position's logits in float32 and, for a prefill chunk after ``cached_tokens`` tokens, one layer's
-    earlier keys and values recalled to the device with the chunk's behind them, plus one KV head's repeated for its
-    query heads over a slice of the batch (:func:`~hf_offload.attention.prefill.chunk_prefill`). An estimate for
+    the last position's logits in float32 and, for a prefill chunk after ``cached_tokens`` tokens, what its
+    attention holds (:func:`~hf_offload.attention.prefill.chunk_prefill`): one layer's earlier keys and values
+    recalled to the device with the chunk's behind them, plus one KV head's repeated for its query heads over a
+    slice of the batch; or, where segments hold less (``segments_pay``) and ``segmented``, one segment of them, the
+    repeated copies and twice the float32 accumulator of a slice of the batch. An estimate for
     admission, which learns the real peak after the forward.
 
     Args:
@@ -281,6 +284,8 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
         dtype_bytes: bytes per activation element.
         tile_tokens: queries per prefill attention tile (``prefill_chunk_tokens``).
         cached_tokens: tokens per sequence the cache holds before this forward.
+        segmented: a later chunk may attend its earlier blocks in segments (the device's fused attention gives its
+            log-sum-exp: :func:`~hf_offload.attention.prefill.lse_attention_available`).
     """
     hidden = getattr(model_config, "hidden_size", 0) or 0
     inter = getattr(model_config, "intermediate_size", None) or 4 * hidden
@@ -295,9 +300,14 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
         kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
         group = heads // kv_heads if kv_heads else 1
         keys = batch * (cached_tokens + q_len) * head_dim * dtype_bytes  # one head's keys
-        recalled = 2 * kv_heads * keys
+        repeated = 0
         if group > 1:  # one KV head's repeated for its query heads, over a slice of the batch
             rows = min(batch, repeat_rows(group, cached_tokens + q_len, head_dim, dtype_bytes))
-            recalled += 2 * group * keys // batch * rows
+            repeated = 2 * group * keys // batch * rows
+        recalled = 2 * kv_heads * keys + repeated
+        earlier = 2 * kv_heads * batch * cached_tokens * head_dim * dtype_bytes
+        if segmented and prefill.segments_pay(earlier, batch, heads, q_len, head_dim):
+            accumulator = prefill.accumulator_bytes(batch, heads, q_len, head_dim)
+            recalled = prefill.SEGMENT_BYTES + repeated + 2 * accumulator
     return (tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4
             + recalled)  # fmt: skip

@@ -145,3 +145,117 @@ def test_later_prefill_chunks_in_slices_of_the_batch_match_dense(monkeypatch, re
     assert cache.stats()["recalled_bytes"] > 0  # the later chunks recalled the earlier blocks
     # Each later chunk of each layer: one sequence per slice, or the whole batch of 3 at once.
     assert rows and (set(rows) == {1} if repeat_bytes else min(rows) >= 3)
+
+
+@pytest.mark.parametrize("lengths", [[45, 45, 45], [45, 20, 38]])
+@pytest.mark.parametrize("accumulator_bytes", [None, 1])
+def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accumulator_bytes):
+    """A later chunk whose earlier blocks exceed SEGMENT_BYTES attends them a segment at a time, then the recent
+    tokens before it, then its own (causal), merged by their log-sum-exp: with segments of one block (and slices of
+    one sequence), with and without left padding (sequence 1 is padded into the second chunk), the tokens and
+    logits match DynamicCache."""
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+    from hf_offload.attention import prefill
+
+    from ..helpers import build_model, left_padded
+
+    assert prefill.lse_attention_available(torch.device("cpu"), torch.float32, 16)
+    assert prefill.lse_attention_available(torch.device("cpu"), torch.bfloat16, 64)
+    monkeypatch.setattr(prefill, "SEGMENT_BYTES", 1)  # one block per segment
+    monkeypatch.setattr(prefill, "segments_pay", lambda *args: True)
+    if accumulator_bytes is not None:
+        monkeypatch.setattr(prefill, "ACCUMULATOR_BYTES", accumulator_bytes)  # one sequence per slice
+    segments = []
+    original = prefill.segmented_prefill
+    monkeypatch.setattr(prefill, "segmented_prefill", lambda *a: segments.append(a[-1]) or original(*a))
+    model = build_model("llama")
+    ids, mask = left_padded(lengths, seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # Chunks 2 and 3 of every layer, after 2 and 4 sealed blocks: segments of one block.
+    assert len(segments) == 2 * len(cache.offload_layers) and set(segments) == {1}
+
+
+def test_a_failed_check_keeps_the_unsegmented_path(monkeypatch):
+    """Where the fused kernel's log-sum-exp entry point fails or disagrees with SDPA, segments are not used."""
+    from hf_offload.attention import prefill
+
+    monkeypatch.setattr(prefill, "_LSE_CHECKED", {})
+
+    def wrong(q, k, v, causal, scale):  # a log-sum-exp in another base
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+        return out, lse / 0.6931471805599453
+
+    monkeypatch.setattr(prefill, "_attention_with_lse", wrong)
+    assert not prefill.lse_attention_available(torch.device("cpu"), torch.float32, 16)
+
+    def missing(*args):
+        raise RuntimeError("no such operator")
+
+    monkeypatch.setattr(prefill, "_LSE_CHECKED", {})
+    monkeypatch.setattr(prefill, "_attention_with_lse", missing)
+    assert not prefill.lse_attention_available(torch.device("cpu"), torch.float32, 16)
+
+
+def test_later_prefill_chunk_segments_through_the_kernel_path(monkeypatch):
+    """The segments of a later chunk recalled by the copy kernel (``sealed_segment`` on the kernel path; Triton's
+    interpreter on a CPU) give DynamicCache's tokens and logits, with left padding."""
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+    from hf_offload.attention import prefill
+    from hf_offload.kernels.gather import kernels_available
+
+    from ..helpers import build_model, left_padded
+
+    if not kernels_available(torch.device("cpu")):
+        pytest.skip("the kernel path needs Triton on CUDA (or TRITON_INTERPRET=1)")
+    monkeypatch.setattr(prefill, "SEGMENT_BYTES", 1)
+    monkeypatch.setattr(prefill, "segments_pay", lambda *args: True)
+    model = build_model("llama")
+    ids, mask = left_padded([45, 20, 38], seed=2)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64,
+                             transfer="kernel")  # fmt: skip
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    assert cache.offload_layers[0].execution.use_kernels
+
+
+def test_segments_are_used_where_they_hold_less():
+    """A later chunk goes in segments where its earlier keys and values exceed one segment plus twice the
+    accumulator; the admission's estimate of its temporaries follows (8B shape at 128K, chunks of 8,192)."""
+    from types import SimpleNamespace
+
+    from hf_offload.attention import prefill
+    from hf_offload.cache.shared import forward_transient_bytes
+
+    heads, q_len, head_dim = 32, 8192, 128
+    accumulator = prefill.accumulator_bytes(1, heads, q_len, head_dim)
+    assert accumulator == 4 * heads * q_len * (head_dim + 1)  # one sequence per slice at this size
+    assert prefill.accumulator_bytes(8, heads, q_len, head_dim) == accumulator
+    threshold = prefill.SEGMENT_BYTES + 2 * accumulator
+    assert not prefill.segments_pay(threshold, 1, heads, q_len, head_dim)
+    assert prefill.segments_pay(threshold + 1, 1, heads, q_len, head_dim)
+    config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
+                             head_dim=128, vocab_size=128256)  # fmt: skip
+    one = forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192)
+    assert one == forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192, segmented=False)  # 0.5 GiB: whole
+    eight = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192)
+    whole = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192, segmented=False)
+    earlier = 2 * 8 * 8 * (131072 - 8192) * 128 * 2
+    assert whole - eight > earlier - prefill.SEGMENT_BYTES - 2 * accumulator - 1  # what the segments save
