@@ -259,3 +259,32 @@ def test_segments_are_used_where_they_hold_less():
     whole = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192, segmented=False)
     earlier = 2 * 8 * 8 * (131072 - 8192) * 128 * 2
     assert whole - eight > earlier - prefill.SEGMENT_BYTES - 2 * accumulator - 1  # what the segments save
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_segments_of_a_later_chunk_match_the_whole_kv(monkeypatch, dtype):
+    """On CUDA the log-sum-exp entry points pass their check, and a chunked prefill in segments of one block gives
+    the logits of the same cache attending the whole earlier KV at once (bf16: flash; float32: memory-efficient)."""
+    from hf_offload import OffloadCache
+    from hf_offload.attention import prefill
+
+    from ..helpers import build_model, left_padded
+
+    assert prefill.lse_attention_available(torch.device("cuda"), dtype, 16)
+    model = build_model("llama").to("cuda", dtype)
+    ids, mask = left_padded([61, 30, 50], seed=5)
+    ids, mask = ids.cuda(), mask.cuda()
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    settings = dict(budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
+    runs = []
+    for segmented in (False, True):
+        monkeypatch.setattr(prefill, "segments_pay", lambda *args, on=segmented: on)
+        monkeypatch.setattr(prefill, "SEGMENT_BYTES", 1 if segmented else prefill.SEGMENT_BYTES)
+        with torch.no_grad():
+            runs.append(model.generate(past_key_values=OffloadCache(model, **settings), **kwargs))
+    whole, segments = runs
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    for a, b in zip(segments.scores, whole.scores):
+        torch.testing.assert_close(a, b, atol=tolerance * max(1.0, b.abs().max().item()), rtol=tolerance)
