@@ -196,8 +196,8 @@ class _Merge:
 def segmented_prefill(
     handoff: Handoff, query: torch.Tensor, starts: list[int] | None, scaling: float, segment: int
 ) -> torch.Tensor:
-    """Exact attention of a later prefill chunk whose earlier blocks are attended a segment of ``segment`` blocks
-    at a time (each recalled in one pass, :meth:`~hf_offload.cache.blocks.BlockStore.sealed_segment`), then the
+    """Exact attention of a later prefill chunk whose earlier blocks are attended a segment of at least ``segment``
+    blocks at a time (as many as :data:`SEGMENT_BYTES` allows for one slice of the sequences) (each recalled in one pass, :meth:`~hf_offload.cache.blocks.BlockStore.sealed_segment`), then the
     recent tokens before the chunk, then the chunk's own tokens (causal); the parts merged by their log-sum-exp.
     The device holds one segment of the layer's earlier KV instead of all of it. Sequences are taken in slices
     (:func:`accumulator_rows`); left padding is cut per sequence from each part.
@@ -253,6 +253,8 @@ def segmented_prefill(
     for r0 in range(0, batch, rows_per):
         r1 = min(batch, r0 + rows_per)
         merge = _Merge((r1 - r0, q_heads, q_len, head_dim), query.device)
+        # Segments as large as the bound allows for this slice of the sequences (``segment``: for all of them).
+        segment = max(segment, segment_blocks(r1 - r0, kv_heads, T, head_dim, query.element_size()))
         for first in range(0, n, segment):
             last = min(n, first + segment)
             if all(starts[b] >= last * T for b in range(r0, r1)):
