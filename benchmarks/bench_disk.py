@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each cache, alternating (the summary takes the last of each: the first run of a "
                         "process pays one-time costs)")
+    parser.add_argument("--lookahead", choices=("off", "on", "both"), default="off",
+                        help="the disk tier with lookahead (the next layer's likely blocks staged from disk during this "
+                        "layer's work): off, on, or both as two configurations")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -218,23 +221,31 @@ def main(argv: list[str] | None = None) -> int:
     drive_result = drive(args.dir, args.drive_mib, chunk_bytes, block_bytes, args.random_reads, args.threads)
     print({k: round(v, 3) if isinstance(v, float) else v for k, v in drive_result.items()}, flush=True)
     host_gib = args.host_fraction * kv_bytes / (1 << 30)
-    runs, repeats = {}, {"host_only": [], "disk_tier": []}
+    tier = dict(host_memory_gib=host_gib, disk_dir=args.dir, disk_staging_chunks=args.staging_chunks,
+                disk_read_threads=args.threads)  # fmt: skip
+    configs = [("host_only", {})]
+    if args.lookahead in ("off", "both"):
+        configs.append(("disk_tier", tier))
+    if args.lookahead in ("on", "both"):
+        configs.append(("disk_tier_lookahead", dict(tier, lookahead=True)))
+    runs, repeats = {}, {name: [] for name, _ in configs}
     for _ in range(args.repeats):
-        for name, disk in (("host_only", {}),
-                           ("disk_tier", dict(host_memory_gib=host_gib, disk_dir=args.dir,
-                                              disk_staging_chunks=args.staging_chunks,
-                                              disk_read_threads=args.threads))):  # fmt: skip
+        for name, disk in configs:
             runs[name] = r = run_cache(model, args, device, disk)
             repeats[name].append({k: r[k] for k in ("fill_s", "decode_tok_s", "spill_gbs", "tier_read_gbs")})
             print(f"{name}: fill {r['fill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, spill {r['spill_gbs']} "
                   f"GB/s, tier read {r['tier_read_gbs']} GB/s, disk {r['stats']['disk_kv_bytes'] / MIB:.0f} MiB",
                   flush=True)  # fmt: skip
-    disk_run = runs["disk_tier"]
-    summary = {
-        "spill_vs_drive_write": (disk_run["spill_gbs"] or 0) / drive_result["seq_write_gbs"],
-        "tier_read_vs_drive_random_read": (disk_run["tier_read_gbs"] or 0) / drive_result["random_read_gbs"],
-        "decode_disk_vs_host_only": disk_run["decode_tok_s"] / runs["host_only"]["decode_tok_s"],
-    }
+    summary = {}
+    for name in runs:
+        if name == "host_only":
+            continue
+        disk_run, tag = runs[name], name.removeprefix("disk_tier")
+        summary.update({
+            f"spill_vs_drive_write{tag}": (disk_run["spill_gbs"] or 0) / drive_result["seq_write_gbs"],
+            f"tier_read_vs_drive_random_read{tag}": (disk_run["tier_read_gbs"] or 0) / drive_result["random_read_gbs"],
+            f"decode_disk_vs_host_only{tag}": disk_run["decode_tok_s"] / runs["host_only"]["decode_tok_s"],
+        })  # fmt: skip
     print(summary)
     payload = {"metadata": run_metadata(args, workload=WORKLOAD, kv_bytes=kv_bytes, block_bytes=block_bytes,
                                         chunk_bytes=chunk_bytes, host_memory_gib=host_gib),
