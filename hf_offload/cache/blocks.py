@@ -780,73 +780,65 @@ class BlockStore:
 
     # ---------------------------------------------------------------------------------------------------- reading
     def sealed_kv(
-        self, n_blocks: int, tail_keys: torch.Tensor | None = None, tail_values: torch.Tensor | None = None
+        self,
+        n_blocks: int,
+        tail_keys: torch.Tensor | None = None,
+        tail_values: torch.Tensor | None = None,
+        rows: slice = slice(None),
+        first: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the first ``n_blocks`` sealed blocks of every sequence, recalled onto the device in
-        one pass (a prefill chunk attends to all of them; counted as recalled, not as decode traffic), followed by
-        ``tail_keys`` / ``tail_values`` where given (the chunk's own tokens: on the kernel path they are written
-        behind the recalled blocks in the same buffer, so that the layer's KV is on the device once, not twice).
+        """Keys and values of sealed blocks ``first`` to ``n_blocks - 1`` of the sequences ``rows``, recalled onto
+        the device in one pass (a prefill chunk attends to them; counted as recalled, not as decode traffic),
+        followed by ``tail_keys`` / ``tail_values`` where given (the chunk's own tokens: on the kernel path they are
+        written behind the recalled blocks in the same buffer, so that the layer's KV is on the device once, not
+        twice).
 
         Args:
-            n_blocks: sealed blocks to read per sequence, at most :attr:`n_blocks`.
-            tail_keys, tail_values: ``[batch, kv_heads, r, head_dim]`` to append, or ``None``.
+            n_blocks: the block after the last one to read, at most :attr:`n_blocks`.
+            tail_keys, tail_values: ``[rows, kv_heads, r, head_dim]`` to append, or ``None``.
+            rows: the sequences to read (a slice of the batch).
+            first: the first block to read (a segment of the earlier blocks: :meth:`sealed_segment`).
 
         Returns:
-            ``(keys, values)``, each ``[batch, kv_heads, n_blocks * block_tokens (+ r), head_dim]``, compute device.
+            ``(keys, values)``, each ``[rows, kv_heads, (n_blocks - first) * block_tokens (+ r), head_dim]``,
+            compute device.
         """
-        batch, heads, T, D = self.batch, self.kv_heads, self.block_tokens, self.head_dim
+        r0, r1, _ = rows.indices(self.batch)
+        batch, n, heads, T, D = r1 - r0, n_blocks - first, self.kv_heads, self.block_tokens, self.head_dim
         tail = 0 if tail_keys is None else tail_keys.shape[-2]
         if self.execution.use_kernels and not self.host.disk_chunks:
-            scratch = DeviceSlotPool(batch, n_blocks + -(-tail // T), heads, T, D, self.dtype, self.device)
+            scratch = DeviceSlotPool(batch, n + -(-tail // T), heads, T, D, self.dtype, self.device)
             transfer.wait_event(self.selectable_written, self.device)
             self.selectable_written = None
-            slots = torch.arange(n_blocks, device=self.device).repeat(batch)
-            rows = torch.arange(batch, device=self.device).repeat_interleave(n_blocks)
-            transfer.recall_blocks_kernel(self.host, scratch, self.block_table_dev[:, :n_blocks].flatten(), rows, slots)
-            # Slot j holds block j: the pool is the sequence in order, the tail behind it.
-            end = n_blocks * T + tail
+            slots = torch.arange(n, device=self.device).repeat(batch)
+            dest = torch.arange(batch, device=self.device).repeat_interleave(n)
+            ids = self.block_table_dev[r0:r1, first:n_blocks].flatten()
+            transfer.recall_blocks_kernel(self.host, scratch, ids, dest, slots)
+            # Slot j holds block first + j: the pool is the sequence in order, the tail behind it.
+            end = n * T + tail
             keys, values = scratch.keys[:, :, :end], scratch.values[:, :, :end]
             if tail:
-                keys[:, :, n_blocks * T :].copy_(tail_keys)
-                values[:, :, n_blocks * T :].copy_(tail_values)
+                keys[:, :, n * T :].copy_(tail_keys)
+                values[:, :, n * T :].copy_(tail_values)
         else:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # host writes may still be in flight
-            blocks = self.host.read(self.block_table[:, :n_blocks].flatten()).to(self.device)
-            blocks = blocks.view(batch, n_blocks, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
-            keys, values = blocks.reshape(2, batch, heads, n_blocks * T, D).unbind(0)
+            blocks = self.host.read(self.block_table[r0:r1, first:n_blocks].flatten()).to(self.device)
+            blocks = blocks.view(batch, n, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
+            keys, values = blocks.reshape(2, batch, heads, n * T, D).unbind(0)
             if tail:
                 keys, values = torch.cat([keys, tail_keys], dim=-2), torch.cat([values, tail_values], dim=-2)
-        count_recall(self.stats, batch * n_blocks, self.host.block_bytes, decode=False)
+        count_recall(self.stats, batch * n, self.host.block_bytes, decode=False)
         return keys, values
 
     def sealed_segment(self, rows: slice, first: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of sealed blocks ``first`` to ``last - 1`` of the sequences ``rows``, recalled onto the
-        device in one pass (a later prefill chunk that attends to the earlier blocks a segment at a time; counted as
-        recalled, not as decode traffic).
+        """Keys and values of sealed blocks ``first`` to ``last - 1`` of the sequences ``rows`` (:meth:`sealed_kv`
+        of one segment: a later prefill chunk that attends to its earlier blocks a segment at a time).
 
         Returns:
             ``(keys, values)``, each ``[rows, kv_heads, (last - first) * block_tokens, head_dim]``, compute device.
         """
-        r0, r1, _ = rows.indices(self.batch)
-        n_rows, n, heads, T, D = r1 - r0, last - first, self.kv_heads, self.block_tokens, self.head_dim
-        if self.execution.use_kernels and not self.host.disk_chunks:
-            scratch = DeviceSlotPool(n_rows, n, heads, T, D, self.dtype, self.device)
-            transfer.wait_event(self.selectable_written, self.device)
-            self.selectable_written = None
-            slots = torch.arange(n, device=self.device).repeat(n_rows)
-            dest = torch.arange(n_rows, device=self.device).repeat_interleave(n)
-            ids = self.block_table_dev[r0:r1, first:last].flatten()
-            transfer.recall_blocks_kernel(self.host, scratch, ids, dest, slots)
-            keys, values = scratch.keys[:, :, : n * T], scratch.values[:, :, : n * T]  # slot j: block first + j
-        else:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # host writes may still be in flight
-            blocks = self.host.read(self.block_table[r0:r1, first:last].flatten()).to(self.device)
-            blocks = blocks.view(n_rows, n, 2, heads, T, D).permute(2, 0, 3, 1, 4, 5)
-            keys, values = blocks.reshape(2, n_rows, heads, n * T, D).unbind(0)
-        count_recall(self.stats, n_rows * n, self.host.block_bytes, decode=False)
-        return keys, values
+        return self.sealed_kv(last, rows=rows, first=first)
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole KV of this layer re-assembled from the host pool and the open block (for checks and export).
