@@ -167,7 +167,7 @@ def _check_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
             merge = _Merge(q.shape, device)
             for part, causal in ((slice(0, 32), False), (slice(32, 56), True)):
                 out, lse = _attention_with_lse(q, k[:, :, part].contiguous(), v[:, :, part].contiguous(), causal, scale)
-                merge.add(out, lse, slice(None), slice(None))
+                merge.add(out, lse, slice(None), slice(None), slice(None))
             got = merge.out
     except (RuntimeError, NotImplementedError, TypeError, AttributeError):
         return False
@@ -183,22 +183,24 @@ class _Merge:
         self.out = torch.zeros(shape, dtype=torch.float32, device=device)  # [rows, q_heads, q_len, head_dim]
         self.lse = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device)
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor, rows, queries: slice) -> None:
-        """Merge one part's ``out`` ``[r, q_heads, q, head_dim]`` and ``lse`` ``[r, q_heads, q]`` into ``rows``
-        (a slice or an index) and ``queries``."""
-        old = self.lse[rows, :, queries]
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice, heads: slice, queries: slice) -> None:
+        """Merge one part's ``out`` ``[r, h, q, head_dim]`` and ``lse`` ``[r, h, q]`` into ``rows``, ``heads`` and
+        ``queries``."""
+        old = self.lse[rows, heads, queries]
         new = torch.logaddexp(old, lse)
         kept, added = torch.exp(old - new), torch.exp(lse - new)
-        self.out[rows, :, queries] = self.out[rows, :, queries] * kept[..., None] + out.float() * added[..., None]
-        self.lse[rows, :, queries] = new
+        merged = self.out[rows, heads, queries] * kept[..., None] + out.float() * added[..., None]
+        self.out[rows, heads, queries] = merged
+        self.lse[rows, heads, queries] = new
 
 
 def segmented_prefill(
     handoff: Handoff, query: torch.Tensor, starts: list[int] | None, scaling: float, segment: int
 ) -> torch.Tensor:
-    """Exact attention of a later prefill chunk whose earlier blocks are attended a segment of at least ``segment``
-    blocks at a time (as many as :data:`SEGMENT_BYTES` allows for one slice of the sequences) (each recalled in one pass, :meth:`~hf_offload.cache.blocks.BlockStore.sealed_segment`), then the
-    recent tokens before the chunk, then the chunk's own tokens (causal); the parts merged by their log-sum-exp.
+    """Exact attention of a later prefill chunk whose earlier blocks are attended a segment at a time (at least
+    ``segment`` blocks, as many as :data:`SEGMENT_BYTES` allows for one slice of the sequences; each recalled in one
+    pass, :meth:`~hf_offload.cache.blocks.BlockStore.sealed_segment`), then the recent tokens before the chunk,
+    then the chunk's own tokens (causal); the parts merged by their log-sum-exp.
     The device holds one segment of the layer's earlier KV instead of all of it. Sequences are taken in slices
     (:func:`accumulator_rows`); left padding is cut per sequence from each part.
 
@@ -229,13 +231,7 @@ def segmented_prefill(
                     kk, vv = kk.expand(-1, group, -1, -1), vv.expand(-1, group, -1, -1)
                 o, lse = _attention_with_lse(q[r : r + sub, heads].contiguous(), kk.contiguous(), vv.contiguous(),
                                              causal, scaling)  # fmt: skip
-                target = _sub_rows(merged, r, sub)
-                old = merge.lse[target, heads, q_from:]
-                new = torch.logaddexp(old, lse)
-                kept, added = torch.exp(old - new), torch.exp(lse - new)
-                merge.out[target, heads, q_from:] = (merge.out[target, heads, q_from:] * kept[..., None]
-                                                     + o.float() * added[..., None])  # fmt: skip
-                merge.lse[target, heads, q_from:] = new
+                merge.add(o, lse, _sub_rows(merged, r, sub), heads, slice(q_from, None))
 
     def earlier(merge: _Merge, r0: int, r1: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         """Keys at positions ``pos`` onwards, before every query of the chunk: no mask, but each sequence's
