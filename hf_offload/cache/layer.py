@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..attention.handoff import Handoff, leave_handoff
+from ..attention.prefill import lse_attention_available
 from ..config import OffloadConfig
 from ..kernels.append import append_token
 from ..selectors import Selector
@@ -29,7 +30,6 @@ from .graphs import GraphRunner
 from .modes import normal_tensors
 from .planner import DecodePlanner
 from .recaller import Recaller
-from ..attention.prefill import lse_attention_available
 from .shared import forward_transient_bytes
 from .stats import LayerStats
 

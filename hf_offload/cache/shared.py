@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..attention.inputs import DecodeInputs
 from ..attention import prefill
+from ..attention.inputs import DecodeInputs
 from ..attention.prefill import repeat_rows
 from ..config import OffloadConfig
 from ..selectors import Selector, get_selector
@@ -275,8 +275,8 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
     attention holds (:func:`~hf_offload.attention.prefill.chunk_prefill`): one layer's earlier keys and values
     recalled to the device with the chunk's behind them, plus one KV head's repeated for its query heads over a
     slice of the batch; or, where segments hold less (``segments_pay``) and ``segmented``, one segment of them, the
-    repeated copies and twice the float32 accumulator of a slice of the batch. An estimate for
-    admission, which learns the real peak after the forward.
+    repeated copies and twice the float32 accumulator of a slice of the batch. An estimate for admission, which
+    learns the real peak after the forward.
 
     Args:
         model_config: the decoder's text config.
