@@ -149,10 +149,12 @@ def test_later_prefill_chunks_in_slices_of_the_batch_match_dense(monkeypatch, re
 
 @pytest.mark.parametrize("lengths", [[45, 45, 45], [45, 20, 38]])
 @pytest.mark.parametrize("accumulator_bytes", [None, 1])
-def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accumulator_bytes):
+@pytest.mark.parametrize("chunk", [16, 12])
+def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accumulator_bytes, chunk):
     """A later chunk whose earlier blocks exceed SEGMENT_BYTES attends them a segment at a time, then the recent
     tokens before it, then its own (causal), merged by their log-sum-exp: with segments of one block (and slices of
-    one sequence), with and without left padding (sequence 1 is padded into the second chunk), the tokens and
+    one sequence), with and without left padding (sequence 1 is padded into the second chunk), with chunks of whole
+    blocks and of 12 tokens (the open block's tokens before the chunk are a part of their own), the tokens and
     logits match DynamicCache."""
     from transformers import DynamicCache
 
@@ -172,7 +174,7 @@ def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accu
     monkeypatch.setattr(prefill, "segmented_prefill", lambda *a: segments.append(a[-1]) or original(*a))
     model = build_model("llama")
     ids, mask = left_padded(lengths, seed=2)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=16,
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk,
                   output_scores=True, return_dict_in_generate=True)  # fmt: skip
     with torch.no_grad():
         expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
@@ -181,8 +183,9 @@ def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accu
     assert torch.equal(got.sequences, expected.sequences)
     for a, b in zip(got.scores, expected.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    # Chunks 2 and 3 of every layer, after 2 and 4 sealed blocks: segments of one block.
-    assert len(segments) == 2 * len(cache.offload_layers) and set(segments) == {1}
+    # Every chunk after the first, in every layer: segments of one block.
+    later = -(-45 // chunk) - 1
+    assert len(segments) == later * len(cache.offload_layers) and set(segments) == {1}
 
 
 def test_a_failed_check_keeps_the_unsegmented_path(monkeypatch):
