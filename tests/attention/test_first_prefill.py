@@ -33,6 +33,30 @@ def _mask(padding, mask_function=causal_mask_function):
     return OffloadMask("sdpa", kwargs)
 
 
+def _chunked_matches_dense(lengths, seed, chunk, new_tokens, **settings):
+    """``generate(prefill_chunk_size=chunk)`` of left-padded prompts of ``lengths`` through DynamicCache and through
+    an OffloadCache (8-token blocks, full budget, ``settings``): same tokens, logits within 1e-4. Returns the cache."""
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+
+    from ..helpers import build_model, left_padded
+
+    model = build_model("llama")  # 2 query heads per KV head
+    ids, mask = left_padded(lengths, seed=seed)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                  prefill_chunk_size=chunk, output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64,
+                             **settings)  # fmt: skip
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    return cache
+
+
 @pytest.mark.parametrize("pads", [(0, 0, 0), (0, 5, 36)])
 def test_matches_masked_softmax_at_real_positions(pads):
     q, k, v = _inputs()
@@ -118,12 +142,7 @@ def test_later_prefill_chunks_in_slices_of_the_batch_match_dense(monkeypatch, re
     """A later chunk attends one KV head at a time over slices of the batch (REPEAT_BYTES bounds the keys and values
     repeated for the query heads): with one sequence per slice and with the whole batch at once, the tokens and
     logits match DynamicCache."""
-    from transformers import DynamicCache
-
-    from hf_offload import OffloadCache
     from hf_offload.attention import prefill
-
-    from ..helpers import build_model, left_padded
 
     if repeat_bytes is not None:
         monkeypatch.setattr(prefill, "REPEAT_BYTES", repeat_bytes)
@@ -131,17 +150,8 @@ def test_later_prefill_chunks_in_slices_of_the_batch_match_dense(monkeypatch, re
     rows = []
     original = prefill.repeat_rows
     monkeypatch.setattr(prefill, "repeat_rows", lambda *a: rows.append(original(*a)) or rows[-1])
-    model = build_model("llama")  # 2 query heads per KV head
-    ids, mask = left_padded([45, 45, 45], seed=3)  # no padding: the batch is attended at once or in slices
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=16,
-                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
-        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
-        got = model.generate(past_key_values=cache, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    for a, b in zip(got.scores, expected.scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    # No padding: the batch is attended at once or in slices.
+    cache = _chunked_matches_dense([45, 45, 45], 3, 16, 4)
     assert cache.stats()["recalled_bytes"] > 0  # the later chunks recalled the earlier blocks
     # Each later chunk of each layer: one sequence per slice, or the whole batch of 3 at once.
     assert rows and (set(rows) == {1} if repeat_bytes else min(rows) >= 3)
@@ -156,12 +166,7 @@ def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accu
     one sequence), with and without left padding (sequence 1 is padded into the second chunk), with chunks of whole
     blocks and of 12 tokens (the open block's tokens before the chunk are a part of their own), the tokens and
     logits match DynamicCache."""
-    from transformers import DynamicCache
-
-    from hf_offload import OffloadCache
     from hf_offload.attention import prefill
-
-    from ..helpers import build_model, left_padded
 
     assert prefill.lse_attention_available(torch.device("cpu"), torch.float32, 16)
     assert prefill.lse_attention_available(torch.device("cpu"), torch.bfloat16, 64)
@@ -172,17 +177,7 @@ def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accu
     segments = []
     original = prefill.segmented_prefill
     monkeypatch.setattr(prefill, "segmented_prefill", lambda *a: segments.append(a[-1]) or original(*a))
-    model = build_model("llama")
-    ids, mask = left_padded(lengths, seed=2)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, prefill_chunk_size=chunk,
-                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
-        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
-        got = model.generate(past_key_values=cache, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    for a, b in zip(got.scores, expected.scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    cache = _chunked_matches_dense(lengths, 2, chunk, 4)
     # Every chunk after the first, in every layer: segments of one block.
     later = -(-45 // chunk) - 1
     assert len(segments) == later * len(cache.offload_layers) and set(segments) == {1}
@@ -212,30 +207,14 @@ def test_a_failed_check_keeps_the_unsegmented_path(monkeypatch):
 def test_later_prefill_chunk_segments_through_the_kernel_path(monkeypatch):
     """The segments of a later chunk recalled by the copy kernel (``sealed_segment`` on the kernel path; Triton's
     interpreter on a CPU) give DynamicCache's tokens and logits, with left padding."""
-    from transformers import DynamicCache
-
-    from hf_offload import OffloadCache
     from hf_offload.attention import prefill
     from hf_offload.kernels.gather import kernels_available
-
-    from ..helpers import build_model, left_padded
 
     if not kernels_available(torch.device("cpu")):
         pytest.skip("the kernel path needs Triton on CUDA (or TRITON_INTERPRET=1)")
     monkeypatch.setattr(prefill, "SEGMENT_BYTES", 1)
     monkeypatch.setattr(prefill, "segments_pay", lambda *args: True)
-    model = build_model("llama")
-    ids, mask = left_padded([45, 20, 38], seed=2)
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prefill_chunk_size=16,
-                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(past_key_values=DynamicCache(config=model.config), **kwargs)
-        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64,
-                             transfer="kernel")  # fmt: skip
-        got = model.generate(past_key_values=cache, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    for a, b in zip(got.scores, expected.scores):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    cache = _chunked_matches_dense([45, 20, 38], 2, 16, 3, transfer="kernel")
     assert cache.offload_layers[0].execution.use_kernels
 
 
