@@ -7,7 +7,9 @@ Two questions, one run:
   (chunked prefill), with ``DynamicCache``, with the library's defaults (``OffloadCache(model, budget_tokens=B)``,
   nothing else set), with every block in host memory (``admission="always"``) and with ``DynamicCache(offloading=True)``
   (``offloaded``); per batch: time to first token,
-  steady decode tokens/s, peak device memory, host KV, hit rate, or the out-of-memory error.
+  steady decode tokens/s, peak device memory, host KV, hit rate, or the out-of-memory error. With ``--calls N``
+  each configuration runs N ``generate()`` calls on the same model, each with a fresh cache: the first decode step
+  of call 2 on, against a steady step, says what a later call pays for graph capture.
 * **soak**: ``--soak N`` calls of ``generate()``, each with a fresh cache, alternating two batch sizes and two
   prompt lengths; device memory allocated after each call (and pinned host memory where torch reports it), so that
   growth per call shows.
@@ -132,6 +134,7 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         # mean carries over a short run and the median does not.
         row["step_s"] = [b - a for a, b in zip(marks[1:], marks[2:])]
         row["median_step_s"] = statistics.median(row["step_s"][1:]) if len(row["step_s"]) > 1 else None
+        row["first_over_steady"] = row["first_decode_step_s"] / row["steady_step_s"]
         row["ok"] = True
     except torch.OutOfMemoryError as err:
         row["ok"] = False
@@ -160,7 +163,7 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
             row["paged_attention"] = bool(first.execution.paged)
         # Whether the decode replayed CUDA graphs (a capture that failed leaves the steps op by op).
         for key in ("graph_captures", "graph_replays", "graph_capture_retries", "graph_pool_bytes", "decode_steps",
-                    "prefetched_blocks"):  # fmt: skip
+                    "prefetched_blocks", "graph_capture_ms", "layer_graph_captures", "seal_graph_captures"):  # fmt: skip
             row[key] = stats.get(key)
         admission = next(iter(cache._shared.admissions.values()), None)
         if admission is not None:
@@ -289,6 +292,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cap-gib", type=float, default=16.0, help="device memory the process may allocate")
     parser.add_argument("--budget", type=int, default=2048)
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--calls", type=int, default=1,
+                        help="generate() calls per configuration, each with a fresh cache on the same model")  # fmt: skip
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument(
         "--prefill-batch-tokens", type=int, default=0,
@@ -339,20 +344,22 @@ def main(argv=None) -> int:
     print(f"{'cache':9s} {'batch':>5s} {'ok':>3s} {'ttft s':>7s} {'1st step s':>10s} {'tok/s':>8s} {'peak GiB':>9s} "
           f"{'host KV GiB':>11s} {'hit':>5s} summaries")  # fmt: skip
     for batch in args.batches:
-        for kind in args.caches:
+        for kind, call in [(kind, call) for kind in args.caches for call in range(1, args.calls + 1)]:
             if time.perf_counter() - start > args.max_seconds:
-                result["skipped"].append({"cache": kind, "batch": batch, "reason": "time budget"})
+                result["skipped"].append({"cache": kind, "batch": batch, "call": call, "reason": "time budget"})
                 continue
             r = run_generate(model, kind, batch, args.context, args.new_tokens, args.budget,
                              prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, batch), device, tokenizer,
                              roofline_of)  # fmt: skip
+            r["call"] = call
             result["runs"].append(r)
             write_results(args.out, result)
             print(f"{kind:9s} {batch:5d} {'yes' if r['ok'] else 'no':>3s} {r.get('ttft_s', float('nan')):7.2f} "
                   f"{r.get('first_decode_step_s', float('nan')):10.3f} {r.get('decode_tok_s', float('nan')):8.1f} "
                   f"{r['peak_device_gib']:9.2f} {r.get('host_kv_gib', float('nan')):11.2f} "
                   f"{r.get('hit_rate') or float('nan'):5.2f} {r.get('selector') or '-'} "
-                  f"{r.get('roofline', {}).get('step_over_roofline', float('nan')):.2f}x roofline {r.get('error', '')[:90]}")  # fmt: skip
+                  f"{r.get('roofline', {}).get('step_over_roofline', float('nan')):.2f}x roofline call {call} "
+                  f"1st/steady {r.get('first_over_steady', float('nan')):.1f} {r.get('error', '')[:90]}")  # fmt: skip
     if args.soak:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         positions = max(args.soak_lengths) + 64
