@@ -7,7 +7,8 @@ Two questions, one run:
   (chunked prefill), with ``DynamicCache``, with the library's defaults (``OffloadCache(model, budget_tokens=B)``,
   nothing else set), with every block in host memory (``admission="always"``) and with ``DynamicCache(offloading=True)``
   (``offloaded``); per batch: time to first token,
-  steady decode tokens/s, peak device memory, host KV, hit rate, or the out-of-memory error. With ``--calls N``
+  steady decode tokens/s (the median step; the mean, which carries the steps that capture graphs, beside it),
+  peak device memory, host KV, hit rate, or the out-of-memory error. With ``--calls N``
   each configuration runs N ``generate()`` calls on the same model, each with a fresh cache: the first decode step
   of call 2 on, against a steady step, says what a later call pays for graph capture.
 * **soak**: ``--soak N`` calls of ``generate()``, each with a fresh cache, alternating two batch sizes and two
@@ -127,13 +128,19 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         marks = clock.marks
         row["ttft_s"] = marks[0] - t0
         row["first_decode_step_s"] = marks[1] - marks[0]
-        steady = marks[3:]
-        row["steady_step_s"] = (steady[-1] - steady[0]) / (len(steady) - 1)
-        row["decode_tok_s"] = batch / row["steady_step_s"]
-        # Each step's time: a step that seals a block may capture that seal's graph once per layer, a spike the
-        # mean carries over a short run and the median does not.
+        # Each step's time. The steps that capture graphs (the second decode step, the first seal of the decode,
+        # the steps after a capacity boundary) cost tens to thousands of ms once per 1024 steps or per run, so a
+        # short run's mean is mostly them: the steady step is the median, the mean is reported beside it.
         row["step_s"] = [b - a for a, b in zip(marks[1:], marks[2:])]
-        row["median_step_s"] = statistics.median(row["step_s"][1:]) if len(row["step_s"]) > 1 else None
+        # From the third decode step on (the first captures the attention, the second the whole layers; numbered
+        # from 1, the prefill's token being step 0), or every step of a run too short for that.
+        later = row["step_s"][1:] or row["step_s"]
+        row["steady_step_s"] = statistics.median(later)
+        row["median_step_s"] = row["steady_step_s"]
+        row["mean_step_s"] = statistics.fmean(later)
+        row["decode_tok_s"] = batch / row["steady_step_s"]
+        row["mean_tok_s"] = batch / row["mean_step_s"]
+        row["slow_steps"] = [[i + 3, s] for i, s in enumerate(later) if s > 3 * row["steady_step_s"]]
         row["first_over_steady"] = row["first_decode_step_s"] / row["steady_step_s"]
         row["ok"] = True
     except torch.OutOfMemoryError as err:
@@ -320,6 +327,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seconds", type=float, default=480.0)
     parser.add_argument("--out", default="results/memory_cap/bench_memory_cap.json")
     args = parser.parse_args(argv)
+    if args.batches and args.new_tokens < 3:
+        parser.error("--new-tokens must be at least 3 (the first decode step and at least one step after it)")
     device = torch.device("cuda", torch.cuda.current_device())
     start = time.perf_counter()
     total = torch.cuda.mem_get_info(device)[1]

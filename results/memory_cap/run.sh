@@ -13,3 +13,19 @@ python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --b
 python3 benchmarks/bench_memory_cap.py --shape qwen2.5-coder-0.5b --context 32768 --batches 16 48 96 --cap-gib 16 \
   --caches defaults --new-tokens 16 --prefill-chunk 4096 --prefill-batch-tokens 65536 --max-seconds 130 \
   --out "$OUT/smallgpu_05b_32k_cap16_h200.json"
+
+# The H100 runs (code of 0b178e9; the files record the device copy's HEAD, b189d64, and --out names ending in
+# _h200, the name the calls were planned under: the GPU field says H100). One call each group.
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --batches 1 --cap-gib 139 \
+  --caches defaults --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 130 --out "$OUT/first_step_8b_32k_h100.json"
+python3 benchmarks/bench_memory_cap.py --shape qwen2.5-coder-0.5b --context 32768 --batches 16 48 96 --cap-gib 16 \
+  --caches defaults --new-tokens 48 --prefill-chunk 4096 --prefill-batch-tokens 65536 --max-seconds 180 \
+  --out "$OUT/smallgpu_05b_32k_cap16_h100.json"
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --batches 1 --cap-gib 24 \
+  --caches defaults offloaded --new-tokens 64 --prefill-chunk 8192 --max-seconds 180 --out "$OUT/smallgpu_8b_128k_cap24_h100.json"
+# (batch 8 was still in prefill when the call's 250 s limit ended it: the file holds batch 4)
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --batches 4 8 --cap-gib 40 \
+  --caches defaults --new-tokens 64 --prefill-chunk 8192 --prefill-batch-tokens 32768 --max-seconds 230 \
+  --out "$OUT/smallgpu_8b_128k_cap40_h100.json"
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --batches 1 --cap-gib 139 \
+  --caches defaults --new-tokens 64 --prefill-chunk 8192 --max-seconds 100 --out "$OUT/smallgpu_8b_128k_cap139_h100.json"

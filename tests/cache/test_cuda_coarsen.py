@@ -21,8 +21,10 @@ BLOCKS = dict(block_tokens=8, sink_tokens=8, window_tokens=8)
 def _run(model, ids, mask, cache, new_tokens):
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
+        # min_new_tokens: a random model's end-of-sequence token would otherwise stop the decode before the
+        # summaries grow (sparse budgets choose other tokens than dense ones, and CUDA's numerics other than the CPU's).
         return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=new_tokens,
-                              do_sample=False)  # fmt: skip
+                              min_new_tokens=new_tokens, do_sample=False)  # fmt: skip
 
 
 @pytest.mark.parametrize("budget", [4096, 64])
