@@ -2,7 +2,8 @@
 
 Two levels: the layer's KV re-assembled from every tier (``OffloadCache.dense_kv``) equals ``DynamicCache``'s after
 each edit, bit for bit (both fed the same keys and values); and beam search, prompt-lookup and assisted decoding
-generate exactly what they generate with ``DynamicCache`` at a budget covering the context, on every architecture.
+generate exactly what they generate with ``DynamicCache`` at a budget covering the context, on every architecture;
+so does contrastive search, written here against the cache API (in transformers 5 it is Hub code).
 """
 
 from __future__ import annotations
@@ -192,6 +193,44 @@ def test_generate_mode_token_identical(arch, mode, monkeypatch):
         assert crops  # rejected candidates were cropped
     if mode == "prompt_lookup" and arch == "llama":
         assert any(kept < held for held, kept in crops)  # a crop reached into sealed blocks
+
+
+def _contrastive(model, ids: torch.Tensor, cache, new_tokens: int, top_k: int = 4, alpha: float = 0.6):
+    """Contrastive search (Su et al., 2022, "A Contrastive Framework for Neural Text Generation") driven through the
+    cache API that transformers' implementation uses (in the library up to 4.x, a Hub download in 5.x): each step
+    repeats every sequence ``top_k`` times (``batch_repeat_interleave``), runs the ``top_k`` most likely next tokens
+    in one forward, scores each as ``(1 - alpha) * p - alpha * max cosine(candidate state, earlier states)`` and
+    keeps the best candidate's row (``batch_select_indices``). Returns the chosen tokens, ``[batch, new_tokens]``."""
+    batch = ids.shape[0]
+    rows = torch.arange(batch)
+    out = model(input_ids=ids, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    states, logits, chosen = out.hidden_states[-1], out.logits[:, -1], []
+    for _ in range(new_tokens):
+        probs, candidates = logits.float().softmax(-1).topk(top_k, dim=-1)  # [batch, top_k]
+        cache.batch_repeat_interleave(top_k)
+        out = model(input_ids=candidates.reshape(-1, 1), past_key_values=cache, use_cache=True,
+                    output_hidden_states=True)  # fmt: skip
+        new_states = out.hidden_states[-1][:, -1].reshape(batch, top_k, -1)
+        similarity = torch.nn.functional.cosine_similarity(new_states[:, :, None].float(), states[:, None].float(), -1)
+        best = ((1 - alpha) * probs - alpha * similarity.amax(-1)).argmax(-1)  # [batch]
+        keep = rows * top_k + best
+        cache.batch_select_indices(keep)
+        states = torch.cat([states, new_states[rows, best][:, None]], 1)
+        logits = out.logits[keep, -1]
+        chosen.append(candidates[rows, best])
+    return torch.stack(chosen, 1)
+
+
+def test_contrastive_search_through_the_cache_api_token_identical(arch):
+    model = build_model(arch)
+    ids = torch.randint(3, model.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        expected = _contrastive(model, ids, DynamicCache(config=model.config), 12)
+        cache = OffloadCache(model, budget_tokens=4096, **SMALL)
+        got = _contrastive(model, ids, cache, 12)
+    assert torch.equal(got, expected)
+    assert cache.stats()["host_kv_bytes"] > 0 and cache.get_seq_length() == ids.shape[1] + 12
+    assert len(set(got[0].tolist())) > 1  # not one token repeated: the penalty chose among candidates
 
 
 def test_contrastive_search_is_a_hub_download():
