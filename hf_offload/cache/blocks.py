@@ -682,6 +682,9 @@ class BlockStore:
                 before_coarsening = None
             if not own.coarsen_summaries():
                 return
+            # The finer level's buffers are now the allocator's cached blocks, which the room under a memory
+            # fraction excludes: give them back before judging whether the next level is needed.
+            released = False
 
     def _summary_growth_bytes(self, blocks: int) -> int:
         """Device bytes the summary buffers add to hold ``blocks`` blocks (0: they hold them)."""

@@ -414,3 +414,55 @@ def test_cached_allocator_memory_is_given_back_before_a_coarsening(monkeypatch):
     monkeypatch.setattr(blocks_module, "release_cached_memory", lambda device: False)
     coarsened, _, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
     assert coarsened.stats()["summary_levels"] and messages
+
+
+def test_the_finer_summaries_are_given_back_before_a_second_level(monkeypatch):
+    """A coarsening frees the finer level's buffers into the allocator's cache, which the room under a memory
+    fraction excludes: they are given back before the room is judged again, so that a room one level fits stops at
+    that level. Stood in on a CPU: what a coarsening frees takes room until the next release."""
+    from hf_offload.cache import blocks as blocks_module
+    from hf_offload.cache.shared import DeviceResources
+
+    model = build_model("llama")
+    ids, mask = left_padded([45, 30], seed=4)
+    settings = dict(budget_tokens=4096, admission="auto", **SMALL)
+    # Room for 0.95 of the default's summaries: level 1 (0.91 of them at this head size) fits, the configured level
+    # does not, nor level 1 while what the coarsening freed still takes room.
+    gib = _summary_free_bound(model, ids, mask, 0.95, **settings)
+    cached, releases = [0], []
+    coarsen = DeviceResources.coarsen_summaries
+
+    def coarsen_and_cache(self):  # the finer buffers stay in the allocator's cache, taking room
+        changed = coarsen(self)
+        if changed:
+            level = self.coarsenings[-1]
+            cached[0] += level["summary_bytes_before"] - level["summary_bytes_after"]
+            admission.limit_bytes -= level["summary_bytes_before"] - level["summary_bytes_after"]
+        return changed
+
+    def release(device):  # empty_cache: the cached bytes are room again
+        releases.append(cached[0])
+        admission.limit_bytes += cached[0]
+        cached[0] = 0
+        return True
+
+    monkeypatch.setattr(DeviceResources, "coarsen_summaries", coarsen_and_cache)
+    monkeypatch.setattr(blocks_module, "release_cached_memory", release)
+    cache = OffloadCache(model, device_memory_gib=gib, **settings)
+    admission = cache._shared.admission(torch.device("cpu"))
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = _generate(model, ids, mask, cache)
+    assert torch.equal(got, expected)
+    levels = cache.stats()["summary_levels"]
+    assert [level["to"] for level in levels] == ["quantkey[tail_bits=2,tail_near=3.0]"], levels
+    assert releases[0] == 0 and any(releases[1:]), releases  # once before the coarsening, again after it
+    # Without a release (what the cached bytes cost before), the same room goes down both levels.
+    monkeypatch.setattr(blocks_module, "release_cached_memory", lambda device: False)
+    coarsened = OffloadCache(model, device_memory_gib=gib, **settings)
+    admission = coarsened._shared.admission(torch.device("cpu"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _generate(model, ids, mask, coarsened)
+    assert len(coarsened.stats()["summary_levels"]) == 2
