@@ -13,7 +13,10 @@ with the tier's own I/O sizes), the tier's spill and read throughput, and decode
   bytes read from disk over the time spent in ``DiskTier.read_blocks`` (reads, waits and copies out of staging).
 
 Random KV and random queries select blocks nearly at random (a low hit rate), which is the worst case for recall
-traffic. Raw JSON (``benchmarks.common.write_results``).
+traffic. ``--workload recorded:PATH`` fills the cache with a decode recorded from a real model instead
+(``benchmarks/workload.py``: its keys tiled to the context, random values) and replays the recorded queries and new
+keys at every decode step, so that selection, hit rate and step-to-step reuse, and with them the disk reads, are a
+model's; every run names its workload. Raw JSON (``benchmarks.common.write_results``).
 
     python benchmarks/bench_disk.py --shape llama-3.2-1b --layers 4 --context 16384 --batch 2 --dir /tmp \\
         --out results/disk/cpu_llama1b4l_16k.json
@@ -37,6 +40,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.workload import Replay, load_workload  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.store.disk import ALIGN, DiskTier, aligned_buffer  # noqa: E402
 from hf_offload.tools.bench import SHAPES, _decode, fill_random  # noqa: E402
@@ -137,20 +141,25 @@ class _Timed:
         DiskTier.spill, DiskTier.read_blocks = self._spill, self._read
 
 
-def build(shape: str, layers: int | None, positions: int, device: torch.device, dtype: torch.dtype):
-    """A Llama model of ``shape`` (``hf_offload.tools.bench.SHAPES``), ``layers`` layers if given, random weights."""
+def build(shape: str, layers: int | None, positions: int, device: torch.device, dtype: torch.dtype,
+          rope_theta: float | None = None):  # fmt: skip
+    """A Llama model of ``shape`` (``hf_offload.tools.bench.SHAPES``), ``layers`` layers if given, random weights;
+    ``rope_theta`` replaces the shape's (a recorded workload's RoPE base; speed does not depend on it)."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     settings = dict(SHAPES[shape], max_position_embeddings=positions, pad_token_id=0)
     if layers is not None:
         settings["num_hidden_layers"] = layers
+    if rope_theta is not None:
+        settings["rope_theta"] = rope_theta
     torch.manual_seed(0)
     with device:
         return AutoModelForCausalLM.from_config(LlamaConfig(**settings), dtype=dtype).eval()
 
 
-def run_cache(model, args, device, disk: dict) -> dict:
-    """Fill a cache with ``args.context`` random tokens, decode ``args.steps`` steps; times, tokens/s, stats."""
+def run_cache(model, args, device, disk: dict, recording=None) -> dict:
+    """Fill a cache with ``args.context`` tokens per sequence (random, or replayed from ``recording``), decode
+    ``args.steps`` steps (with a recording, its queries and keys); times, tokens/s, stats."""
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     # Every sealed block in host memory (or on disk): admission "auto" would keep them on a GPU that has room.
@@ -159,14 +168,23 @@ def run_cache(model, args, device, disk: dict) -> dict:
     torch.manual_seed(0)
     with _Timed() as timed:
         start = time.perf_counter()
+        replay = None
         with torch.inference_mode():
-            fill_random(cache, args.batch, args.context, config.num_key_value_heads, head_dim, device,
-                        dtype=model.dtype)  # fmt: skip
+            if recording is None:
+                fill_random(cache, args.batch, args.context, config.num_key_value_heads, head_dim, device,
+                            dtype=model.dtype)  # fmt: skip
+            else:
+                replay = Replay(recording, config, args.batch, args.context, device, dtype=model.dtype)
+                replay.fill(cache)
         if device.type == "cuda":
             torch.cuda.synchronize()
         fill_s = time.perf_counter() - start
         fill_spill_s = timed.spill_s
-        step_s = _decode(model, cache, args.batch, args.context, args.steps, device)
+        if replay is None:
+            step_s = _decode(model, cache, args.batch, args.context, args.steps, device)
+        else:
+            with replay.hooks(model):
+                step_s = _decode(model, cache, args.batch, args.context, args.steps, device)
     stats = cache.stats()
     stats.pop("layers")
     cache.close()
@@ -178,6 +196,7 @@ def run_cache(model, args, device, disk: dict) -> dict:
         "decode_tok_s": args.batch / step_s,
         "spill_gbs": spilled / fill_spill_s / 1e9 if fill_spill_s else None,
         "tier_read_gbs": read / timed.read_s / 1e9 if timed.read_s else None,
+        "hit_rate": stats.get("hit_rate"),
         "spill_s": timed.spill_s,
         "read_s": timed.read_s,
         "stats": stats,
@@ -207,11 +226,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookahead", choices=("off", "on", "both"), default="off",
                         help="the disk tier with lookahead (the next layer's likely blocks staged from disk during this "
                         "layer's work): off, on, or both as two configurations")  # fmt: skip
+    parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
+                        help="'random' (random KV and queries, the worst case) or 'recorded:PATH', a decode recorded by "
+                        "benchmarks/workload.py and replayed at the shape (the model's rope_theta becomes the "
+                        "recording's)")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    try:
+        recording = load_workload(args.workload)  # a bad file fails here, before any model is built
+    except (OSError, ValueError) as err:
+        parser.error(f"--workload: {err}")
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
-    model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype)
+    model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype,
+                  rope_theta=recording.rope_theta if recording is not None else None)  # fmt: skip
+    if recording is None:
+        workload = {"kind": "random", "label": f"random KV (worst case): {WORKLOAD}"}
+    else:
+        d = recording.describe()
+        workload = {"kind": "recorded", "label": f"recorded {d['file']} ({d['model']}): keys tiled to the context, "
+                    "random values, the recorded queries and new keys at every step; random weights",
+                    "file": d["file"], "sha256": d["sha256"], "model": d["model"], "recording": d}  # fmt: skip
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     block_bytes = 2 * config.num_key_value_heads * 16 * head_dim * dtype.itemsize
@@ -231,11 +266,11 @@ def main(argv: list[str] | None = None) -> int:
     runs, repeats = {}, {name: [] for name, _ in configs}
     for _ in range(args.repeats):
         for name, disk in configs:
-            runs[name] = r = run_cache(model, args, device, disk)
-            repeats[name].append({k: r[k] for k in ("fill_s", "decode_tok_s", "spill_gbs", "tier_read_gbs")})
+            runs[name] = r = run_cache(model, args, device, disk, recording)
+            repeats[name].append({k: r[k] for k in ("fill_s", "decode_tok_s", "spill_gbs", "tier_read_gbs", "hit_rate")})
             print(f"{name}: fill {r['fill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, spill {r['spill_gbs']} "
-                  f"GB/s, tier read {r['tier_read_gbs']} GB/s, disk {r['stats']['disk_kv_bytes'] / MIB:.0f} MiB",
-                  flush=True)  # fmt: skip
+                  f"GB/s, tier read {r['tier_read_gbs']} GB/s, disk {r['stats']['disk_kv_bytes'] / MIB:.0f} MiB, "
+                  f"hit rate {r['hit_rate']}, {workload['kind']}", flush=True)  # fmt: skip
     summary = {}
     for name in runs:
         if name == "host_only":
@@ -247,9 +282,10 @@ def main(argv: list[str] | None = None) -> int:
             f"decode_disk_vs_host_only{tag}": disk_run["decode_tok_s"] / runs["host_only"]["decode_tok_s"],
         })  # fmt: skip
     print(summary)
-    payload = {"metadata": run_metadata(args, workload=WORKLOAD, kv_bytes=kv_bytes, block_bytes=block_bytes,
+    payload = {"metadata": run_metadata(args, workload=workload["label"], kv_bytes=kv_bytes, block_bytes=block_bytes,
                                         chunk_bytes=chunk_bytes, host_memory_gib=host_gib),
-               "drive": drive_result, "runs": runs, "repeats": repeats, "summary": summary}  # fmt: skip
+               "workload": workload, "drive": drive_result, "runs": runs, "repeats": repeats,
+               "summary": summary}  # fmt: skip
     if args.out:
         write_results(args.out, payload)
     return 0

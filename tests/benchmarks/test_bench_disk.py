@@ -32,3 +32,37 @@ def test_bench_disk_with_lookahead_as_a_second_configuration(tmp_path):
     assert ahead["disk_kv_bytes"] > 0 and ahead["prefetched_blocks"] + ahead["disk_staged_ahead_blocks"] > 0
     assert result["summary"]["decode_disk_vs_host_only_lookahead"] > 0
     assert result["summary"]["decode_disk_vs_host_only"] > 0
+
+
+def test_bench_disk_replays_a_recorded_workload(tmp_path):
+    """``--workload recorded:PATH``: the fill and every decode step come from a decode recorded from a (tiny, random)
+    Qwen2 model; the file names its workload, and each run its hit rate. A bad path fails before anything runs."""
+    import pytest
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from benchmarks import workload
+
+    cfg = Qwen2Config(hidden_size=96, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
+                      num_key_value_heads=2, vocab_size=128, rope_theta=1e6, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    ids = torch.randint(0, 128, (40,)).tolist()
+    recording = workload.record(Qwen2ForCausalLM(cfg).eval(), ids, 3, layers=[0, 1, 2, 3], chunk=16,
+                                meta={"model": "tiny-qwen2"}, log=lambda *a: None)  # fmt: skip
+    path = recording.save(tmp_path / "rec" / "tiny.safetensors")
+    out, tier = tmp_path / "disk.json", tmp_path / "tier"
+    tier.mkdir()
+    argv = ["--shape", "tiny", "--context", "2048", "--batch", "2", "--steps", "4", "--budget", "256",
+            "--host-chunk-mib", "0.0625", "--drive-mib", "4", "--random-reads", "64", "--dir", str(tier),
+            "--dtype", "float32", "--out", str(out)]  # fmt: skip
+    assert bench_disk.main([*argv, "--workload", f"recorded:{path}"]) == 0
+    result = json.loads(out.read_text())
+    assert result["workload"]["kind"] == "recorded" and result["workload"]["model"] == "tiny-qwen2"
+    assert result["workload"]["sha256"] == workload.file_sha256(path)
+    assert "tiny.safetensors" in result["metadata"]["workload"]
+    for name in ("host_only", "disk_tier"):
+        assert 0 <= result["runs"][name]["hit_rate"] <= 1
+    assert result["runs"]["disk_tier"]["stats"]["disk_kv_bytes"] > 0
+    assert not list(tier.iterdir())  # the tier's files are gone
+    with pytest.raises(SystemExit):
+        bench_disk.main([*argv, "--workload", f"recorded:{tmp_path / 'missing.safetensors'}"])
