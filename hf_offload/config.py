@@ -104,7 +104,7 @@ class Memory:
             holds.
         disk_staging_chunks: chunk-sized host buffers that blocks read from disk are staged in (least recently used
             block evicted first); positive. Default 8.
-        disk_read_threads: worker threads reading from disk; positive. Default 4.
+        disk_read_threads: worker threads reading from disk; positive. Default 16.
     """
 
     pool_tokens: int | None = None
@@ -118,7 +118,7 @@ class Memory:
     disk_dir: str | None = None
     disk_memory_gib: float | None = None
     disk_staging_chunks: int = 8
-    disk_read_threads: int = 4
+    disk_read_threads: int = 16
 
 
 @dataclass(frozen=True)
