@@ -215,7 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host-fraction", type=float, default=0.25, help="host_memory_gib as a share of the KV")
     parser.add_argument("--host-chunk-mib", type=float, default=16)
     parser.add_argument("--staging-chunks", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="the drive test's threads and disk_read_threads (default: the library's default)")
     parser.add_argument("--drive-mib", type=int, default=1024)
     parser.add_argument("--random-reads", type=int, default=4096)
     parser.add_argument("--dtype", default="bfloat16")
@@ -232,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
                         "recording's)")  # fmt: skip
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.threads is None:
+        from hf_offload import OffloadConfig
+
+        args.threads = OffloadConfig().disk_read_threads
     try:
         recording = load_workload(args.workload)  # a bad file fails here, before any model is built
     except (OSError, ValueError) as err:
