@@ -17,7 +17,10 @@ rest, tokens per second, hit rate and recalled bytes per step, for each transfer
   all other work stay those of the real run, which a larger pool (or a replayed step) would change.
 * ``--rounds R``: each setting decodes ``R`` times per mode, the modes alternating (moved, none, moved, ...), and
   the step times are the medians over rounds, so that a slow phase of the host falls on both modes; the spread of
-  the per-round shares is reported too. Every setting first decodes ``--warmup`` untimed steps.
+  the per-round shares is reported too. Every setting first decodes ``--warmup`` untimed steps. With CUDA graphs
+  each round drops the graphs (those captured with copies must not serve the other mode) and decodes ``--warmup``
+  untimed steps in its mode, which capture them again; its step time is the median of its timed steps (the mean,
+  ``wall_ms_per_step``, also carries a seal's capture where one falls in them).
 * "recall ms alone": the copies of that step's missed bytes in isolation, measured in the same run: per offloaded
   layer one recall of as many random blocks (pieces for per-head selectors) of that layer's host pool as the exact
   plans of the lookahead-off run missed per layer and step, into a scratch slot pool, on an idle device; median of
@@ -80,16 +83,31 @@ def copies_skipped():
         transfer.recall_blocks_kernel, transfer.recall_blocks = kernel, portable
 
 
-def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool) -> tuple[torch.Tensor, float]:
-    """``steps`` greedy decode steps continuing ``ids`` on ``cache``; returns the new ids and the wall seconds."""
+def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool, step_s: list | None = None
+           ) -> tuple[torch.Tensor, float]:  # fmt: skip
+    """``steps`` greedy decode steps continuing ``ids`` on ``cache``; returns the new ids and the wall seconds. With
+    ``step_s`` (a list), each step's seconds are appended to it (the device synchronised after each step)."""
+    from transformers import LogitsProcessorList
+
+    marks: list[float] = []
+
+    def clock(input_ids, scores):
+        if cuda:
+            torch.cuda.synchronize()
+        marks.append(time.perf_counter())
+        return scores
+
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
-                             max_new_tokens=steps, min_new_tokens=steps)  # fmt: skip
+                             max_new_tokens=steps, min_new_tokens=steps,
+                             logits_processor=LogitsProcessorList([clock]) if step_s is not None else None)  # fmt: skip
     if cuda:
         torch.cuda.synchronize()
+    if step_s is not None:
+        step_s.extend(b - a for a, b in zip([t0, *marks], marks))
     return out, time.perf_counter() - t0
 
 
@@ -324,8 +342,12 @@ def main(argv: list[str] | None = None) -> int:
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 cache.drop_graphs()  # graphs captured with or without copies must not serve the other mode
+                step_s: list[float] = []
                 with copies_skipped() if skip else contextlib.nullcontext():
-                    ids, generate_s = decode(model, cache, ids, args.steps, cuda)
+                    if graphs and args.warmup:  # the mode's graphs are captured before the timed steps
+                        ids, _ = decode(model, cache, ids, args.warmup, cuda)
+                        cache.reset_stats()
+                    ids, generate_s = decode(model, cache, ids, args.steps, cuda, step_s)
                 stats = cache.stats()
                 if args.profile and not skip and round_idx == args.rounds - 1:
                     profile_steps(model, cache, ids, args.profile, cuda,
@@ -335,7 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                 stats.pop("layers")
                 steps = max(stats["decode_steps"], 1)
                 wall_ms = generate_s * 1e3 / args.steps
-                timing = stats["timing"] or {"step_ms": wall_ms}  # graphs: no phase timer, the wall time per step
+                median_ms = statistics.median(step_s) * 1e3
+                # graphs: no phase timer; the median step (a seal's graph capture in the timed steps is one spike)
+                timing = stats["timing"] or {"step_ms": median_ms}
                 run = {
                     "transfer": path,
                     "cuda_graphs": graphs,
@@ -345,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
                     "fill_s": fill_s,
                     "generate_s": generate_s,
                     "wall_ms_per_step": wall_ms,
+                    "median_step_ms": median_ms,
+                    "step_s": step_s,
                     "step_ms": timing["step_ms"],
                     "tokens_per_s": args.batch * 1e3 / timing["step_ms"],
                     "decode_recalled_bytes_per_step": stats["decode_recalled_bytes"] / steps,
