@@ -6,19 +6,13 @@ from __future__ import annotations
 
 import json
 
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from benchmarks import adaptive_budget
 
-from benchmarks import adaptive_budget, workload
+from ..helpers import tiny_recording
 
 
 def test_decode_compares_a_fixed_and_an_adaptive_budget(tmp_path, capsys):
-    cfg = Qwen2Config(hidden_size=96, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
-                      num_key_value_heads=2, vocab_size=128, rope_theta=1e6, max_position_embeddings=256)  # fmt: skip
-    torch.manual_seed(0)
-    ids = torch.randint(0, 128, (40,)).tolist()
-    recording = workload.record(Qwen2ForCausalLM(cfg).eval(), ids, 3, layers=[0, 1, 2, 3], chunk=16,
-                                meta={"model": "tiny-qwen2"}, log=lambda *a: None)  # fmt: skip
+    recording = tiny_recording()
     path = recording.save(tmp_path / "tiny.safetensors")
     out = tmp_path / "adaptive.json"
     argv = ["decode", "--shape", "tiny", "--budget", "64", "--max-budget", "128", "--missed-mass-target", "0.01",

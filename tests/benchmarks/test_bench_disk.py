@@ -38,17 +38,12 @@ def test_bench_disk_replays_a_recorded_workload(tmp_path):
     """``--workload recorded:PATH``: the fill and every decode step come from a decode recorded from a (tiny, random)
     Qwen2 model; the file names its workload, and each run its hit rate. A bad path fails before anything runs."""
     import pytest
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from benchmarks import workload
 
-    cfg = Qwen2Config(hidden_size=96, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
-                      num_key_value_heads=2, vocab_size=128, rope_theta=1e6, max_position_embeddings=256)  # fmt: skip
-    torch.manual_seed(0)
-    ids = torch.randint(0, 128, (40,)).tolist()
-    recording = workload.record(Qwen2ForCausalLM(cfg).eval(), ids, 3, layers=[0, 1, 2, 3], chunk=16,
-                                meta={"model": "tiny-qwen2"}, log=lambda *a: None)  # fmt: skip
+    from ..helpers import tiny_recording
+
+    recording = tiny_recording()
     path = recording.save(tmp_path / "rec" / "tiny.safetensors")
     out, tier = tmp_path / "disk.json", tmp_path / "tier"
     tier.mkdir()

@@ -9,10 +9,12 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from benchmarks import workload
+
+from ..helpers import tiny_recording
 
 THETA = 1e6
 CONTEXT, STEPS = 40, 3
@@ -20,13 +22,7 @@ CONTEXT, STEPS = 40, 3
 
 @pytest.fixture(scope="module")
 def recording():
-    cfg = Qwen2Config(hidden_size=96, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
-                      num_key_value_heads=2, vocab_size=128, rope_theta=THETA, max_position_embeddings=256)  # fmt: skip
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
-    ids = torch.randint(0, 128, (CONTEXT,)).tolist()
-    return workload.record(model, ids, STEPS, layers=[0, 1, 2, 3], chunk=16, meta={"model": "tiny-qwen2"},
-                           log=lambda *a: None)  # fmt: skip
+    return tiny_recording(THETA, CONTEXT, STEPS)
 
 
 def target_config(**changes) -> LlamaConfig:
