@@ -55,7 +55,7 @@ from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.store import transfer  # noqa: E402
-from hf_offload.tools.bench import fill_random  # noqa: E402
+from hf_offload.tools.bench import _StepClock, fill_random  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
 from hf_offload.store import DeviceSlotPool  # noqa: E402
 
@@ -89,14 +89,7 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool, step_s: list
     ``step_s`` (a list), each step's seconds are appended to it (the device synchronised after each step)."""
     from transformers import LogitsProcessorList
 
-    marks: list[float] = []
-
-    def clock(input_ids, scores):
-        if cuda:
-            torch.cuda.synchronize()
-        marks.append(time.perf_counter())
-        return scores
-
+    clock = _StepClock(torch.device("cuda" if cuda else "cpu"))
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -107,7 +100,7 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool, step_s: list
     if cuda:
         torch.cuda.synchronize()
     if step_s is not None:
-        step_s.extend(b - a for a, b in zip([t0, *marks], marks))
+        step_s.extend(b - a for a, b in zip([t0, *clock.marks], clock.marks))
     return out, time.perf_counter() - t0
 
 

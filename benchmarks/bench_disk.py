@@ -25,6 +25,7 @@ model's; every run names its workload. Raw JSON (``benchmarks.common.write_resul
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import os
 import random
@@ -39,6 +40,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.bench_decode import workload_row  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from benchmarks.workload import Replay, load_workload  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
@@ -180,11 +182,8 @@ def run_cache(model, args, device, disk: dict, recording=None) -> dict:
             torch.cuda.synchronize()
         fill_s = time.perf_counter() - start
         fill_spill_s = timed.spill_s
-        if replay is None:
+        with replay.hooks(model) if replay is not None else contextlib.nullcontext():
             step_s = _decode(model, cache, args.batch, args.context, args.steps, device)
-        else:
-            with replay.hooks(model):
-                step_s = _decode(model, cache, args.batch, args.context, args.steps, device)
     stats = cache.stats()
     stats.pop("layers")
     cache.close()
@@ -245,13 +244,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype)
     model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype,
                   rope_theta=recording.rope_theta if recording is not None else None)  # fmt: skip
+    workload = workload_row({"recording": recording})  # the same row as bench_decode's
     if recording is None:
-        workload = {"kind": "random", "label": f"random KV (worst case): {WORKLOAD}"}
+        note = f"{workload['label']}: {WORKLOAD}"
     else:
-        d = recording.describe()
-        workload = {"kind": "recorded", "label": f"recorded {d['file']} ({d['model']}): keys tiled to the context, "
-                    "random values, the recorded queries and new keys at every step; random weights",
-                    "file": d["file"], "sha256": d["sha256"], "model": d["model"], "recording": d}  # fmt: skip
+        workload["recording"] = recording.describe()
+        note = (f"{workload['label']}: random weights, the recording's keys tiled to the context with random values "
+                "written into the cache, its queries and new keys at every decode step")  # fmt: skip
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     block_bytes = 2 * config.num_key_value_heads * 16 * head_dim * dtype.itemsize
@@ -287,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
             f"decode_disk_vs_host_only{tag}": disk_run["decode_tok_s"] / runs["host_only"]["decode_tok_s"],
         })  # fmt: skip
     print(summary)
-    payload = {"metadata": run_metadata(args, workload=workload["label"], kv_bytes=kv_bytes, block_bytes=block_bytes,
+    payload = {"metadata": run_metadata(args, workload=note, kv_bytes=kv_bytes, block_bytes=block_bytes,
                                         chunk_bytes=chunk_bytes, host_memory_gib=host_gib),
                "workload": workload, "drive": drive_result, "runs": runs, "repeats": repeats,
                "summary": summary}  # fmt: skip
