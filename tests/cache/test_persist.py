@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -224,16 +225,64 @@ def test_loading_into_another_model_says_what_differs(saved, other):
     assert _live_stores() == before
 
 
-def test_each_checksum_is_the_sha256_of_its_tensors_bytes(saved):
+def test_each_checksum_is_the_crc32_of_its_tensors_bytes(saved):
     _, path = saved
     data = path.read_bytes()
     header = 8 + int.from_bytes(data[:8], "little")
     index = json.loads(data[8:header])
-    checksums = json.loads(index.pop("__metadata__")["hf_offload.checksums"])
+    meta = index.pop("__metadata__")
+    assert meta["hf_offload.checksum"] == "crc32" and meta["hf_offload.version"] == "2"
+    checksums = json.loads(meta["hf_offload.checksums"])
     assert sorted(checksums) == sorted(index)
     for name, info in index.items():
         start, end = info["data_offsets"]
-        assert checksums[name] == hashlib.sha256(data[header + start : header + end]).hexdigest(), name
+        assert checksums[name] == f"{zlib.crc32(data[header + start : header + end]):08x}", name
+
+
+def test_a_version_1_file_is_checked_with_sha256_and_loads(tmp_path, monkeypatch):
+    """Files of format version 1 (SHA-256 per tensor) still load, continue exactly, and a corrupted one is caught."""
+    from hf_offload.cache import persist
+
+    model = build_model("llama")
+    cache, ids, mask = _prefilled(model, BUDGETS["sparse"])
+    monkeypatch.setattr(persist, "FORMAT_VERSION", 1)
+    monkeypatch.setattr(persist, "CHECKSUM", "sha256")
+    monkeypatch.setattr(persist.write_file, "__defaults__", ("sha256",))
+    path = tmp_path / "v1.safetensors"
+    cache.save(path)
+    monkeypatch.undo()
+    data = path.read_bytes()
+    header = 8 + int.from_bytes(data[:8], "little")
+    index = json.loads(data[8:header])
+    meta = index.pop("__metadata__")
+    assert meta["hf_offload.version"] == "1" and meta["hf_offload.checksum"] == "sha256"
+    name, info = next(iter(index.items()))
+    start, end = info["data_offsets"]
+    assert json.loads(meta["hf_offload.checksums"])[name] == hashlib.sha256(data[header + start : header + end]).hexdigest()
+    expected = continue_recorded(model, cache, ids, mask)
+    assert continue_recorded(model, OffloadCache.load(path, model), ids, mask) == expected
+    corrupted = bytearray(data)
+    corrupted[header + (start + end) // 2] ^= 0x10
+    path.write_bytes(bytes(corrupted))
+    before = _live_stores()
+    with pytest.raises(CacheFileError, match=f"data of tensor '{name}' does not match its checksum"):
+        OffloadCache.load(path, model)
+    assert _live_stores() == before
+
+
+def test_an_unknown_checksum_is_refused_before_anything_is_built(tmp_path, monkeypatch):
+    from hf_offload.cache import persist
+
+    model = build_model("llama")
+    cache, _, _ = _prefilled(model, BUDGETS["sparse"])
+    monkeypatch.setitem(persist._CHECKSUMS, "crc99", persist._Crc32)  # a checksum of a later hf-offload
+    monkeypatch.setattr(persist.write_file, "__defaults__", ("crc99",))
+    cache.save(tmp_path / "later.safetensors")
+    monkeypatch.undo()
+    before = _live_stores()
+    with pytest.raises(CacheFileError, match="checksum is 'crc99', which this hf-offload does not know"):
+        OffloadCache.load(tmp_path / "later.safetensors", model)
+    assert _live_stores() == before
 
 
 def test_hashing_runs_several_digests_at_once_each_in_order():
@@ -242,7 +291,7 @@ def test_hashing_runs_several_digests_at_once_each_in_order():
     generator = torch.Generator().manual_seed(0)
     tensors = {name: [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=generator).numpy() for n in sizes]
                for name, sizes in {"a": [3000, 70000, 5], "b": [], "c": [65536] * 6}.items()}  # fmt: skip
-    hashing = _Hashing(threads=2, held_bytes=100000)  # a few pieces: update waits for the hashing to catch up
+    hashing = _Hashing("crc32", threads=2, held_bytes=100000)  # a few pieces: update waits for the hashing
     try:
         digests = {}
         for name, pieces in tensors.items():
@@ -251,7 +300,7 @@ def test_hashing_runs_several_digests_at_once_each_in_order():
                 hashing.update(stream, piece, held=True)
             digests[name] = hashing.end(stream)
         for name, pieces in tensors.items():
-            assert digests[name].result() == hashlib.sha256(b"".join(p.tobytes() for p in pieces)).hexdigest()
+            assert digests[name].result() == f"{zlib.crc32(b''.join(p.tobytes() for p in pieces)):08x}"
         assert hashing._held == 0
         hashing.begin()  # one never ended (a failed save or load): closing drops it and returns
     finally:
@@ -309,8 +358,8 @@ def test_an_edited_header_fails_the_header_checksum(saved):
 
 def test_an_unknown_format_version_says_which_reads_it(saved):
     model, path = saved
-    _edit(path, b'"hf_offload.version":"1"', b'"hf_offload.version":"9"')
-    with pytest.raises(CacheFileError, match=r"format version '9'.*reads version 1 only"):
+    _edit(path, b'"hf_offload.version":"2"', b'"hf_offload.version":"9"')
+    with pytest.raises(CacheFileError, match=r"format version '9'.*reads versions 1, 2\."):
         OffloadCache.load(path, model)
 
 
