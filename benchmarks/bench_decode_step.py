@@ -53,7 +53,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache  # noqa: E402
+from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
 from hf_offload.store import transfer  # noqa: E402
 from hf_offload.tools.bench import _StepClock, fill_random  # noqa: E402
 from hf_offload.kernels.gather import kernels_available  # noqa: E402
@@ -94,7 +94,7 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool, step_s: list
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
                              max_new_tokens=steps, min_new_tokens=steps,
                              logits_processor=LogitsProcessorList([clock]) if step_s is not None else None)  # fmt: skip
     if cuda:

@@ -78,7 +78,7 @@ def answer(model, tokenizer, ids: list[int], cache: OffloadCache, new_tokens: in
     first = FirstToken()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=new_tokens,
+        out = model.generate(x, attention_mask=torch.ones_like(x), **cache.generate_kwargs(), max_new_tokens=new_tokens,
                              do_sample=False, logits_processor=[first], pad_token_id=tokenizer.eos_token_id)  # fmt: skip
     end = time.perf_counter()
     tokens = out[0, len(ids) :].tolist()
@@ -103,7 +103,7 @@ def run_budget(model, tokenizer, prefix, suffixes, budget: int, new_tokens: int)
     x = torch.tensor([prefix])
     start = time.perf_counter()
     with torch.inference_mode():
-        model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=prefix_cache, use_cache=True,
+        model(input_ids=x, attention_mask=torch.ones_like(x), **prefix_cache.forward_kwargs(), use_cache=True,
               logits_to_keep=1)  # fmt: skip
     prefix_s = time.perf_counter() - start
     shared, forks = [], []

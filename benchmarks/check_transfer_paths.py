@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache  # noqa: E402
+from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
 from hf_offload.tools.bench import SHAPES as BENCH_SHAPES  # noqa: E402
 
 # The shapes of ``hf-offload bench`` under their short names here (``--shape llama-8b`` in the results READMEs).
@@ -54,7 +54,7 @@ def main() -> int:
             t0 = time.perf_counter()
             with torch.inference_mode():
                 out = model.generate(
-                    prompt, attention_mask=torch.ones_like(prompt), past_key_values=cache, do_sample=False,
+                    prompt, attention_mask=torch.ones_like(prompt), **{generate_cache_kwarg(): cache}, do_sample=False,
                     max_new_tokens=args.steps, min_new_tokens=args.steps, prefill_chunk_size=4096,
                 )  # fmt: skip
             torch.cuda.synchronize()

@@ -168,9 +168,16 @@ def copy_words(chunks, chunk_blocks, block_words, ids, host_off, device_tensor, 
 def counted_copy_kernel(counter: OpCounter, caches_chunks):
     """Count each launch of the copy kernel as one operation and nothing inside it; without a runnable kernel, copy
     with the pure-torch reference over the host chunks instead (``caches_chunks()``: the live chunk tensors)."""
-    from hf_offload.kernels import gather, quantkey, tail  # noqa: F401 - imported before the patch below, so that
-    # the scoring and tail kernels keep asking the real kernels_available (they have no pure-torch stand-in here)
+    import importlib
+    import pkgutil
 
+    from hf_offload import kernels
+    from hf_offload.kernels import gather
+
+    # Every kernel module is imported before the patch below, so that the others (scoring, estimate, block scores,
+    # top-k, ...) keep the real kernels_available they imported: they have no pure-torch stand-in here.
+    for module in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{module.name}")
     original, available = gather.copy_pieces, gather.kernels_available
     runnable = available(torch.device("cpu"))
 
@@ -260,6 +267,8 @@ def count_decode(model, cache, args, counter: OpCounter) -> dict:
     """Warm-up steps, then ``args.steps`` counted decode steps; operations per layer and step by phase."""
     from transformers import LogitsProcessorList
 
+    from hf_offload import generate_cache_kwarg
+
     steps_seen = [0]
 
     def step_boundary(input_ids, scores):
@@ -274,7 +283,7 @@ def count_decode(model, cache, args, counter: OpCounter) -> dict:
     with counter, layer_buckets(counter, model, cache), warnings.catch_warnings(), torch.inference_mode():
         warnings.filterwarnings("ignore", message="`past_key_values` is deprecated")
         new = args.warmup + args.steps
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
                              max_new_tokens=new, min_new_tokens=new,
                              logits_processor=LogitsProcessorList([step_boundary]))  # fmt: skip
     counter.on = False

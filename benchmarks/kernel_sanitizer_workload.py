@@ -24,7 +24,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from hf_offload import OffloadCache  # noqa: E402
+from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
 from hf_offload.kernels.gather import copy_pieces  # noqa: E402
 from hf_offload.store import DeviceAdmission, HostBlockPool, HostMemoryBudget  # noqa: E402
 
@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
                                  admission="always", **graphs)  # fmt: skip
             with torch.no_grad():
                 outs.append(
-                    model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache, max_new_tokens=12,
+                    model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, max_new_tokens=12,
                                    do_sample=False, prefill_chunk_size=32)
                 )
             stats = cache.stats()

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache  # noqa: E402
+from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
 
 SETTINGS = {"off": dict(lookahead=False), "same": dict(lookahead=True, lookahead_query="same"),
             "next": dict(lookahead=True, lookahead_query="next")}  # fmt: skip
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                                  lookahead_blocks=args.lookahead_blocks, **setting)  # fmt: skip
             start = time.perf_counter()
             with torch.inference_mode():
-                out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
                                      max_new_tokens=args.steps, min_new_tokens=args.steps, do_sample=False)  # fmt: skip
             totals["seconds"] += time.perf_counter() - start
             tokens.append(out[0, ids.shape[1]:].tolist())

@@ -165,10 +165,12 @@ def dense_kv_bytes(cache) -> int:
 
 
 def generate(model, input_ids, cache, max_new_tokens: int, prefill_chunk: int | None, pad_token_id):
+    from hf_offload import generate_cache_kwarg
+
     kwargs = dict(
         input_ids=input_ids,
         attention_mask=torch.ones_like(input_ids),
-        past_key_values=cache,
+        **{generate_cache_kwarg(): cache},
         max_new_tokens=max_new_tokens,
         do_sample=False,  # greedy
         repetition_penalty=1.0,  # plain greedy even if the model's generation_config sets a penalty

@@ -171,6 +171,8 @@ def capture_sample(model, input_ids: list[int], decode_steps: int) -> dict:
     """
     from transformers import DynamicCache
 
+    from hf_offload import generate_cache_kwarg
+
     _RECORDER.queries.clear()
     _RECORDER.keys.clear()
     _RECORDER.active = True
@@ -178,7 +180,7 @@ def capture_sample(model, input_ids: list[int], decode_steps: int) -> dict:
     try:
         with torch.no_grad():
             out = model.generate(
-                ids, past_key_values=DynamicCache(config=model.config), max_new_tokens=decode_steps + 1,
+                ids, **{generate_cache_kwarg(): DynamicCache(config=model.config)}, max_new_tokens=decode_steps + 1,
                 do_sample=False, min_new_tokens=decode_steps + 1,
             )
     finally:

@@ -105,7 +105,7 @@ def answer(model, tokenizer, ids: list[int], cache, new_tokens: int) -> dict:
     eos = {eos} if isinstance(eos, int) else set(eos or ())
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), past_key_values=cache, max_new_tokens=new_tokens,
+        out = model.generate(x, attention_mask=torch.ones_like(x), **cache.generate_kwargs(), max_new_tokens=new_tokens,
                              do_sample=False, logits_processor=[first], pad_token_id=tokenizer.eos_token_id)  # fmt: skip
     total = time.perf_counter() - start
     tokens = out[0, len(ids) :].tolist()
@@ -150,7 +150,7 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
     x = torch.tensor([prefix], device=next(model.parameters()).device)
     start = time.perf_counter()
     with torch.inference_mode():
-        model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=prefix_cache, use_cache=True,
+        model(input_ids=x, attention_mask=torch.ones_like(x), **prefix_cache.forward_kwargs(), use_cache=True,
               logits_to_keep=1)  # fmt: skip
     prefix_s = time.perf_counter() - start
     prefix_summary = prefix_cache.stats()["device_summary_bytes"]

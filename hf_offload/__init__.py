@@ -23,6 +23,7 @@ _EXPORTS = {
     "OffloadConfig": ".config",
     "disable_offload_attention": ".patches",
     "enable_offload_attention": ".patches",
+    "forward_cache_kwarg": ".cache",
     "generate_cache_kwarg": ".cache",
     "HeadwiseSelector": ".selectors",
     "MeanBoundSelector": ".selectors",
@@ -42,7 +43,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 
 if TYPE_CHECKING:
     from .patches import disable_offload_attention, enable_offload_attention
-    from .cache import CacheFileError, OffloadCache, OffloadLayer, generate_cache_kwarg
+    from .cache import CacheFileError, OffloadCache, OffloadLayer, forward_cache_kwarg, generate_cache_kwarg
     from .config import OffloadConfig
     from .selectors import (
         HeadwiseSelector,

@@ -35,3 +35,26 @@ def test_generate_kwargs_use_the_installed_transformers_name_without_a_warning()
         old = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=old_cache, max_new_tokens=6,
                              do_sample=False)  # fmt: skip
     assert torch.equal(out, old)
+
+
+def test_forward_kwargs_use_the_models_name_without_a_warning():
+    """``cache.forward_kwargs()`` passes the cache under the name the model's ``forward`` takes (``cache`` in
+    transformers 5.24 and later, ``past_key_values`` in 5.17): no deprecation warning, the same logits and cache as
+    ``past_key_values=``."""
+    from hf_offload import forward_cache_kwarg
+
+    model = build_model("llama")
+    name = forward_cache_kwarg(model)
+    assert name == ("cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values")
+    ids = torch.randint(0, model.config.vocab_size, (1, 100), generator=torch.Generator().manual_seed(4))
+    cache = OffloadCache(model, budget_tokens=64, block_tokens=16, sink_tokens=16, window_tokens=16)
+    assert list(cache.forward_kwargs()) == [name] and cache.forward_kwargs()[name] is cache
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("error", FutureWarning)
+        logits = model(input_ids=ids, **cache.forward_kwargs(), use_cache=True).logits
+    assert cache.get_seq_length() == 100
+    old_cache = OffloadCache(model, budget_tokens=64, block_tokens=16, sink_tokens=16, window_tokens=16)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", FutureWarning)
+        old = model(input_ids=ids, past_key_values=old_cache, use_cache=True).logits
+    assert torch.equal(logits, old) and old_cache.get_seq_length() == 100

@@ -3,7 +3,7 @@ parts that each own their state: ``blocks`` (storage), ``planner`` (selection), 
 lookahead), ``graphs`` (capture and replay), ``stats`` (counters); ``execution`` holds how a layer runs."""
 
 from .blocks import SUMMARY_CHUNK_BLOCKS, BlockStore
-from .container import OffloadCache, generate_cache_kwarg, layer_types
+from .container import OffloadCache, forward_cache_kwarg, generate_cache_kwarg, layer_types
 from .execution import GRAPH_CAPACITY_BLOCKS, LayerExecution
 from .graphs import GraphRunner
 from .layer import OffloadLayer
@@ -26,6 +26,7 @@ __all__ = [
     "OffloadCache",
     "OffloadLayer",
     "Recaller",
+    "forward_cache_kwarg",
     "generate_cache_kwarg",
     "layer_types",
     "release_graph_pools",

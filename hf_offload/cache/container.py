@@ -70,6 +70,14 @@ def generate_cache_kwarg() -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def forward_cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword under which ``model.forward`` takes a cache: ``"cache"`` where it has that parameter (transformers
+    5.24 renamed ``past_key_values``; the old name warns until it is removed), else ``"past_key_values"``."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 
 
 class OffloadCache(Cache):
@@ -572,6 +580,17 @@ class OffloadCache(Cache):
         """``{name: self}`` for ``model.generate(**inputs, **cache.generate_kwargs())``: ``name`` is
         :func:`generate_cache_kwarg`'s, so no deprecation warning on any supported transformers."""
         return {generate_cache_kwarg(): self}
+
+    def forward_kwargs(self) -> dict:
+        """``{name: self}`` for a forward call of the cache's model, ``model(input_ids, **cache.forward_kwargs())``
+        (a prefill outside ``generate()``, e.g. of a prefix to fork): ``cache`` where the model's ``forward`` takes
+        that name (transformers 5.24 renamed ``past_key_values`` there and warns about the old name), else
+        ``past_key_values``."""
+        model = self._model_ref()
+        if model is None:
+            raise RuntimeError("The model this OffloadCache was built for has been freed; forward_kwargs() reads its "
+                               "forward's signature.")  # fmt: skip
+        return {forward_cache_kwarg(model): self}
 
     def stats(self) -> dict:
         """Bytes per tier, recall counters and hit rates (overall and per offloaded layer).
