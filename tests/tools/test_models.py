@@ -40,20 +40,22 @@ from hf_offload.tools.models import (
 # ---------------------------------------------------------------------------------------------------------------------
 
 
+def _split(payload: bytes, n: int, folder: Path, name: str) -> list[Path]:
+    """``payload`` in ``n`` files of ``folder``, in order: ``name.format(i)`` for ``i`` = 1..n."""
+    folder.mkdir(exist_ok=True)
+    step = -(-len(payload) // n)
+    files = [folder / name.format(i + 1) for i in range(n)]
+    for i, f in enumerate(files):
+        f.write_bytes(payload[i * step : (i + 1) * step])
+    return files
+
+
 def _fake_spec(tmp_path: Path, payload: bytes, n_parts: int = 3, **overrides) -> ModelSpec:
     """A registry entry whose parts are explicit files holding ``payload`` split in ``n_parts`` pieces."""
-    part_dir = tmp_path / "parts"
-    part_dir.mkdir(exist_ok=True)
-    step = -(-len(payload) // n_parts)
-    parts = []
-    for i in range(n_parts):
-        f = part_dir / f"part{i + 1:02d}.bin"
-        f.write_bytes(payload[i * step : (i + 1) * step])
-        parts.append(
-            PartSpec(
-                f"fake-model-part{i + 1}", "1.2.3", f"fake_model_part{i + 1}/data/part{i + 1:02d}.bin", file=str(f)
-            )
-        )
+    parts = [
+        PartSpec(f"fake-model-part{i + 1}", "1.2.3", f"fake_model_part{i + 1}/data/part{i + 1:02d}.bin", file=str(f))
+        for i, f in enumerate(_split(payload, n_parts, tmp_path / "parts", "part{:02d}.bin"))
+    ]
     fields = dict(
         name="fake-model",
         title="Fake-Model",
@@ -794,15 +796,7 @@ def test_real_qwen05_fetch_and_generate(tmp_path):
 
 
 def _pieces(tmp_path: Path, payload: bytes, n: int) -> list[Path]:
-    folder = tmp_path / "carried"
-    folder.mkdir(exist_ok=True)
-    step = -(-len(payload) // n)
-    files = []
-    for i in range(n):
-        f = folder / f"model.gguf.{i:02d}"
-        f.write_bytes(payload[i * step : (i + 1) * step])
-        files.append(f)
-    return files
+    return _split(payload, n, tmp_path / "carried", "model.gguf.{:02d}")
 
 
 @pytest.mark.parametrize("n", [1, 4])
