@@ -188,6 +188,7 @@ def run_cache(model, args, device, disk: dict, recording=None) -> dict:
     stats.pop("layers")
     cache.close()
     spilled, read = stats["disk_spilled_bytes"], stats["disk_read_bytes"]
+    steps = max(1, stats["decode_steps"])
     return {
         "fill_s": fill_s,
         "fill_gbs": (stats["host_kv_bytes"] + stats["disk_kv_bytes"]) / fill_s / 1e9,
@@ -196,6 +197,11 @@ def run_cache(model, args, device, disk: dict, recording=None) -> dict:
         "spill_gbs": spilled / fill_spill_s / 1e9 if fill_spill_s else None,
         "tier_read_gbs": read / timed.read_s / 1e9 if timed.read_s else None,
         "hit_rate": stats.get("hit_rate"),
+        # Per decode step: blocks read from disk when a recall needed them (not staged ahead), blocks staged ahead
+        # (lookahead, disk_stage_near) and those of them a recall used.
+        "demand_read_blocks_per_step": (stats["disk_read_blocks"] - stats["disk_staged_ahead_blocks"]) / steps,
+        "staged_ahead_blocks_per_step": stats["disk_staged_ahead_blocks"] / steps,
+        "staged_used_blocks_per_step": stats["disk_staged_used_blocks"] / steps,
         "spill_s": timed.spill_s,
         "read_s": timed.read_s,
         "stats": stats,
@@ -226,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookahead", choices=("off", "on", "both"), default="off",
                         help="the disk tier with lookahead (the next layer's likely blocks staged from disk during this "
                         "layer's work): off, on, or both as two configurations")  # fmt: skip
+    parser.add_argument("--stage-near", type=int, nargs="+", default=[0], metavar="N",
+                        help="disk_stage_near of the disk tier; each value is one configuration (0: 'disk_tier', N: "
+                        "'disk_tier_nearN')")  # fmt: skip
     parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
                         help="'random' (random KV and queries, the worst case) or 'recorded:PATH', a decode recorded by "
                         "benchmarks/workload.py and replayed at the shape (the model's rope_theta becomes the "
@@ -263,10 +272,12 @@ def main(argv: list[str] | None = None) -> int:
     tier = dict(host_memory_gib=host_gib, disk_dir=args.dir, disk_staging_chunks=args.staging_chunks,
                 disk_read_threads=args.threads)  # fmt: skip
     configs = [("host_only", {})]
-    if args.lookahead in ("off", "both"):
-        configs.append(("disk_tier", tier))
-    if args.lookahead in ("on", "both"):
-        configs.append(("disk_tier_lookahead", dict(tier, lookahead=True)))
+    for near in args.stage_near:
+        tag, with_near = (f"_near{near}", dict(tier, disk_stage_near=near)) if near else ("", tier)
+        if args.lookahead in ("off", "both"):
+            configs.append((f"disk_tier{tag}", with_near))
+        if args.lookahead in ("on", "both"):
+            configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
     runs, repeats = {}, {name: [] for name, _ in configs}
     for _ in range(args.repeats):
         for name, disk in configs:
@@ -274,7 +285,9 @@ def main(argv: list[str] | None = None) -> int:
             repeats[name].append({k: r[k] for k in ("fill_s", "decode_tok_s", "spill_gbs", "tier_read_gbs", "hit_rate")})
             print(f"{name}: fill {r['fill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s, spill {r['spill_gbs']} "
                   f"GB/s, tier read {r['tier_read_gbs']} GB/s, disk {r['stats']['disk_kv_bytes'] / MIB:.0f} MiB, "
-                  f"hit rate {r['hit_rate']}, {workload['kind']}", flush=True)  # fmt: skip
+                  f"hit rate {r['hit_rate']}, per step: {r['demand_read_blocks_per_step']:.1f} blocks read on demand, "
+                  f"{r['staged_ahead_blocks_per_step']:.1f} staged ahead ({r['staged_used_blocks_per_step']:.1f} "
+                  f"used), {workload['kind']}", flush=True)  # fmt: skip
     summary = {}
     for name in runs:
         if name == "host_only":

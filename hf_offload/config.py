@@ -105,6 +105,9 @@ class Memory:
         disk_staging_chunks: chunk-sized host buffers that blocks read from disk are staged in (least recently used
             block evicted first); positive. Default 8.
         disk_read_threads: worker threads reading from disk; positive. Default 16.
+        disk_stage_near: blocks per sequence (and KV head) ranked just below each decode step's selection whose
+            reads from disk into staging start after the step's recall, without waiting (the likeliest next
+            selections); ``>= 0``. Default 0: none.
     """
 
     pool_tokens: int | None = None
@@ -119,6 +122,7 @@ class Memory:
     disk_memory_gib: float | None = None
     disk_staging_chunks: int = 8
     disk_read_threads: int = 16
+    disk_stage_near: int = 0
 
 
 @dataclass(frozen=True)
@@ -366,6 +370,9 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
+        near = self.disk_stage_near
+        if isinstance(near, bool) or not isinstance(near, int) or near < 0:
+            raise ValueError(f"disk_stage_near must be a non-negative integer (blocks per sequence), got {near!r}.")
         if self.transfer not in ("auto", "kernel", "torch"):
             raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
         cap = self.transfer_cap_blocks

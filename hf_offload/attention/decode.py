@@ -101,6 +101,8 @@ def decode_body(
         recaller.resident_rounds(selection, decode=True, count_step=count_step, gather=False,
                                  in_place=layer.execution.paged)
     )
+    if layer.blocks.host.disk_chunks:  # never in a graph: the disk tier runs op by op
+        recaller.stage_near(selection)
     if timer is not None:
         timer.add("recall", t_select, t_recalled := timer.mark())
     out = decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling, selection)

@@ -278,6 +278,36 @@ class Recaller:
         store.pool.block.scatter_(-1, slots, torch.where(on_disk, torch.full_like(held, -1), held))
         return miss & ~on_disk
 
+    def stage_near(self, selection: Selection) -> None:
+        """With chunks on disk: start reading from disk the ``disk_stage_near`` blocks per sequence (and KV head)
+        ranked just below this step's selection, into the disk tier's staging, without waiting, so that a coming
+        step that selects them finds them staged. Call it after the step's recall (the reads queue behind the
+        recall's own). Synchronises with the host (the disk tier runs without CUDA graphs).
+
+        Args:
+            selection: this step's plan: its ``ranked`` blocks past the selection where the selector ranked them,
+                else the best-scored blocks outside the selection.
+        """
+        m = self.config.disk_stage_near
+        store = self.blocks
+        if not m or not store.host.disk_chunks or selection.scores is None or not store.block_table.shape[1]:
+            return
+        k = selection.blocks.shape[-1]
+        scores = selection.scores
+        if selection.ranked is not None and selection.ranked.shape[-1] > k:
+            near = selection.ranked[..., k : k + m]
+        else:
+            take = min(scores.shape[-1], k + m)
+            if take <= k:
+                return
+            near = scores.topk(take, dim=-1).indices[..., k:]
+        valid = scores.gather(-1, near).isfinite()  # forced blocks are selected; -inf ones are never attended
+        near, valid = near.cpu(), valid.cpu()
+        table = store.block_table
+        index = near.clamp(0, table.shape[1] - 1).reshape(near.shape[0], -1)
+        ids = torch.where(valid.reshape(index.shape), table.gather(1, index), -1)
+        store.host.stage(torch.unique(ids))
+
     def _block_offsets(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~hf_offload.store.transfer.block_piece_offsets` of the ``n`` whole-block entries per sequence of
         :meth:`_entry_indices`, built once per ``n`` (kept as long as the slot pool, like the indices)."""

@@ -234,7 +234,8 @@ def count_recall(stats: LayerStats, count, unit: int, decode: bool, prefetch: bo
 
 
 DISK_KEYS = ("disk_kv_bytes", "disk_spilled_chunks", "disk_spilled_bytes", "disk_reads", "disk_read_bytes",
-             "disk_read_blocks", "disk_staging_hits", "disk_staged_ahead_blocks", "disk_staging_bytes")
+             "disk_read_blocks", "disk_staging_hits", "disk_staged_ahead_blocks", "disk_staged_used_blocks",
+             "disk_staging_bytes")
 
 
 def _disk_stats(offload: list, disk) -> dict:

@@ -17,7 +17,9 @@ Reads: a recall that needs blocks on disk reads them (runs of consecutive blocks
 ``disk_read_threads`` worker threads) into **staging**: ``disk_staging_chunks`` chunk-sized buffers (pinned on CUDA),
 divided into block slots, least recently used slot evicted first; the blocks are copied from there. A recall that
 needs more blocks than staging holds reads them in batches of what it holds. :meth:`DiskTier.stage` starts reads
-without waiting (lookahead's forecast), so the exact recall later finds them staged (``disk_staging_hits``).
+without waiting (lookahead's forecast of the next layer, and ``disk_stage_near``'s of the coming steps: the blocks ranked
+just below each step's selection), so the exact recall later finds them staged (``disk_staging_hits``; those of them
+staged ahead: ``disk_staged_used_blocks``).
 
 Disk space for a forward is reserved before it starts where the file system supports ``posix_fallocate``
 (:meth:`DiskTier.reserve`): a full disk then refuses the forward as a whole and the cache stays usable. A write that
@@ -103,6 +105,7 @@ class _Staging:
         data: ``[n_slots, *block_shape]``, the pool dtype, CPU (pinned on CUDA), each slot :data:`ALIGN`-aligned
             where the block size is a multiple of it.
         entries: ``(pool serial, block id) -> slot``, least recently used first.
+        ahead: the entries read by :meth:`DiskTier.stage` (a forecast) that no recall has used yet.
     """
 
     def __init__(self, n_slots: int, block_shape: tuple, dtype: torch.dtype, block_bytes: int, pin_memory: bool):
@@ -111,6 +114,7 @@ class _Staging:
         self.views = [_view(self.raw[i * block_bytes : (i + 1) * block_bytes]) for i in range(n_slots)]
         self.n_slots = n_slots
         self.entries: OrderedDict[tuple[int, int], int] = OrderedDict()
+        self.ahead: set[tuple[int, int]] = set()
         self.pending: dict[int, Future] = {}  # slot -> read in flight
         self.free = list(range(n_slots - 1, -1, -1))
 
@@ -123,6 +127,7 @@ class _Staging:
             for key, slot in self.entries.items():
                 if key not in protected and slot not in self.pending:
                     del self.entries[key]
+                    self.ahead.discard(key)
                     return slot
             self.settle(protected)
         return None
@@ -133,12 +138,14 @@ class _Staging:
         for slot in [s for s in self.pending if s in slots]:
             if self.pending.pop(slot).exception() is not None:
                 del self.entries[slots[slot]]
+                self.ahead.discard(slots[slot])
                 self.free.append(slot)
 
     def forget(self, serial: int) -> None:
         """Drop the entries of one pool (its ids are about to mean other blocks)."""
         for key in [key for key in self.entries if key[0] == serial]:
             slot = self.entries.pop(key)
+            self.ahead.discard(key)
             future = self.pending.pop(slot, None)
             if future is not None:
                 future.exception()  # wait: the read must not land in a slot given to another block
@@ -180,7 +187,7 @@ class DiskTier:
         self.used_bytes = 0  # bytes of the extents holding chunks
         self.counters = dict.fromkeys(
             ("spilled_chunks", "spilled_bytes", "direct_bytes", "reads", "read_bytes", "read_blocks",
-             "staging_hits", "staged_ahead_blocks"), 0)  # fmt: skip
+             "staging_hits", "staged_ahead_blocks", "staged_used_blocks"), 0)  # fmt: skip
 
     # -------------------------------------------------------------------------------------------------- pools
     def register(self, pool) -> int:
@@ -454,6 +461,7 @@ class DiskTier:
             if slot is None:
                 break
             staging.entries[(serial, block)] = slot
+            staging.ahead.add((serial, block))
             taken_ids.append(block)
             slots.append(slot)
         self._submit(pool, staging, taken_ids, slots)
@@ -479,6 +487,9 @@ class DiskTier:
                 if slot is not None:  # staged (or being read ahead): no read of its own
                     staging.entries.move_to_end((serial, block))
                     self.counters["staging_hits"] += 1
+                    if (serial, block) in staging.ahead:
+                        staging.ahead.discard((serial, block))
+                        self.counters["staged_used_blocks"] += 1
                     continue
                 slot = staging.take(protected)
                 staging.entries[(serial, block)] = slot
@@ -494,6 +505,7 @@ class DiskTier:
                         future.result()
                     except OSError as err:
                         del staging.entries[(serial, block)]
+                        staging.ahead.discard((serial, block))
                         staging.free.append(slot)
                         raise self._io_error(err, "reading KV blocks from") from err
                 for row in row_of[block]:
@@ -513,6 +525,7 @@ class DiskTier:
             "disk_read_blocks": self.counters["read_blocks"],
             "disk_staging_hits": self.counters["staging_hits"],
             "disk_staged_ahead_blocks": self.counters["staged_ahead_blocks"],
+            "disk_staged_used_blocks": self.counters["staged_used_blocks"],
             "disk_staging_bytes": self.staging_bytes(),
             "disk_direct_io": self.direct,
         }

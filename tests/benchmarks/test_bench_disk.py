@@ -34,6 +34,20 @@ def test_bench_disk_with_lookahead_as_a_second_configuration(tmp_path):
     assert result["summary"]["decode_disk_vs_host_only"] > 0
 
 
+def test_bench_disk_with_stage_near_as_further_configurations(tmp_path):
+    out = tmp_path / "disk.json"
+    bench_disk.main(["--shape", "tiny", "--context", "2048", "--batch", "2", "--steps", "4", "--budget", "256",
+                     "--host-chunk-mib", "0.0625", "--drive-mib", "4", "--random-reads", "64", "--dir", str(tmp_path),
+                     "--dtype", "float32", "--stage-near", "0", "8", "--out", str(out)])  # fmt: skip
+    result = json.loads(out.read_text())
+    assert set(result["runs"]) == {"host_only", "disk_tier", "disk_tier_near8"}
+    plain, near = result["runs"]["disk_tier"], result["runs"]["disk_tier_near8"]
+    assert plain["staged_ahead_blocks_per_step"] == 0 and near["staged_ahead_blocks_per_step"] > 0
+    assert 0 <= near["staged_used_blocks_per_step"] <= near["staged_ahead_blocks_per_step"]
+    assert near["demand_read_blocks_per_step"] >= 0 and plain["demand_read_blocks_per_step"] > 0
+    assert result["summary"]["decode_disk_vs_host_only_near8"] > 0
+
+
 def test_bench_disk_replays_a_recorded_workload(tmp_path):
     """``--workload recorded:PATH``: the fill and every decode step come from a decode recorded from a (tiny, random)
     Qwen2 model; the file names its workload, and each run its hit rate. A bad path fails before anything runs."""

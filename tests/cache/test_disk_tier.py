@@ -285,6 +285,31 @@ def test_lookahead_stages_the_forecast_ahead_of_the_recall(tmp_path):
     assert stats["disk_staged_ahead_blocks"] > 0 and stats["disk_staging_hits"] > 0
 
 
+@pytest.mark.parametrize("selector", ["quantkey[bits=4,tail_bits=2,tail_near=3]", "solohead"])
+def test_disk_stage_near_reads_the_blocks_ranked_below_the_selection_ahead(tmp_path, monkeypatch, selector):
+    """``disk_stage_near``: after each recall, the blocks ranked just below the selection start moving from disk
+    (those of the selector's ranking past the selection, else its next-best scores), and what is attended stays
+    the same: the same tokens and selections as without it."""
+    model = build_model("llama")
+    ids, mask = left_padded([140, 101], seed=14)
+    settings = dict(TINY_SPARSE, selector=selector, **dict(DISK, disk_staging_chunks=16), disk_dir=tmp_path)
+    without = OffloadCache(model, **settings)
+    expected, chosen = _recorded(lambda: _generate(model, ids, mask, without))
+    staged = []
+    stage = type(without.disk).stage
+    monkeypatch.setattr(type(without.disk), "stage", lambda self, pool, ids: staged.append(list(ids)) or stage(
+        self, pool, ids))  # fmt: skip
+    cache = OffloadCache(model, **settings, disk_stage_near=4)
+    got, selections = _recorded(lambda: _generate(model, ids, mask, cache))
+    assert torch.equal(got, expected) and selections == chosen
+    stats, before = cache.stats(), without.stats()
+    assert before["disk_staged_ahead_blocks"] == 0 and before["disk_staged_used_blocks"] == 0
+    assert 0 < stats["disk_staged_ahead_blocks"] <= sum(map(len, staged))  # those already staged are not read again
+    assert all(len(call) <= 2 * 4 for call in staged)  # at most 4 blocks per sequence (2 sequences) a layer step
+    assert 0 <= stats["disk_staged_used_blocks"] <= stats["disk_staging_hits"]
+    assert stats["disk_read_blocks"] - stats["disk_staged_ahead_blocks"] <= before["disk_read_blocks"]
+
+
 def test_save_reads_blocks_on_disk_and_load_spills_again(tmp_path):
     model = build_model("qwen3")
     ids, mask = left_padded([101, 77], seed=13)
