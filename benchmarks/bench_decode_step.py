@@ -94,7 +94,8 @@ def decode(model, cache, ids: torch.Tensor, steps: int, cuda: bool, step_s: list
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
+                             do_sample=False,
                              max_new_tokens=steps, min_new_tokens=steps,
                              logits_processor=LogitsProcessorList([clock]) if step_s is not None else None)  # fmt: skip
     if cuda:

@@ -167,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"one thread's {CHECKSUM} {result['checksum_gbs']:.2f} GB/s, SHA-256 {result['sha256_gbs']:.2f}")  # fmt: skip
     finally:
         path.unlink(missing_ok=True)
-    ratios = {key: sorted(row[key] for row in result["rounds"]) for key in ("save_vs_drive_write", "load_vs_drive_read")}
+    keys = ("save_vs_drive_write", "load_vs_drive_read")
+    ratios = {key: sorted(row[key] for row in result["rounds"]) for key in keys}
     result["summary"] = {f"median_{key}": values[len(values) // 2] for key, values in ratios.items()}
     result["summary"].update({f"min_{key}": values[0] for key, values in ratios.items()})
     result["complete"] = True

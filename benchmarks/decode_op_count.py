@@ -283,7 +283,8 @@ def count_decode(model, cache, args, counter: OpCounter) -> dict:
     with counter, layer_buckets(counter, model, cache), warnings.catch_warnings(), torch.inference_mode():
         warnings.filterwarnings("ignore", message="`past_key_values` is deprecated")
         new = args.warmup + args.steps
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, do_sample=False,
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
+                             do_sample=False,
                              max_new_tokens=new, min_new_tokens=new,
                              logits_processor=LogitsProcessorList([step_boundary]))  # fmt: skip
     counter.on = False

@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                                  admission="always", **graphs)  # fmt: skip
             with torch.no_grad():
                 outs.append(
-                    model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache}, max_new_tokens=12,
+                    model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
+                                   max_new_tokens=12,
                                    do_sample=False, prefill_chunk_size=32)
                 )
             stats = cache.stats()

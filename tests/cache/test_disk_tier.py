@@ -310,6 +310,24 @@ def test_disk_stage_near_reads_the_blocks_ranked_below_the_selection_ahead(tmp_p
     assert stats["disk_read_blocks"] - stats["disk_staged_ahead_blocks"] <= before["disk_read_blocks"]
 
 
+def test_disk_stage_near_is_a_step_option(tmp_path):
+    """``set_options(disk_stage_near=...)`` switches it on a filled cache; a negative value is refused."""
+    model = build_model("llama")
+    ids, mask = left_padded([140, 101], seed=15)
+    cache = OffloadCache(model, **TINY_SPARSE, **dict(DISK, disk_staging_chunks=16), disk_dir=tmp_path)
+    _generate(model, ids, mask, cache, new_tokens=3)
+    assert cache.stats()["disk_staged_ahead_blocks"] == 0
+    cache.set_options(disk_stage_near=4)
+    with torch.no_grad():  # continue the filled cache with a few more tokens
+        more, more_mask = torch.cat([ids, ids[:, -3:]], 1), torch.cat([mask, mask[:, -3:]], 1)
+        out = model.generate(input_ids=more, attention_mask=more_mask, past_key_values=cache, max_new_tokens=3,
+                             do_sample=False)  # fmt: skip
+    assert out.shape[1] == ids.shape[1] + 6 and cache.stats()["disk_staged_ahead_blocks"] > 0
+    with pytest.raises(ValueError, match="disk_stage_near must be a non-negative integer"):
+        cache.set_options(disk_stage_near=-1)
+    assert cache.config.disk_stage_near == 4
+
+
 def test_save_reads_blocks_on_disk_and_load_spills_again(tmp_path):
     model = build_model("qwen3")
     ids, mask = left_padded([101, 77], seed=13)

@@ -258,7 +258,8 @@ def test_a_version_1_file_is_checked_with_sha256_and_loads(tmp_path, monkeypatch
     assert meta["hf_offload.version"] == "1" and meta["hf_offload.checksum"] == "sha256"
     name, info = next(iter(index.items()))
     start, end = info["data_offsets"]
-    assert json.loads(meta["hf_offload.checksums"])[name] == hashlib.sha256(data[header + start : header + end]).hexdigest()
+    digest = hashlib.sha256(data[header + start : header + end]).hexdigest()
+    assert json.loads(meta["hf_offload.checksums"])[name] == digest
     expected = continue_recorded(model, cache, ids, mask)
     assert continue_recorded(model, OffloadCache.load(path, model), ids, mask) == expected
     corrupted = bytearray(data)
