@@ -637,8 +637,13 @@ class OffloadCache(Cache):
             calls run them, ``None`` before the first call), ``selector`` (the selector as it stands, by name with
             settings) and ``summary_levels`` (each re-encoding of the summaries at a coarser level since the cache
             was built or reset, ``coarsen_summaries``: ``from``, ``to``, ``tokens`` per sequence then,
-            ``summary_bytes_before`` and ``summary_bytes_after``). Blocks are counted per KV head for per-head
-            selectors.
+            ``summary_bytes_before`` and ``summary_bytes_after``), and the disk tier's (``disk_dir``; zeros and
+            ``None`` without one): ``disk_kv_bytes`` (blocks on disk), ``disk_spilled_chunks`` and
+            ``disk_spilled_bytes``, ``disk_reads``, ``disk_read_bytes`` and ``disk_read_blocks`` (reads from the
+            spill file), ``disk_staging_hits`` (blocks a read found staged), ``disk_staged_ahead_blocks`` (blocks read
+            ahead of need: lookahead's forecast, ``disk_stage_near``), ``disk_staged_used_blocks`` (those of them a
+            read then found staged), ``disk_staging_bytes`` and ``disk_direct_io``. Blocks are counted per KV head
+            for per-head selectors.
         """
         timing = self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None
         result = summarize(self.layers, timing, self._fusions(), self.disk)
