@@ -51,7 +51,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import inspect
 import json
 import math
 import sys
@@ -65,13 +64,14 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from hf_offload import forward_cache_kwarg  # noqa: E402
+
 FORMAT = "hf-offload-decode-workload/1"
 DEFAULT_DIR = REPO / ".workloads"
 
 
-def cache_keyword(model) -> str:
-    """The keyword ``model.forward`` takes its cache under: ``cache`` in newer transformers, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+cache_keyword = forward_cache_kwarg
+"""The keyword ``model.forward`` takes its cache under (:func:`hf_offload.forward_cache_kwarg`)."""
 
 
 # ----------------------------------------------------------------------------------------------------------- RoPE

@@ -78,8 +78,6 @@ def forward_cache_kwarg(model: torch.nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-
-
 class OffloadCache(Cache):
     """A KV cache that keeps full-attention layers in host memory and attends to a budget of blocks per step.
 

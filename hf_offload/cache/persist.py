@@ -34,7 +34,7 @@ layer's buffers on a CPU cache), and checks every tensor against its checksum on
 point frees what was built, so a failed load leaves no cache.
 
 Both directions hash on threads: each tensor's checksum is one sequential stream (a CRC-32 runs at several GB/s on
-one core, a SHA-256 of a version 1 file at 1.3-2.2 GB/s, slower than a fast drive), so several tensors are hashed at
+one core, a SHA-256 of a version 1 file at 1.3-2.1 GB/s, slower than a fast drive), so several tensors are hashed at
 once, each on its thread. A save's thread writes the tensor it hashes
 (:class:`_Writing`), a load's thread reads it (:class:`_Hashing`, where the destination stays in host memory), part by
 part, so that each part is hashed from the cache of the core that just wrote or read it.
@@ -75,6 +75,7 @@ _DTYPES = {
     torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }  # fmt: skip
 
+
 class _Crc32:
     """A running CRC-32 (``zlib.crc32``, which releases the GIL for large buffers) with hashlib's ``update`` and
     ``hexdigest``: 8 hex digits."""
@@ -94,8 +95,8 @@ _CHECKSUMS: dict[str, Callable] = {"crc32": _Crc32, "sha256": hashlib.sha256}
 CHECKSUM = "crc32"
 """The checksum of each tensor in the files this hf-offload writes. A checksum guards against corruption (a bad
 copy, a truncated transfer, a failing drive), not against tampering: CRC-32 misses a random corruption with
-probability 2^-32 and every error burst of up to 32 bits, and runs at several GB/s on one core (7.3 GB/s here
-against 2.2 for SHA-256 with the SHA instructions; 1.3 for SHA-256 on the H200 machine, where one SHA-256 stream
+probability 2^-32 and every error burst of up to 32 bits, and runs at several GB/s on one core (7.1 GB/s on the CPU
+machine of ``results/persist/`` against 2.1 for SHA-256 with the SHA instructions; 1.3 for SHA-256 on the H200 machine, where one SHA-256 stream
 bounded a save at 0.61x the drive's write: ``results/persist/``)."""
 _WEIGHT_SAMPLE_PARAMS = 8  # parameters of the model the fingerprint hashes a sample of
 _WEIGHT_SAMPLE_ELEMENTS = 4096  # elements of each, spread over the whole tensor

@@ -263,12 +263,10 @@ class Recaller:
             miss: entries to recall, ``[batch, kv_heads, n]``, ``torch.bool``, compute device.
         """
         store = self.blocks
-        host, table = store.host, store.block_table
-        miss_cpu = miss.cpu()
-        index = blocks.expand(miss.shape).cpu().clamp(0, max(table.shape[1] - 1, 0))
-        if not table.shape[1]:
+        host = store.host
+        if not store.block_table.shape[1]:
             return miss
-        ids = torch.where(miss_cpu, table.gather(1, index.reshape(index.shape[0], -1)).view(miss.shape), -1)
+        ids = self._host_ids(torch.where(miss, blocks.expand(miss.shape), -1))
         spilled = (ids >= 0) & host.on_disk(ids.clamp(min=0).flatten()).view(ids.shape)
         if not bool(spilled.any()):
             return miss
@@ -302,11 +300,15 @@ class Recaller:
                 return
             near = scores.topk(take, dim=-1).indices[..., k:]
         valid = scores.gather(-1, near).isfinite()  # forced blocks are selected; -inf ones are never attended
-        near, valid = near.cpu(), valid.cpu()
-        table = store.block_table
-        index = near.clamp(0, table.shape[1] - 1).reshape(near.shape[0], -1)
-        ids = torch.where(valid.reshape(index.shape), table.gather(1, index), -1)
-        store.host.stage(torch.unique(ids))
+        store.host.stage(torch.unique(self._host_ids(torch.where(valid, near, -1))))
+
+    def _host_ids(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The host block ids of block indices ``blocks`` (``[batch, heads_or_1, n]``, ``torch.int64``, ``-1``:
+        none), through the block table: same shape, CPU, ``-1`` where ``blocks`` is. One transfer to the host."""
+        blocks = blocks.cpu()
+        table = self.blocks.block_table
+        index = blocks.clamp(0, table.shape[1] - 1).reshape(blocks.shape[0], -1)
+        return torch.where(blocks >= 0, table.gather(1, index).view(blocks.shape), -1)
 
     def _block_offsets(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`~hf_offload.store.transfer.block_piece_offsets` of the ``n`` whole-block entries per sequence of
