@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache  # noqa: E402
-from hf_offload.cache.container import generate_cache_kwarg  # noqa: E402
-from hf_offload.cache.planner import DecodePlanner  # noqa: E402
+from benchmarks.common import run_metadata, write_results
+from hf_offload import OffloadCache
+from hf_offload.cache.container import generate_cache_kwarg
+from hf_offload.cache.planner import DecodePlanner
 
 COUNTERS = ("decode_steps", "reused_selections")
 
@@ -138,7 +138,7 @@ def main() -> None:
             print(f"{name}: saved {file.stat().st_size / 2**20:,.0f} MiB in {save_s:.2f} s", flush=True)
         job = work / "job.json"
         job.write_text(json.dumps({"model": args.model, "device": args.device, "more": args.more, "runs": runs}))
-        done = subprocess.run([sys.executable, __file__, "--continue-job", str(job)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, __file__, "--continue-job", str(job)], capture_output=True, text=True, check=False,
                               cwd=ROOT, timeout=1800)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"the new process failed:\n{done.stderr[-4000:]}")
