@@ -68,7 +68,14 @@ def continue_recorded(model, cache, ids: torch.Tensor, mask: torch.Tensor, more:
     }
 
 
-def _load_model(name: str, device: str):
+def _load_model(name: str, device: str, context: int = 0):
+    """A registry model, a folder, or ``tiny``: the tests' random tiny Llama and byte-level tokenizer (no download;
+    its answers are noise, its cache is real)."""
+    if name == "tiny":
+        from tests.fixtures.tiny import tiny_model, tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+        return tiny_model(len(tokenizer), max_positions=max(context, 4096) + 512, seed=0).to(device), tokenizer
     from hf_offload.tools.models import load
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -78,7 +85,7 @@ def _load_model(name: str, device: str):
 def _continue_job(path: str) -> None:
     """The new process: load the model, then each saved cache, and continue it."""
     job = json.loads(Path(path).read_text())
-    model, _ = _load_model(job["model"], job["device"])
+    model, _ = _load_model(job["model"], job["device"], job["context"])
     results = {}
     for name, run in job["runs"].items():
         start = time.perf_counter()
@@ -92,9 +99,10 @@ def _continue_job(path: str) -> None:
     print("RESULT " + json.dumps(results))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="qwen05", help="a registry name or folder for hf_offload.tools.models.load")
+    parser.add_argument("--model", default="qwen05",
+                        help="a registry name or folder for hf_offload.tools.models.load, or 'tiny' (random, no download)")
     parser.add_argument("--context", type=int, default=16384, help="prompt tokens per sequence")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1024], help="budget_tokens (0: the whole context)")
@@ -104,14 +112,14 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     parser.add_argument("--continue-job", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.continue_job:
         _continue_job(args.continue_job)
-        return
+        return 0
 
     from benchmarks.bench_memory_cap import real_prompts
 
-    model, tokenizer = _load_model(args.model, args.device)
+    model, tokenizer = _load_model(args.model, args.device, args.context)
     prompts = real_prompts(tokenizer, args.batch, args.context).to(model.device)
     work = Path(args.dir) / f"persist_model_{os.getpid()}"
     work.mkdir(mode=0o700)
@@ -137,7 +145,8 @@ def main() -> None:
             runs[name] = {"file": str(file), "ids": ids.tolist(), "mask": mask.tolist()}
             print(f"{name}: saved {file.stat().st_size / 2**20:,.0f} MiB in {save_s:.2f} s", flush=True)
         job = work / "job.json"
-        job.write_text(json.dumps({"model": args.model, "device": args.device, "more": args.more, "runs": runs}))
+        job.write_text(json.dumps({"model": args.model, "device": args.device, "context": args.context, "more": args.more,
+                                    "runs": runs}))
         done = subprocess.run([sys.executable, __file__, "--continue-job", str(job)], capture_output=True, text=True, check=False,
                               cwd=ROOT, timeout=1800)  # fmt: skip
         if done.returncode != 0:
@@ -175,7 +184,8 @@ def main() -> None:
               f"MiB, save {row['save_s']:.2f} s, load {row['load_s']:.2f} s", flush=True)  # fmt: skip
     if args.out:
         write_results(args.out, {"metadata": run_metadata(args), "runs": rows})
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
