@@ -137,7 +137,8 @@ class Execution:
             transfer path); ``"pool"``: the slot pool holds every selected block, one SDPA reads it. ``"auto"``
             (default): ``"paged"`` on CUDA with the kernel transfer path, else ``"pool"``.
         cuda_graphs: replay each offloaded layer's decode step from a CUDA graph (CUDA and the kernel transfer path;
-            prefill and steps with ``timing`` or ``lookahead`` on run op by op). Default ``None``.
+            prefill and steps with ``timing`` on run op by op; lookahead runs inside graphs of whole layers, and
+            turns graphs off under ``graph_scope="attention"``). Default ``None``.
         graph_scope: what a replayed graph covers: ``"layer"`` (default): the whole decoder layer (a layer that
             cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the offloaded attention.
         decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, so its

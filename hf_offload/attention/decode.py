@@ -91,6 +91,10 @@ def decode_body(
     if timer is not None:
         timer.add("select", t_start, t_select := timer.mark())
     recaller = layer.recaller
+    capture = layer.graphs.layer_capture
+    if capture is not None and capture.ahead is not None:
+        # Lookahead inside the whole layer's graph, from this layer's query: joined at the end of the layer's work.
+        capture.ahead.prefetch_in_graph(q, scaling, inputs, n, k)
     if layer.execution.lookahead and count_step and not recaller.prefetched_ahead:
         # Lookahead: the next offloaded layer's likely blocks start moving now, behind this layer's work (unless
         # they started before this layer, from the next layer's predicted query: lookahead_query="next").

@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 from ..attention.handoff import OffloadMask, plain_causal, take_handoff
 from ..config import OffloadConfig
 from ..selectors import Selector
+from ..store import transfer
 from .blocks import BlockStore
 from ..attention.inputs import DecodeInputs
 from .capture import CapturedDecode, CapturedLayer, call_signature, replay_layer
@@ -38,12 +39,15 @@ from .stats import LayerStats
 @dataclass
 class LayerCapture:
     """What a decode step of a whole decoder layer being captured uses: the step's shared inputs, the blocks it
-    scores, the blocks the budget selects, and whether it reuses the layer's kept selection (``reselect_every``)."""
+    scores, the blocks the budget selects, whether it reuses the layer's kept selection (``reselect_every``), and
+    the next layer's recaller where the attention starts that layer's prefetch from this layer's query
+    (``lookahead_query="same"``, or no predicted query)."""
 
     inputs: DecodeInputs
     n: int
     k: int
     reuse: bool = False
+    ahead: Recaller | None = None  # the next layer, prefetched for from this layer's query (lookahead in the graph)
 
 
 class GraphRunner:
@@ -215,7 +219,8 @@ class GraphRunner:
         self.graphs = {g: v for g, v in self.graphs.items() if g[0] in (key[0], "seal")}
         self.stats.prepare_capture(self.blocks.device)
         self.recaller.wait_side_streams()
-        held = (*self.blocks.held_buffers(), inputs.rows, inputs.valid, inputs.forced, inputs.sequence)
+        held = (*self.blocks.held_buffers(), *self.recaller.held_buffers(), inputs.rows, inputs.valid, inputs.forced,
+                inputs.sequence)
         try:
             self.graphs[key] = self._capture_graph(self.blocks.device, body, query, held)
             self.stats.add(("graph_captures",), 1)
@@ -274,7 +279,10 @@ class GraphRunner:
         if attention_key[:-1] != last[:-1] or attention_key not in self.graphs:
             return None
         flat = tree_flatten((args, kwargs))  # read once: by the signature and by the replay's copies
-        return (n, "layer", attention_key, call_signature(args, kwargs, flat)), inputs, n, k, flat
+        # Lookahead in the graph: it reads the next layer's buffers, whose change means another graph.
+        ahead = self.recaller.ahead_in_graph(n_before, n, k)
+        ahead_key = None if ahead is None else ahead.blocks.storage_key()
+        return (n, "layer", attention_key, call_signature(args, kwargs, flat), ahead_key), inputs, n, k, flat
 
     def run_decoder_layer(self, step: tuple, forward: Callable, args: tuple, kwargs: dict):
         """Run a decoder layer call that :meth:`layer_step` accepted (``step``): replay its graph (captured now if
@@ -291,6 +299,8 @@ class GraphRunner:
         store = self.blocks
         store.selectable_written = store.last_write
         self.recaller.wait_side_streams()
+        if key[4] is not None:  # the graph prefetches for the next layer: its host blocks must be written
+            self._wait_for_next()
         out = replay_layer(graph, args, kwargs, flat)
         left = store.keys.shape[-2] + 1
         store.n_tokens += 1
@@ -314,14 +324,22 @@ class GraphRunner:
         whether the step reuses the kept selection (``reselect_every``: the two alternate)."""
 
         def twin(g: tuple) -> bool:  # the same geometry, signature and buffers; the other kind of step
-            return g[0] == key[0] and g[2][:-1] == key[2][:-1] and g[3] == key[3]
+            return g[0] == key[0] and g[2][:-1] == key[2][:-1] and g[3:] == key[3:]
 
         self.graphs = {g: v for g, v in self.graphs.items() if g[1:2] != ("layer",) or twin(g)}
         store = self.blocks
         self.stats.prepare_capture(store.device)
         store.selectable_written = store.last_write
         self.recaller.wait_side_streams()
-        held = (*store.held_buffers(), inputs.rows, inputs.valid, inputs.forced, inputs.sequence, inputs.open_pos)
+        held = (*store.held_buffers(), *self.recaller.held_buffers(), inputs.rows, inputs.valid, inputs.forced,
+                inputs.sequence, inputs.open_pos)
+        ahead = None if key[4] is None else self.recaller.ahead_in_graph(store.n_blocks, n, k)
+        if ahead is not None:
+            ahead.stats.prepare_capture(store.device)
+            ahead.prefetch_marks()
+            held = (*held, *ahead.blocks.held_buffers(), *ahead.held_buffers())
+            self._wait_for_next()
+            forward = self._with_lookahead(forward, ahead, inputs, n, k)
         start = time.perf_counter()
         self.layer_capture = LayerCapture(inputs, n, k, key[2][-1])
         try:
@@ -342,6 +360,33 @@ class GraphRunner:
         self.stats.add(("layer_graph_captures",), 1)
         self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
         return graph
+
+    def _with_lookahead(self, forward: Callable, ahead: Recaller, inputs: DecodeInputs, n: int, k: int) -> Callable:
+        """``forward`` with the next layer's prefetch in it, for a capture of the whole layer: started from the next
+        layer's query predicted from this layer's input (``lookahead_query="next"``) before the layer's work, else
+        by the attention from this layer's query (:attr:`LayerCapture.ahead`); joined after the layer's work, so that
+        the recall runs behind it on the prefetch stream and the graph ends with it done."""
+        recaller = self.recaller
+
+        def forward_with_lookahead(*args, **kwargs):
+            predicted = recaller.predicted_query(args, kwargs)
+            if predicted is not None:
+                ahead.prefetch_in_graph(*predicted, inputs, n, k)
+            elif self.layer_capture is not None:
+                self.layer_capture.ahead = ahead
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                ahead.join_prefetch()
+
+        return forward_with_lookahead
+
+    def _wait_for_next(self) -> None:
+        """Before a graph that prefetches for the next layer: the compute stream waits for that layer's host writes
+        (events outside the graph) and its pending prefetch."""
+        nxt = self.recaller.next
+        nxt.wait_prefetch()
+        transfer.wait_event(nxt.blocks.last_write, nxt.blocks.device)
 
     # --------------------------------------------------------------------------- seals after a replayed decode step
     def seal_key(self) -> tuple:

@@ -62,7 +62,9 @@ class Recaller:
     def clear(self) -> None:
         """Forget the pending prefetch and the index tensors (the pools they refer to are gone)."""
         self._prefetch_event = None  # after the speculative recall into this layer's slot pool
-        self._prefetched_slots: torch.Tensor | None = None  # [batch, kv_heads, slots] bool: filled by that recall
+        # [batch, kv_heads, slots] int32, nonzero where this step's prefetch filled a slot; a fixed buffer, so that
+        # a graph of the previous layer writes it and this layer's own graph reads and clears it.
+        self._prefetch_marks: torch.Tensor | None = None
         self._memo = {}
 
     # ------------------------------------------------------------------------------------------------- stream order
@@ -104,7 +106,9 @@ class Recaller:
         store, pool = self.blocks, self.blocks.pool
         total = selection.blocks.shape[-1]
         per_round = pool.slots
-        prefetched, self._prefetched_slots = self._prefetched_slots, None
+        prefetched = self._prefetch_marks
+        if prefetched is not None and prefetched.shape != pool.block.shape:
+            prefetched = None
         if decode and count_step:
             self.stats.add(("decode_steps",), 1)
         shared, heads = not self.selector.per_head, store.kv_heads
@@ -126,8 +130,9 @@ class Recaller:
             if decode:
                 # Device-side counts, summed when stats() reads them.
                 self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
-                if prefetched is not None:
-                    used = keep.expand_as(miss) & ~miss & prefetched.gather(-1, slots)
+                if prefetched is not None and start == 0:
+                    used = keep.expand_as(miss) & ~miss & (prefetched.gather(-1, slots) > 0)
+                    prefetched.zero_()  # counted once: the next step's prefetch marks anew
                     used = used if self.selector.per_head else used[:, :1]
                     self.stats.count_later(("prefetch_used_blocks",), used)
             if start == 0:
@@ -222,7 +227,8 @@ class Recaller:
             stream,
             lambda: transfer.recall_blocks_kernel(host, store.pool, ids, batch_idx, slot_idx, head_idx, offsets),
             uses=uses,
-            wait_for=(store.last_write,) if stream is not None else (),
+            # In a capture the caller waits before the replay (a graph cannot wait on an event recorded outside it).
+            wait_for=(store.last_write,) if stream is not None and not torch.cuda.is_current_stream_capturing() else (),
         )
         if stream is not None:
             self._prefetch_event = event
@@ -372,6 +378,25 @@ class Recaller:
             timer.add("prefetch", start, timer.mark())
         return True
 
+    def predicted_query(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, float] | None:
+        """The next layer's decode query predicted from this layer's call (``lookahead_query="next"``:
+        :func:`~hf_offload.cache.lookahead.speculative_query`), grouped ``[batch, kv_heads, group, head_dim]``, and its
+        softmax scale; ``None`` where it cannot be predicted (another query mode, no adjacent next decoder layer of
+        the supported form, another geometry)."""
+        nxt, module = self.next, self.next_decoder
+        if self.config.lookahead_query != "next" or module is None or nxt is None:
+            return None
+        hidden = hidden_states(args, kwargs)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3:
+            return None
+        query = speculative_query(module, hidden, kwargs.get("position_embeddings"))
+        scaling = getattr(getattr(module, "self_attn", None), "scaling", None)
+        other = nxt.blocks
+        if query is None or scaling is None or query.shape[1] % other.kv_heads or query.shape[-1] != other.head_dim:
+            return None
+        batch, q_heads, _, head_dim = query.shape
+        return query.view(batch, other.kv_heads, q_heads // other.kv_heads, head_dim), scaling
+
     def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:
         """After this layer's decode plan: speculatively plan :attr:`next`'s layer with this layer's query and start
         recalling its misses (see :meth:`prefetch`). A no-op unless lookahead is on and the next layer has the same
@@ -424,8 +449,83 @@ class Recaller:
         streams = self.execution.streams
         count, unit, host_count = self.recall(selection.blocks, slots, miss, streams.prefetch if streams else None)
         count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
-        filled = torch.zeros(store.pool.block.shape, dtype=torch.int32, device=store.device)
-        self._prefetched_slots = filled.scatter_add_(-1, slots, miss.int()) > 0
+        self._mark_prefetched(slots, miss)
+
+    # ----------------------------------------------------------------------------- lookahead inside a layer's graph
+    def ahead_in_graph(self, n_before: int, n: int, k: int) -> "Recaller | None":
+        """The next offloaded layer's recaller where this layer's whole-layer graph can prefetch for it: lookahead
+        on, the next layer on the same device with the same batch and KV geometry, the same sealed blocks
+        (``n_before``), and the same blocks scored (``n``) and selected (``k``) at this step, so that this step's
+        shared decode inputs describe its step too; else ``None``."""
+        nxt = self.next
+        if not self.execution.lookahead or nxt is None:
+            return None
+        store, other = self.blocks, nxt.blocks
+        if not other.is_initialized or other.device != store.device or other.n_blocks != n_before:
+            return None
+        if (other.batch, other.kv_heads, other.head_dim, other.block_tokens) != (
+            store.batch, store.kv_heads, store.head_dim, store.block_tokens
+        ):
+            return None
+        recent = other.keys.shape[-2] + 1
+        k_next = nxt.planner.decode_blocks(n_before, recent)
+        if (k_next, nxt.planner.decode_capacity(n_before, k_next)) != (k, n) or k >= n_before:
+            return None  # another geometry, or every block attended: nothing to guess
+        if k > other.pool.slots:
+            return None
+        return nxt
+
+    def prefetch_in_graph(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
+        """:meth:`prefetch` in a form a CUDA graph of the previous layer captures: the plan scores the step's
+        capacity ``n`` with the step's shared ``inputs`` (valid and forced blocks) and selects ``k``, as this
+        layer's own step will; the copy runs on the prefetch stream, forked from the capturing stream, and
+        :meth:`join_prefetch` joins it before the capture ends. Never changes what is attended.
+
+        Args:
+            query: ``[batch, kv_heads, group, head_dim]``, compute device (predicted or an earlier layer's query).
+            scaling: softmax scale.
+            inputs: the step's :class:`~hf_offload.attention.inputs.DecodeInputs`.
+            n, k: blocks the step scores and selects.
+        """
+        store = self.blocks
+        selection = self.planner.plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
+        keep = self._bounded(selection)
+        if self.execution.paged:
+            keep = self.pool_keep(selection.blocks, keep)
+        slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
+        streams = self.execution.streams
+        count, unit, host_count = self.recall(selection.blocks, slots, miss, streams.prefetch if streams else None)
+        count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
+        self._mark_prefetched(slots, miss)
+
+    def join_prefetch(self) -> None:
+        """Make the current stream wait for this layer's pending prefetch and forget it: the end of a capture that
+        forked it (a graph cannot wait on work recorded outside it, nor leave work of its own unjoined)."""
+        self.wait_prefetch()
+
+    def held_buffers(self) -> tuple:
+        """What a graph of this layer reads besides the block store: the prefetch marks, where they exist."""
+        return () if self._prefetch_marks is None else (self._prefetch_marks,)
+
+    def prefetch_marks(self) -> torch.Tensor:
+        """The fixed buffer of the slots a prefetch filled, allocated for the slot pool as it is now (outside any
+        capture: a graph that writes or reads it must find it there)."""
+        shape, device = self.blocks.pool.block.shape, self.blocks.device
+        marks = self._prefetch_marks
+        if marks is None or marks.shape != shape or marks.device != device:
+            marks = self._prefetch_marks = torch.zeros(shape, dtype=torch.int32, device=device)
+        return marks
+
+    def _mark_prefetched(self, slots: torch.Tensor, miss: torch.Tensor) -> None:
+        """Mark the slots this step's prefetch fills (``resident_rounds`` counts the marked slots the exact plan
+        used, then clears them). In a capture only a buffer allocated before it is written."""
+        marks = self._prefetch_marks
+        if marks is None or marks.shape != self.blocks.pool.block.shape:
+            if self.blocks.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return
+            marks = self.prefetch_marks()
+        marks.zero_()
+        marks.scatter_add_(-1, slots, miss.int())
 
     def _bounded(self, selection: Selection) -> torch.Tensor:
         """``selection.keep`` limited to the forced blocks plus the ``lookahead_blocks`` best-scored others."""

@@ -134,3 +134,33 @@ def test_async_default_path_matches_synchronous_over_500_steps_of_a_real_shape()
     assert torch.equal(outs["async"], outs["sync"])
     assert stats["async"]["decode_recalled_bytes"] == stats["sync"]["decode_recalled_bytes"] > 0
     assert stats["async"]["hit_rate"] == stats["sync"]["hit_rate"]
+
+
+@pytest.mark.parametrize("query", ["next", "same"])
+def test_lookahead_inside_whole_layer_graphs_gives_the_tokens_and_counts_of_op_by_op(query):
+    """With graphs on (the default) lookahead runs inside each whole decoder layer's graph: the next layer's
+    prefetch forked on the prefetch stream and joined before the graph ends. Tokens, KV and the prefetch counters
+    equal those of lookahead run op by op on the same copy kernels; the graphs replay."""
+    model = _llama(4, correlated=True).cuda()
+    ids, mask = left_padded([300, 260, 190], seed=3)
+    ids, mask = ids.cuda(), mask.cuda()
+    steps, outs, caches = 120, {}, {}
+    base = dict(budget_tokens=64, selector="solohead", transfer="kernel", lookahead=True, lookahead_query=query,
+                admission="always", decode_attention="pool", **SMALL)  # fmt: skip
+    for name, graphs in (("op_by_op", False), ("graphs", None)):
+        cache = OffloadCache(model, cuda_graphs=graphs, **base)
+        with torch.no_grad():
+            outs[name] = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, do_sample=False,
+                                        max_new_tokens=steps, min_new_tokens=steps)  # fmt: skip
+        caches[name] = cache
+    assert torch.equal(outs["graphs"], outs["op_by_op"])
+    graphed = caches["graphs"]
+    assert all(layer.execution.graphs and layer.execution.lookahead for layer in graphed.offload_layers)
+    assert all(int(layer.stats.layer_graph_replays) > steps // 2 for layer in graphed.offload_layers)
+    a, b = graphed.stats(), caches["op_by_op"].stats()
+    assert a["prefetched_blocks"] > 0 and a["prefetch_used_blocks"] > 0
+    for name in ("prefetched_blocks", "prefetch_used_blocks", "decode_recalled_blocks", "hit_rate"):
+        assert a[name] == b[name], (name, a[name], b[name])
+    torch.cuda.synchronize()
+    for layer, reference in zip(graphed.offload_layers, caches["op_by_op"].offload_layers):
+        torch.testing.assert_close(layer.dense_kv()[0], reference.dense_kv()[0], rtol=1e-5, atol=1e-5)

@@ -1,0 +1,59 @@
+"""Lookahead inside the graphs of whole decoder layers, on the CPU: a stand-in graph runs the captured call again
+at each replay (``tests/cache/test_layer_graphs_cpu.py``), so the prefetch that a layer's graph starts for the next
+layer (from the predicted query or from its own) runs at every replayed step. It never changes what is attended:
+the tokens and the sealed state are those of the cache without lookahead and without graphs. CUDA graphs with the
+prefetch stream forked and joined inside them: ``tests/cache/test_cuda_graphs.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_layer_graphs_cpu import _assert_same_sealed_state, _generate
+from .test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401  (fixtures)
+
+
+def _prefetched(cache) -> list[int]:
+    return [int(layer.stats.prefetched_blocks) for layer in cache.offload_layers]
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("query", ["next", "same"])
+def test_replayed_layers_prefetch_for_the_next_and_give_the_tokens_of_op_by_op(arch, query, stand_in_graphs):  # noqa: F811
+    from ..helpers import build_model
+
+    model = build_model(arch)
+    steps = 40
+    expected, eager = _generate(model, steps, cuda_graphs=False)
+    got, graphed = _generate(model, steps, cuda_graphs=None, lookahead=True, lookahead_query=query)
+    assert torch.equal(got, expected)
+    layers = graphed.offload_layers
+    assert all(layer.execution.graphs and layer.execution.lookahead for layer in layers)
+    replays = [int(layer.stats.layer_graph_replays) for layer in layers]
+    assert all(r > 0 for r in replays), replays
+    for layer in layers:
+        _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
+    # Every offloaded layer but the first is prefetched for; the guesses come from the previous layer's graph, and
+    # the replayed steps count the guesses they use as the steps run op by op do.
+    counts = _prefetched(graphed)
+    assert counts[0] == 0 and all(c > 0 for c in counts[1:]), counts
+    _, op_by_op = _generate(model, steps, cuda_graphs=False, lookahead=True, lookahead_query=query)
+    a, b = graphed.stats(), op_by_op.stats()
+    assert a["prefetch_used_blocks"] > 0
+    for name in ("prefetched_blocks", "prefetch_used_blocks", "hit_rate", "decode_recalled_blocks"):
+        assert a[name] == b[name], (name, a[name], b[name])
+
+
+def test_the_graph_keeps_prefetching_for_the_next_layer_at_every_replay(stand_in_graphs, monkeypatch):  # noqa: F811
+    """Counted per replay: with the prefetch left out of the layer graphs, the replayed steps prefetch nothing."""
+    from hf_offload.cache.graphs import GraphRunner
+
+    from ..helpers import build_model
+
+    model = build_model("llama")
+    _, with_ahead = _generate(model, 40, cuda_graphs=None, lookahead=True)
+    monkeypatch.setattr(GraphRunner, "_with_lookahead", lambda self, forward, *rest: forward)
+    _, without = _generate(model, 40, cuda_graphs=None, lookahead=True, lookahead_query="next")
+    ahead, plain = _prefetched(with_ahead), _prefetched(without)
+    # Without it only the steps run op by op prefetch (eagerly, before the graphs exist).
+    assert all(a > p for a, p in zip(ahead[1:], plain[1:])), (ahead, plain)
