@@ -452,7 +452,7 @@ class Recaller:
         self._mark_prefetched(slots, miss)
 
     # ----------------------------------------------------------------------------- lookahead inside a layer's graph
-    def ahead_in_graph(self, n_before: int, n: int, k: int) -> "Recaller | None":
+    def ahead_in_graph(self, n_before: int, n: int, k: int) -> Recaller | None:
         """The next offloaded layer's recaller where this layer's whole-layer graph can prefetch for it: lookahead
         on, the next layer on the same device with the same batch and KV geometry, the same sealed blocks
         (``n_before``), and the same blocks scored (``n``) and selected (``k``) at this step, so that this step's
