@@ -247,8 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--selector", default="solohead")
     parser.add_argument("--lookahead", choices=sorted(LOOKAHEAD), default="off")
     parser.add_argument("--graphs", choices=sorted(GRAPHS), default="off",
-                        help="cuda_graphs setting(s); with graphs on, lookahead is off and there is no phase timing "
-                        "(the step time is the wall time of generate() per step)")  # fmt: skip
+                        help="cuda_graphs setting(s); with graphs on, lookahead runs inside the whole-layer graphs "
+                        "and there is no phase timing (the step time is the wall time of generate() per step)")  # fmt: skip
     parser.add_argument("--lookahead-blocks", type=int, default=None, help="OffloadConfig.lookahead_blocks")
     parser.add_argument("--admission", choices=("always", "auto"), default="always",
                         help="OffloadConfig.admission: 'always' offloads every block (recall over PCIe); 'auto' keeps "
@@ -283,9 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     shape = SHAPES[args.shape]
-    # (cuda_graphs, lookahead) pairs; graphs run without lookahead (and without the phase timer).
+    # (cuda_graphs, lookahead) pairs; graphs run without the phase timer (lookahead inside the whole-layer graphs).
     settings = [(False, la) for la in LOOKAHEAD[args.lookahead]] * (False in GRAPHS[args.graphs])
-    settings += [(True, False)] * (True in GRAPHS[args.graphs])
+    settings += [(True, la) for la in LOOKAHEAD[args.lookahead]] * (True in GRAPHS[args.graphs])
     modes = [False, True] if args.hidden_share else [False]  # copies skipped?
     total_steps = args.warmup * (1 + len(settings)) + args.steps * len(settings) * len(modes) * args.rounds
     config = LlamaConfig(**shape, max_position_embeddings=args.context + total_steps + 16)
