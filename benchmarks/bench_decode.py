@@ -345,9 +345,12 @@ def offload_config(method: str, args) -> OffloadConfig | None:
 
 def adaptive_of(args) -> dict:
     """OffloadConfig.max_budget_tokens and missed_mass_target for ``--max-budget`` and ``--missed-mass-target``
-    (the adaptive budget of every OffloadCache method but ``headwise-copy``; none where they are not given)."""
+    (the adaptive budget of every OffloadCache method but ``headwise-copy``; none where they are not given), and
+    ``lookahead=True`` for ``--lookahead on``."""
     cap, target = getattr(args, "max_budget", None), getattr(args, "missed_mass_target", None)
-    return {} if cap is None and target is None else {"max_budget_tokens": cap, "missed_mass_target": target}
+    ahead = {"lookahead": True} if getattr(args, "lookahead", "off") == "on" else {}
+    return ahead if cap is None and target is None else {"max_budget_tokens": cap, "missed_mass_target": target,
+                                                        **ahead}
 
 
 def fusions_of(args) -> dict:
@@ -816,6 +819,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-budget", type=int, default=None,
                         help="max_budget_tokens of the OffloadCache methods (with --missed-mass-target: the adaptive "
                         "budget's cap; headwise-copy keeps a fixed budget)")  # fmt: skip
+    parser.add_argument("--lookahead", choices=["off", "on"], default="off",
+                        help="OffloadConfig.lookahead of the OffloadCache methods (inside the whole-layer graphs "
+                        "where they run)")  # fmt: skip
     parser.add_argument("--missed-mass-target", type=float, default=None,
                         help="missed_mass_target of the OffloadCache methods: a step leaving out more of the "
                         "estimated attention takes more blocks, up to --max-budget")  # fmt: skip
@@ -952,7 +958,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
             "--cuda-graphs", args.cuda_graphs, "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms,
             "--fused-rotary", args.fused_rotary, "--fused-projections", args.fused_projections,
             "--seal-graphs", args.seal_graphs, "--reselect-every", str(args.reselect_every),
-            "--profile-seal", str(args.profile_seal)]  # fmt: skip
+            "--profile-seal", str(args.profile_seal), "--lookahead", args.lookahead]  # fmt: skip
     if args.max_budget is not None:
         out += ["--max-budget", str(args.max_budget)]
     if args.missed_mass_target is not None:
