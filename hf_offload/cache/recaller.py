@@ -469,10 +469,10 @@ class Recaller:
             return None
         recent = other.keys.shape[-2] + 1
         k_next = nxt.planner.decode_blocks(n_before, recent)
-        if (k_next, nxt.planner.decode_capacity(n_before, k_next)) != (k, n) or k >= n_before:
-            return None  # another geometry, or every block attended: nothing to guess
-        if k > other.pool.slots:
-            return None
+        if (k_next, nxt.planner.decode_capacity(n_before, k_next)) != (k, n):
+            return None  # another geometry
+        if min(k, n) > other.pool.slots:
+            return None  # the exact plan runs in rounds that cycle the whole pool: nothing would stay resident
         return nxt
 
     def prefetch_in_graph(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:

@@ -57,3 +57,27 @@ def test_the_graph_keeps_prefetching_for_the_next_layer_at_every_replay(stand_in
     ahead, plain = _prefetched(with_ahead), _prefetched(without)
     # Without it only the steps run op by op prefetch (eagerly, before the graphs exist).
     assert all(a > p for a, p in zip(ahead[1:], plain[1:])), (ahead, plain)
+
+
+def test_at_the_whole_context_budget_the_graphs_prefetch_as_op_by_op(stand_in_graphs):  # noqa: F811
+    """Every block attended: the graphs still plan the next layer (select all) and give the counts of op by op."""
+    from ..helpers import TINY_BLOCKS, build_model, left_padded
+
+    model = build_model("llama")
+    ids, mask = left_padded([70, 53, 31], seed=3)
+    runs = {}
+    for name, graphs in (("op_by_op", False), ("graphs", None)):
+        from hf_offload import OffloadCache
+
+        cache = OffloadCache(model, **dict(TINY_BLOCKS, budget_tokens=4096, pool_tokens=256, decode_capacity_blocks=64),
+                             cuda_graphs=graphs,
+                             lookahead=True)  # fmt: skip
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=30,
+                                 min_new_tokens=30, do_sample=False)  # fmt: skip
+        runs[name] = (out, cache)
+    assert torch.equal(runs["graphs"][0], runs["op_by_op"][0])
+    a, b = runs["graphs"][1].stats(), runs["op_by_op"][1].stats()
+    assert all(int(layer.stats.layer_graph_replays) > 0 for layer in runs["graphs"][1].offload_layers)
+    for name in ("prefetched_blocks", "prefetch_used_blocks", "decode_recalled_blocks"):
+        assert a[name] == b[name], (name, a[name], b[name])
