@@ -478,8 +478,9 @@ class Recaller:
     def prefetch_in_graph(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
         """:meth:`prefetch` in a form a CUDA graph of the previous layer captures: the plan scores the step's
         capacity ``n`` with the step's shared ``inputs`` (valid and forced blocks) and selects ``k``, as this
-        layer's own step will; the copy runs on the prefetch stream, forked from the capturing stream, and
-        :meth:`join_prefetch` joins it before the capture ends. Never changes what is attended.
+        layer's own step will. With side streams the plan, the slot assignment and the copy all run on the prefetch
+        stream, forked from the capturing stream (so the speculative scoring too runs beside the previous layer's
+        work), and :meth:`join_prefetch` joins it before the capture ends. Never changes what is attended.
 
         Args:
             query: ``[batch, kv_heads, group, head_dim]``, compute device (predicted or an earlier layer's query).
@@ -487,14 +488,28 @@ class Recaller:
             inputs: the step's :class:`~hf_offload.attention.inputs.DecodeInputs`.
             n, k: blocks the step scores and selects.
         """
+        streams = self.execution.streams
+        if streams is None:  # CPU, torch path: synchronously
+            self._prefetch_planned(query, scaling, inputs, n, k)
+            return
+        side = streams.prefetch
+        side.wait_stream(torch.cuda.current_stream(self.blocks.device))
+        query.record_stream(side)  # made on the compute stream, read on the side stream
+        with torch.cuda.stream(side):
+            self._prefetch_planned(query, scaling, inputs, n, k)
+        event = torch.cuda.Event()
+        event.record(side)
+        self._prefetch_event = event
+
+    def _prefetch_planned(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
+        """The plan, slot assignment, copy and marks of :meth:`prefetch_in_graph`, on the current stream."""
         store = self.blocks
         selection = self.planner.plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
         keep = self._bounded(selection)
         if self.execution.paged:
             keep = self.pool_keep(selection.blocks, keep)
         slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
-        streams = self.execution.streams
-        count, unit, host_count = self.recall(selection.blocks, slots, miss, streams.prefetch if streams else None)
+        count, unit, host_count = self.recall(selection.blocks, slots, miss)
         count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
         self._mark_prefetched(slots, miss)
 
