@@ -70,6 +70,8 @@ class GraphRunner:
         layer_capture: set while a whole decoder layer is being captured (the cache update and the attention
             record their step's work as this says).
         layer_graphs: ``False`` once a capture of the whole decoder layer failed.
+        ahead_graphs: ``False`` once a capture of the whole layer with the next layer's prefetch in it failed (the
+            layer's graphs then hold no lookahead).
         seal_graphs: whether seals after replayed steps replay captured graphs; ``False`` once a capture failed.
         warm_geometries: :meth:`warm_for` values of the decode steps run op by op.
     """
@@ -105,6 +107,7 @@ class GraphRunner:
         self.warm_geometries: set[tuple] = set()
         self.layer_capture: LayerCapture | None = None
         self.layer_graphs = True
+        self.ahead_graphs = True  # False once a capture with the next layer's prefetch in it failed
         self.seal_graphs = True
         self.last_key: tuple | None = None  # the graph key of this layer's last decode step
         self.warned_rounds = False
@@ -280,7 +283,7 @@ class GraphRunner:
             return None
         flat = tree_flatten((args, kwargs))  # read once: by the signature and by the replay's copies
         # Lookahead in the graph: it reads the next layer's buffers, whose change means another graph.
-        ahead = self.recaller.ahead_in_graph(n_before, n, k)
+        ahead = self.recaller.ahead_in_graph(n_before, n, k) if self.ahead_graphs else None
         ahead_key = None if ahead is None else ahead.blocks.storage_key()
         return (n, "layer", attention_key, call_signature(args, kwargs, flat), ahead_key), inputs, n, k, flat
 
@@ -334,6 +337,7 @@ class GraphRunner:
         held = (*store.held_buffers(), *self.recaller.held_buffers(), inputs.rows, inputs.valid, inputs.forced,
                 inputs.sequence, inputs.open_pos)
         ahead = None if key[4] is None else self.recaller.ahead_in_graph(store.n_blocks, n, k)
+        plain = forward
         if ahead is not None:
             ahead.stats.prepare_capture(store.device)
             ahead.prefetch_marks()
@@ -346,6 +350,16 @@ class GraphRunner:
             graph = self._capture_layer(store.device, forward, args, kwargs, held)
         except Exception as error:
             take_handoff()  # an update the failed capture left for an attention that never ran
+            if ahead is not None:  # the layer without the next layer's prefetch, before giving up on its graphs
+                self.ahead_graphs = False
+                warnings.warn(
+                    f"Layer {self.layer_idx}: capturing the next layer's prefetch inside the whole decoder layer's "
+                    f"CUDA graph failed ({error}); this layer's graphs run without it (lookahead op by op only).",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+                self.layer_capture = None
+                return self._capture_whole_layer((*key[:4], None), plain, args, kwargs, inputs, n, k)
             self.layer_graphs = False
             warnings.warn(
                 f"Layer {self.layer_idx}: capturing the whole decoder layer into a CUDA graph failed ({error}); this "

@@ -494,12 +494,14 @@ class Recaller:
             return
         side = streams.prefetch
         side.wait_stream(torch.cuda.current_stream(self.blocks.device))
-        query.record_stream(side)  # made on the compute stream, read on the side stream
-        with torch.cuda.stream(side):
-            self._prefetch_planned(query, scaling, inputs, n, k)
-        event = torch.cuda.Event()
-        event.record(side)
-        self._prefetch_event = event
+        try:
+            query.record_stream(side)  # made on the compute stream, read on the side stream
+            with torch.cuda.stream(side):
+                self._prefetch_planned(query, scaling, inputs, n, k)
+        finally:  # the fork is joined (join_prefetch) even after a failure: a capture must not end unjoined
+            event = torch.cuda.Event()
+            event.record(side)
+            self._prefetch_event = event
 
     def _prefetch_planned(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
         """The plan, slot assignment, copy and marks of :meth:`prefetch_in_graph`, on the current stream."""

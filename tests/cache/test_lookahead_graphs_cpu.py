@@ -81,3 +81,35 @@ def test_at_the_whole_context_budget_the_graphs_prefetch_as_op_by_op(stand_in_gr
     assert all(int(layer.stats.layer_graph_replays) > 0 for layer in runs["graphs"][1].offload_layers)
     for name in ("prefetched_blocks", "prefetch_used_blocks", "decode_recalled_blocks"):
         assert a[name] == b[name], (name, a[name], b[name])
+
+
+def test_a_layer_whose_capture_with_the_prefetch_fails_keeps_its_graph_without_it(stand_in_graphs, monkeypatch):  # noqa: F811
+    """Where the next layer's prefetch cannot be captured, the layer warns once and captures itself without it
+    (its graphs stay whole-layer ones; lookahead runs only in steps op by op); the tokens do not change."""
+    from hf_offload.cache import OffloadLayer
+
+    from ..helpers import build_model
+
+    resolve = OffloadLayer.resolve
+
+    def failing_with_prefetch(self):
+        resolve(self)
+        capture = self.graphs._capture_layer
+
+        def capture_layer(device, forward, args, kwargs, held):
+            if self.layer_idx == 0 and forward.__name__ == "forward_with_lookahead":
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return capture(device, forward, args, kwargs, held)
+
+        self.graphs._capture_layer = capture_layer
+
+    monkeypatch.setattr(OffloadLayer, "resolve", failing_with_prefetch)
+    model = build_model("llama")
+    expected, _ = _generate(model, 40, cuda_graphs=False)
+    with pytest.warns(RuntimeWarning, match="capturing the next layer's prefetch") as caught:
+        got, cache = _generate(model, 40, cuda_graphs=None, lookahead=True)
+    assert sum("capturing the next layer's prefetch" in str(w.message) for w in caught) == 1
+    assert torch.equal(got, expected)
+    first, second = cache.offload_layers
+    assert not first.graphs.ahead_graphs and first.graphs.layer_graphs
+    assert int(first.stats.layer_graph_replays) > 0
