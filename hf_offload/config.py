@@ -413,10 +413,15 @@ class OffloadConfig:
             raise ValueError(
                 f"cuda_graphs must be True, False or None (None: on where it can run), got {self.cuda_graphs!r}."
             )
-        if self.cuda_graphs and (self.timing or self.lookahead):
+        if self.cuda_graphs and self.timing:
             raise ValueError(
-                "cuda_graphs=True cannot be combined with timing=True or lookahead=True (both run per-phase host work "
-                "inside the decode step); set cuda_graphs=None to use graphs only where neither is on."
+                "cuda_graphs=True cannot be combined with timing=True (it runs per-phase host work inside the decode "
+                "step); set cuda_graphs=None to use graphs only where timing is off."
+            )
+        if self.cuda_graphs and self.lookahead and self.graph_scope != "layer":
+            raise ValueError(
+                "cuda_graphs=True cannot be combined with lookahead=True under graph_scope='attention' (lookahead runs "
+                "inside graphs of whole decoder layers only); use graph_scope='layer' or cuda_graphs=None."
             )
         if self.cuda_graphs and self.disk_dir is not None:
             raise ValueError(

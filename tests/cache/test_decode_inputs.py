@@ -52,6 +52,9 @@ def test_cuda_graphs_option_is_validated():
         OffloadConfig(cuda_graphs="yes")
     with pytest.raises(ValueError, match="cannot be combined with timing"):
         OffloadConfig(cuda_graphs=True, timing=True)
+    with pytest.raises(ValueError, match="cannot be combined with lookahead=True under graph_scope='attention'"):
+        OffloadConfig(cuda_graphs=True, lookahead=True, graph_scope="attention")
+    assert OffloadConfig(cuda_graphs=True, lookahead=True).graph_scope == "layer"  # lookahead inside layer graphs
     model = build_model("llama")
     cache = OffloadCache(model, budget_tokens=32, block_tokens=8, cuda_graphs=True)
     ids = torch.randint(3, 100, (1, 20))
