@@ -391,7 +391,7 @@ class GraphRunner:
             try:
                 return forward(*args, **kwargs)
             finally:
-                ahead.join_prefetch()
+                ahead.wait_prefetch()  # the fork joined inside the capture
 
         return forward_with_lookahead
 

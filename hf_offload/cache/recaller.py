@@ -368,12 +368,11 @@ class Recaller:
             return False
         timer = self.timer
         start = timer.mark() if timer is not None else None
-        query = speculative_query(module, hidden, kwargs.get("position_embeddings"))
-        scaling = getattr(getattr(module, "self_attn", None), "scaling", None)
-        if query is None or scaling is None or query.shape[1] % other.kv_heads or query.shape[-1] != other.head_dim:
+        predicted = self.predicted_query(args, kwargs)
+        if predicted is None:
             return False
-        batch, q_heads, _, head_dim = query.shape
-        nxt.prefetch(query.view(batch, other.kv_heads, q_heads // other.kv_heads, head_dim), mask, scaling)
+        query, scaling = predicted
+        nxt.prefetch(query, mask, scaling)
         if timer is not None:
             timer.add("prefetch", start, timer.mark())
         return True
@@ -440,14 +439,20 @@ class Recaller:
         selection = self.planner.plan(query, mask, scaling, n, store.keys.shape[-2] + 1, store.n_tokens)
         if selection.blocks.shape[-1] > store.pool.slots:
             return  # the exact plan runs in rounds that cycle the whole pool: nothing would stay resident
+        streams = self.execution.streams
+        self._recall_guess(selection, streams.prefetch if streams else None)
+
+    def _recall_guess(self, selection: Selection, stream) -> None:
+        """Recall a speculative plan's misses: its blocks bounded by ``lookahead_blocks``, slots that do not refresh
+        LRU clocks, the copy on ``stream`` (``None``: the current stream), counted as prefetched and marked."""
+        store = self.blocks
         keep = self._bounded(selection)
         if self.execution.paged:  # blocks of admitted chunks are read in place: nothing to prefetch for them
             keep = self.pool_keep(selection.blocks, keep)
         slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
         if store.host.disk_chunks:  # blocks on disk are staged ahead of the exact plan, not recalled here
             miss = self._stage_spilled(selection.blocks, slots, miss)
-        streams = self.execution.streams
-        count, unit, host_count = self.recall(selection.blocks, slots, miss, streams.prefetch if streams else None)
+        count, unit, host_count = self.recall(selection.blocks, slots, miss, stream)
         count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
         self._mark_prefetched(slots, miss)
 
@@ -480,7 +485,7 @@ class Recaller:
         capacity ``n`` with the step's shared ``inputs`` (valid and forced blocks) and selects ``k``, as this
         layer's own step will. With side streams the plan, the slot assignment and the copy all run on the prefetch
         stream, forked from the capturing stream (so the speculative scoring too runs beside the previous layer's
-        work), and :meth:`join_prefetch` joins it before the capture ends. Never changes what is attended.
+        work), and :meth:`wait_prefetch` joins it before the capture ends. Never changes what is attended.
 
         Args:
             query: ``[batch, kv_heads, group, head_dim]``, compute device (predicted or an earlier layer's query).
@@ -498,27 +503,14 @@ class Recaller:
             query.record_stream(side)  # made on the compute stream, read on the side stream
             with torch.cuda.stream(side):
                 self._prefetch_planned(query, scaling, inputs, n, k)
-        finally:  # the fork is joined (join_prefetch) even after a failure: a capture must not end unjoined
+        finally:  # the fork is joined (wait_prefetch) even after a failure: a capture must not end unjoined
             event = torch.cuda.Event()
             event.record(side)
             self._prefetch_event = event
 
     def _prefetch_planned(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
-        """The plan, slot assignment, copy and marks of :meth:`prefetch_in_graph`, on the current stream."""
-        store = self.blocks
-        selection = self.planner.plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
-        keep = self._bounded(selection)
-        if self.execution.paged:
-            keep = self.pool_keep(selection.blocks, keep)
-        slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
-        count, unit, host_count = self.recall(selection.blocks, slots, miss)
-        count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
-        self._mark_prefetched(slots, miss)
-
-    def join_prefetch(self) -> None:
-        """Make the current stream wait for this layer's pending prefetch and forget it: the end of a capture that
-        forked it (a graph cannot wait on work recorded outside it, nor leave work of its own unjoined)."""
-        self.wait_prefetch()
+        """The plan and recall of :meth:`prefetch_in_graph`, on the current stream."""
+        self._recall_guess(self.planner.plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k), None)
 
     def held_buffers(self) -> tuple:
         """What a graph of this layer reads besides the block store: the prefetch marks, where they exist."""
