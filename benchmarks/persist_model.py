@@ -102,10 +102,12 @@ def _continue_job(path: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="qwen05",
-                        help="a registry name or folder for hf_offload.tools.models.load, or 'tiny' (random, no download)")
+                        help="a registry name or folder for hf_offload.tools.models.load, or 'tiny' (random, "
+                        "no download)")
     parser.add_argument("--context", type=int, default=16384, help="prompt tokens per sequence")
     parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1024], help="budget_tokens (0: the whole context)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[0, 1024],
+                        help="budget_tokens (0: the whole context)")
     parser.add_argument("--first", type=int, default=8, help="tokens generated before the save")
     parser.add_argument("--more", type=int, default=24, help="tokens generated after it")
     parser.add_argument("--dir", default="/tmp", help="where the cache files are written (removed after)")
@@ -145,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
             runs[name] = {"file": str(file), "ids": ids.tolist(), "mask": mask.tolist()}
             print(f"{name}: saved {file.stat().st_size / 2**20:,.0f} MiB in {save_s:.2f} s", flush=True)
         job = work / "job.json"
-        job.write_text(json.dumps({"model": args.model, "device": args.device, "context": args.context, "more": args.more,
-                                    "runs": runs}))
-        done = subprocess.run([sys.executable, __file__, "--continue-job", str(job)], capture_output=True, text=True, check=False,
+        job.write_text(json.dumps({"model": args.model, "device": args.device, "context": args.context,
+                                    "more": args.more, "runs": runs}))
+        done = subprocess.run([sys.executable, __file__, "--continue-job", str(job)], capture_output=True, text=True,
+                              check=False,
                               cwd=ROOT, timeout=1800)  # fmt: skip
         if done.returncode != 0:
             raise SystemExit(f"the new process failed:\n{done.stderr[-4000:]}")
@@ -180,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(f"{name:>12}: tokens {row['tokens_identical']}, selections {row['selections_identical']} "
               f"({row['planned_selections'][0]} planned), counters {row['counters_identical']}, logits within "
-              f"{row['max_abs_logit_diff']:.2e} of {row['max_abs_logit']:.1f} over {row['steps']} steps x {args.batch}; file {row['file_mib']:,.0f} "
+              f"{row['max_abs_logit_diff']:.2e} of {row['max_abs_logit']:.1f} over {row['steps']} steps x "
+              f"{args.batch}; file {row['file_mib']:,.0f} "
               f"MiB, save {row['save_s']:.2f} s, load {row['load_s']:.2f} s", flush=True)  # fmt: skip
     if args.out:
         write_results(args.out, {"metadata": run_metadata(args), "runs": rows})

@@ -98,7 +98,8 @@ def want_paged(config: OffloadConfig, use_kernels: bool, device: torch.device, p
 
 def resolve(execution: LayerExecution, config: OffloadConfig, device: torch.device | None, masks_invalid: bool) -> None:
     """Set ``lookahead``, ``graphs``, ``fusions`` and ``capacity_blocks`` of ``execution`` from ``config``: ``None``
-    means on with the kernel path on CUDA (for graphs: unless timing is on, or lookahead with ``graph_scope="attention"``).
+    means on with the kernel path on CUDA (for graphs: unless timing is on, or lookahead is with
+    ``graph_scope="attention"``).
 
     Args:
         device: the layer's device, ``None`` before its first update.
