@@ -4,9 +4,12 @@ cache, at the whole-context budget and at sparse budgets.
 Per budget: ``batch`` prompts of real text (documents of key-value records, as ``bench_memory_cap --model``) are
 prefilled and ``--first`` tokens generated; the cache is saved; the same cache then generates ``--more`` tokens (the
 uninterrupted run). A new process loads the model and the file and generates the same ``--more`` tokens. Compared:
-the tokens, the blocks every planned step selected (with CUDA graphs only the steps the planner runs in Python), the
-selection counters, and the largest difference of any logit (a loaded cache may attend the same blocks in another
-order: its blocks start on the host, the uninterrupted cache's partly on the device).
+the tokens, the selection counters, the largest difference of any logit (a loaded cache may attend the same blocks in
+another order: its blocks start on the host, the uninterrupted cache's partly on the device), and how each
+continuation ran (decode steps replayed from CUDA graphs, captures). The blocks every step selected are compared where
+the planner runs in Python at every step: with ``--cuda-graphs off``, or on the CPU. A replayed graph plans inside
+the graph, so with graphs the two runs plan different numbers of steps in Python and their selections are reported as
+not compared.
 
     python benchmarks/persist_model.py --model qwen05 --context 16384 --batch 2 --budgets 0 1024 \
         --dir /tmp --out results/persist/qwen05_model_16k.json
@@ -35,6 +38,8 @@ from hf_offload.cache.container import generate_cache_kwarg
 from hf_offload.cache.planner import DecodePlanner
 
 COUNTERS = ("decode_steps", "reused_selections")
+GRAPH_COUNTERS = ("graph_replays", "layer_graph_replays", "graph_captures", "layer_graph_captures",
+                  "graph_capture_retries")  # fmt: skip
 
 
 def continue_recorded(model, cache, ids: torch.Tensor, mask: torch.Tensor, more: int) -> dict:
@@ -65,6 +70,7 @@ def continue_recorded(model, cache, ids: torch.Tensor, mask: torch.Tensor, more:
         "selections": hashlib.sha256(json.dumps(selections).encode()).hexdigest(),
         "planned_selections": len(selections),
         "counters": {key: stats.get(key) for key in COUNTERS},
+        "graphs": {key: stats.get(key) for key in GRAPH_COUNTERS},
     }
 
 
@@ -82,6 +88,11 @@ def _load_model(name: str, device: str, context: int = 0):
     return load(name, dtype=dtype, device=device)
 
 
+def graph_option(choice: str) -> dict:
+    """The cache setting of ``--cuda-graphs``: ``auto`` leaves the cache's default."""
+    return {"cuda_graphs": False} if choice == "off" else {}
+
+
 def _continue_job(path: str) -> None:
     """The new process: load the model, then each saved cache, and continue it."""
     job = json.loads(Path(path).read_text())
@@ -89,7 +100,7 @@ def _continue_job(path: str) -> None:
     results = {}
     for name, run in job["runs"].items():
         start = time.perf_counter()
-        cache = OffloadCache.load(run["file"], model)
+        cache = OffloadCache.load(run["file"], model, **graph_option(job["cuda_graphs"]))
         load_s = time.perf_counter() - start
         ids = torch.tensor(run["ids"], device=model.device)
         mask = torch.tensor(run["mask"], device=model.device)
@@ -112,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--more", type=int, default=24, help="tokens generated after it")
     parser.add_argument("--dir", default="/tmp", help="where the cache files are written (removed after)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
+                        help="off: every decode step runs op by op, so every step's selection is compared")
     parser.add_argument("--out", default=None)
     parser.add_argument("--continue-job", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -129,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for budget in args.budgets:
             name = "full" if budget == 0 else f"budget_{budget}"
-            cache = OffloadCache(model, budget_tokens=budget or args.context + args.first + args.more + 256)
+            cache = OffloadCache(model, budget_tokens=budget or args.context + args.first + args.more + 256,
+                                 **graph_option(args.cuda_graphs))  # fmt: skip
             mask = torch.ones_like(prompts)
             with torch.no_grad():
                 out = model.generate(input_ids=prompts, attention_mask=mask, max_new_tokens=args.first,
@@ -148,7 +162,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: saved {file.stat().st_size / 2**20:,.0f} MiB in {save_s:.2f} s", flush=True)
         job = work / "job.json"
         job.write_text(json.dumps({"model": args.model, "device": args.device, "context": args.context,
-                                    "more": args.more, "runs": runs}))
+                                    "more": args.more, "cuda_graphs": args.cuda_graphs,
+                                    "runs": runs}))
         done = subprocess.run([sys.executable, __file__, "--continue-job", str(job)], capture_output=True, text=True,
                               check=False,
                               cwd=ROOT, timeout=1800)  # fmt: skip
@@ -168,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {
             "budget": name,
             "tokens_identical": a["tokens"] == b["tokens"],
-            "selections_identical": a["selections"] == b["selections"],
+            # Compared only where both runs planned every step in Python (a replayed graph plans inside the graph).
+            "selections_identical": (a["selections"] == b["selections"] if a["planned_selections"]
+                                     == b["planned_selections"] and not a["graphs"]["graph_replays"]
+                                     and not b["graphs"]["graph_replays"] else None),
             "planned_selections": [a["planned_selections"], b["planned_selections"]],
             "counters_identical": a["counters"] == b["counters"],
             "max_abs_logit_diff": (a["logits"] - b["logits"]).abs().max().item(),
@@ -178,11 +196,15 @@ def main(argv: list[str] | None = None) -> int:
             "save_s": a["save_s"],
             "load_s": b["load_s"],
             "counters": a["counters"],
+            "graphs": [a["graphs"], b["graphs"]],
             "tokens": a["tokens"],
         }
         rows.append(row)
-        print(f"{name:>12}: tokens {row['tokens_identical']}, selections {row['selections_identical']} "
-              f"({row['planned_selections'][0]} planned), counters {row['counters_identical']}, logits within "
+        selections = ("not compared (graph replays)" if row["selections_identical"] is None
+                      else row["selections_identical"])  # fmt: skip
+        print(f"{name:>12}: tokens {row['tokens_identical']}, selections {selections} "
+              f"({row['planned_selections'][0]} planned), replays {row['graphs'][0]['graph_replays']} / "
+              f"{row['graphs'][1]['graph_replays']}, counters {row['counters_identical']}, logits within "
               f"{row['max_abs_logit_diff']:.2e} of {row['max_abs_logit']:.1f} over {row['steps']} steps x "
               f"{args.batch}; file {row['file_mib']:,.0f} "
               f"MiB, save {row['save_s']:.2f} s, load {row['load_s']:.2f} s", flush=True)  # fmt: skip

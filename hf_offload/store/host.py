@@ -151,8 +151,10 @@ class DeviceAdmission:
         self.floor_bytes = floor_bytes
         self.transient_bytes = 0  # the largest forward's temporaries seen or estimated
         self.demoted_chunks = 0
-        self._stores = weakref.WeakSet()  # owners of block pools and device buffers: ``device_buffer_bytes()``,
-        # ``demote_chunk()`` (see BlockStore)
+        # Owners of block pools and device buffers (``device_buffer_bytes()``, ``demote_chunk()``: see BlockStore),
+        # each with its registration number: demotion breaks ties by it, not by where the objects happen to live.
+        self._stores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._registered = 0
         self._last_forward: tuple[int, int] | None = None  # (allocated, peak) at the last forward's start
         # () -> (() -> bool) | None: a weak reference to what re-encodes the cache's summaries at a coarser level
         # (DeviceResources.coarsen_summaries), or None.
@@ -165,7 +167,9 @@ class DeviceAdmission:
 
     def register(self, store) -> None:
         """Count ``store``'s device buffers against the bound and let :meth:`make_room` demote its chunks."""
-        self._stores.add(store)
+        if store not in self._stores:
+            self._stores[store] = self._registered
+            self._registered += 1
 
     def cache_bytes(self) -> int:
         """The cache's device bytes on this device: admitted chunks and the registered stores' buffers."""
@@ -220,8 +224,10 @@ class DeviceAdmission:
             )
 
     def _newest_first(self) -> list:
-        """The registered stores, the one with the most admitted chunks first (demotion spreads over layers)."""
-        return sorted(list(self._stores), key=lambda store: -store.admitted_chunks())
+        """The registered stores, the one with the most admitted chunks first (demotion spreads over layers), among
+        equals the last registered (a later layer) first: the same chunks move in every run."""
+        stores = list(self._stores.items())
+        return [store for store, _ in sorted(stores, key=lambda item: (-item[0].admitted_chunks(), -item[1]))]
 
     def note_forward(self, estimate_bytes: int) -> None:
         """At the start of a forward (its first offloaded layer's update): learn the temporaries of the previous

@@ -4,6 +4,8 @@ that grow by whole chunks and the settings' errors."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -175,3 +177,38 @@ def test_chunk_tables_fill_in_place_while_the_pool_grows():
     pool.allocate(2 * 64)  # past the tables' room: new tables, a new version
     addrs, _ = pool.chunk_tables(torch.device("cpu"))
     assert pool.table_version == version + 1 and len(addrs) == len(pool.chunks)
+
+
+def test_demotion_order_is_the_same_in_every_run():
+    """Stores with as many admitted chunks give theirs back last registered first, whatever their addresses: the
+    same chunks move to host memory in every run, so the host reads that follow are the same too."""
+    from hf_offload.store import DeviceAdmission
+
+    class Store:
+        def __init__(self, chunks):
+            self.chunks = chunks
+
+        def admitted_chunks(self):
+            return self.chunks
+
+        def demote_chunk(self):
+            self.chunks -= 1
+            return True
+
+        def device_buffer_bytes(self):
+            return 0
+
+    for trial in range(4):
+        admission = DeviceAdmission(torch.device("cpu"), limit_bytes=1 << 20)
+        stores = [Store(2) for _ in range(5)]
+        order = list(range(5))
+        random.Random(trial).shuffle(order)  # objects created in one order, registered in another
+        for i in order:
+            admission.register(stores[i])
+        admission.register(stores[order[0]])  # registering again keeps the first number
+        demoted = []
+        for _ in range(7):
+            first = admission._newest_first()[0]
+            first.demote_chunk()
+            demoted.append(stores.index(first))
+        assert demoted == [order[4], order[3], order[2], order[1], order[0], order[4], order[3]], (trial, demoted)
