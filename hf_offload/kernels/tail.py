@@ -624,21 +624,44 @@ def far_midpoints(values: dict[str, torch.Tensor], value_bits: int) -> torch.Ten
     return values["kmin"].float() + values["kstep"].float() * (((1 << value_bits) - 1) / 2)
 
 
-def value_means(values: torch.Tensor, channels: int) -> torch.Tensor:
-    """Each block's mean value per KV head and channel: the ``vmean`` summary of ``tail_far="mean"``, in the values'
-    dtype (what a far block is valued at, read alone: half the bytes of its value range's ``vmin`` and ``vstep``).
+def value_means(values: torch.Tensor, vmin: torch.Tensor, vstep: torch.Tensor, value_bits: int) -> torch.Tensor:
+    """Each block's mean value per KV head and channel, as a fraction of its quantized value range in 1/255ths: the
+    ``vmean`` summary of ``tail_far="mean"`` (one byte per channel, where the range takes four).
 
     Args:
         values: ``[batch, n, kv_heads, block_tokens, head_dim]``, the blocks' values.
-        channels: the channels of the value summaries (``head_dim`` rounded up as the codes pack it; padding 0).
+        vmin, vstep: their quantization's ``kmin`` / ``kstep``, ``[batch, n, kv_heads, channels >= head_dim]``.
+        value_bits: the bits of the value codes.
 
     Returns:
-        ``[batch, n, kv_heads, channels]``, ``values.dtype``.
+        ``[batch, n, kv_heads, channels]``, ``torch.uint8`` (0 in padding channels and where the range is empty).
     """
-    mean = values.float().mean(dim=3)
-    if mean.shape[-1] != channels:
-        mean = torch.nn.functional.pad(mean, (0, channels - mean.shape[-1]))
-    return mean.to(values.dtype)
+    return means_in_range(values.float().mean(dim=3), vmin, vstep, value_bits)
+
+
+def means_in_range(mean: torch.Tensor, vmin: torch.Tensor, vstep: torch.Tensor, value_bits: int) -> torch.Tensor:
+    """``mean`` (``[batch, n, kv_heads, head_dim]``) as :func:`value_means` stores it: the fraction of each block's
+    value range ``vmin .. vmin + vstep * (2**bits - 1)`` in 1/255ths, ``torch.uint8``, channels as ``vmin``'s."""
+    mean = mean.float()
+    if mean.shape[-1] != vmin.shape[-1]:
+        mean = torch.nn.functional.pad(mean, (0, vmin.shape[-1] - mean.shape[-1]))
+    span = vstep.float() * ((1 << value_bits) - 1)
+    frac = torch.where(span > 0, (mean - vmin.float()) / span.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
+    return frac.clamp_(0.0, 1.0).mul_(255.0).round_().to(torch.uint8)
+
+
+def far_means(values: dict[str, torch.Tensor], value_bits: int, vmean: torch.Tensor) -> torch.Tensor:
+    """Each block's value estimate for the far blocks of ``tail_far="mean"``: per KV head and channel the block's
+    mean value, ``vmin + vstep * (2**bits - 1) * vmean / 255``, ``[batch, n, kv_heads, channels]``, float32 (from
+    the summaries alone: no code is read).
+
+    Args:
+        values: ``codes`` / ``kmin`` / ``kstep`` of the values.
+        value_bits: the bits of the value codes.
+        vmean: the ``vmean`` summary (:func:`value_means`), ``[batch, n, kv_heads, channels]``, ``torch.uint8``.
+    """
+    scale = ((1 << value_bits) - 1) / 255.0
+    return values["kmin"].float() + values["kstep"].float() * (vmean.float() * scale)
 
 
 def with_far_values(
@@ -823,10 +846,11 @@ if triton is not None:
         far_ptr,  # uint8 [B, n_blocks]
         vmin_ptr,  # [B, cap, H, C] value minima
         vstep_ptr,  # [B, cap, H, C] value steps
-        vmean_ptr,  # [B, cap, H, C] each block's mean value (MEAN; then vmin and vstep are not read)
+        vmean_ptr,  # uint8 [B, cap, H, C] each block's mean value in 1/255ths of its range (MEAN), else not read
         v_batch_stride,
         v_block_stride,
-        half_levels,
+        level,  # the level of the range each far block is valued at: (2**bits - 1) / 2, or with MEAN the scale of
+        # vmean, (2**bits - 1) / 255
         fo_ptr,  # float32 [B, H, FS, G, DP]: out, the far blocks' unnormalised outputs per split
         fm_ptr,  # float32 [B, H, FS, G]: out, their running maxima
         fl_ptr,  # float32 [B, H, FS, G]: out, their sums
@@ -841,7 +865,7 @@ if triton is not None:
         DP: tl.constexpr,
         PER_SPLIT: tl.constexpr,  # far blocks per program, a multiple of BLOCK_N
         BLOCK_N: tl.constexpr,
-        MEAN: tl.constexpr,  # each block at its own mean (vmean) instead of its range's midpoint
+        MEAN: tl.constexpr,  # each block at its own mean (vmean) instead of its midpoint
     ):
         # One program per (sequence and KV head, split): every query head of the KV head weights the same tile of
         # far values (midpoints or means), which is read once.
@@ -869,13 +893,12 @@ if triton is not None:
             total = total * scale + tl.sum(p, axis=1)
             at = b * v_batch_stride + n[:, None].to(tl.int64) * v_block_stride + h * C + c[None, :]
             vm = ok[:, None] & live_c[None, :]
+            step_v = tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32)
             if MEAN:
-                mid = tl.load(vmean_ptr + at, mask=vm, other=0.0).to(tl.float32)  # [BLOCK_N, DP]
+                step_v = step_v * (tl.load(vmean_ptr + at, mask=vm, other=0).to(tl.float32) * level)
             else:
-                mid = (
-                    tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32)
-                    + tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32) * half_levels
-                )  # [BLOCK_N, DP]
+                step_v = step_v * level
+            mid = tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32) + step_v  # [BLOCK_N, DP]
             acc = acc * scale[:, None] + tl.sum(p[:, :, None] * mid[None, :, :], axis=1)
             top = new
         row = (bh * fsplits + sp) * G + g
@@ -916,7 +939,7 @@ def tail_attention_merged(
         far_mid: with ``far``: each far block valued at the midpoint of its quantized value range
             (:func:`far_midpoints`, read from ``values``' ``kmin`` / ``kstep``) instead of at the estimate's output.
         far_mean: with ``far``: the ``vmean`` summary (:func:`value_means`, the layout of ``values``' ``kmin``):
-            each far block valued at its own mean value instead.
+            each far block valued at its own mean value (:func:`far_means`) instead.
 
     Returns:
         ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` in ``out_dtype`` and the estimate's log-sum-exp
@@ -941,7 +964,7 @@ def tail_attention_merged(
     if not fused:
         out_t, lse_t = merge_ranges(*parts) if len(parts) == 3 else parts
         if mean:
-            far_values = far_mean.float()
+            far_values = far_means(values, value_bits, far_mean)
         else:
             far_values = far_midpoints(values, value_bits) if mid else None
         out, lse_t = finish_tail_reference(out_t, lse_t, selection_out, selection_lse, block_lse, far, far_values)
@@ -967,9 +990,10 @@ def tail_attention_merged(
         fo = torch.empty((batch, heads, fsplits, group, dp), dtype=torch.float32, device=o.device)
         fm = torch.empty((batch, heads, fsplits, group), dtype=torch.float32, device=o.device)
         fl = torch.empty_like(fm)
+        levels = (1 << value_bits) - 1
         _far_mid_kernel[(batch * heads, fsplits)](
             blse, far_u8, vmin, vstep, vmin if far_mean is None else far_mean, vmin.stride(0), vmin.stride(1),
-            ((1 << value_bits) - 1) / 2, fo, fm, fl, heads, n, row, fsplits, G=group,
+            levels / 255.0 if mean else levels / 2, fo, fm, fl, heads, n, row, fsplits, G=group,
             GP=triton.next_power_of_2(group), C=vmin.shape[3], D=head_dim, DP=dp, PER_SPLIT=per_split,
             BLOCK_N=FAR_MID_BLOCK_N, MEAN=mean,
         )  # fmt: skip

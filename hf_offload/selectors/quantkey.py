@@ -68,8 +68,8 @@ class QuantKeySelector(Selector):
         tail_far: with ``tail_near``: what the blocks counted by their mass alone are valued at: ``"near"`` (the
             near blocks' estimate, as above), ``"mid"`` (each block at the midpoint of its quantized value range
             per KV head and channel, ``vmin + vstep * (2**tail_bits - 1) / 2``: its own value, from the summaries
-            alone) or ``"mean"`` (each block at its mean value per KV head and channel, kept as one more summary in
-            the cache dtype, ``vmean``: ``2·H·D`` more bytes per block in bf16); docs/tuning.md has the
+            alone) or ``"mean"`` (each block at its mean value per KV head and channel, kept as one more summary of
+            one byte per channel, ``vmean``: the fraction of the value range in 1/255ths); docs/tuning.md has the
             measurements.
     """
 
@@ -154,36 +154,35 @@ class QuantKeySelector(Selector):
         out: dict[str, torch.Tensor] = {}
         for codes_name, min_name, step_name, old, new in parts:
             codes, low, step = summaries[codes_name], summaries[min_name], summaries[step_name]
-            if old == new:
+            means = codes_name == "vcodes" and coarser.tail_far == "mean"
+            if means:
+                from ..kernels.tail import far_means, means_in_range
+            if old == new and (not means or "vmean" in summaries):
                 out.update({codes_name: codes, min_name: low, step_name: step})
+                if means:
+                    out["vmean"] = summaries["vmean"]
                 continue
             batch, capacity, heads, tokens = codes.shape[:4]
             like = quantize_keys(torch.zeros((1, 1, heads, tokens, head_dim), dtype=low.dtype, device=low.device), new)
             made = {name: torch.zeros((batch, capacity, *like[name].shape[2:]), dtype=like[name].dtype,
                                       device=low.device) for name in like}  # fmt: skip
+            if means:  # each block's mean again, in the new value range
+                made["vmean"] = torch.zeros_like(made["kmin"], dtype=torch.uint8)
             for start in range(0, n_blocks, RECODE_BLOCKS):
                 end = min(n_blocks, start + RECODE_BLOCKS)
                 values = dequantize_keys(codes[:, start:end], low[:, start:end], step[:, start:end], old)
                 again = quantize_keys(values[..., :head_dim].to(low.dtype), new)
+                if means:  # each block's mean, kept where the summaries have it, in its new range
+                    window = {"kmin": low[:, start:end], "kstep": step[:, start:end]}
+                    mean = (far_means(window, old, summaries["vmean"][:, start:end]) if "vmean" in summaries
+                            else values.mean(dim=3))  # fmt: skip
+                    again["vmean"] = means_in_range(mean[..., :head_dim], again["kmin"], again["kstep"], new)
                 for name, tensor in again.items():
                     made[name][:, start:end] = tensor
             out.update({codes_name: made["codes"], min_name: made["kmin"], step_name: made["kstep"]})
-        if coarser.tail_far == "mean":
-            # The blocks' mean values do not depend on the codes: kept as they are, or where the summaries have none
-            # (another tail_far), taken from the values as their codes give them.
-            out["vmean"] = summaries["vmean"] if "vmean" in summaries else self._means_from_codes(summaries, n_blocks)
+            if means:
+                out["vmean"] = made["vmean"]
         return out
-
-    def _means_from_codes(self, summaries: dict[str, torch.Tensor], n_blocks: int) -> torch.Tensor:
-        """The ``vmean`` summary from the value codes (the blocks' values as they give them), ``RECODE_BLOCKS``
-        blocks at a time."""
-        codes, low, step = summaries["vcodes"], summaries["vmin"], summaries["vstep"]
-        means = torch.zeros_like(low)
-        for start in range(0, n_blocks, RECODE_BLOCKS):
-            end = min(n_blocks, start + RECODE_BLOCKS)
-            values = dequantize_keys(codes[:, start:end], low[:, start:end], step[:, start:end], self.tail_bits)
-            means[:, start:end] = values.mean(dim=3).to(low.dtype)
-        return means
 
     @property
     def estimates_tail(self) -> bool:
@@ -205,7 +204,7 @@ class QuantKeySelector(Selector):
         if self.tail_far == "mean":
             from ..kernels.tail import value_means
 
-            out["vmean"] = value_means(values, q["kmin"].shape[-1])
+            out["vmean"] = value_means(values, q["kmin"], q["kstep"], self.tail_bits)
         return out
 
     def tail_attention(
@@ -231,7 +230,7 @@ class QuantKeySelector(Selector):
                 log-sum-exps are of uncapped logits).
             selection: the step's selection (``scores`` ``[batch, 1, n_blocks]``, ``blocks``, ``block_lse``).
         """
-        from ..kernels.tail import far_midpoints, tail_attention, with_far_mass, with_far_values
+        from ..kernels.tail import far_means, far_midpoints, tail_attention, with_far_mass, with_far_values
 
         head_dim = query.shape[-1]
         q, keys, values = self._tail_inputs(query, summaries, scaling)
@@ -251,7 +250,7 @@ class QuantKeySelector(Selector):
                                        far_midpoints(values, self.tail_bits))  # fmt: skip
             if self.tail_far == "mean":
                 return with_far_values(out[..., :head_dim], lse, selection.block_lse[..., :n], far,
-                                       summaries["vmean"].float())  # fmt: skip
+                                       far_means(values, self.tail_bits, summaries["vmean"]))  # fmt: skip
             lse = with_far_mass(lse, selection.block_lse[..., :n], far)
         return out[..., :head_dim], lse
 

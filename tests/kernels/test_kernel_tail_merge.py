@@ -12,6 +12,7 @@ import torch
 
 import hf_offload.kernels.tail as tail_module
 from hf_offload.kernels.tail import (
+    far_means,
     far_midpoints,
     finish_tail_reference,
     merge_attention,
@@ -175,10 +176,11 @@ def test_far_midpoints_value_each_far_block_at_its_own_range():
 
 
 def _means(vq, seed=1):
-    """A ``vmean`` summary for ``vq``: each block's mean anywhere in its range, in the layout of its minima."""
+    """A ``vmean`` summary for ``vq``: each block's mean anywhere in its range, 0 and 255 included."""
     g = torch.Generator().manual_seed(seed)
-    frac = torch.rand(vq["kmin"].shape, generator=g).to(vq["kmin"].device)
-    return (vq["kmin"].float() + vq["kstep"].float() * 3 * frac).to(vq["kmin"].dtype)
+    vmean = torch.randint(0, 256, vq["kmin"].shape, generator=g, dtype=torch.uint8)
+    vmean[0, 0], vmean[-1, -1] = 0, 255
+    return vmean.to(vq["kmin"].device)
 
 
 def test_far_means_value_each_far_block_at_its_own_mean():
@@ -187,26 +189,33 @@ def test_far_means_value_each_far_block_at_its_own_mean():
     vmean = _means(vq)
     out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
                                      block_lse=block_lse, far=far, far_mean=vmean)  # fmt: skip
-    level = (vmean.float() - vq["kmin"].float()) / vq["kstep"].float()  # the means as levels of the ranges
+    level = vmean.float() * (3 / 255)
     want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far, level)
     torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out, want_out, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
     # A far block's mean moves the result; a block that is not far does not.
     j_far, j_not = int(far[1].nonzero()[0]), int((~far[1]).nonzero()[0])
     for j, moves in ((j_far, True), (j_not, False)):
         shifted = vmean.clone()
-        shifted[1, j] += 3.0
+        shifted[1, j] = 255 - shifted[1, j]
         other, _ = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
                                          block_lse=block_lse, far=far, far_mean=shifted)  # fmt: skip
         assert torch.allclose(other[1], out[1]) != moves
     with pytest.raises(ValueError, match="not both"):
         tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse,
                               far=far, far_mid=True, far_mean=vmean)  # fmt: skip
-    # The summary: each block's mean value per KV head and channel, padding channels 0.
-    values = torch.randn(2, 6, 2, 16, 60, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    means = value_means(values, 64)
-    assert means.dtype == torch.bfloat16 and means.shape == (2, 6, 2, 64) and not means[..., 60:].any()
-    torch.testing.assert_close(means[..., :60], values.float().mean(dim=3).to(torch.bfloat16))
+    # The summary: each block's mean value within half a 255th of its range (and the bfloat16 rounding of vmin).
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(2, 6, 2, 16, 60, generator=g).to(torch.bfloat16)  # channels padded to 64 in the codes
+    q = quantize_keys(values, 2)
+    means = far_means({"codes": q["codes"], "kmin": q["kmin"], "kstep": q["kstep"]}, 2,
+                      value_means(values, q["kmin"], q["kstep"], 2))  # fmt: skip
+    err = (means[..., :60] - values.float().mean(dim=3)).abs()
+    bound = q["kstep"].float()[..., :60] * 3 / 255 / 2 + q["kmin"].float().abs()[..., :60] * 2**-8 + 1e-6
+    assert bool((err <= bound).all()), float((err - bound).max())
+    flat = torch.ones(1, 1, 1, 16, 8, dtype=torch.bfloat16)  # an empty range: mean 0 of it, the value itself
+    q = quantize_keys(flat, 2)
+    assert int(value_means(flat, q["kmin"], q["kstep"], 2).max()) == 0
 
 
 @needs_kernels
@@ -216,7 +225,7 @@ def test_merged_kernel_values_far_blocks_at_their_midpoints(shape, kind):
     query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(*shape)
     assert len(tail_partials(query, kq, 4, vq, 2, near_ok, index=index)) == 3  # the kernel path
     vmean = _means(vq) if kind == "mean" else None
-    level = 1.5 if vmean is None else (vmean.float() - vq["kmin"].float()) / vq["kstep"].float()
+    level = 1.5 if vmean is None else vmean.float() * (3 / 255)
     options = dict(far_mid=True) if vmean is None else dict(far_mean=vmean)
     want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far, level)
     old = tail_module.FAR_MID_SPLIT_N, tail_module.FAR_MID_BLOCK_N
