@@ -624,46 +624,6 @@ def far_midpoints(values: dict[str, torch.Tensor], value_bits: int) -> torch.Ten
     return values["kmin"].float() + values["kstep"].float() * (((1 << value_bits) - 1) / 2)
 
 
-def value_means(values: torch.Tensor, vmin: torch.Tensor, vstep: torch.Tensor, value_bits: int) -> torch.Tensor:
-    """Each block's mean value per KV head and channel, as a fraction of its quantized value range in 1/255ths: the
-    ``vmean`` summary of ``tail_far="mean"`` (one byte per channel, where the range takes four).
-
-    Args:
-        values: ``[batch, n, kv_heads, block_tokens, head_dim]``, the blocks' values.
-        vmin, vstep: their quantization's ``kmin`` / ``kstep``, ``[batch, n, kv_heads, channels >= head_dim]``.
-        value_bits: the bits of the value codes.
-
-    Returns:
-        ``[batch, n, kv_heads, channels]``, ``torch.uint8`` (0 in padding channels and where the range is empty).
-    """
-    return means_in_range(values.float().mean(dim=3), vmin, vstep, value_bits)
-
-
-def means_in_range(mean: torch.Tensor, vmin: torch.Tensor, vstep: torch.Tensor, value_bits: int) -> torch.Tensor:
-    """``mean`` (``[batch, n, kv_heads, head_dim]``) as :func:`value_means` stores it: the fraction of each block's
-    value range ``vmin .. vmin + vstep * (2**bits - 1)`` in 1/255ths, ``torch.uint8``, channels as ``vmin``'s."""
-    mean = mean.float()
-    if mean.shape[-1] != vmin.shape[-1]:
-        mean = torch.nn.functional.pad(mean, (0, vmin.shape[-1] - mean.shape[-1]))
-    span = vstep.float() * ((1 << value_bits) - 1)
-    frac = torch.where(span > 0, (mean - vmin.float()) / span.clamp_min(torch.finfo(torch.float32).tiny), 0.0)
-    return frac.clamp_(0.0, 1.0).mul_(255.0).round_().to(torch.uint8)
-
-
-def far_means(values: dict[str, torch.Tensor], value_bits: int, vmean: torch.Tensor) -> torch.Tensor:
-    """Each block's value estimate for the far blocks of ``tail_far="mean"``: per KV head and channel the block's
-    mean value, ``vmin + vstep * (2**bits - 1) * vmean / 255``, ``[batch, n, kv_heads, channels]``, float32 (from
-    the summaries alone: no code is read).
-
-    Args:
-        values: ``codes`` / ``kmin`` / ``kstep`` of the values.
-        value_bits: the bits of the value codes.
-        vmean: the ``vmean`` summary (:func:`value_means`), ``[batch, n, kv_heads, channels]``, ``torch.uint8``.
-    """
-    scale = ((1 << value_bits) - 1) / 255.0
-    return values["kmin"].float() + values["kstep"].float() * (vmean.float() * scale)
-
-
 def with_far_values(
     out_t: torch.Tensor, lse_t: torch.Tensor, block_lse: torch.Tensor, far: torch.Tensor, far_values: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -846,11 +806,9 @@ if triton is not None:
         far_ptr,  # uint8 [B, n_blocks]
         vmin_ptr,  # [B, cap, H, C] value minima
         vstep_ptr,  # [B, cap, H, C] value steps
-        vmean_ptr,  # uint8 [B, cap, H, C] each block's mean value in 1/255ths of its range (MEAN), else not read
         v_batch_stride,
         v_block_stride,
-        level,  # the level of the range each far block is valued at: (2**bits - 1) / 2, or with MEAN the scale of
-        # vmean, (2**bits - 1) / 255
+        half_levels,
         fo_ptr,  # float32 [B, H, FS, G, DP]: out, the far blocks' unnormalised outputs per split
         fm_ptr,  # float32 [B, H, FS, G]: out, their running maxima
         fl_ptr,  # float32 [B, H, FS, G]: out, their sums
@@ -865,10 +823,9 @@ if triton is not None:
         DP: tl.constexpr,
         PER_SPLIT: tl.constexpr,  # far blocks per program, a multiple of BLOCK_N
         BLOCK_N: tl.constexpr,
-        MEAN: tl.constexpr,  # each block at its own mean (vmean) instead of its midpoint
     ):
         # One program per (sequence and KV head, split): every query head of the KV head weights the same tile of
-        # far values (midpoints or means), which is read once.
+        # midpoints, which is read once.
         bh = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(1)
         b = bh // heads
@@ -893,12 +850,10 @@ if triton is not None:
             total = total * scale + tl.sum(p, axis=1)
             at = b * v_batch_stride + n[:, None].to(tl.int64) * v_block_stride + h * C + c[None, :]
             vm = ok[:, None] & live_c[None, :]
-            step_v = tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32)
-            if MEAN:
-                step_v = step_v * (tl.load(vmean_ptr + at, mask=vm, other=0).to(tl.float32) * level)
-            else:
-                step_v = step_v * level
-            mid = tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32) + step_v  # [BLOCK_N, DP]
+            mid = (
+                tl.load(vmin_ptr + at, mask=vm, other=0.0).to(tl.float32)
+                + tl.load(vstep_ptr + at, mask=vm, other=0.0).to(tl.float32) * half_levels
+            )  # [BLOCK_N, DP]
             acc = acc * scale[:, None] + tl.sum(p[:, :, None] * mid[None, :, :], axis=1)
             top = new
         row = (bh * fsplits + sp) * G + g
@@ -922,7 +877,6 @@ def tail_attention_merged(
     softcap: float | None = None,
     out_dtype: torch.dtype = torch.float32,
     far_mid: bool = False,
-    far_mean: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`tail_attention`, completed by the far blocks' mass and merged with the selection's attention
     (:func:`finish_tail_reference`): where the estimate's kernel runs, the merge of its ranges, the far blocks'
@@ -938,8 +892,6 @@ def tail_attention_merged(
         out_dtype: dtype of the merged output.
         far_mid: with ``far``: each far block valued at the midpoint of its quantized value range
             (:func:`far_midpoints`, read from ``values``' ``kmin`` / ``kstep``) instead of at the estimate's output.
-        far_mean: with ``far``: the ``vmean`` summary (:func:`value_means`, the layout of ``values``' ``kmin``):
-            each far block valued at its own mean value (:func:`far_means`) instead.
 
     Returns:
         ``(out, lse)``: ``[batch, kv_heads, group, head_dim]`` in ``out_dtype`` and the estimate's log-sum-exp
@@ -951,22 +903,14 @@ def tail_attention_merged(
     parts = tail_partials(query, keys, key_bits, values, value_bits, tokens_ok, softcap, index=index)
     batch, heads, group, head_dim = selection_out.shape
     n = 0 if far is None else far.shape[-1]
-    if far_mid and far_mean is not None:
-        raise ValueError("tail_attention_merged: value the far blocks at their midpoints (far_mid) or at their means "
-                         "(far_mean), not both")  # fmt: skip
-    mean = far_mean is not None and far is not None
-    mid = (far_mid and far is not None) or mean  # one pass over the far blocks, each at a level of its own range
+    mid = far_mid and far is not None
     vmin, vstep = values["kmin"], values["kstep"]
     fused = len(parts) == 3 and (far is None or (block_lse.stride(-1) == 1 and block_lse.shape[-1] == n))
     fused = fused and (not mid or (vmin.stride() == vstep.stride() and vmin.stride(3) == 1
                                    and vmin.stride(2) == vmin.shape[3]))  # fmt: skip
-    fused = fused and (not mean or (far_mean.shape == vmin.shape and far_mean.stride() == vmin.stride()))
     if not fused:
         out_t, lse_t = merge_ranges(*parts) if len(parts) == 3 else parts
-        if mean:
-            far_values = far_means(values, value_bits, far_mean)
-        else:
-            far_values = far_midpoints(values, value_bits) if mid else None
+        far_values = far_midpoints(values, value_bits) if mid else None
         out, lse_t = finish_tail_reference(out_t, lse_t, selection_out, selection_lse, block_lse, far, far_values)
         return out.to(out_dtype), lse_t
     o, m, l = parts
@@ -990,12 +934,10 @@ def tail_attention_merged(
         fo = torch.empty((batch, heads, fsplits, group, dp), dtype=torch.float32, device=o.device)
         fm = torch.empty((batch, heads, fsplits, group), dtype=torch.float32, device=o.device)
         fl = torch.empty_like(fm)
-        levels = (1 << value_bits) - 1
         _far_mid_kernel[(batch * heads, fsplits)](
-            blse, far_u8, vmin, vstep, vmin if far_mean is None else far_mean, vmin.stride(0), vmin.stride(1),
-            levels / 255.0 if mean else levels / 2, fo, fm, fl, heads, n, row, fsplits, G=group,
-            GP=triton.next_power_of_2(group), C=vmin.shape[3], D=head_dim, DP=dp, PER_SPLIT=per_split,
-            BLOCK_N=FAR_MID_BLOCK_N, MEAN=mean,
+            blse, far_u8, vmin, vstep, vmin.stride(0), vmin.stride(1), ((1 << value_bits) - 1) / 2, fo, fm, fl,
+            heads, n, row, fsplits, G=group, GP=triton.next_power_of_2(group), C=vmin.shape[3], D=head_dim, DP=dp,
+            PER_SPLIT=per_split, BLOCK_N=FAR_MID_BLOCK_N,
         )  # fmt: skip
     else:
         fo = fm = fl = lse_t  # not read

@@ -66,11 +66,9 @@ class QuantKeySelector(Selector):
             mass (block log-sum-exps of the scoring; blocks partly padding are left out), valued at that estimate's
             output; 0: every unselected block token by token.
         tail_far: with ``tail_near``: what the blocks counted by their mass alone are valued at: ``"near"`` (the
-            near blocks' estimate, as above), ``"mid"`` (each block at the midpoint of its quantized value range
+            near blocks' estimate, as above) or ``"mid"`` (each block at the midpoint of its quantized value range
             per KV head and channel, ``vmin + vstep * (2**tail_bits - 1) / 2``: its own value, from the summaries
-            alone) or ``"mean"`` (each block at its mean value per KV head and channel, kept as one more summary of
-            one byte per channel, ``vmean``: the fraction of the value range in 1/255ths); docs/tuning.md has the
-            measurements.
+            alone; docs/tuning.md has the measurement).
     """
 
     name = "quantkey"
@@ -92,10 +90,9 @@ class QuantKeySelector(Selector):
             )
         if isinstance(self.chunk_blocks, bool) or not isinstance(self.chunk_blocks, int) or self.chunk_blocks <= 0:
             raise ValueError(f"QuantKeySelector.chunk_blocks must be a positive integer, got {self.chunk_blocks!r}.")
-        if self.tail_far not in ("near", "mid", "mean"):
+        if self.tail_far not in ("near", "mid"):
             raise ValueError(f"QuantKeySelector.tail_far must be 'near' (the far blocks valued at the near blocks' "
-                             f"estimate), 'mid' (each at its value range's midpoint) or 'mean' (each at its mean "
-                             f"value), got {self.tail_far!r}.")  # fmt: skip
+                             f"estimate) or 'mid' (each at its value range's midpoint), got {self.tail_far!r}.")  # fmt: skip
         near = self.tail_near
         if isinstance(near, bool) or not isinstance(near, (int, float)) or not math.isfinite(near) or near < 0:
             raise ValueError(f"QuantKeySelector.tail_near must be a number >= 0 (0: estimate every unselected "
@@ -154,34 +151,20 @@ class QuantKeySelector(Selector):
         out: dict[str, torch.Tensor] = {}
         for codes_name, min_name, step_name, old, new in parts:
             codes, low, step = summaries[codes_name], summaries[min_name], summaries[step_name]
-            means = codes_name == "vcodes" and coarser.tail_far == "mean"
-            if means:
-                from ..kernels.tail import far_means, means_in_range
-            if old == new and (not means or "vmean" in summaries):
+            if old == new:
                 out.update({codes_name: codes, min_name: low, step_name: step})
-                if means:
-                    out["vmean"] = summaries["vmean"]
                 continue
             batch, capacity, heads, tokens = codes.shape[:4]
             like = quantize_keys(torch.zeros((1, 1, heads, tokens, head_dim), dtype=low.dtype, device=low.device), new)
             made = {name: torch.zeros((batch, capacity, *like[name].shape[2:]), dtype=like[name].dtype,
                                       device=low.device) for name in like}  # fmt: skip
-            if means:  # each block's mean again, in the new value range
-                made["vmean"] = torch.zeros_like(made["kmin"], dtype=torch.uint8)
             for start in range(0, n_blocks, RECODE_BLOCKS):
                 end = min(n_blocks, start + RECODE_BLOCKS)
                 values = dequantize_keys(codes[:, start:end], low[:, start:end], step[:, start:end], old)
                 again = quantize_keys(values[..., :head_dim].to(low.dtype), new)
-                if means:  # each block's mean, kept where the summaries have it, in its new range
-                    window = {"kmin": low[:, start:end], "kstep": step[:, start:end]}
-                    mean = (far_means(window, old, summaries["vmean"][:, start:end]) if "vmean" in summaries
-                            else values.mean(dim=3))  # fmt: skip
-                    again["vmean"] = means_in_range(mean[..., :head_dim], again["kmin"], again["kstep"], new)
                 for name, tensor in again.items():
                     made[name][:, start:end] = tensor
             out.update({codes_name: made["codes"], min_name: made["kmin"], step_name: made["kstep"]})
-            if means:
-                out["vmean"] = made["vmean"]
         return out
 
     @property
@@ -191,8 +174,7 @@ class QuantKeySelector(Selector):
 
     def summarize_values(self, values: torch.Tensor) -> dict[str, torch.Tensor]:
         """With ``tail_bits``: ``vcodes``, ``vmin`` and ``vstep`` of the new blocks' values (see
-        :func:`quantize_keys`), and with ``tail_far="mean"`` their means, ``vmean`` (see
-        :func:`~hf_offload.kernels.tail.value_means`); else nothing.
+        :func:`quantize_keys`); else nothing.
 
         Args:
             values: ``[batch, n_new, kv_heads, block_tokens, head_dim]``, the cache dtype, compute device.
@@ -200,12 +182,7 @@ class QuantKeySelector(Selector):
         if not self.tail_bits:
             return {}
         q = quantize_keys(values, self.tail_bits)
-        out = {"vcodes": q["codes"], "vmin": q["kmin"], "vstep": q["kstep"]}
-        if self.tail_far == "mean":
-            from ..kernels.tail import value_means
-
-            out["vmean"] = value_means(values, q["kmin"], q["kstep"], self.tail_bits)
-        return out
+        return {"vcodes": q["codes"], "vmin": q["kmin"], "vstep": q["kstep"]}
 
     def tail_attention(
         self,
@@ -230,7 +207,7 @@ class QuantKeySelector(Selector):
                 log-sum-exps are of uncapped logits).
             selection: the step's selection (``scores`` ``[batch, 1, n_blocks]``, ``blocks``, ``block_lse``).
         """
-        from ..kernels.tail import far_means, far_midpoints, tail_attention, with_far_mass, with_far_values
+        from ..kernels.tail import far_midpoints, tail_attention, with_far_mass, with_far_values
 
         head_dim = query.shape[-1]
         q, keys, values = self._tail_inputs(query, summaries, scaling)
@@ -248,9 +225,6 @@ class QuantKeySelector(Selector):
             if self.tail_far == "mid":
                 return with_far_values(out[..., :head_dim], lse, selection.block_lse[..., :n], far,
                                        far_midpoints(values, self.tail_bits))  # fmt: skip
-            if self.tail_far == "mean":
-                return with_far_values(out[..., :head_dim], lse, selection.block_lse[..., :n], far,
-                                       far_means(values, self.tail_bits, summaries["vmean"]))  # fmt: skip
             lse = with_far_mass(lse, selection.block_lse[..., :n], far)
         return out[..., :head_dim], lse
 
@@ -307,8 +281,7 @@ class QuantKeySelector(Selector):
             # The far blocks as in tail_attention: unselected, not near, every token attendable.
             far = tail.all(dim=-1).scatter(1, index, False)  # [batch, n]
         return tail_attention_merged(*args, near_ok, out, lse, index=index, block_lse=selection.block_lse[..., :n],
-                                     far=far, out_dtype=out_dtype, far_mid=self.tail_far == "mid",
-                                     far_mean=summaries["vmean"] if self.tail_far == "mean" else None)  # fmt: skip
+                                     far=far, out_dtype=out_dtype, far_mid=self.tail_far == "mid")  # fmt: skip
 
     def decode_branch(self, n_blocks: int, k: int) -> object:
         """With an estimate of the unselected blocks: whether it is bounded (``tail_near`` and more unselected blocks

@@ -12,14 +12,12 @@ import torch
 
 import hf_offload.kernels.tail as tail_module
 from hf_offload.kernels.tail import (
-    far_means,
     far_midpoints,
     finish_tail_reference,
     merge_attention,
     tail_attention,
     tail_attention_merged,
     tail_partials,
-    value_means,
     with_far_values,
 )
 from hf_offload.kernels.quant import quantize_keys
@@ -124,12 +122,11 @@ def test_torch_path_is_the_reference_composition():
         tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse)
 
 
-def _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far, level=1.5):
+def _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far):
     """``tail_far="mid"`` written out: the far blocks as one more softmax part, every token of a far block at the
-    midpoint of its block's value range (``level``: the level of the range instead, ``[B, n, H, D]`` for
-    ``tail_far="mean"``) and the block's mass its log-sum-exp, whether anything was estimated."""
+    midpoint of its block's value range and the block's mass its log-sum-exp, whether anything was estimated."""
     out_t, lse_t = tail_attention(query, kq, 4, vq, 2, near_ok, index=index, precision="ieee")
-    mid = vq["kmin"].float() + vq["kstep"].float() * level  # [B, n, H, D]
+    mid = vq["kmin"].float() + vq["kstep"].float() * 1.5  # [B, n, H, D]
     blse = block_lse.masked_fill(~far[:, None, None, :], float("-inf"))
     far_lse = blse.logsumexp(-1)
     p = torch.softmax(blse, dim=-1).nan_to_num(0.0)
@@ -175,59 +172,12 @@ def test_far_midpoints_value_each_far_block_at_its_own_range():
                                                      far_midpoints(vq, 2))[1], merged_lse)  # fmt: skip
 
 
-def _means(vq, seed=1):
-    """A ``vmean`` summary for ``vq``: each block's mean anywhere in its range, 0 and 255 included."""
-    g = torch.Generator().manual_seed(seed)
-    vmean = torch.randint(0, 256, vq["kmin"].shape, generator=g, dtype=torch.uint8)
-    vmean[0, 0], vmean[-1, -1] = 0, 255
-    return vmean.to(vq["kmin"].device)
-
-
-def test_far_means_value_each_far_block_at_its_own_mean():
-    query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(2, 40, 7, 2, 4, 16, 64)
-    kq = {k: v.double() if v.is_floating_point() else v for k, v in kq.items()}  # the torch path
-    vmean = _means(vq)
-    out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
-                                     block_lse=block_lse, far=far, far_mean=vmean)  # fmt: skip
-    level = vmean.float() * (3 / 255)
-    want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far, level)
-    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
-    # A far block's mean moves the result; a block that is not far does not.
-    j_far, j_not = int(far[1].nonzero()[0]), int((~far[1]).nonzero()[0])
-    for j, moves in ((j_far, True), (j_not, False)):
-        shifted = vmean.clone()
-        shifted[1, j] = 255 - shifted[1, j]
-        other, _ = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
-                                         block_lse=block_lse, far=far, far_mean=shifted)  # fmt: skip
-        assert torch.allclose(other[1], out[1]) != moves
-    with pytest.raises(ValueError, match="not both"):
-        tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index, block_lse=block_lse,
-                              far=far, far_mid=True, far_mean=vmean)  # fmt: skip
-    # The summary: each block's mean value within half a 255th of its range (and the bfloat16 rounding of vmin).
-    g = torch.Generator().manual_seed(3)
-    values = torch.randn(2, 6, 2, 16, 60, generator=g).to(torch.bfloat16)  # channels padded to 64 in the codes
-    q = quantize_keys(values, 2)
-    means = far_means({"codes": q["codes"], "kmin": q["kmin"], "kstep": q["kstep"]}, 2,
-                      value_means(values, q["kmin"], q["kstep"], 2))  # fmt: skip
-    err = (means[..., :60] - values.float().mean(dim=3)).abs()
-    bound = q["kstep"].float()[..., :60] * 3 / 255 / 2 + q["kmin"].float().abs()[..., :60] * 2**-8 + 1e-6
-    assert bool((err <= bound).all()), float((err - bound).max())
-    flat = torch.ones(1, 1, 1, 16, 8, dtype=torch.bfloat16)  # an empty range: mean 0 of it, the value itself
-    q = quantize_keys(flat, 2)
-    assert int(value_means(flat, q["kmin"], q["kstep"], 2).max()) == 0
-
-
 @needs_kernels
 @pytest.mark.parametrize("shape", [(2, 40, 7, 2, 4, 16, 64), (3, 130, 33, 1, 7, 16, 128)])
-@pytest.mark.parametrize("kind", ["mid", "mean"])
-def test_merged_kernel_values_far_blocks_at_their_midpoints(shape, kind):
+def test_merged_kernel_values_far_blocks_at_their_midpoints(shape):
     query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far = _inputs(*shape)
     assert len(tail_partials(query, kq, 4, vq, 2, near_ok, index=index)) == 3  # the kernel path
-    vmean = _means(vq) if kind == "mean" else None
-    level = 1.5 if vmean is None else vmean.float() * (3 / 255)
-    options = dict(far_mid=True) if vmean is None else dict(far_mean=vmean)
-    want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far, level)
+    want_out, want_lse = _mid_composed(query, kq, vq, near_ok, index, sel_out, sel_lse, block_lse, far)
     old = tail_module.FAR_MID_SPLIT_N, tail_module.FAR_MID_BLOCK_N
     try:
         # One program per KV head over all far blocks, several programs (the last one part empty), several steps
@@ -235,7 +185,7 @@ def test_merged_kernel_values_far_blocks_at_their_midpoints(shape, kind):
         for split, step in ((old[0], old[1]), (16, 16), (32, 8)):
             tail_module.FAR_MID_SPLIT_N, tail_module.FAR_MID_BLOCK_N = split, step
             out, lse = tail_attention_merged(query, kq, 4, vq, 2, near_ok, sel_out, sel_lse, index=index,
-                                             block_lse=block_lse, far=far, **options)  # fmt: skip
+                                             block_lse=block_lse, far=far, far_mid=True)  # fmt: skip
             torch.testing.assert_close(lse, want_lse, atol=2e-3, rtol=2e-3)
             torch.testing.assert_close(out, want_out, atol=2e-3, rtol=2e-3)
     finally:

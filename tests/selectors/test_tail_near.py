@@ -122,53 +122,6 @@ def test_far_blocks_at_their_midpoints_are_a_softmax_part_of_their_own():
     torch.testing.assert_close(got_lse, lse, atol=1e-5, rtol=1e-5)
 
 
-def test_far_blocks_at_their_means_are_a_softmax_part_of_their_own():
-    """``tail_far="mean"``: as ``"mid"``, each far block valued at its own mean value (the ``vmean`` summary) instead
-    of its range's midpoint; nearer the far blocks' exact attention than the midpoints; the coarser level keeps the
-    means, the one after drops them with the values."""
-    selector, summaries, query, selection, tokens_ok, keys, values = _setup(2)
-    mean = dataclasses.replace(selector, tail_far="mean")
-    summaries = {**summaries, **mean.summarize_values(values)}
-    assert summaries["vmean"].dtype == torch.uint8 and summaries["vmean"].shape == summaries["vmin"].shape
-    out, lse = mean.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
-    near_out, near_lse = selector.tail_attention(query, summaries, 0.125, tokens_ok, selection=selection)
-    torch.testing.assert_close(lse, near_lse, atol=1e-5, rtol=1e-5)  # the same mass, other values
-    scores = selection.scores[:, 0].masked_fill(~tokens_ok.any(-1), float("-inf"))
-    near = torch.zeros(B, N, dtype=torch.bool).scatter(1, scores.topk(16, dim=-1).indices, True)
-    far = tokens_ok.all(-1) & ~near
-    blse = selection.block_lse.masked_fill(~far[:, None, None, :], float("-inf"))
-    share = torch.exp(blse.logsumexp(-1) - lse)[..., None]
-    block_means = summaries["vmin"].float() + summaries["vstep"].float() * (summaries["vmean"].float() * 3 / 255)
-    far_out = torch.einsum("bhgn,bnhd->bhgd", blse.softmax(-1), block_means)
-    near_only = _near_only(selector, query, summaries, tokens_ok, near)[0]
-    torch.testing.assert_close(out, (1 - share) * near_only + share * far_out, atol=1e-5, rtol=1e-5)
-    # The far part against the far blocks' own exact attention (each block's mass spread over its tokens by the
-    # true keys): closer with each block's mean than with its midpoint.
-    logits = torch.einsum("bhgd,bnhtd->bhgnt", query * 0.125, keys)
-    weights = torch.softmax(logits.masked_fill(~far[:, None, None, :, None], float("-inf")).flatten(-2), -1)
-    exact = torch.einsum("bhgm,bmhd->bhgd", weights, values.permute(0, 1, 3, 2, 4).flatten(1, 2).permute(0, 1, 2, 3)
-                         .reshape(B, N * T, H, D))  # fmt: skip
-    midpoints = summaries["vmin"].float() + 1.5 * summaries["vstep"].float()
-    far_mid = torch.einsum("bhgn,bnhd->bhgd", blse.softmax(-1), midpoints)
-    assert (far_out - exact).norm() < (far_mid - exact).norm()
-    # Merged with a selection: as by hand.
-    sel_out, sel_lse = torch.randn(B, H, G, D), torch.randn(B, H, G)
-    want, _ = merge_attention(sel_out, sel_lse, out, lse)
-    got, _ = mean.tail_attention_merged(query, summaries, 0.125, tokens_ok, sel_out, sel_lse, selection=selection)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    # Coarser levels: 2-bit keys keep the values and their means; then the values go, and the means with them.
-    coarse = mean.coarser()
-    assert coarse.tail_far == "mean"
-    recoded = mean.coarsen_summaries(summaries, coarse, D, N)
-    assert torch.equal(recoded["vmean"], summaries["vmean"])
-    assert "vmean" not in coarse.coarsen_summaries(recoded, coarse.coarser(), D, N)
-    # Values re-encoded at other bits: the means again, against the new range.
-    other = dataclasses.replace(mean, tail_bits=4)
-    again = mean.coarsen_summaries(summaries, other, D, N)
-    again_means = again["vmin"].float() + again["vstep"].float() * (again["vmean"].float() * 15 / 255)
-    torch.testing.assert_close(again_means, block_means, atol=0.05, rtol=0)
-
-
 def _near_only(selector, query, summaries, tokens_ok, near):
     return QuantKeySelector(bits=4, tail_bits=2).tail_attention(query, summaries, 0.125, tokens_ok & near[:, :, None])
 
@@ -176,9 +129,8 @@ def _near_only(selector, query, summaries, tokens_ok, near):
 def test_tail_far_is_checked_and_parsed():
     assert get_selector("quantkey[bits=4,tail_bits=2,tail_near=3,tail_far=mid]").tail_far == "mid"
     assert QuantKeySelector(bits=4, tail_bits=2, tail_near=3).tail_far == "near"
-    assert get_selector("quantkey[bits=4,tail_bits=2,tail_near=3,tail_far=mean]").tail_far == "mean"
-    with pytest.raises(ValueError, match="'near' .*, 'mid' .* or 'mean'"):
-        QuantKeySelector(bits=4, tail_bits=2, tail_near=3, tail_far="median")
+    with pytest.raises(ValueError, match="'near' .* or 'mid'"):
+        QuantKeySelector(bits=4, tail_bits=2, tail_near=3, tail_far="mean")
     with pytest.raises(ValueError, match="set tail_near too"):
         QuantKeySelector(bits=4, tail_bits=2, tail_far="mid")
 
