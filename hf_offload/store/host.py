@@ -226,8 +226,8 @@ class DeviceAdmission:
     def _newest_first(self) -> list:
         """The registered stores, the one with the most admitted chunks first (demotion spreads over layers), among
         equals the last registered (a later layer) first: the same chunks move in every run."""
-        stores = list(self._stores.items())
-        return [store for store, _ in sorted(stores, key=lambda item: (-item[0].admitted_chunks(), -item[1]))]
+        order = dict(self._stores)  # a strong copy: no store leaves while they are sorted
+        return sorted(order, key=lambda store: (-store.admitted_chunks(), -order[store]))
 
     def note_forward(self, estimate_bytes: int) -> None:
         """At the start of a forward (its first offloaded layer's update): learn the temporaries of the previous
