@@ -51,6 +51,8 @@ def continue_recorded(model, cache, ids: torch.Tensor, mask: torch.Tensor, more:
 
     def recording(self, *args, **kwargs):
         selection = plan(self, *args, **kwargs)
+        if selection.blocks.is_cuda and torch.cuda.is_current_stream_capturing():
+            return selection  # a graph being captured: its values are not this step's (and a read would break it)
         selections.append(selection.blocks.masked_fill(~selection.keep, -1).sort(dim=-1).values.tolist())
         return selection
 
@@ -89,8 +91,9 @@ def _load_model(name: str, device: str, context: int = 0):
 
 
 def graph_option(choice: str) -> dict:
-    """The cache setting of ``--cuda-graphs``: ``auto`` leaves the cache's default."""
-    return {"cuda_graphs": False} if choice == "off" else {}
+    """The cache setting of ``--cuda-graphs``: ``auto`` leaves the cache's default; ``on`` raises where a capture
+    fails (instead of running that layer op by op)."""
+    return {"auto": {}, "on": {"cuda_graphs": True}, "off": {"cuda_graphs": False}}[choice]
 
 
 def _continue_job(path: str) -> None:
@@ -123,8 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--more", type=int, default=24, help="tokens generated after it")
     parser.add_argument("--dir", default="/tmp", help="where the cache files are written (removed after)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--cuda-graphs", choices=("auto", "off"), default="auto",
-                        help="off: every decode step runs op by op, so every step's selection is compared")
+    parser.add_argument("--cuda-graphs", choices=("auto", "on", "off"), default="auto",
+                        help="off: every decode step runs op by op, so every step's selection is compared; on: a "
+                             "failed capture raises")
     parser.add_argument("--out", default=None)
     parser.add_argument("--continue-job", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -168,7 +172,8 @@ def main(argv: list[str] | None = None) -> int:
                               check=False,
                               cwd=ROOT, timeout=1800)  # fmt: skip
         if done.returncode != 0:
-            raise SystemExit(f"the new process failed:\n{done.stderr[-4000:]}")
+            err = done.stderr if len(done.stderr) <= 8000 else f"{done.stderr[:4000]}\n...\n{done.stderr[-4000:]}"
+            raise SystemExit(f"the new process failed:\n{err}")  # the first error of a chain, and the last
         got = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
         for name, run in runs.items():
             got[name]["logits"] = torch.load(run["file"] + ".logits")

@@ -28,9 +28,9 @@ import numbers
 import os
 from dataclasses import dataclass
 
-DEFAULT_SELECTOR = "quantkey[bits=4,tail_bits=2,tail_near=3]"
+DEFAULT_SELECTOR = "quantkey[bits=4,tail_bits=2,tail_near=16]"
 """The default selector: every key on the device at 4 bits ranks the blocks, and the attention the selection leaves
-out is estimated from 2-bit values (token by token for the ``3k`` best unselected blocks, by block log-sum-exps for
+out is estimated from 2-bit values (token by token for the ``16k`` best unselected blocks, by block log-sum-exps for
 the rest) and joins the softmax; see :mod:`hf_offload.selectors.quantkey`."""
 
 

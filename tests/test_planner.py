@@ -307,10 +307,10 @@ def test_the_summary_level_a_bound_forces_is_predicted(share):
     predicted = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload", config)
     assert predicted.summary_selector == stats["selector"]
     assert predicted.device_summary_bytes == stats["device_summary_bytes"]
-    assert (stats["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]") == (share >= 1)
+    assert (stats["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=16.0]") == (share >= 1)
     fixed = plan(shape_from_config(model.config, dtype_bytes=4), cache.get_seq_length(), 3, "offload",
                  config.replace(coarsen_summaries=False))  # fmt: skip
-    assert fixed.summary_selector == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert fixed.summary_selector == "quantkey[bits=4,tail_bits=2,tail_near=16.0]"
     assert fixed.device_summary_bytes == summaries
 
 
@@ -324,7 +324,7 @@ def test_coarser_summaries_let_a_small_device_run_larger_batches():
     level = plan(shape, 131072, coarse, "offload", config, device_free_bytes=free)
     assert level.summary_selector == "quantkey" and level.peak_device_bytes <= free
     assert plan(shape, 131072, fine, "offload", config, device_free_bytes=free).summary_selector == (
-        "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+        "quantkey[bits=4,tail_bits=2,tail_near=16.0]"
     )
 
 

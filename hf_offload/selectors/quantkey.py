@@ -120,8 +120,8 @@ class QuantKeySelector(Selector):
 
     def coarser(self) -> QuantKeySelector | None:
         """The next coarser summary level: keys at half the bits, down to 2; then no estimate of the unselected
-        blocks (the values' summaries dropped). From the default, ``quantkey[bits=4,tail_bits=2,tail_near=3]``
-        (``20·H·D`` bytes per 16-token block, bf16): ``quantkey[bits=2,tail_bits=2,tail_near=3]`` (``16·H·D``),
+        blocks (the values' summaries dropped). From the default, ``quantkey[bits=4,tail_bits=2,tail_near=16]``
+        (``20·H·D`` bytes per 16-token block, bf16): ``quantkey[bits=2,tail_bits=2,tail_near=16]`` (``16·H·D``),
         then ``quantkey`` (``8·H·D``). ``None`` from plain 2-bit (or 1-bit) keys, and for a subclass with summaries
         of its own."""
         own = ("summarize", "summarize_values", "coarsen_summaries")

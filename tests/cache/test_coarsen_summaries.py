@@ -112,8 +112,8 @@ def test_a_bound_too_small_for_the_default_summaries_coarsens_and_stays_exact(ar
     assert torch.equal(got, expected)
     stats = cache.stats()
     assert [(e["from"], e["to"]) for e in stats["summary_levels"]] == [
-        ("quantkey[bits=4,tail_bits=2,tail_near=3.0]", "quantkey[tail_bits=2,tail_near=3.0]"),
-        ("quantkey[tail_bits=2,tail_near=3.0]", "quantkey"),
+        ("quantkey[bits=4,tail_bits=2,tail_near=16.0]", "quantkey[tail_bits=2,tail_near=16.0]"),
+        ("quantkey[tail_bits=2,tail_near=16.0]", "quantkey"),
     ]
     assert stats["selector"] == "quantkey" and cache.config.selector == "quantkey"
     assert len(messages) == 2 and "re-encoded from" in messages[0] and "coarsen_summaries=False" in messages[0]
@@ -147,7 +147,7 @@ def test_summaries_held_are_recoded_when_a_later_growth_does_not_fit():
     gib = _summary_free_bound(model, ids, mask, 0.6, **settings)
     cache, got, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
     levels = cache.stats()["summary_levels"]
-    assert [e["to"] for e in levels] == ["quantkey[tail_bits=2,tail_near=3.0]", "quantkey"]
+    assert [e["to"] for e in levels] == ["quantkey[tail_bits=2,tail_near=16.0]", "quantkey"]
     assert levels[0]["summary_bytes_before"] > 0 and levels[-1]["summary_bytes_after"] < levels[0]["summary_bytes_before"]
     assert got.shape == (2, ids.shape[1] + NEW_TOKENS)
     # Every held summary is the coarse level's encoding of the keys it summarises, within both levels' steps.
@@ -187,9 +187,9 @@ def test_reset_goes_back_to_the_configured_level_and_copies_keep_the_coarse_one(
     assert all(torch.equal(out, outs[0]) for out in outs[1:])
     cache.reset()
     assert cache.stats()["summary_levels"] == []
-    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=16.0]"
     assert all(layer.selector is cache.selector for layer in cache.offload_layers)
-    assert cache.config.selector == "quantkey[bits=4,tail_bits=2,tail_near=3]"
+    assert cache.config.selector == "quantkey[bits=4,tail_bits=2,tail_near=16]"
     with pytest.warns(RuntimeWarning, match="re-encoded from"):
         _generate(model, ids, mask, cache)  # and fills again, coarsening again under the same bound
     assert cache.stats()["selector"] == "quantkey"
@@ -252,7 +252,7 @@ def test_a_fault_part_way_through_a_coarsening_leaves_each_layer_whole(monkeypat
     _continue(model, ids, mask, cache, expected, start=step)
     cache.reset()
     assert all(layer.selector is cache.selector for layer in cache.offload_layers)
-    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=16.0]"
     assert torch.equal(_generate(model, ids, mask, cache), expected)
 
 
@@ -327,7 +327,7 @@ def _bound_for_level(model, ids, mask, level: str, **settings) -> float:
     return sum(layer.blocks.device_buffer_bytes() for layer in probe.offload_layers) / 2**30
 
 
-@pytest.mark.parametrize("level", ["quantkey[bits=2,tail_bits=2,tail_near=3]", "quantkey"])
+@pytest.mark.parametrize("level", ["quantkey[bits=2,tail_bits=2,tail_near=16]", "quantkey"])
 def test_a_load_into_a_bound_too_small_for_the_files_level_coarsens_as_it_loads(tmp_path, level):
     # A cache filled with no bound is saved at the default level and loaded under a bound that holds the device
     # buffers with `level`'s summaries: one level down or two. The load re-encodes the file's summaries as the
@@ -367,7 +367,7 @@ def test_a_load_into_a_bound_too_small_for_the_files_level_coarsens_as_it_loads(
         got = model(input_ids=step, attention_mask=step_mask, position_ids=position, past_key_values=loaded).logits
     torch.testing.assert_close(got, want)  # the same blocks attended (rounding apart: device or host blocks)
     loaded.reset()
-    assert loaded.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"  # the file's level again
+    assert loaded.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=16.0]"  # the file's level again
 
 
 def test_a_load_that_cannot_fit_even_the_coarsest_summaries_raises_and_leaves_nothing(tmp_path):
@@ -409,7 +409,7 @@ def test_cached_allocator_memory_is_given_back_before_a_coarsening(monkeypatch):
     got = _generate(model, ids, mask, cache)
     assert torch.equal(got, expected)
     assert len(calls) == 1 and cache.stats()["summary_levels"] == []
-    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=3.0]"
+    assert cache.stats()["selector"] == "quantkey[bits=4,tail_bits=2,tail_near=16.0]"
     # Without the release (a CPU: nothing to give back), the same bound coarsens.
     monkeypatch.setattr(blocks_module, "release_cached_memory", lambda device: False)
     coarsened, _, messages = _coarsened_generate(model, ids, mask, device_memory_gib=gib, **settings)
@@ -456,7 +456,7 @@ def test_the_finer_summaries_are_given_back_before_a_second_level(monkeypatch):
         got = _generate(model, ids, mask, cache)
     assert torch.equal(got, expected)
     levels = cache.stats()["summary_levels"]
-    assert [level["to"] for level in levels] == ["quantkey[tail_bits=2,tail_near=3.0]"], levels
+    assert [level["to"] for level in levels] == ["quantkey[tail_bits=2,tail_near=16.0]"], levels
     assert releases[0] == 0 and any(releases[1:]), releases  # once before the coarsening, again after it
     # Without a release (what the cached bytes cost before), the same room goes down both levels.
     monkeypatch.setattr(blocks_module, "release_cached_memory", lambda device: False)

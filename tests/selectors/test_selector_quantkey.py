@@ -20,9 +20,9 @@ def test_registered_exported_and_default():
 
     assert SELECTORS["quantkey"] is QuantKeySelector
     assert hf_offload.QuantKeySelector is QuantKeySelector and "QuantKeySelector" in hf_offload.__all__
-    assert OffloadConfig(budget_tokens=512).selector == DEFAULT_SELECTOR == "quantkey[bits=4,tail_bits=2,tail_near=3]"
+    assert OffloadConfig(budget_tokens=512).selector == DEFAULT_SELECTOR == "quantkey[bits=4,tail_bits=2,tail_near=16]"
     default = get_selector(DEFAULT_SELECTOR)
-    assert isinstance(default, QuantKeySelector) and (default.bits, default.tail_bits, default.tail_near) == (4, 2, 3)
+    assert isinstance(default, QuantKeySelector) and (default.bits, default.tail_bits, default.tail_near) == (4, 2, 16)
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
