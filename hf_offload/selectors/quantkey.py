@@ -292,6 +292,18 @@ class QuantKeySelector(Selector):
         near = math.ceil(self.tail_near * k)
         return bool(self.tail_near) and near < n_blocks, bool(self.tail_near) and k + near <= n_blocks
 
+    def estimate_coverage(self, n_blocks: int, k: int) -> float | None:
+        """The share of a step's unselected blocks that the estimate takes token by token (the rest count by their
+        mass alone), with ``n_blocks`` sealed blocks of which ``k`` are selected: ``1.0`` without ``tail_near`` or
+        where ``ceil(tail_near * k)`` reaches every unselected block, ``None`` without an estimate (``tail_bits=0``).
+        Below 1 aggregation tasks lose accuracy (docs/tuning.md, "How many near blocks")."""
+        if not self.tail_bits:
+            return None
+        unselected = n_blocks - k
+        if not self.tail_near or unselected <= 0:
+            return 1.0
+        return min(1.0, math.ceil(self.tail_near * k) / unselected)
+
     def near_count(self, selection: Selection, n: int) -> int:
         """Unselected blocks the bounded estimate takes token by token: ``ceil(tail_near * k)``, at most ``n``."""
         return min(n, math.ceil(self.tail_near * selection.blocks.shape[-1]))

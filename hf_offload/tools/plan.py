@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nsummaries: the configured {_spec(config.selector)!r} would not fit beside the cache's other device "
               f"bytes; the cache re-encodes them at {p.summary_selector!r} (coarsen_summaries; docs/tuning.md, "
               "'Summaries that fit')")  # fmt: skip
+    _print_coverage(args.context, config)
     if device_free is not None and args.admission == "auto":
         suggest = suggested_device_memory_gib(shape, args.context, args.batch, config, device_free, args.margin_gib)
         print(f"\nadmission='auto': {p.admitted_reserved_bytes / GIB:.2f} GiB admitted, "
@@ -155,6 +156,24 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus:
         _print_gpus(shape, args, config)
     return 0
+
+
+def _print_coverage(context: int, config: OffloadConfig) -> None:
+    """Where the selector's estimate of the unselected blocks takes only some of them token by token at this context
+    and budget, say how many (aggregation tasks lose accuracy below all of them)."""
+    from ..selectors import get_selector
+
+    selector = get_selector(config.selector)
+    coverage = getattr(selector, "estimate_coverage", None)
+    n = context // config.block_tokens
+    k = min(n, -(-config.budget_tokens // config.block_tokens))
+    share = coverage(n, k) if coverage is not None else None
+    if share is None or share >= 1:
+        return
+    print(f"\nestimate: {_spec(config.selector)!r} estimates about {share:.2f} of the {n - k:,} unselected blocks "
+          f"token by token at {context:,} tokens (tail_near={selector.tail_near:g} per selected block), the rest by "
+          "their mass alone; aggregation tasks lose accuracy below all of them (docs/tuning.md, 'How many near "
+          "blocks'); selector='quantkey[bits=4,tail_bits=2]' estimates every one")  # fmt: skip
 
 
 def _spec(selector) -> str:

@@ -186,3 +186,13 @@ def test_a_changed_selection_ranks_again():
     chosen = torch.zeros(B, N, dtype=torch.bool).scatter(1, swapped.blocks[:, 0], True)
     near_ok, index = selector.near_index(tokens_ok & ~chosen[:, :, None], swapped)
     assert not chosen.gather(1, index)[near_ok.any(-1)].any()
+
+
+def test_estimate_coverage_is_the_share_of_unselected_blocks_taken_token_by_token():
+    near16 = QuantKeySelector(bits=4, tail_bits=2, tail_near=16)
+    assert near16.estimate_coverage(512, 32) == 1.0  # 1/16: 512 near blocks reach the 480 unselected
+    assert near16.estimate_coverage(1024, 32) == 512 / 992
+    assert near16.estimate_coverage(8192, 128) == 2048 / 8064
+    assert QuantKeySelector(bits=4, tail_bits=2).estimate_coverage(8192, 128) == 1.0  # every unselected block
+    assert QuantKeySelector(bits=4).estimate_coverage(8192, 128) is None  # no estimate
+

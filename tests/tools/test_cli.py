@@ -110,3 +110,15 @@ def test_plan_with_a_prefill_chunk_prints_its_peak_and_bounds_the_batches(capsys
     with pytest.raises(SystemExit):
         main(["plan", "llama-3.1-8b", "--context", "131072", "--prefill-chunk", "0"])
     assert "--prefill-chunk takes a number of tokens >= 1" in capsys.readouterr().err
+
+
+def test_plan_says_how_much_of_the_tail_the_estimate_covers(capsys):
+    # Budget 2048 at 128K: 128 selected blocks of 8,192, 16 x 128 = 2,048 near blocks of the 8,064 unselected.
+    assert main(["plan", "llama-3.1-8b", "--context", "131072", "--batch", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "estimates about 0.25 of the 8,064 unselected blocks" in out
+    assert main(["plan", "llama-3.1-8b", "--context", "32768", "--batch", "1"]) == 0  # 1/16: every one
+    assert "unselected blocks" not in capsys.readouterr().out
+    assert main(["plan", "llama-3.1-8b", "--context", "131072", "--selector", "quantkey[bits=4,tail_bits=2]"]) == 0
+    assert "unselected blocks" not in capsys.readouterr().out
+
