@@ -43,6 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
+from hf_offload.cache import parked_bytes
 from hf_offload.tools.bench import SHAPES  # noqa: E402
 
 GIB = 1 << 30
@@ -109,6 +110,8 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
     row = {"cache": kind, "batch": batch, "context": context, "new_tokens": new_tokens, "prefill_chunk": chunk}
     gc.collect()
     torch.cuda.empty_cache()
+    # What an earlier cache of the model left parked for this one (its graphs replay here where the shapes match).
+    row["parked_gib_before"] = parked_bytes(model) / GIB
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     if tokenizer is None:

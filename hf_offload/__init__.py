@@ -37,6 +37,7 @@ _EXPORTS = {
     "UnionSelector": ".selectors",
     "get_selector": ".selectors",
     "register_selector": ".selectors",
+    "release_parked": ".cache",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -44,6 +45,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from .patches import disable_offload_attention, enable_offload_attention
     from .cache import CacheFileError, OffloadCache, OffloadLayer, forward_cache_kwarg, generate_cache_kwarg
+    from .cache import release_parked
     from .config import OffloadConfig
     from .selectors import (
         HeadwiseSelector,

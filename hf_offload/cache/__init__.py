@@ -7,6 +7,7 @@ from .container import OffloadCache, forward_cache_kwarg, generate_cache_kwarg, 
 from .execution import GRAPH_CAPACITY_BLOCKS, LayerExecution
 from .graphs import GraphRunner
 from .layer import OffloadLayer
+from .parking import parked_bytes, release_parked
 from .persist import FORMAT_VERSION, CacheFileError
 from .planner import DecodePlanner
 from .recaller import Recaller
@@ -29,5 +30,7 @@ __all__ = [
     "forward_cache_kwarg",
     "generate_cache_kwarg",
     "layer_types",
+    "parked_bytes",
     "release_graph_pools",
+    "release_parked",
 ]

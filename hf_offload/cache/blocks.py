@@ -92,6 +92,7 @@ class BlockStore:
         self.summary_store: dict[str, torch.Tensor] = {}
         self.summaries: dict[str, torch.Tensor] = {}
         self.reserved_blocks = 0  # summary capacity asked for by reserve(); outlives release()
+        self.recycled = False  # emptied for another cache (recycle()) and not updated since
         self.storage_epoch = 0  # counts replacements of the summary and block-table buffers (graphs read them)
         self._clear()
 
@@ -187,7 +188,42 @@ class BlockStore:
             self.block_table_dev = None
             self.keys = self.values = self.open_k = self.open_v = None
             self.is_initialized = False
+        self.recycled = False
         self._clear()
+
+    def recycle(self) -> None:
+        """Drop every token but keep every buffer at its address, for the next cache of the model
+        (:mod:`~hf_offload.cache.parking`): the slot pool, summaries, block tables, host chunks and their tables stay
+        allocated, emptied as a new store's are (zeros, ``-1`` past the sealed blocks), so that a prefill of the same
+        shapes writes into them in place and the graphs captured over them stay valid (:meth:`storage_key` does not
+        change). :attr:`recycled` stays set until the next update, which releases the buffers first where its batch,
+        heads or dtype differ."""
+        if not self.is_initialized:
+            return
+        if self.execution.streams is not None:
+            torch.cuda.synchronize(self.device)  # side-stream writes and prefetches into these buffers finish first
+        self.host.clear()
+        for store in self.summary_store.values():
+            store.zero_()
+        self.summaries = {name: store[:, :0] for name, store in self.summary_store.items()}
+        if self.block_table_dev is not None:
+            self.block_table_dev.fill_(-1)
+        self._block_table_store.fill_(-1)
+        self.block_table = self._block_table_store[:, :0]
+        self.pool.clear()
+        self.pool.data.zero_()
+        self.pool.clock.zero_()
+        seal_args = self.seal_args
+        self._clear()
+        self.seal_args = seal_args  # a captured seal reads it
+        self.keys, self.values = self.open_k[:, :, :0], self.open_v[:, :, :0]
+        self.recycled = True
+
+    def fits(self, key_states: torch.Tensor) -> bool:
+        """Whether keys shaped like ``key_states`` go into the allocated buffers (batch, heads, head size, dtype,
+        device)."""
+        return (tuple(key_states.shape[:2]) == (self.batch, self.kv_heads) and key_states.shape[-1] == self.head_dim
+                and key_states.dtype == self.dtype and key_states.device == self.device)  # fmt: skip
 
     # ----------------------------------------------------------------------------------------------------- editing
     def crop(self, n_tokens: int) -> None:

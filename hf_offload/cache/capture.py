@@ -225,3 +225,8 @@ class StaticInputs:
         """Forget the buffers (graphs that read them keep them alive)."""
         self._buffers.clear()
         self._last.clear()
+
+    def forget_last(self) -> None:
+        """Keep the buffers but copy every argument into them at the next call (another cache's tensors may sit at
+        the addresses of the last ones)."""
+        self._last.clear()

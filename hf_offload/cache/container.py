@@ -33,6 +33,7 @@ from ..store.disk import DiskTier
 from .execution import call_fusions, fused
 from .layer import OffloadLayer
 from .modes import normal_tensors
+from .parking import ParkSlot, park, take
 from .persist import load_cache, save_cache
 from .shared import DeviceResources
 from .stats import summarize
@@ -162,7 +163,21 @@ class OffloadCache(Cache):
         self.patches = install_patches(model, config)
         self.original_attn_implementation = self.patches.original_attn_implementation
         self._model_ref = weakref.ref(model)
+        # What garbage collection parks on the model for its next cache (parking: graphs captured once); no
+        # reference back to this cache.
+        self._park = ParkSlot(offload, self._shared, self.host_budget, self.patches, self._model_ref,
+                              disk=self.disk is not None)  # fmt: skip
+        self._parker = weakref.finalize(self, park, self._park)
+        self._parker.atexit = False
         self._broken: str | None = None  # why the cache cannot be used until reset(), or None
+
+    @property
+    def _broken(self) -> str | None:
+        return self._park.broken
+
+    @_broken.setter
+    def _broken(self, why: str | None) -> None:
+        self._park.broken = why
 
     @property
     def config(self) -> OffloadConfig:
@@ -192,6 +207,8 @@ class OffloadCache(Cache):
         """
         if self._closed:
             return
+        self._parker.detach()
+        self._park.closed = True
         self._release_all()
         self._closed = True
 
@@ -212,12 +229,15 @@ class OffloadCache(Cache):
             self.disk.close()
 
     @normal_tensors
-    def before_forward(self, q_len: int) -> None:
-        """Before a forward of ``q_len`` tokens through this cache (called by the model's forward pre-hook,
-        :mod:`hf_offload.patches.forwards`): reserve the disk space its seals may spill (:meth:`DiskTier.reserve`),
+    def before_forward(self, q_len: int, batch: int | None = None) -> None:
+        """Before a forward of ``q_len`` tokens (of ``batch`` sequences, where known) through this cache (called by
+        the model's forward pre-hook, :mod:`hf_offload.patches.forwards`): take what a collected cache of the model
+        parked for it (:meth:`_take_parked`), reserve the disk space its seals may spill (:meth:`DiskTier.reserve`),
         so that a full disk refuses the forward before any layer changes."""
         if self._closed or self._broken is not None:
             return
+        if self.patches.parked is not None:
+            self._take_parked(batch)
         need: dict[int, list] = {}
         for layer in self.offload_layers:
             store = layer.blocks
@@ -233,6 +253,35 @@ class OffloadCache(Cache):
             entry[1] += grow
         for budget, grow in need.values():
             budget.disk.reserve(budget.reserved_bytes + grow - budget.limit_bytes)
+
+    def _take_parked(self, batch: int | None) -> None:
+        """Before the first forward (of ``batch`` sequences, where known) of a cache holding no tokens: take the
+        layers, buffers and graphs that a collected cache of the same model, settings and batch parked
+        (:mod:`~hf_offload.cache.parking`), emptied in place, so that its captured graphs replay here; a parked state
+        that does not fit is freed before the forward allocates."""
+        offload = self.offload_layers
+        if any(layer.blocks.is_initialized for layer in offload):
+            return
+        model = self._model_ref()
+        state = None if model is None else take(self.patches, self.config, model)
+        if state is None:
+            return
+        if (self.disk is not None or [layer.layer_idx for layer in state.layers] != [l.layer_idx for l in offload]
+                or (batch is not None and any(layer.blocks.batch != batch for layer in state.layers))):
+            state.release()
+            return
+        reserved = {layer.layer_idx: layer.blocks.reserved_blocks for layer in offload}
+        self._shared, self.host_budget = state.shared, state.budget
+        for layer in state.layers:
+            self.layers[layer.layer_idx] = layer
+            layer.cache_id = id(self)
+        for statics in self._shared.statics.values():
+            statics.forget_last()
+        for layer in state.layers:
+            layer.recycle()
+            if reserved[layer.layer_idx] > layer.blocks.reserved_blocks:  # reserve() called on this cache
+                layer.blocks.reserve(reserved[layer.layer_idx] * layer.block_tokens)
+        self._park.layers, self._park.shared, self._park.budget = list(state.layers), state.shared, state.budget
 
     @normal_tensors
     def after_failed_forward(self, error: BaseException) -> None:

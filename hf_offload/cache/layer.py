@@ -189,6 +189,19 @@ class OffloadLayer(CacheLayerMixin):
         self.planner.reset()
         self.recaller.clear()
 
+    @normal_tensors
+    def recycle(self) -> None:
+        """Drop all tokens but keep the buffers and the captured graphs, for the next cache of the model
+        (:mod:`~hf_offload.cache.parking`, :meth:`BlockStore.recycle`); the counters start at zero."""
+        if self.blocks.is_initialized:
+            self.resources.decode_inputs(self.device).invalidate()
+        self.blocks.recycle()
+        self.planner.kept = None
+        self.recaller.recycle()
+        self.stats.reset()
+        self._decode_noted = False
+        self.graphs.warned_rounds = False
+
     # ------------------------------------------------------------------------------------------------------ update
     def _note_forward(self, key_states: torch.Tensor) -> None:
         """At the first offloaded layer of a forward: let the device admission learn the forward's temporaries (a
@@ -221,6 +234,9 @@ class OffloadLayer(CacheLayerMixin):
             sealed blocks it selects.
         """
         store = self.blocks
+        if store.recycled and not store.fits(key_states):
+            self.reset()  # another cache's buffers (parking) of other shapes: freed before this forward's
+        store.recycled = False
         if not store.is_initialized:
             self.initialize_like(key_states, value_states)
         elif key_states.shape[0] != store.batch or key_states.shape[1] != store.kv_heads:

@@ -67,6 +67,13 @@ class Recaller:
         self._prefetch_marks: torch.Tensor | None = None
         self._memo = {}
 
+    def recycle(self) -> None:
+        """Forget the pending prefetch but keep the buffers graphs read (the prefetch marks, zeroed) and the index
+        tensors (the block store keeps its shapes): :meth:`BlockStore.recycle`."""
+        self._prefetch_event = None
+        if self._prefetch_marks is not None:
+            self._prefetch_marks.zero_()
+
     # ------------------------------------------------------------------------------------------------- stream order
     def wait_prefetch(self) -> None:
         """Make the compute stream wait for this layer's pending speculative recall, if any."""

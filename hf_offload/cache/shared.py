@@ -67,8 +67,12 @@ def _return_pool(device: torch.device, lease: _PoolLease) -> None:
 def release_graph_pools() -> int:
     """Let go of the CUDA graph memory pools that no cache uses: the caches of a process hand their pool on to the
     next cache (so that a cache per request does not grow the memory the allocator reserves), and one idle pool per
-    device stays reserved after the last cache is gone. Call this, then ``torch.cuda.empty_cache()``, to give that
-    memory back. Returns how many pools were let go."""
+    device stays reserved after the last cache is gone. The states collected caches parked for the next cache of
+    their model (:func:`~hf_offload.cache.parking.release_parked`) are freed first, their pools with them. Call this,
+    then ``torch.cuda.empty_cache()``, to give that memory back. Returns how many pools were let go."""
+    from .parking import release_parked
+
+    release_parked()
     with _IDLE_LOCK:
         released = sum(len(idle) for idle in _IDLE_POOLS.values())
         _IDLE_POOLS.clear()

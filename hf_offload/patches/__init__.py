@@ -66,6 +66,8 @@ class ModelPatches:
         rotary_modules: attention modules with a fused rotary embedding.
         projection_groups: groups of sibling projections re-laid as one tensor.
         forward_hooks: whether the model's forward has the hooks of :mod:`~hf_offload.patches.forwards`.
+        parked: the offloaded layers, buffers and graphs of a collected cache waiting for the next cache of the
+            model (:mod:`hf_offload.cache.parking`), or ``None``.
 
     The counts are those of the last :func:`install`.
     """
@@ -75,6 +77,7 @@ class ModelPatches:
         self.attention = attention
         self.layer_calls = self.norm_modules = self.rotary_modules = self.projection_groups = 0
         self.forward_hooks = False
+        self.parked = None  # the parts of a collected cache waiting for the model's next one (cache.parking)
 
     @property
     def original_attn_implementation(self) -> str:
@@ -151,6 +154,9 @@ def remove(model: torch.nn.Module) -> None:
     """Remove every patch from ``model``, whichever cache installed it (idempotent): the model is then exactly the
     one given to the first install (see the module docstring)."""
     patches = _INSTALLED.pop(model, None)
+    if patches is not None and patches.parked is not None:
+        parked, patches.parked = patches.parked, None
+        parked.release()  # its graphs read the fused weights about to be re-laid
     remove_forward_hooks(model)
     remove_fused_projections(model)
     remove_fused_rotary(model)

@@ -5,7 +5,9 @@ forward given a cache that has ``before_forward`` / ``after_failed_forward`` (an
 :class:`~hf_offload.cache.OffloadCache`) calls them: before it, with the number of new tokens (the disk tier reserves
 the space the forward's seals may spill, so a full disk refuses the forward before any layer changes); after an
 exception escaped it, with the exception (the layers the forward reached before it stopped are rolled back). A
-forward given any other cache, or none, is untouched. :func:`remove_forward_hooks` takes both hooks off.
+forward given any other cache, or none, is untouched, except that the layers a collected ``OffloadCache`` parked on the
+model for its next one are freed (:mod:`hf_offload.cache.parking`). :func:`remove_forward_hooks` takes both hooks
+off.
 """
 
 from __future__ import annotations
@@ -23,13 +25,24 @@ def _before(module, args, kwargs):
     cache = _given_cache(kwargs)
     prepare = getattr(cache, "before_forward", None)
     if prepare is None:
+        _release_parked(module)  # another cache (or none) runs the model: a parked cache's memory goes back
         return None
     ids = kwargs.get("input_ids", args[0] if args else None)
     if ids is None:
         ids = kwargs.get("inputs_embeds")
     if isinstance(ids, torch.Tensor) and ids.dim() >= 2:
-        prepare(int(ids.shape[1]))
+        prepare(int(ids.shape[1]), batch=int(ids.shape[0]))
     return None
+
+
+def _release_parked(model) -> None:
+    from . import installed
+
+    patches = installed(model)
+    if patches is not None and patches.parked is not None:
+        from ..cache.parking import release_parked
+
+        release_parked(model)
 
 
 def _after(module, args, kwargs, output):

@@ -24,7 +24,9 @@ def test_shipped_recipes_load(path):
     recipe = load_recipe(path)
     assert recipe.study == path.stem
     assert recipe.suite in ("ruler", "longbench", "longbench_e")
-    assert "dense" in recipe.methods and recipe.budgets == ["1/16"] and recipe.budget_min_tokens == 512
+    # Every shipped study pairs dense with budgets given as a share of the context (1/16; the 1,024-token study at
+    # 32K: 1/32), at least 512 tokens.
+    assert "dense" in recipe.methods and recipe.budgets in (["1/16"], ["1/32"]) and recipe.budget_min_tokens == 512
 
 
 def test_ruler_recipe_is_the_published_study():

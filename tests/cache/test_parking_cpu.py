@@ -1,0 +1,169 @@
+"""Parking (:mod:`hf_offload.cache.parking`) on the CPU: a collected cache's layers, buffers and graphs serve the next
+cache of the same model and settings, which then replays instead of capturing.
+
+CUDA graphs need a GPU (``tests/cache/test_cuda_parking.py``). Here the stand-in graphs of
+``test_layer_graphs_cpu.py`` run the captured calls again at each replay. A stand-in of a whole layer gets the cache
+that runs the step at replay time (a real graph holds no Python object), and the stand-in of a seal checks that it
+replays on the buffers it was captured with.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_offload import OffloadCache, release_parked
+from hf_offload.cache import OffloadLayer, parked_bytes
+from hf_offload.cache.capture import CapturedLayer, StaticInputs
+from hf_offload.patches import installed
+
+from ..helpers import build_model, left_padded
+from .test_layer_graphs_cpu import SMALL, _assert_same_sealed_state, _stand_in_attention, _stand_in_work
+
+CAPTURES = ("graph_captures", "layer_graph_captures", "seal_graph_captures")
+_RUNNING: dict = {}  # the cache of the forward running now (a stand-in replay calls the layer with it)
+
+
+class _Running:
+    """Stands for the cache argument in a stand-in graph (a real graph does not hold the cache)."""
+
+
+def _stand_in_layer(layer):
+    statics = StaticInputs()
+
+    def capture(device, forward, args, kwargs, held):
+        buffers, static_args, static_kwargs = statics.load(args, kwargs)
+        static_kwargs = {k: _Running() if isinstance(v, OffloadCache) else v for k, v in static_kwargs.items()}
+        mode = layer.graphs.layer_capture
+        captured = CapturedLayer(graph=None, statics=buffers, inputs=statics, out=None, held=held)
+        read = [*layer.blocks.summary_store.values(), layer.blocks.pool.data, layer.blocks.open_k]
+
+        def run():
+            now = [*layer.blocks.summary_store.values(), layer.blocks.pool.data, layer.blocks.open_k]
+            assert all(a is b for a, b in zip(now, read)), "a layer replayed on new buffers"
+            cache = _RUNNING["cache"]()
+            call = {k: cache if isinstance(v, _Running) else v for k, v in static_kwargs.items()}
+            layer.graphs.layer_capture = mode
+            try:
+                captured.out = forward(*static_args, **call)
+            finally:
+                layer.graphs.layer_capture = None
+
+        captured.graph = type("Replay", (), {"replay": staticmethod(run)})()
+        return captured
+
+    return capture
+
+
+@pytest.fixture
+def graphs(monkeypatch):
+    """Offloaded layers on the CPU capture and replay stand-in graphs; parked states are freed after the test."""
+    resolve = OffloadLayer.resolve
+    before = OffloadCache.before_forward
+
+    def resolve_with_graphs(self):
+        resolve(self)
+        if self.config.cuda_graphs is not False:
+            self.execution.graphs = True
+            self.execution.capacity_blocks = self.config.decode_capacity_blocks
+            self.graphs._capture_graph = _stand_in_attention
+            self.graphs._capture_layer = _stand_in_layer(self)
+            self.graphs._capture_work = _stand_in_work(self)
+
+    def before_forward(self, q_len, batch=None):
+        _RUNNING["cache"] = weakref.ref(self)
+        return before(self, q_len, batch)
+
+    monkeypatch.setattr(OffloadLayer, "resolve", resolve_with_graphs)
+    monkeypatch.setattr(OffloadCache, "before_forward", before_forward)
+    yield
+    release_parked()
+    _RUNNING.clear()
+
+
+def _generate(model, lengths=(70, 53, 31), seed=3, steps=24, **options):
+    """Greedy tokens of a fresh cache and its stats; the cache is let go of on return."""
+    ids, mask = left_padded(list(lengths), seed=seed)
+    cache = OffloadCache(model, **dict(SMALL, **options))
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
+                             min_new_tokens=steps, do_sample=False)  # fmt: skip
+    stats = cache.stats()
+    layers = {layer.layer_idx: layer for layer in cache.offload_layers}
+    return out, stats, layers
+
+
+def _captures(stats) -> dict:
+    return {name: int(stats[name]) for name in CAPTURES}
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_next_cache_replays_the_parked_graphs_and_gives_the_tokens_of_a_fresh_one(arch, graphs):
+    model = build_model(arch)
+    expected, eager_stats, eager = _generate(model, seed=4, cuda_graphs=False)  # parks nothing: no graphs
+    first, stats, _ = _generate(model, seed=3)
+    assert all(v > 0 for v in _captures(stats).values())
+    assert installed(model).parked is not None and parked_bytes(model) > 0
+    # Other prompts of the same lengths: the same geometry, other contents.
+    got, stats, layers = _generate(model, seed=4)
+    assert _captures(stats) == dict.fromkeys(CAPTURES, 0)
+    assert int(stats["layer_graph_replays"]) > 0 and int(stats["seal_graph_replays"]) > 0
+    assert torch.equal(got, expected)
+    for name in ("recalled_blocks", "decode_recalled_blocks", "offloaded_bytes", "decode_steps", "host_kv_bytes"):
+        assert stats[name] == eager_stats[name], name
+    for idx, layer in layers.items():
+        _assert_same_sealed_state(layer, eager[idx])
+    assert not torch.equal(first, got)
+
+
+def test_a_cache_of_another_batch_or_other_settings_frees_the_parked_state(graphs):
+    model = build_model("llama")
+    _generate(model)
+    got, stats, _ = _generate(model, lengths=(70, 53))  # another batch: each layer frees the parked buffers
+    assert all(v > 0 for v in _captures(stats).values())
+    expected, _, _ = _generate(model, lengths=(70, 53), cuda_graphs=False)
+    assert torch.equal(got, expected)
+    _generate(model)
+    assert installed(model).parked is not None
+    got, stats, _ = _generate(model, budget_tokens=40)  # other settings: the parked state is freed, not taken
+    assert installed(model).parked is not None  # this cache's own, parked after it
+    assert all(v > 0 for v in _captures(stats).values())
+    expected, _, _ = _generate(model, budget_tokens=40, cuda_graphs=False)
+    assert torch.equal(got, expected)
+
+
+def test_a_closed_cache_parks_nothing_and_other_caches_free_the_parked_state(graphs):
+    model = build_model("llama")
+    ids, mask = left_padded([70, 53, 31], seed=3)
+    with OffloadCache(model, **SMALL) as cache:
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    del cache
+    assert installed(model).parked is None
+    _generate(model)
+    assert installed(model).parked is not None
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=DynamicCache())
+    assert installed(model).parked is None and parked_bytes(model) == 0
+    _generate(model)
+    assert release_parked(model) == 1 and installed(model).parked is None
+    assert release_parked(model) == 0
+
+
+def test_a_collected_cache_is_freed_at_once_and_parked_layers_follow_the_model(graphs):
+    model = build_model("llama")
+    ids, mask = left_padded([70, 53, 31], seed=3)
+    cache = OffloadCache(model, **SMALL)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    ref = weakref.ref(cache)
+    layer = weakref.ref(cache.offload_layers[0])
+    del cache
+    assert ref() is None  # no cycle holds it: parked at once, not at the next collection
+    assert layer() is not None and installed(model).parked is not None
+    del model
+    gc.collect()
+    assert layer() is None  # the parked state goes with the model
