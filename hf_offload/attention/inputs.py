@@ -49,12 +49,17 @@ class DecodeInputs:
         capacity: blocks a step scores (the open block's row).
 
     The buffers keep their address while ``batch``, ``capacity`` and ``block_tokens`` stay the same; a step with new
-    values fills them in place.
+    values fills them in place. The buffers of the last two shapes are kept, so that a step back at the previous
+    shape (the first decode step of the next cache that takes the layers, :mod:`~hf_offload.cache.parking`, after a
+    decode that crossed a capacity) finds the buffers its graphs read.
     """
+
+    _KEPT_SHAPES = 2
 
     def __init__(self) -> None:
         self._step: tuple | None = None
         self._shape: tuple | None = None
+        self._sets: dict[tuple, tuple] = {}  # shape -> (rows, valid, forced, sequence, open_pos), oldest first
         self._plain_n: int | None = None  # sealed rows hold "every token" up to this block, nothing past it
         self.rows = self.valid = self.forced = self.sequence = self.open_pos = None
         self.capacity = 0
@@ -104,11 +109,19 @@ class DecodeInputs:
             return self
         shape = (batch, capacity, block_tokens, device)
         if shape != self._shape:
-            self.rows = torch.zeros((batch, capacity + 2, block_tokens), dtype=torch.bool, device=device)
-            self.valid = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
-            self.forced = torch.zeros((batch, capacity), dtype=torch.bool, device=device)
-            self.sequence = torch.arange(batch, device=device)[:, None, None]
-            self.open_pos = torch.zeros(1, dtype=torch.int64, device=device)
+            buffers = self._sets.pop(shape, None)
+            if buffers is None:
+                buffers = (
+                    torch.zeros((batch, capacity + 2, block_tokens), dtype=torch.bool, device=device),
+                    torch.zeros((batch, capacity), dtype=torch.bool, device=device),
+                    torch.zeros((batch, capacity), dtype=torch.bool, device=device),
+                    torch.arange(batch, device=device)[:, None, None],
+                    torch.zeros(1, dtype=torch.int64, device=device),
+                )
+            self._sets[shape] = buffers
+            while len(self._sets) > self._KEPT_SHAPES:
+                del self._sets[next(iter(self._sets))]
+            self.rows, self.valid, self.forced, self.sequence, self.open_pos = buffers
             self.capacity = capacity
             self._shape = shape
             self._plain_n = None

@@ -193,16 +193,21 @@ class BlockStore:
 
     def recycle(self) -> None:
         """Drop every token but keep every buffer at its address, for the next cache of the model
-        (:mod:`~hf_offload.cache.parking`): the slot pool, summaries, block tables, host chunks and their tables stay
+        (:mod:`~hf_offload.cache.parking`): the slot pool, summaries, block tables and the host pool's chunk tables stay
         allocated, emptied as a new store's are (zeros, ``-1`` past the sealed blocks), so that a prefill of the same
         shapes writes into them in place and the graphs captured over them stay valid (:meth:`storage_key` does not
-        change). :attr:`recycled` stays set until the next update, which releases the buffers first where its batch,
+        change); the chunks themselves are freed (:meth:`drop_chunks`) and grown again as a new store grows them, with
+        the same admission to the device. :attr:`recycled` stays set until the next update, which releases the buffers first where its batch,
         heads or dtype differ."""
         if not self.is_initialized:
             return
         if self.execution.streams is not None:
             torch.cuda.synchronize(self.device)  # side-stream writes and prefetches into these buffers finish first
-        self.host.clear()
+        self.drop_chunks()
+        host = self.host
+        if host._chunk_addrs is not None:  # entries of chunks that are gone: zeros, as in new tables
+            host._chunk_addrs.zero_()
+            host._chunk_on_host[:-1].zero_()
         for store in self.summary_store.values():
             store.zero_()
         self.summaries = {name: store[:, :0] for name, store in self.summary_store.items()}
@@ -218,6 +223,12 @@ class BlockStore:
         self.seal_args = seal_args  # a captured seal reads it
         self.keys, self.values = self.open_k[:, :, :0], self.open_v[:, :, :0]
         self.recycled = True
+
+    def drop_chunks(self) -> None:
+        """Free the host pool's chunks (host memory and admitted device chunks) but keep its device tables, which the
+        chunks grown next fill in place (:meth:`HostBlockPool.release`): a parked layer holds no KV
+        (:mod:`~hf_offload.cache.parking`). Side-stream work on the chunks must be finished."""
+        self.host.release(keep_tables=True)
 
     def fits(self, key_states: torch.Tensor) -> bool:
         """Whether keys shaped like ``key_states`` go into the allocated buffers (batch, heads, head size, dtype,

@@ -110,6 +110,9 @@ class GraphRunner:
         self.ahead_graphs = True  # False once a capture with the next layer's prefetch in it failed
         self.seal_graphs = True
         self.last_key: tuple | None = None  # the graph key of this layer's last decode step
+        # The block capacity of the first decode step since the layer was allocated or recycled: its graphs are kept
+        # beside those of the current capacity, so that the next cache that takes this layer (parking) finds them.
+        self.entry_n: int | None = None
         self.warned_rounds = False
 
     def note_rounds(self, k: int, slots: int) -> None:
@@ -134,6 +137,19 @@ class GraphRunner:
         self.graphs.clear()
         self.warm_geometries.clear()
         self.last_key = None
+        self.entry_n = None
+
+    def recycle(self) -> None:
+        """Keep the graphs for the next cache of the model (:meth:`OffloadLayer.recycle`); its first decode step sets
+        the entry capacity anew."""
+        self.entry_n = None
+        self.warned_rounds = False
+
+    def _kept_capacities(self, n: int) -> tuple:
+        """The block capacities whose graphs a capture at capacity ``n`` keeps: ``n`` and the entry capacity."""
+        if self.entry_n is None:
+            self.entry_n = n
+        return (n, self.entry_n)
 
     # --------------------------------------------------------------------------------------------- decode attention
     def warm_for(self, n: int, k: int, query: torch.Tensor, scaling: float, reuse: bool = False) -> tuple:
@@ -179,6 +195,8 @@ class GraphRunner:
         """
         key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), self.blocks.storage_key(), reuse)
         self.last_key = key
+        if self.entry_n is None:
+            self.entry_n = n
         graph = self.graphs.get(key) if self.execution.graphs else None
         warm = self.warm_for(n, k, query, scaling, reuse)
         if graph is None and self.execution.graphs and warm in self.warm_geometries:
@@ -219,7 +237,8 @@ class GraphRunner:
         (with ``cuda_graphs=True``: the error is raised), unless ``retry_op_by_op``: then the failure is only counted
         (``graph_capture_retries``) and the caller runs the step op by op and captures again.
         """
-        self.graphs = {g: v for g, v in self.graphs.items() if g[0] in (key[0], "seal")}
+        kept = self._kept_capacities(key[0])
+        self.graphs = {g: v for g, v in self.graphs.items() if g[0] in kept or g[0] == "seal"}
         self.stats.prepare_capture(self.blocks.device)
         self.recaller.wait_side_streams()
         held = (*self.blocks.held_buffers(), *self.recaller.held_buffers(), inputs.rows, inputs.valid, inputs.forced,
@@ -277,9 +296,12 @@ class GraphRunner:
             step=mask, capacity=n,
         )  # fmt: skip
         reuse = self.planner.reuses_selection(store.n_tokens, n_before, k, n)
+        if self.entry_n is None:
+            self.entry_n = n
         attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), store.storage_key(), reuse)
-        # The last step's attention may have reused where this one chooses (or the reverse): the rest must match.
-        if attention_key[:-1] != last[:-1] or attention_key not in self.graphs:
+        # The step's attention must have run (and been captured) at this very key before: by an earlier step of this
+        # cache, or of the cache that parked this layer (the first decode step of a later generate() call).
+        if attention_key not in self.graphs:
             return None
         flat = tree_flatten((args, kwargs))  # read once: by the signature and by the replay's copies
         # Lookahead in the graph: it reads the next layer's buffers, whose change means another graph.
@@ -329,7 +351,10 @@ class GraphRunner:
         def twin(g: tuple) -> bool:  # the same geometry, signature and buffers; the other kind of step
             return g[0] == key[0] and g[2][:-1] == key[2][:-1] and g[3:] == key[3:]
 
-        self.graphs = {g: v for g, v in self.graphs.items() if g[1:2] != ("layer",) or twin(g)}
+        entry = self._kept_capacities(key[0])[1]
+        # Of the whole-layer graphs: this key's twin, and those of the entry capacity while this one is another.
+        self.graphs = {g: v for g, v in self.graphs.items()
+                       if g[1:2] != ("layer",) or twin(g) or g[0] == entry != key[0]}  # fmt: skip
         store = self.blocks
         self.stats.prepare_capture(store.device)
         store.selectable_written = store.last_write

@@ -200,7 +200,7 @@ class OffloadLayer(CacheLayerMixin):
         self.recaller.recycle()
         self.stats.reset()
         self._decode_noted = False
-        self.graphs.warned_rounds = False
+        self.graphs.recycle()
 
     # ------------------------------------------------------------------------------------------------------ update
     def _note_forward(self, key_states: torch.Tensor) -> None:

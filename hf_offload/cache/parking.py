@@ -13,9 +13,10 @@ selected, where the blocks lie), and its first decode step replays instead of ca
 
 What parks: a cache with graphs (CUDA, ``cuda_graphs`` not ``False``) whose every offloaded layer holds tokens, with
 no disk tier, no block shared with another cache (``fork``), summaries at the level it was built with, not broken
-and not closed. ``close()`` frees every tier at once and parks nothing. A parked state holds what its cache held
-(device slot pools, summaries, admitted chunks, pinned host chunks, graph pools) until it is taken, replaced by a
-newer one, or released: by :func:`release_parked` (also through ``hf_offload.cache.release_graph_pools``), by a
+and not closed. ``close()`` frees every tier at once and parks nothing. Parking frees the KV itself (host and
+admitted chunks; the next cache grows them again through the same chunk tables); a parked state holds the device
+slot pools, summaries, block and chunk tables and graph pools until it is taken, replaced by a newer one, or
+released: by :func:`release_parked` (also through ``hf_offload.cache.release_graph_pools``), by a
 forward of the model with any other cache (a ``DynamicCache`` run gets the memory back), by a cache of other settings
 (before it allocates anything), by removing the model's patches, or with the model. A taken state whose batch, head
 shapes or dtype do not match the new forward's is freed layer by layer before that layer allocates.
@@ -108,6 +109,12 @@ def park(slot: ParkSlot) -> None:
         return
     model = slot.model_ref()
     state = ParkedState(list(slot.layers), slot.shared, slot.budget, slot.shared.config, model_fingerprint(model))
+    if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        # The KV goes now (the chunk tables stay): a parked state holds slot pools, summaries and tables, not blocks.
+        for device in {layer.blocks.device for layer in slot.layers if layer.execution.streams is not None}:
+            torch.cuda.synchronize(device)
+        for layer in slot.layers:
+            layer.blocks.drop_chunks()
     with _LOCK:
         old, slot.patches.parked = slot.patches.parked, state
     if old is not None:

@@ -678,8 +678,10 @@ class HostBlockPool:
         self._next_id = 0
         self._refs = torch.zeros(len(self._refs), dtype=torch.int32)  # not in place: it may be an inference tensor
 
-    def release(self) -> None:
-        """Forget every block and free the chunks, returning their bytes to the host budget and device admission."""
+    def release(self, keep_tables: bool = False) -> None:
+        """Forget every block and free the chunks, returning their bytes to the host budget and device admission.
+        ``keep_tables``: keep the device chunk tables (and :attr:`table_version`), to be filled in place with the
+        chunks grown next, so that graphs captured over them stay valid (the chunks are read only through them)."""
         self.clear()
         host_bytes = self.reserved_bytes
         device_bytes = self.chunk_admitted.count(True) * self.chunk_blocks * self.block_bytes
@@ -692,9 +694,10 @@ class HostBlockPool:
         self.chunk_used.clear()
         self._refs = torch.zeros(0, dtype=torch.int32)
         self.admitted_chunks = 0
-        self._chunk_addrs = None
-        self._chunk_on_host = self._chunk_on_host_cpu = None
+        self._chunk_on_host_cpu = None
         self._tables_filled = 0
+        if not keep_tables:
+            self._chunk_addrs = self._chunk_on_host = None
 
     def _by_chunk(self, ids: torch.Tensor):
         """``(chunk, rows, offsets)`` per chunk in memory of ``ids``; spilled chunks are the caller's."""

@@ -85,54 +85,67 @@ def graphs(monkeypatch):
     _RUNNING.clear()
 
 
-def _generate(model, lengths=(70, 53, 31), seed=3, steps=24, **options):
-    """Greedy tokens of a fresh cache and its stats; the cache is let go of on return."""
+def _generate(model, lengths=(70, 53, 31), seed=3, steps=24, inspect=None, **options):
+    """Greedy tokens of a fresh cache and its stats (``inspect(cache)`` runs before the cache is let go of, which
+    parks it: a parked layer holds no blocks)."""
     ids, mask = left_padded(list(lengths), seed=seed)
     cache = OffloadCache(model, **dict(SMALL, **options))
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=steps,
                              min_new_tokens=steps, do_sample=False)  # fmt: skip
-    stats = cache.stats()
-    layers = {layer.layer_idx: layer for layer in cache.offload_layers}
-    return out, stats, layers
+    if inspect is not None:
+        inspect(cache)
+    return out, cache.stats()
 
 
 def _captures(stats) -> dict:
     return {name: int(stats[name]) for name in CAPTURES}
 
 
+@pytest.mark.parametrize("capacity", [None, 8])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_the_next_cache_replays_the_parked_graphs_and_gives_the_tokens_of_a_fresh_one(arch, graphs):
+def test_the_next_cache_replays_the_parked_graphs_and_gives_the_tokens_of_a_fresh_one(arch, capacity, graphs):
+    """Capacity 8: the 70-token prompts fill 8 blocks, so the first seal of the decode moves the steps to another
+    block capacity (16): the graphs of both capacities are kept for the next cache."""
     model = build_model(arch)
-    expected, eager_stats, eager = _generate(model, seed=4, cuda_graphs=False)  # parks nothing: no graphs
-    first, stats, _ = _generate(model, seed=3)
+    options = {} if capacity is None else {"decode_capacity_blocks": capacity}
+    eager = {}
+    expected, eager_stats = _generate(model, seed=4, cuda_graphs=False, inspect=lambda c: eager.update(cache=c),
+                                      **options)  # fmt: skip
+    eager = eager["cache"]  # held: parks nothing (no graphs) and keeps its blocks
+    first, stats = _generate(model, seed=3, **options)
     assert all(v > 0 for v in _captures(stats).values())
     assert installed(model).parked is not None and parked_bytes(model) > 0
+    held = [layer.blocks.host.used_blocks for layer in installed(model).parked.layers]
+    assert held == [0] * len(held)  # a parked layer's blocks are freed (its tables stay)
+
+    def same_state(cache):
+        for layer in cache.offload_layers:
+            _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
+
     # Other prompts of the same lengths: the same geometry, other contents.
-    got, stats, layers = _generate(model, seed=4)
+    got, stats = _generate(model, seed=4, inspect=same_state, **options)
     assert _captures(stats) == dict.fromkeys(CAPTURES, 0)
     assert int(stats["layer_graph_replays"]) > 0 and int(stats["seal_graph_replays"]) > 0
     assert torch.equal(got, expected)
     for name in ("recalled_blocks", "decode_recalled_blocks", "offloaded_bytes", "decode_steps", "host_kv_bytes"):
         assert stats[name] == eager_stats[name], name
-    for idx, layer in layers.items():
-        _assert_same_sealed_state(layer, eager[idx])
     assert not torch.equal(first, got)
 
 
 def test_a_cache_of_another_batch_or_other_settings_frees_the_parked_state(graphs):
     model = build_model("llama")
     _generate(model)
-    got, stats, _ = _generate(model, lengths=(70, 53))  # another batch: each layer frees the parked buffers
+    got, stats = _generate(model, lengths=(70, 53))  # another batch: the parked state is freed before the prefill
     assert all(v > 0 for v in _captures(stats).values())
-    expected, _, _ = _generate(model, lengths=(70, 53), cuda_graphs=False)
+    expected, _ = _generate(model, lengths=(70, 53), cuda_graphs=False)
     assert torch.equal(got, expected)
     _generate(model)
     assert installed(model).parked is not None
-    got, stats, _ = _generate(model, budget_tokens=40)  # other settings: the parked state is freed, not taken
+    got, stats = _generate(model, budget_tokens=40)  # other settings: the parked state is freed, not taken
     assert installed(model).parked is not None  # this cache's own, parked after it
     assert all(v > 0 for v in _captures(stats).values())
-    expected, _, _ = _generate(model, budget_tokens=40, cuda_graphs=False)
+    expected, _ = _generate(model, budget_tokens=40, cuda_graphs=False)
     assert torch.equal(got, expected)
 
 
