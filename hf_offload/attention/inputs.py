@@ -49,9 +49,9 @@ class DecodeInputs:
         capacity: blocks a step scores (the open block's row).
 
     The buffers keep their address while ``batch``, ``capacity`` and ``block_tokens`` stay the same; a step with new
-    values fills them in place. The buffers of the last two shapes are kept, so that a step back at the previous
-    shape (the first decode step of the next cache that takes the layers, :mod:`~hf_offload.cache.parking`, after a
-    decode that crossed a capacity) finds the buffers its graphs read.
+    values fills them in place. The buffers of the first shape since :meth:`invalidate` (the entry) are kept beside
+    the current ones, so that the first decode step of the next cache that takes the layers
+    (:mod:`~hf_offload.cache.parking`), after a decode that crossed a capacity, finds the buffers its graphs read.
     """
 
     _KEPT_SHAPES = 2
@@ -60,6 +60,7 @@ class DecodeInputs:
         self._step: tuple | None = None
         self._shape: tuple | None = None
         self._sets: dict[tuple, tuple] = {}  # shape -> (rows, valid, forced, sequence, open_pos), oldest first
+        self._entry: tuple | None = None  # the first shape since invalidate(): kept
         self._plain_n: int | None = None  # sealed rows hold "every token" up to this block, nothing past it
         self.rows = self.valid = self.forced = self.sequence = self.open_pos = None
         self.capacity = 0
@@ -70,9 +71,15 @@ class DecodeInputs:
         return self.capacity
 
     def invalidate(self) -> None:
-        """Forget the step the buffers were filled for (the cache was reset); the next step fills them again."""
+        """Forget the step the buffers were filled for (the cache was reset); the next step fills them again, and its
+        shape is the entry one."""
         self._step = None
         self._plain_n = None
+        self._entry = None
+
+    def kept_rows(self) -> set[int]:
+        """Addresses of the :attr:`rows` buffers kept (graphs keyed by another one can no longer replay)."""
+        return {buffers[0].data_ptr() for buffers in self._sets.values()}
 
     def update(
         self,
@@ -108,6 +115,8 @@ class DecodeInputs:
         if key == self._step:
             return self
         shape = (batch, capacity, block_tokens, device)
+        if self._entry is None:
+            self._entry = shape
         if shape != self._shape:
             buffers = self._sets.pop(shape, None)
             if buffers is None:
@@ -119,8 +128,8 @@ class DecodeInputs:
                     torch.zeros(1, dtype=torch.int64, device=device),
                 )
             self._sets[shape] = buffers
-            while len(self._sets) > self._KEPT_SHAPES:
-                del self._sets[next(iter(self._sets))]
+            while len(self._sets) > self._KEPT_SHAPES:  # the oldest but the entry
+                del self._sets[next(s for s in self._sets if s != self._entry)]
             self.rows, self.valid, self.forced, self.sequence, self.open_pos = buffers
             self.capacity = capacity
             self._shape = shape

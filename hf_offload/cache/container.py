@@ -272,16 +272,21 @@ class OffloadCache(Cache):
             return
         reserved = {layer.layer_idx: layer.blocks.reserved_blocks for layer in offload}
         self._shared, self.host_budget = state.shared, state.budget
+        self._park.layers, self._park.shared, self._park.budget = list(state.layers), state.shared, state.budget
         for layer in state.layers:
             self.layers[layer.layer_idx] = layer
             layer.cache_id = id(self)
         for statics in self._shared.statics.values():
             statics.forget_last()
+        if self._shared.phase_timer is not None:
+            self._shared.phase_timer.reset()
         for layer in state.layers:
             layer.recycle()
-            if reserved[layer.layer_idx] > layer.blocks.reserved_blocks:  # reserve() called on this cache
-                layer.blocks.reserve(reserved[layer.layer_idx] * layer.block_tokens)
-        self._park.layers, self._park.shared, self._park.budget = list(state.layers), state.shared, state.budget
+            # This cache's own reservation (reserve() before its first forward), not the parked cache's; the
+            # buffers keep the size they have.
+            layer.blocks.reserved_blocks = 0
+            if reserved[layer.layer_idx]:
+                layer.reserve(reserved[layer.layer_idx] * layer.block_tokens)
 
     @normal_tensors
     def after_failed_forward(self, error: BaseException) -> None:

@@ -139,9 +139,20 @@ class GraphRunner:
         self.last_key = None
         self.entry_n = None
 
-    def recycle(self) -> None:
-        """Keep the graphs for the next cache of the model (:meth:`OffloadLayer.recycle`); its first decode step sets
-        the entry capacity anew."""
+    def recycle(self, live_rows: set[int]) -> None:
+        """Keep the graphs for the next cache of the model (:meth:`OffloadLayer.recycle`), except those that can never
+        replay again: keyed by buffers replaced since (a storage key of older summary, block-table or chunk-table
+        buffers: their counters only grow) or by step inputs no longer kept (``live_rows``: the addresses of the
+        rows buffers the step's shared inputs keep). The next cache's first decode step sets the entry capacity."""
+        now = self.blocks.storage_key()[:2]
+
+        def live(key: tuple) -> bool:
+            if key[0] == "seal":
+                return key[1][:2] == now
+            attention = key[2] if key[1] == "layer" else key
+            return attention[5] in live_rows and attention[6][:2] == now
+
+        self.graphs = {key: graph for key, graph in self.graphs.items() if live(key)}
         self.entry_n = None
         self.warned_rounds = False
 

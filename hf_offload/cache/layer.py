@@ -193,14 +193,17 @@ class OffloadLayer(CacheLayerMixin):
     def recycle(self) -> None:
         """Drop all tokens but keep the buffers and the captured graphs, for the next cache of the model
         (:mod:`~hf_offload.cache.parking`, :meth:`BlockStore.recycle`); the counters start at zero."""
+        live_rows: set[int] = set()
         if self.blocks.is_initialized:
-            self.resources.decode_inputs(self.device).invalidate()
+            inputs = self.resources.decode_inputs(self.device)
+            inputs.invalidate()
+            live_rows = inputs.kept_rows()
         self.blocks.recycle()
         self.planner.kept = None
         self.recaller.recycle()
         self.stats.reset()
         self._decode_noted = False
-        self.graphs.recycle()
+        self.graphs.recycle(live_rows)
 
     # ------------------------------------------------------------------------------------------------------ update
     def _note_forward(self, key_states: torch.Tensor) -> None:

@@ -30,16 +30,37 @@ from dataclasses import dataclass, field
 
 import torch
 
-_LOCK = threading.Lock()
+# Re-entrant: a cache collected while this thread holds it (inside release_parked, say) parks through it too.
+_LOCK = threading.RLock()
 
 
 def model_fingerprint(model: torch.nn.Module) -> tuple:
-    """What the captured whole-layer graphs read of the model besides their arguments: every parameter's and
-    buffer's address, shape, dtype and device (weights loaded anew, moved, cast or re-laid change it)."""
-    return tuple(
+    """What the captured whole-layer graphs depend on of the model besides their arguments: every parameter's and
+    buffer's address, shape, dtype and device (weights loaded anew, moved, cast or re-laid change it), and what
+    decides which Python runs inside the layers while a graph is captured: each module's training flag, its forward
+    (an instance override: the library's own patches, or another library's) and its hooks, the global module hooks,
+    and autocast. Python state a module reads in its own forward (an adapter switched by an attribute) is not seen:
+    call :func:`release_parked` after changing it."""
+    from torch.nn.modules import module as module_hooks
+
+    tensors = tuple(
         (t.data_ptr(), tuple(t.shape), t.dtype, t.device)
         for t in itertools.chain(model.parameters(), model.buffers())
     )
+    modules = tuple(
+        (m.training, id(m.__dict__.get("forward")),
+         *(tuple((k, id(f)) for k, f in getattr(m, name).items()) for name in _HOOK_DICTS))
+        for m in model.modules()
+    )  # fmt: skip
+    global_hooks = tuple(
+        tuple((k, id(f)) for k, f in getattr(module_hooks, name, {}).items()) for name in _GLOBAL_HOOKS
+    )
+    autocast = tuple(torch.is_autocast_enabled(kind) for kind in ("cuda", "cpu"))
+    return tensors, modules, global_hooks, autocast
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks")
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks", "_global_backward_hooks")
 
 
 @dataclass
@@ -73,7 +94,9 @@ class ParkedState:
             layer.reset()
 
     def device_bytes(self) -> int:
-        """Device bytes the parked layers hold (slot pools, summaries, device tables, admitted chunks)."""
+        """Device bytes the parked layers' own buffers hold (slot pools, summaries, the device block table, admitted
+        chunks); the graphs' memory pool, the step's shared and static inputs and the small per-layer buffers come on
+        top (``stats()["graph_pool_bytes"]`` of the cache that parked them)."""
         total = 0
         for layer in self.layers:
             store = layer.blocks
@@ -143,8 +166,9 @@ def take(patches, config, model: torch.nn.Module) -> ParkedState | None:
 
 def release_parked(model: torch.nn.Module | None = None) -> int:
     """Free the layers, buffers and graphs parked for the next cache of ``model`` (every patched model's where
-    ``None``); returns how many states were freed. ``torch.cuda.empty_cache()`` afterwards gives the memory back to
-    the device."""
+    ``None``); returns how many states were freed. Their graph memory pool goes to the process's idle pools:
+    :func:`~hf_offload.cache.shared.release_graph_pools` (which calls this first) and then
+    ``torch.cuda.empty_cache()`` give every byte back to the device."""
     from ..patches import _INSTALLED, installed
 
     with _LOCK:
@@ -164,7 +188,8 @@ def release_parked(model: torch.nn.Module | None = None) -> int:
 
 
 def parked_bytes(model: torch.nn.Module | None = None) -> int:
-    """Device bytes held by parked states (``model``'s, or every patched model's)."""
+    """Device bytes held by parked states' buffers (``model``'s, or every patched model's;
+    :meth:`ParkedState.device_bytes`)."""
     from ..patches import _INSTALLED, installed
 
     records = list(_INSTALLED.values()) if model is None else [r for r in [installed(model)] if r is not None]

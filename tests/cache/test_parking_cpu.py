@@ -180,3 +180,70 @@ def test_a_collected_cache_is_freed_at_once_and_parked_layers_follow_the_model(g
     del model
     gc.collect()
     assert layer() is None  # the parked state goes with the model
+
+
+def test_a_hook_added_or_removed_between_calls_is_not_replayed_from_the_parked_graphs(graphs):
+    """A whole-layer graph runs what the layer's Python did at its capture, hooks included: a parked state whose
+    model has gained or lost a hook since is freed, not taken."""
+    model = build_model("llama")
+    mlp = model.model.layers[1].mlp
+
+    def shift(module, args, output):
+        return output + 0.5
+
+    expected_plain, _ = _generate(model, seed=4, cuda_graphs=False)
+    handle = mlp.register_forward_hook(shift)
+    expected_hooked, _ = _generate(model, seed=4, cuda_graphs=False)
+    handle.remove()
+    assert not torch.equal(expected_plain, expected_hooked)
+    _generate(model, seed=3)  # parks, without the hook
+    handle = mlp.register_forward_hook(shift)
+    got, stats = _generate(model, seed=4)
+    assert int(stats["layer_graph_captures"]) > 0 and torch.equal(got, expected_hooked)
+    handle.remove()
+    got, stats = _generate(model, seed=4)
+    assert int(stats["layer_graph_captures"]) > 0 and torch.equal(got, expected_plain)
+    model.train()  # the training flag too
+    _, stats = _generate(model, seed=4)
+    assert int(stats["layer_graph_captures"]) > 0
+
+
+@pytest.mark.parametrize("lengths", [(70, 53, 31), (20, 17, 9)])
+def test_graphs_that_can_never_replay_again_do_not_pile_up_over_calls(lengths, graphs):
+    """A block capacity of 2 blocks (and, for the short prompts, a budget that takes every block) changes the step's
+    shapes at every other seal: each call captures anew past its entry geometry, and the graphs keyed by step inputs
+    no longer kept are dropped when the next cache takes the layers, so the parked graphs stay as many from call to
+    call."""
+    model = build_model("llama")
+    counts = []
+
+    def count(cache):
+        counts.append(sum(len(layer.graphs.graphs) for layer in cache.offload_layers))
+
+    for call in range(6):
+        _generate(model, lengths=lengths, seed=call, steps=24, inspect=count, decode_capacity_blocks=2)
+    assert max(counts[2:]) <= max(counts[:2]), counts
+
+
+def test_graphs_of_buffers_replaced_since_are_dropped_when_the_layers_are_taken(graphs):
+    """A prompt of 256 blocks fills the summary buffers: the first seal of the decode grows them, so the first call's
+    entry graphs read buffers that are gone from the layer (the graphs alone keep them alive). The next cache drops
+    those graphs when it takes the layers."""
+    from hf_offload.cache import SUMMARY_CHUNK_BLOCKS
+
+    model = build_model("llama")
+    tokens = SUMMARY_CHUNK_BLOCKS * SMALL["block_tokens"]
+    epochs = []
+
+    def keyed_epochs(cache):
+        for layer in cache.offload_layers:
+            now = layer.blocks.storage_key()[:2]
+            keys = [k[2] if k[1] == "layer" else (k[1] if k[0] == "seal" else k) for k in layer.graphs.graphs]
+            epochs.append({(key[6] if len(key) > 6 else key)[:2] == now for key in keys})
+
+    _generate(model, lengths=(tokens,), seed=3, steps=12, inspect=keyed_epochs)
+    assert epochs[0] == {True, False}  # the entry graphs read the summaries before the growth
+    epochs.clear()
+    _, stats = _generate(model, lengths=(tokens,), seed=4, steps=12, inspect=keyed_epochs)
+    assert all(found == {True} for found in epochs), epochs
+    assert int(stats["graph_captures"]) > 0  # the entry geometry over the grown buffers: captured once more
