@@ -107,6 +107,15 @@ def stand_in_graphs(monkeypatch, seal_capture_fails):
     """Offloaded layers on the CPU replay stand-in graphs; returns the set of layer indices whose whole-layer capture
     fails."""
     fail: set[int] = set()
+    install_stand_ins(monkeypatch, lambda layer: _stand_in_layer(layer, fail),
+                      lambda layer: _stand_in_work(layer, seal_capture_fails))  # fmt: skip
+    return fail
+
+
+def install_stand_ins(monkeypatch, capture_layer, capture_work) -> None:
+    """Offloaded layers on the CPU capture stand-in graphs where graphs are not off: the attention's
+    (:func:`_stand_in_attention`), the whole layer's (``capture_layer(layer)``) and the seal's
+    (``capture_work(layer)``)."""
     resolve = OffloadLayer.resolve
 
     def resolve_with_graphs(self):
@@ -115,11 +124,10 @@ def stand_in_graphs(monkeypatch, seal_capture_fails):
             self.execution.graphs = True
             self.execution.capacity_blocks = self.config.decode_capacity_blocks
             self.graphs._capture_graph = _stand_in_attention
-            self.graphs._capture_layer = _stand_in_layer(self, fail)
-            self.graphs._capture_work = _stand_in_work(self, seal_capture_fails)
+            self.graphs._capture_layer = capture_layer(self)
+            self.graphs._capture_work = capture_work(self)
 
     monkeypatch.setattr(OffloadLayer, "resolve", resolve_with_graphs)
-    return fail
 
 
 def _generate(model, steps, seed=3, **options):

@@ -17,12 +17,12 @@ import torch
 from transformers import DynamicCache
 
 from hf_offload import OffloadCache, release_parked
-from hf_offload.cache import OffloadLayer, parked_bytes
+from hf_offload.cache import parked_bytes
 from hf_offload.cache.capture import CapturedLayer, StaticInputs
 from hf_offload.patches import installed
 
 from ..helpers import build_model, left_padded
-from .test_layer_graphs_cpu import SMALL, _assert_same_sealed_state, _stand_in_attention, _stand_in_work
+from .test_layer_graphs_cpu import SMALL, _assert_same_sealed_state, _stand_in_work, install_stand_ins
 
 CAPTURES = ("graph_captures", "layer_graph_captures", "seal_graph_captures")
 _RUNNING: dict = {}  # the cache of the forward running now (a stand-in replay calls the layer with it)
@@ -62,23 +62,13 @@ def _stand_in_layer(layer):
 @pytest.fixture
 def graphs(monkeypatch):
     """Offloaded layers on the CPU capture and replay stand-in graphs; parked states are freed after the test."""
-    resolve = OffloadLayer.resolve
     before = OffloadCache.before_forward
-
-    def resolve_with_graphs(self):
-        resolve(self)
-        if self.config.cuda_graphs is not False:
-            self.execution.graphs = True
-            self.execution.capacity_blocks = self.config.decode_capacity_blocks
-            self.graphs._capture_graph = _stand_in_attention
-            self.graphs._capture_layer = _stand_in_layer(self)
-            self.graphs._capture_work = _stand_in_work(self)
 
     def before_forward(self, q_len, batch=None):
         _RUNNING["cache"] = weakref.ref(self)
         return before(self, q_len, batch)
 
-    monkeypatch.setattr(OffloadLayer, "resolve", resolve_with_graphs)
+    install_stand_ins(monkeypatch, _stand_in_layer, _stand_in_work)
     monkeypatch.setattr(OffloadCache, "before_forward", before_forward)
     yield
     release_parked()
