@@ -169,6 +169,7 @@ class OffloadCache(Cache):
                               disk=self.disk is not None)  # fmt: skip
         self._parker = weakref.finalize(self, park, self._park)
         self._parker.atexit = False
+        self._parking: str | None = None  # what the first forward did with a parked state (stats()["parking"])
         self._broken: str | None = None  # why the cache cannot be used until reset(), or None
 
     @property
@@ -263,13 +264,19 @@ class OffloadCache(Cache):
         if any(layer.blocks.is_initialized for layer in offload):
             return
         model = self._model_ref()
-        state = None if model is None else take(self.patches, self.config, model)
+        state, why = (None, None) if model is None else take(self.patches, self.config, model)
         if state is None:
+            self._parking = None if why is None else f"freed a parked state: {why}"
             return
-        if (self.disk is not None or [layer.layer_idx for layer in state.layers] != [l.layer_idx for l in offload]
-                or (batch is not None and any(layer.blocks.batch != batch for layer in state.layers))):
+        held = state.layers[0].blocks.batch
+        why = ("this cache has a disk tier" if self.disk is not None
+               else "other layers" if [layer.layer_idx for layer in state.layers] != [l.layer_idx for l in offload]
+               else f"batch {batch}, not {held}" if batch is not None and batch != held else None)  # fmt: skip
+        if why is not None:
             state.release()
+            self._parking = f"freed a parked state: {why}"
             return
+        self._parking = "took a parked state"
         reserved = {layer.layer_idx: layer.blocks.reserved_blocks for layer in offload}
         self._shared, self.host_budget = state.shared, state.budget
         self._park.layers, self._park.shared, self._park.budget = list(state.layers), state.shared, state.budget
@@ -695,13 +702,16 @@ class OffloadCache(Cache):
             spill file), ``disk_staging_hits`` (blocks a read found staged), ``disk_staged_ahead_blocks`` (blocks read
             ahead of need: lookahead's forecast, ``disk_stage_near``), ``disk_staged_used_blocks`` (those of them a
             read then found staged), ``disk_staging_bytes`` and ``disk_direct_io``. Blocks are counted per KV head
-            for per-head selectors.
+            for per-head selectors. ``parking``: what the cache's first forward found parked on the model by a
+            collected cache (:mod:`~hf_offload.cache.parking`): ``"took a parked state"`` (its graphs replay here),
+            ``"freed a parked state: <why>"`` (other settings, batch or model state), or ``None`` (none parked).
         """
         timing = self._shared.phase_timer.summary() if self._shared.phase_timer is not None else None
         result = summarize(self.layers, timing, self._fusions(), self.disk)
         result["selector"] = _spec_or_repr(self.selector)
         result["summary_levels"] = [dict(entry) for entry in self._shared.coarsenings]
         result["graph_pool_bytes"] = sum(self._shared.graph_pool_bytes(device) for device in self._shared.graph_pools)
+        result["parking"] = self._parking
         return result
 
     def _fusions(self) -> dict:

@@ -24,6 +24,7 @@ shapes or dtype do not match the new forward's is freed layer by layer before th
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from dataclasses import dataclass, field
@@ -150,18 +151,25 @@ def _release(state: ParkedState) -> None:
     state.release()
 
 
-def take(patches, config, model: torch.nn.Module) -> ParkedState | None:
-    """The state parked on ``model`` (``patches``: its :class:`~hf_offload.patches.ModelPatches`) if a cache of
-    ``config`` can use it, else ``None``; a parked state that does not fit is freed here (before the caller
-    allocates)."""
+def take(patches, config, model: torch.nn.Module) -> tuple[ParkedState | None, str | None]:
+    """``(state, None)``: the state parked on ``model`` (``patches``: its :class:`~hf_offload.patches.ModelPatches`),
+    which a cache of ``config`` can use; else ``(None, why)``, a parked state that does not fit freed here (before
+    the caller allocates), or ``(None, None)`` where none was parked."""
     with _LOCK:
         state, patches.parked = patches.parked, None
     if state is None:
-        return None
-    if state.config != config or state.fingerprint != model_fingerprint(model):
+        return None, None
+    why = None
+    if state.config != config:
+        changed = sorted(f.name for f in dataclasses.fields(config)
+                         if getattr(config, f.name) != getattr(state.config, f.name))  # fmt: skip
+        why = f"other settings ({', '.join(changed)})"
+    elif state.fingerprint != model_fingerprint(model):
+        why = "the model changed (weights, hooks, training flag, forward overrides or autocast)"
+    if why is not None:
         state.release()
-        return None
-    return state
+        return None, why
+    return state, None
 
 
 def release_parked(model: torch.nn.Module | None = None) -> int:

@@ -115,6 +115,7 @@ def test_the_next_cache_replays_the_parked_graphs_and_gives_the_tokens_of_a_fres
 
     # Other prompts of the same lengths: the same geometry, other contents.
     got, stats = _generate(model, seed=4, inspect=same_state, **options)
+    assert stats["parking"] == "took a parked state"
     assert _captures(stats) == dict.fromkeys(CAPTURES, 0)
     assert int(stats["layer_graph_replays"]) > 0 and int(stats["seal_graph_replays"]) > 0
     assert torch.equal(got, expected)
@@ -127,12 +128,14 @@ def test_a_cache_of_another_batch_or_other_settings_frees_the_parked_state(graph
     model = build_model("llama")
     _generate(model)
     got, stats = _generate(model, lengths=(70, 53))  # another batch: the parked state is freed before the prefill
+    assert stats["parking"] == "freed a parked state: batch 2, not 3"
     assert all(v > 0 for v in _captures(stats).values())
     expected, _ = _generate(model, lengths=(70, 53), cuda_graphs=False)
     assert torch.equal(got, expected)
     _generate(model)
     assert installed(model).parked is not None
     got, stats = _generate(model, budget_tokens=40)  # other settings: the parked state is freed, not taken
+    assert stats["parking"] == "freed a parked state: other settings (budget_tokens)"
     assert installed(model).parked is not None  # this cache's own, parked after it
     assert all(v > 0 for v in _captures(stats).values())
     expected, _ = _generate(model, budget_tokens=40, cuda_graphs=False)
@@ -190,6 +193,7 @@ def test_a_hook_added_or_removed_between_calls_is_not_replayed_from_the_parked_g
     handle = mlp.register_forward_hook(shift)
     got, stats = _generate(model, seed=4)
     assert int(stats["layer_graph_captures"]) > 0 and torch.equal(got, expected_hooked)
+    assert stats["parking"].startswith("freed a parked state: the model changed")
     handle.remove()
     got, stats = _generate(model, seed=4)
     assert int(stats["layer_graph_captures"]) > 0 and torch.equal(got, expected_plain)
