@@ -166,6 +166,7 @@ def run_generate(model, kind: str, batch: int, context: int, new_tokens: int, bu
         row["device_summary_gib"] = stats["device_summary_bytes"] / GIB
         row["selector"] = stats.get("selector")  # the summary level in use (coarsen_summaries)
         row["summary_levels"] = stats.get("summary_levels")
+        row["parking"] = stats.get("parking")  # whether this cache took the graphs an earlier one parked
         first = cache.offload_layers[0].blocks if cache.offload_layers else None
         if first is not None and first.is_initialized:
             row["kernel_transfer"] = bool(first.execution.use_kernels)  # else pageable or portable copies
