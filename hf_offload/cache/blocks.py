@@ -636,6 +636,31 @@ class BlockStore:
             return False
         return all(store.shape[1] > n for store in self.summary_store.values())
 
+    def grow_for_next_seal(self) -> bool:
+        """Before a decode step whose graph reads the summaries and the device block table: grow them now where they
+        cannot hold one more sealed block (:meth:`holds_next_block`), instead of at the seal that needs it. A prompt
+        that fills them exactly (a multiple of ``SUMMARY_CHUNK_BLOCKS`` blocks) then grows them before its first
+        decode step's capture, so that the graphs captured over it serve the whole decode up to the next chunk,
+        and the next cache that takes these layers (parking) finds its first step's graph. Returns whether a buffer
+        was replaced."""
+        cpu = self._block_table_store if self.is_initialized else None
+        if not self.is_initialized or (self.holds_next_block() and cpu.shape[1] > self.n_blocks):
+            return False
+        need = self.n_blocks + 1
+        if cpu.shape[1] < need:  # the CPU table's growth changes the storage key too
+            self._block_table_store = self._grown(cpu, cpu, need, fill=-1, host=True)
+            self.block_table = self._block_table_store[:, : self.n_blocks]
+        if self.summary_store:
+            self.make_summary_room(need)
+        for name, store in self.summary_store.items():
+            if store.shape[1] < need:
+                self.summary_store[name] = self._grown(store, store, need)
+                self.summaries[name] = self.summary_store[name][:, : self.n_blocks]
+        table = self.block_table_dev
+        if table is not None and table.shape[1] < need:
+            self.block_table_dev = self._grown(table, table, need, fill=-1)
+        return True
+
     def seal_from(self, ids: torch.Tensor, work: Callable[[], torch.Tensor | None]) -> None:
         """Seal the open block with host ids ``ids`` (``[batch]``, ``torch.int64``, CPU) by ``work``
         (:meth:`seal_work` or its graph's replay; returns the block, or ``None`` where nothing reads it) reading the

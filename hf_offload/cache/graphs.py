@@ -204,6 +204,8 @@ class GraphRunner:
         Returns:
             ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
         """
+        if self.execution.graphs:
+            self.blocks.grow_for_next_seal()  # before the key: the graph then serves the seals to come
         key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), self.blocks.storage_key(), reuse)
         self.last_key = key
         if self.entry_n is None:
@@ -309,6 +311,7 @@ class GraphRunner:
         reuse = self.planner.reuses_selection(store.n_tokens, n_before, k, n)
         if self.entry_n is None:
             self.entry_n = n
+        store.grow_for_next_seal()  # as run_decode does, before the storage key
         attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), store.storage_key(), reuse)
         # The step's attention must have run (and been captured) at this very key before: by an earlier step of this
         # cache, or of the cache that parked this layer (the first decode step of a later generate() call).
