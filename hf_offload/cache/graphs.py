@@ -158,9 +158,15 @@ class GraphRunner:
 
     def _kept_capacities(self, n: int) -> tuple:
         """The block capacities whose graphs a capture at capacity ``n`` keeps: ``n`` and the entry capacity."""
+        return (n, n if self.entry_n is None else self.entry_n)
+
+    def _before_key(self, n: int) -> None:
+        """Before a decode step at block capacity ``n`` reads its storage key: note the entry capacity, and grow the
+        buffers where the next seal would (:meth:`BlockStore.grow_for_next_seal`), so that the step's graph serves
+        the seals to come."""
         if self.entry_n is None:
             self.entry_n = n
-        return (n, self.entry_n)
+        self.blocks.grow_for_next_seal()
 
     # --------------------------------------------------------------------------------------------- decode attention
     def warm_for(self, n: int, k: int, query: torch.Tensor, scaling: float, reuse: bool = False) -> tuple:
@@ -205,11 +211,9 @@ class GraphRunner:
             ``[batch, 1, q_heads, head_dim]``, ``query.dtype``.
         """
         if self.execution.graphs:
-            self.blocks.grow_for_next_seal()  # before the key: the graph then serves the seals to come
+            self._before_key(n)
         key = (n, k, tuple(query.shape), query.dtype, scaling, inputs.rows.data_ptr(), self.blocks.storage_key(), reuse)
         self.last_key = key
-        if self.entry_n is None:
-            self.entry_n = n
         graph = self.graphs.get(key) if self.execution.graphs else None
         warm = self.warm_for(n, k, query, scaling, reuse)
         if graph is None and self.execution.graphs and warm in self.warm_geometries:
@@ -309,9 +313,7 @@ class GraphRunner:
             step=mask, capacity=n,
         )  # fmt: skip
         reuse = self.planner.reuses_selection(store.n_tokens, n_before, k, n)
-        if self.entry_n is None:
-            self.entry_n = n
-        store.grow_for_next_seal()  # as run_decode does, before the storage key
+        self._before_key(n)
         attention_key = (n, k, *last[2:5], inputs.rows.data_ptr(), store.storage_key(), reuse)
         # The step's attention must have run (and been captured) at this very key before: by an earlier step of this
         # cache, or of the cache that parked this layer (the first decode step of a later generate() call).

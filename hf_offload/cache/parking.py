@@ -98,16 +98,8 @@ class ParkedState:
         """Device bytes the parked layers' own buffers hold (slot pools, summaries, the device block table, admitted
         chunks); the graphs' memory pool, the step's shared and static inputs and the small per-layer buffers come on
         top (``stats()["graph_pool_bytes"]`` of the cache that parked them)."""
-        total = 0
-        for layer in self.layers:
-            store = layer.blocks
-            if not store.is_initialized:
-                continue
-            total += store.pool.nbytes + store.device_summary_bytes()
-            if store.block_table_dev is not None:
-                total += store.block_table_dev.numel() * store.block_table_dev.element_size()
-            total += store.host.admitted_chunks * store.host.chunk_nbytes
-        return total
+        stores = [layer.blocks for layer in self.layers if layer.blocks.is_initialized]
+        return sum(s.device_buffer_bytes() + s.host.admitted_chunks * s.host.chunk_nbytes for s in stores)
 
 
 def parkable(slot: ParkSlot) -> bool:
