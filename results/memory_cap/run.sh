@@ -30,11 +30,12 @@ python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --b
 python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --batches 1 --cap-gib 139 \
   --caches defaults --new-tokens 64 --prefill-chunk 8192 --max-seconds 100 --out "$OUT/smallgpu_8b_128k_cap139_h100.json"
 
-# Parking (one H100 call, code of 42e95fd; the files record the device copy's HEAD, 18890f4): three generate() calls
-# per configuration, each with a fresh cache, one process; 32,768 tokens (512 blocks: the first seal of the decode
-# grows the summaries), then 32,000 tokens with the defaults and with admission "always" (every block on the host).
-python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --batches 1 --cap-gib 139 \
+# Parking: three generate() calls per configuration, each with a fresh cache, one process. 32,768 tokens (512 blocks:
+# the summaries grow before the first capture), one H100, code of 2c7f4ec, a fresh machine (nothing compiled):
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --batches 1 --cap-gib 70 \
   --caches defaults --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 120 --out "$OUT/first_step_8b_32768_parked_h100.json"
+# 32,000 tokens with the defaults and with admission "always" (every block on the host), one H100, code of 42e95fd
+# (the file records the device copy's HEAD, 18890f4):
 python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32000 --batches 1 --cap-gib 139 \
   --caches defaults always --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 120 \
   --out "$OUT/first_step_8b_32000_parked_h100.json"
