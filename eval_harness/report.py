@@ -295,13 +295,16 @@ class _Study:
         self.counts = sorted({len(v) for v in scores.values()})
 
     def runs(self, method: str, budget) -> dict[str, list]:
-        """The git commits, batch sizes and estimate kernels a method's results ran with (from their files'
+        """The git commits, code versions (the headers' ``source_sha256``: the library and harness sources, so a
+        copy of a commit's tree run without its git directory, or a later commit that changed only other files,
+        is the same code), batch sizes and estimate kernels a method's results ran with (from their files'
         headers, and the records' own ``estimate_kernel`` where they have one), each sorted."""
-        found: dict[str, set] = {"commit": set(), "batch size": set(), "estimate kernel": set()}
+        found: dict[str, set] = {"commit": set(), "code": set(), "batch size": set(), "estimate kernel": set()}
         for r in self.results:
             if (r["method"], r["budget"]) == (method, budget):
                 h = self.file_header.get(r["_file"], {})
                 found["commit"].add((h.get("git_commit") or "unknown")[:10])
+                found["code"].add((h.get("source_sha256") or "unknown")[:10])
                 found["batch size"].add((h.get("generation") or {}).get("batch_size"))
                 kernels = r.get("estimate_kernel", h.get("estimate_kernel"))
                 if kernels:
@@ -327,15 +330,26 @@ class _Study:
             + " A positive difference: the method scores lower than dense.",
         ]  # fmt: skip
         base = self.runs(DENSE, None)
+        # One code version: equal source hashes where every file records one, else equal commits.
+        by_code = all("unknown" not in self.runs(m, b)["code"] for m, b in [(DENSE, None), *methods])
+        version = "code" if by_code else "commit"
         notes = []
         for method, budget in methods:
             mine = self.runs(method, budget)
             differ = [f"{k} {', '.join(map(str, mine[k]))} (dense: {', '.join(map(str, base[k])) or '-'})"
-                      for k in ("commit", "batch size") if mine[k] != base[k]]  # fmt: skip
+                      for k in (version, "batch size") if mine[k] != base[k]]  # fmt: skip
+            if by_code and mine["code"] != base["code"]:
+                differ[0] += f", commit {', '.join(mine['commit'])} (dense: {', '.join(base['commit'])})"
             if differ:
                 notes.append(f"- `{_label(method, budget)}` ran at {'; '.join(differ)}.")
+        what = "code (source sha256)" if by_code else "commit"
         if notes:
-            lines += ["", "Runs that differ from dense in commit or batch size (from the result headers):", "", *notes]
+            lines += ["", f"Runs that differ from dense in {what} or batch size (from the result headers):", "",
+                      *notes]  # fmt: skip
+        elif by_code:
+            lines += ["", f"Every method ran with the code and batch size of dense (source sha256 "
+                      f"{', '.join(base['code'])}; commits {', '.join(base['commit'])}; batch size "
+                      f"{', '.join(map(str, base['batch size']))})."]  # fmt: skip
         else:
             lines += ["", f"Every method ran at the commit and batch size of dense ({', '.join(base['commit'])}; "
                       f"batch size {', '.join(map(str, base['batch size']))})."]  # fmt: skip

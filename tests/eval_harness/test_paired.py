@@ -65,7 +65,7 @@ def test_mismatched_samples_are_refused():
 
 def write_study(tmp_path, headers_and_records):
     folder = tmp_path / "s"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     for n, (header, recs) in enumerate(headers_and_records):
         lines = [{"type": "header", **header}] + [{"type": "result", "suite": "ruler", "budget": None if r["method"]
                  == "dense" else "1/16", "time_s": 1.0, **r} for r in recs]  # fmt: skip
@@ -83,6 +83,26 @@ def test_rendered_section_pairs_by_prompt_and_names_differing_runs(tmp_path):
     assert "`m 1/16` ran at commit bbbb (dense: aaaa); batch size 25 (dense: 50)." in md
     assert "`m 1/16` mma" in md
     assert "| m 1/16 | vt | 33.3 [" in md and "] 1/0/2 |" in md
+
+
+def test_runs_pair_by_source_hash_where_every_header_has_one(tmp_path):
+    dense = [{**r, "prompt_sha256": f"h{i}"} for i, r in enumerate(records("dense", [100.0, 0.0]))]
+    other = [{**r, "prompt_sha256": f"h{i}"} for i, r in enumerate(records("m", [100.0, 0.0]))]
+    same = {"source_sha256": "c0de" * 16, "generation": {"batch_size": 25}}
+    # The same sources run from a copy without its git directory: one code version, whatever the commits say.
+    write_study(tmp_path, [({"git_commit": "aaaa", **same}, dense), ({"git_commit": None, **same}, other)])
+    md = render("s", tmp_path).split("## Paired difference against dense")[1]
+    assert "Every method ran with the code and batch size of dense (source sha256 c0dec0dec0; commits aaaa;" in md
+    # Other sources at the same commit (uncommitted edits): named as a difference.
+    write_study(tmp_path / "b", [({"git_commit": "aaaa", **same}, dense),
+                                 ({"git_commit": "aaaa", **same, "source_sha256": "beef" * 16}, other)])  # fmt: skip
+    md = render("s", tmp_path / "b").split("## Paired difference against dense")[1]
+    assert "Runs that differ from dense in code (source sha256) or batch size" in md
+    assert "`m 1/16` ran at code beefbeefbe (dense: c0dec0dec0), commit aaaa (dense: aaaa)." in md
+    # A file without a source hash: commits decide, as before.
+    write_study(tmp_path / "c", [({"git_commit": "aaaa", **same}, dense), ({"git_commit": "bbbb"}, other)])
+    md = render("s", tmp_path / "c").split("## Paired difference against dense")[1]
+    assert "`m 1/16` ran at commit bbbb (dense: aaaa); batch size None (dense: 25)." in md
 
 
 def test_no_dense_no_comparison(tmp_path):
