@@ -90,6 +90,10 @@ class FirstToken:
 
     def __call__(self, input_ids, scores):
         if self.at is None:
+            if scores.is_cuda:
+                import torch
+
+                torch.cuda.synchronize(scores.device)  # the prefill's kernels may still run
             self.at = time.perf_counter()
         return scores
 
@@ -123,35 +127,41 @@ def _stats(cache) -> dict:
     return {k: s.get(k) for k in keys}
 
 
-def run_context(model, tokenizer, context: dict, index: int, length: int, budget_spec: str, new_tokens: int) -> dict:
-    """Both ways over one context at one budget: the records (one per question and way) and the context's row."""
+def run_context(model, tokenizer, context: dict, index: int, length: int, budget_spec: str, new_tokens: int,
+                admission: str | None = None) -> dict:
+    """Both ways over one context at one budget: the records (one per question and way) and the context's row.
+    ``admission``: the caches' ``admission`` (``None``: the library's default; ``"always"`` keeps every sealed
+    block in host memory, so that host bytes are all the KV)."""
     from hf_offload import OffloadCache
 
+    settings = {} if admission is None else {"admission": admission}
     prefix, questions = context["prefix"], context["questions"]
     longest = len(prefix) + max(len(q["suffix"]) for q in questions) + new_tokens
     if budget_spec == FULL:
         budget = longest + 64  # every token: token-identical to DynamicCache
     else:
         budget = parse_budget(budget_spec).resolve(longest)
-    records, full_caches = [], []
+    records = []
     for q, question in enumerate(questions):
         ids = prefix + question["suffix"]
-        cache = OffloadCache(model, budget_tokens=budget)
+        cache = OffloadCache(model, budget_tokens=budget, **settings)
         row = answer(model, tokenizer, ids, cache, new_tokens)
         records.append(_record(row, "full", index, q, length, budget_spec, budget, ids, question, _stats(cache)))
-        full_caches.append(cache)
-    full_host = sum(c.stats()["host_kv_bytes"] for c in full_caches)
-    full_summary = sum(c.stats()["device_summary_bytes"] for c in full_caches)
-    del full_caches
+        del cache  # the full prefills share nothing, so their bytes add up; one at a time is enough (a cache let
+        # go of parks its CUDA graphs for the next one)
+    full_host = sum(r["host_kv_bytes"] for r in records)
+    full_summary = sum(r["device_summary_bytes"] for r in records)
 
     import torch
 
-    prefix_cache = OffloadCache(model, budget_tokens=budget)
+    prefix_cache = OffloadCache(model, budget_tokens=budget, **settings)
     x = torch.tensor([prefix], device=next(model.parameters()).device)
     start = time.perf_counter()
     with torch.inference_mode():
         model(input_ids=x, attention_mask=torch.ones_like(x), **prefix_cache.forward_kwargs(), use_cache=True,
               logits_to_keep=1)  # fmt: skip
+    if x.is_cuda:
+        torch.cuda.synchronize(x.device)
     prefix_s = time.perf_counter() - start
     prefix_summary = prefix_cache.stats()["device_summary_bytes"]
     forks = []
@@ -164,11 +174,20 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
         records.append(record)
         forks.append(fork)
     fork_stats = [f.stats() for f in forks]
+    forked = [r for r in records if r["method"] == "fork"]
+    first_s = prefix_s + forked[0]["ttft_s"]  # the first question waits for the prefix's prefill
+    later_s = sum(r["ttft_s"] for r in forked[1:]) / len(forked[1:]) if len(forked) > 1 else None
+    one_request = full_host / len(questions)
+    host_fork = prefix_cache.stats()["host_kv_bytes"]
     held = {
         "context": index, "budget": budget_spec, "budget_tokens": budget, "prefix_tokens": len(prefix),
         "question_tokens": [len(q["suffix"]) for q in questions], "prefix_prefill_s": prefix_s,
         # the forks write their own blocks into the prefix's host pool: every cache sharing it reports it whole
-        "host_bytes_full": full_host, "host_bytes_fork": prefix_cache.stats()["host_kv_bytes"],
+        "host_bytes_full": full_host, "host_bytes_fork": host_fork, "host_bytes_one_request": one_request,
+        "host_bytes_fork_over_one": host_fork / one_request if one_request else None,
+        # time to first token of the forks' first question (prefix prefill included) and of the later ones
+        "ttft_first_question_s": first_s, "ttft_later_questions_s": later_s,
+        "ttft_later_over_first": None if later_s is None else later_s / first_s,
         "device_summary_bytes_full": full_summary, "device_summary_bytes_prefix": prefix_summary,
         "device_summary_bytes_forks": sum(s["device_summary_bytes"] for s in fork_stats),
         "device_summary_shared_bytes_forks": sum(s.get("device_summary_shared_bytes", 0) for s in fork_stats),
@@ -188,9 +207,12 @@ def _record(row, way, index, q, length, budget_spec, budget, ids, question, stat
     }  # fmt: skip
 
 
-def summarize(records: list[dict], budgets: list[str]) -> dict:
+def summarize(records: list[dict], budgets: list[str], contexts: list[dict] | None = None) -> dict:
     """Per budget: identical answers, accuracy of each way, full minus fork with its 95% paired bootstrap interval,
-    mean time to first token; per way: the full budget minus each other budget (the cost of the sparse budget)."""
+    mean time to first token; per way: the full budget minus each other budget (the cost of the sparse budget).
+    With the contexts' rows (:func:`run_context`): the largest over contexts of the forks' later questions' mean
+    time to first token over the first question's (prefix prefill included), and of the host bytes of the prefix
+    and its forks over those of one request prefilled alone."""
 
     def key(r):
         return (r["task"], r["length"]), r["sample_id"]
@@ -214,6 +236,11 @@ def summarize(records: list[dict], budgets: list[str]) -> dict:
             "ttft_s_full": sum(r["ttft_s"] for r in full) / len(full),
             "ttft_s_fork": sum(r["ttft_s"] for r in fork) / len(fork),
         }  # fmt: skip
+        rows = [c for c in contexts or () if c["budget"] == budget]
+        for name in ("ttft_later_over_first", "host_bytes_fork_over_one"):
+            values = [c[name] for c in rows if c.get(name) is not None]
+            if values:
+                out[budget][f"max_{name}"] = max(values)
     if FULL in out:
         for budget, row in out.items():
             if budget == FULL:
@@ -237,6 +264,9 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--admission", choices=["always", "auto"], default=None,
+                        help="the caches' admission (default: the library's); 'always' keeps every sealed block in "
+                             "host memory, so that host bytes are all the KV")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/shared_context/shared_context.json")
     args = parser.parse_args(argv)
@@ -254,10 +284,11 @@ def main(argv=None) -> int:
     for index in range(args.contexts):
         context = make_context(tokenizer, args.length, args.questions, index, args.seed)
         for budget in args.budgets:
-            run = run_context(model, tokenizer, context, index, args.length, budget, args.new_tokens)
+            run = run_context(model, tokenizer, context, index, args.length, budget, args.new_tokens,
+                              args.admission)  # fmt: skip
             result["records"] += run["records"]
             result["contexts"].append(run["context"])
-            result["summary"] = summarize(result["records"], args.budgets)
+            result["summary"] = summarize(result["records"], args.budgets, result["contexts"])
             out.write_text(json.dumps(result, indent=1))
             same = sum(r.get("same_tokens_as_full", False) for r in run["records"])
             fork = [r for r in run["records"] if r["method"] == "fork"]
@@ -266,7 +297,9 @@ def main(argv=None) -> int:
                   f"{same}/{len(fork)}, score full {sum(r['score'] for r in full) / len(full):.0f} fork "
                   f"{sum(r['score'] for r in fork) / len(fork):.0f}, TTFT full "
                   f"{sum(r['ttft_s'] for r in full) / len(full):.2f}s fork "
-                  f"{sum(r['ttft_s'] for r in fork) / len(fork):.2f}s", flush=True)  # fmt: skip
+                  f"{sum(r['ttft_s'] for r in fork) / len(fork):.2f}s; later / first question "
+                  f"{run['context']['ttft_later_over_first'] or 0:.3f}, host bytes fork / one request "
+                  f"{run['context']['host_bytes_fork_over_one'] or 0:.2f}", flush=True)  # fmt: skip
     result["complete"] = True
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))

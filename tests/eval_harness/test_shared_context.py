@@ -43,8 +43,32 @@ def test_forked_answers_equal_full_prefills_at_the_whole_context_budget(tok):
     row = run["context"]
     assert row["budget_tokens"] >= len(context["prefix"]) + max(row["question_tokens"]) + 6
     assert row["host_bytes_fork"] < row["host_bytes_full"]  # one prefix in a shared pool against two prefills
-    summary = summarize(run["records"], ["full"])["full"]
+    assert row["host_bytes_fork_over_one"] == row["host_bytes_fork"] / (row["host_bytes_full"] / 2) < 2
+    forks = [r for r in run["records"] if r["method"] == "fork"]
+    assert row["ttft_first_question_s"] == row["prefix_prefill_s"] + forks[0]["ttft_s"]
+    assert row["ttft_later_over_first"] == forks[1]["ttft_s"] / row["ttft_first_question_s"]
+    summary = summarize(run["records"], ["full"], [row])["full"]
     assert summary["identical"] == 2 and summary["full_minus_fork"]["equal"] == 2
+    assert summary["max_ttft_later_over_first"] == row["ttft_later_over_first"]
+    assert summary["max_host_bytes_fork_over_one"] == row["host_bytes_fork_over_one"]
+
+
+def test_admission_reaches_every_cache(tok, monkeypatch):
+    import hf_offload
+
+    seen = []
+    real = hf_offload.OffloadCache
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("admission"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(hf_offload, "OffloadCache", spy)
+    model = tiny_model(len(tok), max_positions=1200)
+    run = run_context(model, tok, make_context(tok, 1024, 2, index=0), 0, 1024, "1/16", new_tokens=2,
+                      admission="always")  # fmt: skip
+    assert seen == ["always"] * 3  # two full prefills and the prefix; forks take the prefix's settings
+    assert all(r["host_kv_bytes"] > 0 for r in run["records"])
 
 
 def test_the_summary_pairs_question_by_question():
