@@ -415,9 +415,20 @@ class _Study:
                     rows.append((_label(method, budget), point, fit))
         if not rows:
             return []
+        carried = [r for r in self.results if (r.get("missed_mass") or {}).get("mean") is not None]
+        own = sum(bool(r["missed_mass"].get("per_sequence")) for r in carried)
+        batched = sorted({int(r.get("batch") or 1) for r in carried if not r["missed_mass"].get("per_sequence")})
+        shared = ("of its `generate()` call: the batch's, shared by the samples of one call (batch sizes "
+                  f"{', '.join(map(str, batched))})")  # fmt: skip
+        if own == len(carried):
+            whose = "of the sample's own sequence"
+        elif own == 0:
+            whose = shared
+        else:
+            whose = f"{shared} for {len(carried) - own:,} of the {len(carried):,} samples; the sample's own for the rest"
         lines = ["", "## The accuracy certificate against the score lost", "",
-                 "Per sample: the estimated share of attention its decode steps left out (`missed_mass[\"mean\"]` of "
-                 "its `generate()` call) against the points it lost to dense on the same sample (dense minus the "
+                 "Per sample: the estimated share of attention its decode steps left out (`missed_mass[\"mean\"]` "
+                 f"{whose}) against the points it lost to dense on the same sample (dense minus the "
                  "method). Spearman's rank correlation with a 95% bootstrap interval (samples resampled, "
                  f"{BOOTSTRAP_RESAMPLES:,} times), the linear correlation, and the samples in four quarters by "
                  "certificate, lowest first: mean certificate, mean loss in points, share of samples that lost points.",

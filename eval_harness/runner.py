@@ -11,10 +11,12 @@ time_s, prompt_sha256, estimate_kernel, missed_mass, ...), flushed as they finis
 (:func:`prompt_sha256`) identifies the prompt, so that results of two methods pair sample by sample; ``estimate_kernel`` lists the estimates
 of the unselected blocks that ran in the sample's ``generate()`` call (``"mma"``, ``"dot"``, ``"loop"``,
 ``"reference"``; empty where none ran, e.g. dense), and the header's ``estimate_kernel`` those of the file's first
-call. ``missed_mass`` is the accuracy certificate of the sample's ``generate()`` call (``OffloadCache.stats()``:
-the estimated share of attention its decode steps left out, ``mean``, ``max``, ``last``, ``steps`` and ``source``;
-``None`` for dense, or a selector without an estimate), so that a score lost can be set against the attention missed;
-like ``cache``, it is the batch's where a batch holds several samples. Files written before these fields existed
+call. ``missed_mass`` is the accuracy certificate of the sample's own sequence (``OffloadCache.stats()``'s
+``missed_mass["per_sequence"]``: the estimated share of attention its decode steps left out, ``mean`` and ``max``,
+with ``"per_sequence": true``; ``steps`` and ``source`` of the call, and the call's pooled ``mean``, ``max`` and
+``last`` under ``call``; ``None`` for dense, or a selector without an estimate), so that a score lost can be set
+against the attention that sample missed. Files written before carry the call's values (the batch's where a batch
+holds several samples) and no ``per_sequence``; ``cache`` is the batch's. Files written before these fields existed
 read the same (the report then pairs by sample id).
 
 A later run with the same study skips every (task, length, method, budget, sample id) already in a result line of
@@ -320,6 +322,17 @@ def _trim(tokens: list[int], stop: set[int]) -> list[int]:
     return tokens
 
 
+def _sample_certificate(missed: dict | None, row: int) -> dict | None:
+    """The certificate of the batch's ``row``-th sequence from its call's (:func:`_missed_mass`): its own ``mean``
+    and ``max``, the call's ``steps`` and ``source``, the call's pooled values under ``call``; the call's values as
+    they are where the cache gave none per sequence."""
+    rows = (missed or {}).get("per_sequence")
+    if not rows:
+        return missed
+    return {"mean": rows["mean"][row], "max": rows["max"][row], "steps": missed["steps"], "source": missed["source"],
+            "per_sequence": True, "call": {k: missed[k] for k in ("mean", "max", "last")}}  # fmt: skip
+
+
 def _missed_mass(cache) -> dict | None:
     """The accuracy certificate of a ``generate()`` call: ``cache.stats()["missed_mass"]`` (mean, max and last
     estimated share of attention its decode steps left out, with its source), ``None`` for a cache without one."""
@@ -474,7 +487,7 @@ def run_study(
                         _free_memory()
                         bar.update(len(batch), f"{task} {length} {method}: error")
                         continue
-                    for s, ids in zip(batch, new_ids):
+                    for row, (s, ids) in enumerate(zip(batch, new_ids)):
                         prediction = tokenizer.decode(ids, skip_special_tokens=True)
                         record = {
                             "type": "result",
@@ -490,7 +503,7 @@ def run_study(
                             "max_new_tokens": n_new,
                             "prompt_sha256": prompt_sha256(s["input_ids"]),
                             "estimate_kernel": kernels,
-                            "missed_mass": missed,
+                            "missed_mass": _sample_certificate(missed, row),
                             "extra": s.get("extra", {}),
                         }
                         if stats is not None:

@@ -256,7 +256,7 @@ class GraphRunner:
         """
         kept = self._kept_capacities(key[0])
         self.graphs = {g: v for g, v in self.graphs.items() if g[0] in kept or g[0] == "seal"}
-        self.stats.prepare_capture(self.blocks.device)
+        self.stats.prepare_capture(self.blocks.device, self.blocks.batch)
         self.recaller.wait_side_streams()
         held = (*self.blocks.held_buffers(), *self.recaller.held_buffers(), inputs.rows, inputs.valid, inputs.forced,
                 inputs.sequence)
@@ -372,7 +372,7 @@ class GraphRunner:
         self.graphs = {g: v for g, v in self.graphs.items()
                        if g[1:2] != ("layer",) or twin(g) or g[0] == entry != key[0]}  # fmt: skip
         store = self.blocks
-        self.stats.prepare_capture(store.device)
+        self.stats.prepare_capture(store.device, store.batch)
         store.selectable_written = store.last_write
         self.recaller.wait_side_streams()
         held = (*store.held_buffers(), *self.recaller.held_buffers(), inputs.rows, inputs.valid, inputs.forced,
@@ -380,7 +380,7 @@ class GraphRunner:
         ahead = None if key[4] is None else self.recaller.ahead_in_graph(store.n_blocks, n, k)
         plain = forward
         if ahead is not None:
-            ahead.stats.prepare_capture(store.device)
+            ahead.stats.prepare_capture(store.device, store.batch)
             ahead.prefetch_marks()
             held = (*held, *ahead.blocks.held_buffers(), *ahead.held_buffers())
             self._wait_for_next()

@@ -9,8 +9,8 @@ class LayerStats:
 
     Counters are Python ints or 0-d device tensors. Device counts of decode steps may be queued with
     :meth:`add_later` (no operation per step) and are summed when a counter is read, or when the queue is long.
-    The accuracy certificate of the decode steps (:meth:`record_step`) goes into one persistent device tensor, the
-    same in steps run op by op and in replayed graphs.
+    The accuracy certificate of the decode steps (:meth:`record_step`) goes into persistent device tensors (pooled
+    over the batch, and per sequence), the same in steps run op by op and in replayed graphs.
     Counts added while a CUDA graph is being captured go into a persistent device tensor instead, one entry per
     distinct ``(fields, factor)`` of :meth:`add_later` (one in-place add per call, recorded in the graph; the factor
     and the fields are applied when a counter is read), so that every replay of the graph counts; masks counted with
@@ -60,10 +60,15 @@ class LayerStats:
                 buffer.zero_()
             if getattr(self, "_steps", None) is not None:
                 self._steps.zero_()
+            if getattr(self, "_rows", None) is not None:
+                self._rows.zero_()
 
-    def prepare_capture(self, device: torch.device) -> None:
-        """Allocate the device counters that captured graphs add into (before the first capture; idempotent)."""
+    def prepare_capture(self, device: torch.device, batch: int | None = None) -> None:
+        """Allocate the device counters that captured graphs add into (before the first capture; idempotent).
+        ``batch``: the sequences of the steps to come (the per-sequence certificate's buffer)."""
         self._step_buffers(device)
+        if batch is not None:
+            self._row_buffer(device, batch)
         if getattr(self, "_captured", None) is None:
             self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
             self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
@@ -150,13 +155,27 @@ class LayerStats:
                 self._patterns = patterns
         return self._steps, self._patterns
 
+    def _row_buffer(self, device: torch.device, batch: int) -> torch.Tensor | None:
+        """The per-sequence certificate ``[3, batch]`` float64 (sum, max and last of the share per sequence), made
+        outside a capture (``None`` inside one that finds none of this batch: that step is not recorded per
+        sequence); a cache's batch is fixed, so it is made once."""
+        rows = getattr(self, "_rows", None)
+        if rows is not None and rows.shape[1] == batch:
+            return rows
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        with torch.inference_mode(False), torch.no_grad():
+            self._rows = torch.zeros((3, batch), dtype=torch.float64, device=device)
+        return self._rows
+
     def record_step(self, keep: torch.Tensor, missed: torch.Tensor | None, source: str | None) -> None:
         """Record one decode step's kept entries and estimated share of attention left out (device operations only,
-        in place on a persistent buffer: no host synchronisation, and a captured graph's replays record too).
+        in place on persistent buffers: no host synchronisation, and a captured graph's replays record too).
 
         Args:
             keep: the step's kept entries, ``[batch, 1 or kv_heads, k]``, ``torch.bool``, compute device.
-            missed: the share, a 0-d float64 tensor on that device, or ``None`` (``source`` ``"exact"``: 0).
+            missed: the share per sequence, ``[batch]`` float64 on that device (pooled as its mean), or ``None``
+                (``source`` ``"exact"``: 0).
             source: ``"tail"`` (the selector's estimate of the unselected blocks), ``"scores"`` (the selector's
                 block masses), ``"exact"`` (every sealed block attended) or ``None`` (no estimate).
         """
@@ -166,21 +185,35 @@ class LayerStats:
         pattern = patterns[self._SOURCES.index(source)]
         rows = keep.numel() // max(keep.shape[-1], 1)  # sequences (x KV heads): kept entries per row are averaged
         steps.addcmul_(pattern[1], keep.sum(dtype=torch.float64), value=1 / max(rows, 1)).add_(pattern[2])
+        rows = self._row_buffer(keep.device, keep.shape[0])
         if missed is not None:
-            steps.addcmul_(pattern[0], missed)
-            torch.maximum(steps[self._MISSED_MAX], missed, out=steps[self._MISSED_MAX])
-            steps[self._MISSED_LAST].copy_(missed)
+            pooled = missed.mean()
+            steps.addcmul_(pattern[0], pooled)
+            torch.maximum(steps[self._MISSED_MAX], pooled, out=steps[self._MISSED_MAX])
+            steps[self._MISSED_LAST].copy_(pooled)
+            if rows is not None:
+                rows[0].add_(missed)
+                torch.maximum(rows[1], missed, out=rows[1])
+                rows[2].copy_(missed)
         elif source == "exact":
             steps[self._MISSED_LAST].zero_()
+            if rows is not None:
+                rows[2].zero_()
 
     def step_summary(self) -> dict:
         """The recorded steps, read once (one host synchronisation): ``missed_sum``, ``missed_max``,
         ``missed_last``, ``missed_steps``, ``tail_sum``, ``tail_steps``, ``kept_sum``, ``kept_steps``,
-        ``exact_steps``."""
+        ``exact_steps``; per sequence, lists: ``rows_missed_sum``, ``rows_missed_max`` (empty before a step)."""
         names = ("missed_sum", "missed_max", "missed_last", "missed_steps", "tail_sum", "tail_steps", "kept_sum",
                  "kept_steps", "exact_steps")  # fmt: skip
-        steps = getattr(self, "_steps", None)
-        return dict(zip(names, [0.0] * len(names) if steps is None else steps.tolist()))
+        steps, rows = getattr(self, "_steps", None), getattr(self, "_rows", None)
+        if steps is None:
+            return {**dict.fromkeys(names, 0.0), "rows_missed_sum": [], "rows_missed_max": []}
+        n = rows.shape[1] if rows is not None else 0
+        values = (steps if rows is None else torch.cat([steps, rows[:2].flatten()])).tolist()
+        out = dict(zip(names, values[: len(names)]))
+        out["rows_missed_sum"], out["rows_missed_max"] = values[len(names) : len(names) + n], values[len(names) + n :]
+        return out
 
     def settle(self) -> None:
         """Sum the queued device counts into the counters (device operations only, no host synchronisation)."""
@@ -274,13 +307,20 @@ def _missed_mass(steps) -> dict | None:
         return None
     n = sum(s["missed_steps"] for s in steps)
     tail, exact = sum(s["tail_steps"] for s in steps), sum(s["exact_steps"] for s in steps)
-    return {
+    out = {
         "mean": sum(s["missed_sum"] for s in steps) / n,
         "max": max(s["missed_max"] for s in steps),
         "last": sum(s["missed_last"] for s in steps) / len(steps),
         "steps": int(n),
         "source": "tail" if tail else "scores" if n > exact else "exact",
     }
+    widths = {len(s.get("rows_missed_sum", ())) for s in steps}
+    if len(widths) == 1 and 0 not in widths:  # every layer recorded the same sequences
+        out["per_sequence"] = {
+            "mean": [sum(r) / n for r in zip(*(s["rows_missed_sum"] for s in steps))],
+            "max": [max(r) for r in zip(*(s["rows_missed_max"] for s in steps))],
+        }
+    return out
 
 
 def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> dict:

@@ -111,6 +111,34 @@ def test_certificate_per_layer_and_overall():
     assert cache.stats()["missed_mass"] is None and cache.stats()["attended_blocks"] is None
 
 
+@pytest.mark.parametrize("selector", ["quantkey[bits=4,tail_bits=2,tail_near=3]", "quantkey"])
+def test_certificate_per_sequence_is_each_sequence_s_own(selector):
+    """Per sequence of a batch: the share its own steps left out, the same as when it runs alone; the pooled
+    certificate is their mean (every sequence steps as often)."""
+    model = build_model("llama")
+    ids, mask = left_padded([150, 150], seed=9)  # equal lengths: no padding, each row as it runs alone
+    ids[1] = torch.flip(ids[1], dims=[0])  # another sequence
+    settings = {"selector": selector, **TINY_BLOCKS, "budget_tokens": 48}
+    cache = OffloadCache(model, **settings)
+    _generate(model, cache, ids, mask)
+    stats = cache.stats()
+    rows = stats["missed_mass"]["per_sequence"]
+    assert len(rows["mean"]) == len(rows["max"]) == 2 and rows["mean"][0] != rows["mean"][1]
+    assert stats["missed_mass"]["mean"] == pytest.approx(sum(rows["mean"]) / 2)
+    assert stats["missed_mass"]["max"] <= max(rows["max"])  # the largest step mean of the batch
+    for layer in stats["layers"].values():
+        assert len(layer["missed_mass"]["per_sequence"]["mean"]) == 2
+    for row in range(2):
+        alone = OffloadCache(model, **settings)
+        _generate(model, alone, ids[row : row + 1], mask[row : row + 1])
+        mine = alone.stats()["missed_mass"]
+        assert mine["per_sequence"]["mean"] == pytest.approx([mine["mean"]])
+        assert rows["mean"][row] == pytest.approx(mine["mean"], rel=1e-3)
+        assert rows["max"][row] == pytest.approx(mine["per_sequence"]["max"][0], rel=1e-3)
+    cache.reset_stats()
+    assert cache.stats()["missed_mass"] is None
+
+
 def test_selector_without_block_masses_has_no_certificate_and_refuses_the_adaptive_budget():
     model = build_model("llama")
     ids, mask = left_padded([150, 120], seed=9)

@@ -255,7 +255,7 @@ def test_results_record_prompt_hash_and_estimate_kernel(tmp_path, tok, model):
     from eval_harness.runner import prompt_sha256
 
     sel = "quantkey[bits=4,tail_bits=2]"  # estimates the unselected blocks; on a CPU the torch reference does
-    run = ruler_run(tmp_path, tok, model, methods=[sel], tasks=["niah_single_1"])
+    run = ruler_run(tmp_path, tok, model, methods=[sel], tasks=["niah_single_1"], batch_size=2)
     header, *results = [json.loads(x) for x in run.path.read_text().splitlines()]
     assert header["estimate_kernel"] == ["reference"]
     suite = RulerSuite(tok, samples=2)
@@ -263,10 +263,16 @@ def test_results_record_prompt_hash_and_estimate_kernel(tmp_path, tok, model):
     assert len(set(prompts.values())) == 2
     for r in results:
         assert r["estimate_kernel"] == ["reference"] and r["prompt_sha256"] == prompts[r["sample_id"]]
-        # The accuracy certificate of the sample's generate() call, from the estimate of the unselected blocks.
+        # The accuracy certificate of the sample's own sequence, from the estimate of the unselected blocks.
         missed = r["missed_mass"]
         assert missed["source"] == "tail" and 0 < missed["mean"] <= missed["max"] < 1 and missed["steps"] > 0
+        assert missed["per_sequence"] is True and set(missed["call"]) == {"mean", "max", "last"}
         assert r["cache"]["attended_blocks"] > 0
+    # One call of two samples: each its own share, the call's pooled mean theirs.
+    assert results[0]["batch"] == 2 and results[0]["missed_mass"]["mean"] != results[1]["missed_mass"]["mean"]
+    call = results[0]["missed_mass"]["call"]
+    assert call == results[1]["missed_mass"]["call"]
+    assert call["mean"] == pytest.approx((results[0]["missed_mass"]["mean"] + results[1]["missed_mass"]["mean"]) / 2)
     dense = ruler_run(tmp_path, tok, model, study="dense_only", methods=["dense"], tasks=["niah_single_1"])
     header, *results = [json.loads(x) for x in dense.path.read_text().splitlines()]
     assert header["estimate_kernel"] == [] and all(r["estimate_kernel"] == [] for r in results)

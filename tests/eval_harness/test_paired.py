@@ -144,6 +144,11 @@ def test_rendered_certificate_section_only_where_records_carry_it(tmp_path):
     assert len(cert) == 2 and "| 40 |" in cert[0] and "| all |" in cert[1]  # the length and all
     spearman = float(cert[1].split("|")[4].split()[0])
     assert spearman > 0.7
+    batch = "of its `generate()` call: the batch's, shared by the samples of one call (batch sizes 1)"
+    assert f"(`missed_mass[\"mean\"]` {batch})" in text  # records without per_sequence: the call's
+    own = [{**r, "missed_mass": {**r["missed_mass"], "per_sequence": True}, "batch": 20} for r in other]
+    write_study(tmp_path / "own", [({"git_commit": "aaaa"}, dense + own)])
+    assert "(`missed_mass[\"mean\"]` of the sample's own sequence)" in render("s", tmp_path / "own")
     (tmp_path / "plain").mkdir()
     write_study(tmp_path / "plain", [({"git_commit": "aaaa"}, dense + records("m", method_scores))])
     assert "accuracy certificate" not in render("s", tmp_path / "plain")
