@@ -306,6 +306,10 @@ def main(argv=None) -> int:
     parser.add_argument("--calls", type=int, default=1,
                         help="generate() calls per configuration, each with a fresh cache on the same model")  # fmt: skip
     parser.add_argument("--prefill-chunk", type=int, default=4096)
+    parser.add_argument("--warmup-context", type=int, default=0,
+                        help="before the sweep, one generate() per cache at the smallest batch with prompts of this "
+                             "many tokens, not recorded, so that the kernels' compilation (Triton, once per process "
+                             "and shapes) is out of the measured calls' times (0: none)")  # fmt: skip
     parser.add_argument(
         "--prefill-batch-tokens", type=int, default=0,
         help="tokens of one prefill chunk over the whole batch: the chunk is this divided by the batch (a multiple of "
@@ -356,6 +360,16 @@ def main(argv=None) -> int:
         roofline_of = step_roofline(model, args.budget, result["bandwidth"])
     print(f"{'cache':9s} {'batch':>5s} {'ok':>3s} {'ttft s':>7s} {'1st step s':>10s} {'tok/s':>8s} {'peak GiB':>9s} "
           f"{'host KV GiB':>11s} {'hit':>5s} summaries")  # fmt: skip
+    if args.batches and args.warmup_context:
+        result["warmup"] = []
+        for kind in args.caches:
+            r = run_generate(model, kind, min(args.batches), args.warmup_context, 4, args.budget,
+                             prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, min(args.batches)), device,
+                             tokenizer)  # fmt: skip
+            result["warmup"].append({k: r.get(k) for k in ("cache", "batch", "context", "ok", "ttft_s", "error")})
+            print(f"warm-up {kind} batch {r['batch']} context {r['context']}: "
+                  f"{'ok' if r['ok'] else r.get('error', '')[:80]} ttft {r.get('ttft_s', float('nan')):.2f} s")
+        gc.collect()
     for batch in args.batches:
         for kind, call in [(kind, call) for kind in args.caches for call in range(1, args.calls + 1)]:
             if time.perf_counter() - start > args.max_seconds:
