@@ -150,6 +150,12 @@ def test_replayed_layers_give_the_tokens_and_counters_of_op_by_op(arch, selector
     a, b = eager.stats(), graphed.stats()
     for name in COUNTERS:
         assert a[name] == b[name], name
+    # The accuracy certificate, pooled and per sequence, recorded by replayed steps as by steps run op by op.
+    cert, replayed = a["missed_mass"], b["missed_mass"]
+    assert replayed["steps"] == cert["steps"] and replayed["mean"] == pytest.approx(cert["mean"])
+    assert len(cert["per_sequence"]["mean"]) == 3
+    assert replayed["per_sequence"]["mean"] == pytest.approx(cert["per_sequence"]["mean"])
+    assert replayed["per_sequence"]["max"] == pytest.approx(cert["per_sequence"]["max"])
     for layer in graphed.offload_layers:
         # Of the steps - 1 decode steps (the prefill gives the first token) the first captures the attention, the
         # next the layer; every later step replays it, the steps that seal a block included, except where a seal
