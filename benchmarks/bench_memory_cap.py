@@ -43,7 +43,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
-from hf_offload.cache import parked_bytes
+from hf_offload.cache import parked_bytes, release_parked  # noqa: E402
 from hf_offload.tools.bench import SHAPES  # noqa: E402
 
 GIB = 1 << 30
@@ -368,7 +368,8 @@ def main(argv=None) -> int:
                              tokenizer)  # fmt: skip
             result["warmup"].append({k: r.get(k) for k in ("cache", "batch", "context", "ok", "ttft_s", "error")})
             print(f"warm-up {kind} batch {r['batch']} context {r['context']}: "
-                  f"{'ok' if r['ok'] else r.get('error', '')[:80]} ttft {r.get('ttft_s', float('nan')):.2f} s")
+                  f"{'ok' if r['ok'] else (r.get('error') or '')[:80]} ttft {r.get('ttft_s', float('nan')):.2f} s")
+        release_parked()  # the sweep's first call starts with nothing parked, as in a fresh process
         gc.collect()
     for batch in args.batches:
         for kind, call in [(kind, call) for kind in args.caches for call in range(1, args.calls + 1)]:

@@ -415,17 +415,7 @@ class _Study:
                     rows.append((_label(method, budget), point, fit))
         if not rows:
             return []
-        carried = [r for r in self.results if (r.get("missed_mass") or {}).get("mean") is not None]
-        own = sum(bool(r["missed_mass"].get("per_sequence")) for r in carried)
-        batched = sorted({int(r.get("batch") or 1) for r in carried if not r["missed_mass"].get("per_sequence")})
-        shared = ("of its `generate()` call: the batch's, shared by the samples of one call (batch sizes "
-                  f"{', '.join(map(str, batched))})")  # fmt: skip
-        if own == len(carried):
-            whose = "of the sample's own sequence"
-        elif own == 0:
-            whose = shared
-        else:
-            whose = f"{shared} for {len(carried) - own:,} of the {len(carried):,} samples; the sample's own for the rest"
+        whose = self.certificate_whose()
         lines = ["", "## The accuracy certificate against the score lost", "",
                  "Per sample: the estimated share of attention its decode steps left out (`missed_mass[\"mean\"]` "
                  f"{whose}) against the points it lost to dense on the same sample (dense minus the "
@@ -441,6 +431,21 @@ class _Study:
             lines.append(f"| {label} | {point if point == 'all' else _point(point)} | {fit.samples} | {rho} | "
                          f"{_fmt(fit.pearson, 2)} | {quarters} |")  # fmt: skip
         return lines
+
+    def certificate_whose(self) -> str:
+        """Whose certificate the records hold: each sample's own sequence's (records with ``per_sequence``), or
+        their ``generate()`` call's (the batch's, in files written before), or a mix."""
+        carried = [r for r in self.results if (r.get("missed_mass") or {}).get("mean") is not None]
+        own = sum(bool(r["missed_mass"].get("per_sequence")) for r in carried)
+        batched = sorted({int(r.get("batch") or 1) for r in carried if not r["missed_mass"].get("per_sequence")})
+        shared = ("of its `generate()` call: the batch's, shared by the samples of one call (batch sizes "
+                  f"{', '.join(map(str, batched))})")  # fmt: skip
+        if own == len(carried):
+            return "of the sample's own sequence"
+        if own == 0:
+            return shared
+        return (f"{shared} for {len(carried) - own:,} of the {len(carried):,} samples; the sample's own for the "
+                "rest")
 
     def axis(self, record: dict):
         """The record's column: its length bucket (LongBench-E) or its context length."""
@@ -560,8 +565,8 @@ def render(study: str, results_dir="results", plot_file: str | None = None) -> s
     )  # fmt: skip
     lines += _mean_table(
         s, lengths, "Mean estimated attention left out", lambda r: (r.get("missed_mass") or {}).get("mean"),
-        "Estimated share of the attention that decode steps did not attend exactly (`cache.stats()[\"missed_mass\"]"
-        "[\"mean\"]` of each sample's batch: the selector's estimate, not a bound), mean over samples.",
+        "Estimated share of the attention that decode steps did not attend exactly (`cache.stats()[\"missed_mass\"]`"
+        f"'s mean {s.certificate_whose()}: the selector's estimate, not a bound), mean over samples.",
     )  # fmt: skip
     lines += s.paired_section()
     lines += s.certificate_section()

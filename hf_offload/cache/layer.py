@@ -422,6 +422,7 @@ class OffloadLayer(CacheLayerMixin):
     def _take_rows(self, rows: torch.Tensor) -> None:
         self.recaller.wait_prefetch()  # a prefetch may still fill the slot pool being reordered
         self.blocks.take_rows(rows)
+        self.stats.take_rows(rows)
         self._edited()
 
     def _edited(self) -> None:

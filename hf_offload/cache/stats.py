@@ -155,18 +155,29 @@ class LayerStats:
                 self._patterns = patterns
         return self._steps, self._patterns
 
+    _ROW_SUM, _ROW_MAX, _ROW_LAST, _ROW_STEPS = range(4)
+
     def _row_buffer(self, device: torch.device, batch: int) -> torch.Tensor | None:
-        """The per-sequence certificate ``[3, batch]`` float64 (sum, max and last of the share per sequence), made
-        outside a capture (``None`` inside one that finds none of this batch: that step is not recorded per
-        sequence); a cache's batch is fixed, so it is made once."""
+        """The per-sequence certificate ``[4, batch]`` float64 (sum, max and last of the share, and the steps that
+        recorded one, per sequence), made outside a capture (``None`` inside one that finds none of this batch: that
+        step is not recorded per sequence). A batch edit takes its rows (:meth:`take_rows`); a buffer of another
+        batch is made anew."""
         rows = getattr(self, "_rows", None)
         if rows is not None and rows.shape[1] == batch:
             return rows
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         with torch.inference_mode(False), torch.no_grad():
-            self._rows = torch.zeros((3, batch), dtype=torch.float64, device=device)
+            self._rows = torch.zeros((4, batch), dtype=torch.float64, device=device)
         return self._rows
+
+    def take_rows(self, rows: torch.Tensor) -> None:
+        """After a batch edit (beam search's reorder, a selection or repetition of sequences): sequence ``i``'s
+        certificate becomes that of the old sequence ``rows[i]``."""
+        old = getattr(self, "_rows", None)
+        if old is not None:
+            with torch.inference_mode(False), torch.no_grad():
+                self._rows = old.index_select(1, rows.to(old.device))
 
     def record_step(self, keep: torch.Tensor, missed: torch.Tensor | None, source: str | None) -> None:
         """Record one decode step's kept entries and estimated share of attention left out (device operations only,
@@ -192,27 +203,34 @@ class LayerStats:
             torch.maximum(steps[self._MISSED_MAX], pooled, out=steps[self._MISSED_MAX])
             steps[self._MISSED_LAST].copy_(pooled)
             if rows is not None:
-                rows[0].add_(missed)
-                torch.maximum(rows[1], missed, out=rows[1])
-                rows[2].copy_(missed)
+                rows[self._ROW_SUM].add_(missed)
+                torch.maximum(rows[self._ROW_MAX], missed, out=rows[self._ROW_MAX])
+                rows[self._ROW_LAST].copy_(missed)
+                rows[self._ROW_STEPS].add_(1)
         elif source == "exact":
             steps[self._MISSED_LAST].zero_()
             if rows is not None:
-                rows[2].zero_()
+                rows[self._ROW_LAST].zero_()
+                rows[self._ROW_STEPS].add_(1)
 
     def step_summary(self) -> dict:
         """The recorded steps, read once (one host synchronisation): ``missed_sum``, ``missed_max``,
         ``missed_last``, ``missed_steps``, ``tail_sum``, ``tail_steps``, ``kept_sum``, ``kept_steps``,
-        ``exact_steps``; per sequence, lists: ``rows_missed_sum``, ``rows_missed_max`` (empty before a step)."""
+        ``exact_steps``; per sequence, lists: ``rows_missed_sum``, ``rows_missed_max``, ``rows_missed_steps``
+        (empty before the first step of the cache, zeros after :meth:`reset`)."""
         names = ("missed_sum", "missed_max", "missed_last", "missed_steps", "tail_sum", "tail_steps", "kept_sum",
                  "kept_steps", "exact_steps")  # fmt: skip
         steps, rows = getattr(self, "_steps", None), getattr(self, "_rows", None)
+        empty = {"rows_missed_sum": [], "rows_missed_max": [], "rows_missed_steps": []}
         if steps is None:
-            return {**dict.fromkeys(names, 0.0), "rows_missed_sum": [], "rows_missed_max": []}
-        n = rows.shape[1] if rows is not None else 0
-        values = (steps if rows is None else torch.cat([steps, rows[:2].flatten()])).tolist()
-        out = dict(zip(names, values[: len(names)]))
-        out["rows_missed_sum"], out["rows_missed_max"] = values[len(names) : len(names) + n], values[len(names) + n :]
+            return {**dict.fromkeys(names, 0.0), **empty}
+        values = (steps if rows is None else torch.cat([steps, rows.flatten()])).tolist()
+        out = {**dict(zip(names, values[: len(names)])), **empty}
+        if rows is not None:
+            n = rows.shape[1]
+            per_row = [values[len(names) + i * n : len(names) + (i + 1) * n] for i in range(4)]
+            out["rows_missed_sum"], out["rows_missed_max"] = per_row[self._ROW_SUM], per_row[self._ROW_MAX]
+            out["rows_missed_steps"] = per_row[self._ROW_STEPS]
         return out
 
     def settle(self) -> None:
@@ -316,8 +334,10 @@ def _missed_mass(steps) -> dict | None:
     }
     widths = {len(s.get("rows_missed_sum", ())) for s in steps}
     if len(widths) == 1 and 0 not in widths:  # every layer recorded the same sequences
+        sums = [sum(r) for r in zip(*(s["rows_missed_sum"] for s in steps))]
+        counts = [sum(r) for r in zip(*(s["rows_missed_steps"] for s in steps))]
         out["per_sequence"] = {
-            "mean": [sum(r) / n for r in zip(*(s["rows_missed_sum"] for s in steps))],
+            "mean": [x / c if c else None for x, c in zip(sums, counts)],
             "max": [max(r) for r in zip(*(s["rows_missed_max"] for s in steps))],
         }
     return out

@@ -14,7 +14,7 @@ python3 benchmarks/bench_memory_cap.py --shape qwen2.5-coder-0.5b --context 3276
   --caches defaults --new-tokens 16 --prefill-chunk 4096 --prefill-batch-tokens 65536 --max-seconds 130 \
   --out "$OUT/smallgpu_05b_32k_cap16_h200.json"
 
-# The H100 runs (code of 0b178e9; the files record the device copy's HEAD, b189d64, and --out names ending in
+# The H100 runs (code of 0b178e9; the files' metadata names commit b189d64, and --out names ending in
 # _h200, the name the calls were planned under: the GPU field says H100). One call each group.
 python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --batches 1 --cap-gib 139 \
   --caches defaults --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 130 --out "$OUT/first_step_8b_32k_h100.json"
@@ -35,7 +35,7 @@ python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 131072 --b
 python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --batches 1 --cap-gib 70 \
   --caches defaults --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 120 --out "$OUT/first_step_8b_32768_parked_h100.json"
 # 32,000 tokens with the defaults and with admission "always" (every block on the host), one H100, code of 42e95fd
-# (the file records the device copy's HEAD, 18890f4):
+# (its metadata names commit 18890f4):
 python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32000 --batches 1 --cap-gib 139 \
   --caches defaults always --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 120 \
   --out "$OUT/first_step_8b_32000_parked_h100.json"

@@ -11,5 +11,5 @@ for tag in near mid near2; do
     --quantkey-selector "$sel" --steps 32 --config-seconds 8 --max-seconds 85 --out "$OUT/$tag.json"
 done
 # split_mid.json, split_near.json: the same once the far blocks were split over programs (36e0667), mid then near,
-# --config-seconds 5 --max-seconds 38. Every H200 file of that session records git_commit 9be6a76 (the device copy's
-# repository state): near/mid/near2 ran the code of 42c4888, split_* that of 36e0667.
+# --config-seconds 5 --max-seconds 38. Every H200 file of that session records git_commit 9be6a76 (the commit checked
+# out, not the code that ran): near/mid/near2 ran the code of 42c4888, split_* that of 36e0667.
