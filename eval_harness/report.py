@@ -383,7 +383,36 @@ class _Study:
                 if any(c != "-" for c in cells):
                     cells.append(_fmt_diff(average([(t, p) for p in self.points]), len(self.points)))
                     lines.append(f"| {_label(method, budget)} | {t} | " + " | ".join(cells) + " |")
-        return lines
+        return lines + self._first_token_lines(dense, methods, key)
+
+    def _first_token_lines(self, dense: list[dict], methods: list, key) -> list[str]:
+        """Per method, of its answers that differ from dense's: how many part at the first generated token (the
+        prefill's, exact attention: arithmetic, not selection), over the samples where both records carry
+        ``first_token``; nothing where none do."""
+        base = {key(r): r for r in dense if r.get("first_token") is not None}
+        rows = []
+        for method, budget in methods:
+            pairs = [(base[key(r)], r) for r in self.results if (r["method"], r["budget"]) == (method, budget)
+                     and r.get("first_token") is not None and key(r) in base]  # fmt: skip
+            if not pairs:
+                continue
+            differ = [(d, m) for d, m in pairs
+                      if d["prediction"] != m["prediction"] or d["first_token"] != m["first_token"]]  # fmt: skip
+            first = [(d, m) for d, m in differ if d["first_token"] != m["first_token"]]
+            scored = [(d, m) for d, m in differ if float(d["score"]) != float(m["score"])]
+            scored_first = [(d, m) for d, m in scored if d["first_token"] != m["first_token"]]
+            lower = sum(float(d["score"]) > float(m["score"]) for d, m in scored_first)
+            rows.append(f"| {_label(method, budget)} | {len(pairs):,} | {len(differ):,} | {len(first):,} | "
+                        f"{len(scored):,} | {len(scored_first):,} ({lower:,} lower / {len(scored_first) - lower:,} "
+                        "higher) |")  # fmt: skip
+        if not rows:
+            return []
+        return ["", "Where answers part from dense's (records with `first_token`): at the first generated token, "
+                "which the prefill computes with exact attention, a difference is arithmetic (the order of the "
+                "prefill's sums against `DynamicCache`'s), not selection; after it, the decode's selection and "
+                "arithmetic both.", "",
+                "| method | samples | answers differ | from the first token | scores differ | from the first token |",
+                "|---|---:|---:|---:|---:|---|", *rows]  # fmt: skip
 
     def certificate_section(self) -> list[str]:
         """Markdown lines of how the accuracy certificate tracks the score lost against dense (:func:`certificate_fit`),

@@ -7,7 +7,7 @@ task and length, without a budget; every other method runs once per budget.
 Results go to ``{results_dir}/{study}/{study}-{UTC time}.jsonl``, one file per run: a header line (``"type":
 "header"``: machine, versions, git commit, settings, suite metadata) and then one line per sample (``"type":
 "result"``: study, suite, task, length, method, budget, budget_tokens, sample_id, prediction, references, score,
-time_s, prompt_sha256, estimate_kernel, missed_mass, ...), flushed as they finish. ``prompt_sha256``
+time_s, prompt_sha256, estimate_kernel, missed_mass, first_token, ...), flushed as they finish. ``prompt_sha256``
 (:func:`prompt_sha256`) identifies the prompt, so that results of two methods pair sample by sample; ``estimate_kernel`` lists the estimates
 of the unselected blocks that ran in the sample's ``generate()`` call (``"mma"``, ``"dot"``, ``"loop"``,
 ``"reference"``; empty where none ran, e.g. dense), and the header's ``estimate_kernel`` those of the file's first
@@ -16,8 +16,10 @@ call. ``missed_mass`` is the accuracy certificate of the sample's own sequence (
 with ``"per_sequence": true``; ``steps`` and ``source`` of the call, and the call's pooled ``mean``, ``max`` and
 ``last`` under ``call``; ``None`` for dense, or a selector without an estimate), so that a score lost can be set
 against the attention that sample missed. Files written before carry the call's values (the batch's where a batch
-holds several samples) and no ``per_sequence``; ``cache`` is the batch's. Files written before these fields existed
-read the same (the report then pairs by sample id).
+holds several samples) and no ``per_sequence``; ``cache`` is the batch's. ``first_token`` is the first generated
+token (from the prefill's logits, a stop token too), so that an answer that parts from dense's at its first token
+(the prefill's exact attention: arithmetic, not selection) can be told apart from one that parts in the decode.
+Files written before these fields existed read the same (the report then pairs by sample id).
 
 A later run with the same study skips every (task, length, method, budget, sample id) already in a result line of
 any file of the study, so an interrupted run resumes where it stopped.
@@ -257,8 +259,10 @@ class _Progress:
 
 
 # ------------------------------------------------------------------------------------------------------- generation
-def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, prefill_chunk_size):
-    """Greedy generation for a batch of samples (left padding).
+def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, prefill_chunk_size,
+              firsts: list | None = None):
+    """Greedy generation for a batch of samples (left padding). ``firsts``: a list to extend with each sample's
+    first generated token (the prefill's, stop tokens included).
 
     Returns:
         The new token ids of each sample up to (not including) its first stop token (an EOS of the model's
@@ -312,6 +316,8 @@ def _generate(model, tokenizer, batch: list[dict], cache, max_new_tokens: int, p
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     stop = {*kwargs.get("eos_token_id", eos), pad}
+    if firsts is not None:
+        firsts.extend(out[:, width].tolist())
     return [_trim(row, stop) for row in out[:, width:].tolist()], seconds
 
 
@@ -469,7 +475,9 @@ def run_study(
                     try:
                         cache = make_cache(method, budget_tokens)
                         take_kernels_run()  # forget what earlier calls ran
-                        new_ids, seconds = _generate(model, tokenizer, batch, cache, n_new, prefill_chunk_size)
+                        firsts: list[int] = []
+                        new_ids, seconds = _generate(model, tokenizer, batch, cache, n_new, prefill_chunk_size,
+                                                     firsts)  # fmt: skip
                         kernels = take_kernels_run()
                         if writer.header["estimate_kernel"] is None and not writer.written:
                             writer.header["estimate_kernel"] = kernels
@@ -500,6 +508,7 @@ def run_study(
                             "batch": len(batch),
                             "prompt_tokens": len(s["input_ids"]),
                             "new_tokens": len(ids),
+                            "first_token": firsts[row],
                             "max_new_tokens": n_new,
                             "prompt_sha256": prompt_sha256(s["input_ids"]),
                             "estimate_kernel": kernels,

@@ -267,6 +267,7 @@ def test_results_record_prompt_hash_and_estimate_kernel(tmp_path, tok, model):
         missed = r["missed_mass"]
         assert missed["source"] == "tail" and 0 < missed["mean"] <= missed["max"] < 1 and missed["steps"] > 0
         assert missed["per_sequence"] is True and set(missed["call"]) == {"mean", "max", "last"}
+        assert isinstance(r["first_token"], int) and r["first_token"] >= 0
         assert r["cache"]["attended_blocks"] > 0
     # One call of two samples: each its own share, the call's pooled mean theirs.
     assert results[0]["batch"] == 2 and results[0]["missed_mass"]["mean"] != results[1]["missed_mass"]["mean"]

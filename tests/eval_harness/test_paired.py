@@ -105,6 +105,25 @@ def test_runs_pair_by_source_hash_where_every_header_has_one(tmp_path):
     assert "`m 1/16` ran at commit bbbb (dense: aaaa); batch size None (dense: 25)." in md
 
 
+def test_answers_that_part_at_the_first_token_are_counted(tmp_path):
+    def rec(method, i, score, first, prediction):
+        return {"task": "vt", "length": 8, "method": method, "sample_id": i, "prompt_sha256": f"h{i}", "score": score,
+                "first_token": first, "prediction": prediction}  # fmt: skip
+
+    dense = [rec("dense", 0, 100.0, 5, "a b"), rec("dense", 1, 100.0, 5, "a b"), rec("dense", 2, 0.0, 5, "a c"),
+             rec("dense", 3, 100.0, 5, "a b")]  # fmt: skip
+    # sample 0 the same; 1 parts at the first token and loses; 2 parts later and gains; 3 parts at the first token
+    # with the same score
+    other = [rec("m", 0, 100.0, 5, "a b"), rec("m", 1, 0.0, 7, "x"), rec("m", 2, 100.0, 5, "a b"),
+             rec("m", 3, 100.0, 6, "a b")]  # fmt: skip
+    write_study(tmp_path, [({"git_commit": "aaaa"}, dense + other)])
+    md = render("s", tmp_path).split("## Paired difference against dense")[1]
+    assert "| m 1/16 | 4 | 3 | 2 | 2 | 1 (1 lower / 0 higher) |" in md
+    write_study(tmp_path / "old", [({"git_commit": "aaaa"}, [{k: v for k, v in r.items() if k != "first_token"}
+                                                             for r in dense + other])])  # fmt: skip
+    assert "from the first token" not in render("s", tmp_path / "old")
+
+
 def test_no_dense_no_comparison(tmp_path):
     write_study(tmp_path, [({"git_commit": "aaaa"}, records("m", [100.0]))])
     assert "This study has no dense results" in render("s", tmp_path)
