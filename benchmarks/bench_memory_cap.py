@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
+from hf_offload import OffloadCache, generate_cache_kwarg, warm_up  # noqa: E402
 from hf_offload.cache import parked_bytes, release_parked  # noqa: E402
 from hf_offload.tools.bench import SHAPES  # noqa: E402
 
@@ -73,6 +73,10 @@ class StepClock:
         return scores
 
 
+OFFLOAD_SETTINGS = {"defaults": {}, "always": {"admission": "always"}}
+"""The OffloadCache settings of each cache kind besides ``budget_tokens``."""
+
+
 def make_cache(kind: str, model, budget: int):
     from transformers import DynamicCache
 
@@ -80,10 +84,8 @@ def make_cache(kind: str, model, budget: int):
         return DynamicCache(config=model.config)
     if kind == "offloaded":  # transformers' own offloading: each layer's whole KV to the device and back per step
         return DynamicCache(config=model.config, offloading=True)
-    if kind == "defaults":
-        return OffloadCache(model, budget_tokens=budget)
-    if kind == "always":
-        return OffloadCache(model, budget_tokens=budget, admission="always")
+    if kind in OFFLOAD_SETTINGS:
+        return OffloadCache(model, budget_tokens=budget, **OFFLOAD_SETTINGS[kind])
     raise ValueError(kind)
 
 
@@ -307,9 +309,10 @@ def main(argv=None) -> int:
                         help="generate() calls per configuration, each with a fresh cache on the same model")  # fmt: skip
     parser.add_argument("--prefill-chunk", type=int, default=4096)
     parser.add_argument("--warmup-context", type=int, default=0,
-                        help="before the sweep, one generate() per cache at the smallest batch with prompts of this "
-                             "many tokens, not recorded, so that the kernels' compilation (Triton, once per process "
-                             "and shapes) is out of the measured calls' times (0: none)")  # fmt: skip
+                        help="before the sweep, per cache at the smallest batch, a warm-up with prompts of this many "
+                             "tokens (hf_offload.warm_up for the library's caches, one generate() for the others), "
+                             "not recorded, so that the kernels' compilation (Triton, once per process and shapes) "
+                             "is out of the measured calls' times (0: none)")  # fmt: skip
     parser.add_argument(
         "--prefill-batch-tokens", type=int, default=0,
         help="tokens of one prefill chunk over the whole batch: the chunk is this divided by the batch (a multiple of "
@@ -363,13 +366,20 @@ def main(argv=None) -> int:
     if args.batches and args.warmup_context:
         result["warmup"] = []
         for kind in args.caches:
+            if kind in OFFLOAD_SETTINGS:  # the library's own warm-up, with the settings of the calls to come
+                w = warm_up(model, batch_size=min(args.batches), prompt_tokens=args.warmup_context,
+                            budget_tokens=args.budget, **OFFLOAD_SETTINGS[kind])  # fmt: skip
+                result["warmup"].append({"cache": kind, **w})
+                print(f"warm-up {kind} (hf_offload.warm_up) batch {w['batch_size']} prompt {w['prompt_tokens']}: "
+                      f"{w['seconds']:.2f} s, {w['graph_captures']} graph captures")  # fmt: skip
+                continue
             r = run_generate(model, kind, min(args.batches), args.warmup_context, 4, args.budget,
                              prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, min(args.batches)), device,
                              tokenizer)  # fmt: skip
             result["warmup"].append({k: r.get(k) for k in ("cache", "batch", "context", "ok", "ttft_s", "error")})
             print(f"warm-up {kind} batch {r['batch']} context {r['context']}: "
                   f"{'ok' if r['ok'] else (r.get('error') or '')[:80]} ttft {r.get('ttft_s', float('nan')):.2f} s")
-        release_parked()  # the sweep's first call starts with nothing parked, as in a fresh process
+        release_parked()  # the sweep's first call starts with nothing parked: what the warm-up leaves is compiled code
         gc.collect()
     for batch in args.batches:
         for kind, call in [(kind, call) for kind in args.caches for call in range(1, args.calls + 1)]:

@@ -38,6 +38,7 @@ _EXPORTS = {
     "get_selector": ".selectors",
     "register_selector": ".selectors",
     "release_parked": ".cache",
+    "warm_up": ".cache",
 }
 
 __all__ = sorted([*_EXPORTS, "__version__"])
@@ -45,7 +46,7 @@ __all__ = sorted([*_EXPORTS, "__version__"])
 if TYPE_CHECKING:
     from .patches import disable_offload_attention, enable_offload_attention
     from .cache import CacheFileError, OffloadCache, OffloadLayer, forward_cache_kwarg, generate_cache_kwarg
-    from .cache import release_parked
+    from .cache import release_parked, warm_up
     from .config import OffloadConfig
     from .selectors import (
         HeadwiseSelector,

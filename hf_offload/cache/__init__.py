@@ -13,6 +13,7 @@ from .planner import DecodePlanner
 from .recaller import Recaller
 from .shared import release_graph_pools
 from .stats import LayerStats
+from .warmup import warm_up
 
 __all__ = [
     "FORMAT_VERSION",
@@ -33,4 +34,5 @@ __all__ = [
     "parked_bytes",
     "release_graph_pools",
     "release_parked",
+    "warm_up",
 ]

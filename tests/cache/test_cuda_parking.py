@@ -93,3 +93,15 @@ def test_a_cache_per_call_keeps_the_device_memory_of_one_parked_state():
         after.append(torch.cuda.memory_allocated(device))
     growth = [(b - after[0]) / 2**20 for b in after[1:]]
     assert max(growth) < 1.0, f"device memory allocated grew by {growth} MiB after the first call"
+
+
+def test_warm_up_captures_and_parks_for_the_calls_that_follow():
+    from hf_offload import warm_up
+
+    model = build_model("llama").cuda()
+    options = {"decode_capacity_blocks": GRAPH_CAPACITY_BLOCKS}
+    out = warm_up(model, batch_size=3, prompt_tokens=70, **dict(SMALL, **options))
+    assert out["graph_captures"] > 0 and 0 < out["attended_blocks"] < 70 // SMALL["block_tokens"]
+    assert parked_bytes(model) > 0
+    _, stats = _generate(model, seed=3, steps=24, **options)
+    assert stats["parking"] == "took a parked state"

@@ -1,0 +1,56 @@
+"""``warm_up``: one short generate() with the settings and batch of the calls to come, whose decode selects; bad
+arguments get a clear error; with CUDA graphs (stand-ins on the CPU) the next cache takes its parked layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload import OffloadCache, warm_up
+
+from ..helpers import TINY_BLOCKS, build_model, left_padded
+from .test_layer_graphs_cpu import SMALL
+from .test_parking_cpu import graphs  # noqa: F401 (the fixture: stand-in graphs that hold no cache)
+
+
+def test_warm_up_runs_a_selecting_decode():
+    model = build_model("llama")
+    out = warm_up(model, batch_size=2, prompt_tokens=160, new_tokens=5, **TINY_BLOCKS, budget_tokens=48)
+    assert out["batch_size"] == 2 and out["prompt_tokens"] == 160 and out["seconds"] > 0
+    assert out["decode_steps"] > 0
+    # The decode selected: fewer sealed blocks attended per step than the prompt holds.
+    assert 0 < out["attended_blocks"] < 160 // TINY_BLOCKS["block_tokens"]
+
+
+def test_warm_up_default_prompt_is_twice_the_budget_and_checked_against_the_positions():
+    model = build_model("llama")
+    limit = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match="exceed the model's .* positions: pass a smaller prompt_tokens"):
+        warm_up(model, budget_tokens=limit)  # twice the budget: past the positions
+    out = warm_up(model, **TINY_BLOCKS, budget_tokens=48, prompt_tokens=limit - 8)
+    assert out["prompt_tokens"] == limit - 8
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"batch_size": 0}, "batch_size must be a positive integer"),
+    ({"batch_size": True}, "batch_size must be a positive integer"),
+    ({"new_tokens": 2}, "new_tokens must be an integer of at least 3"),
+    ({"prompt_tokens": 0}, "prompt_tokens must be a positive integer"),
+    ({"budget_tokens": -5}, "budget_tokens"),
+])  # fmt: skip
+def test_warm_up_refuses_what_cannot_run(kwargs, match):
+    model = build_model("llama")
+    with pytest.raises(ValueError, match=match):
+        warm_up(model, **{"prompt_tokens": 100, **kwargs})
+
+
+def test_next_cache_of_the_same_settings_and_batch_takes_the_warm_up_s_layers(graphs):  # noqa: F811
+    model = build_model("llama")
+    settings = {**SMALL, "budget_tokens": 48}
+    assert warm_up(model, batch_size=3, prompt_tokens=160, **settings)["graph_captures"] > 0
+    ids, mask = left_padded([150, 120, 90], seed=4)
+    cache = OffloadCache(model, **settings)
+    with torch.no_grad():
+        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, min_new_tokens=6,
+                       do_sample=False)  # fmt: skip
+    assert cache.stats()["parking"] == "took a parked state"
