@@ -367,8 +367,10 @@ def main(argv=None) -> int:
         result["warmup"] = []
         for kind in args.caches:
             if kind in OFFLOAD_SETTINGS:  # the library's own warm-up, with the settings of the calls to come
+                chunk = prefill_chunk(args.prefill_chunk, args.prefill_batch_tokens, min(args.batches))
                 w = warm_up(model, batch_size=min(args.batches), prompt_tokens=args.warmup_context,
-                            budget_tokens=args.budget, **OFFLOAD_SETTINGS[kind])  # fmt: skip
+                            generate_kwargs={"prefill_chunk_size": chunk}, budget_tokens=args.budget,
+                            **OFFLOAD_SETTINGS[kind])  # fmt: skip
                 result["warmup"].append({"cache": kind, **w})
                 print(f"warm-up {kind} (hf_offload.warm_up) batch {w['batch_size']} prompt {w['prompt_tokens']}: "
                       f"{w['seconds']:.2f} s, {w['graph_captures']} graph captures")  # fmt: skip

@@ -396,8 +396,7 @@ class _Study:
                      and r.get("first_token") is not None and key(r) in base]  # fmt: skip
             if not pairs:
                 continue
-            differ = [(d, m) for d, m in pairs
-                      if d["prediction"] != m["prediction"] or d["first_token"] != m["first_token"]]  # fmt: skip
+            differ = [(d, m) for d, m in pairs if d["prediction"] != m["prediction"]]
             first = [(d, m) for d, m in differ if d["first_token"] != m["first_token"]]
             scored = [(d, m) for d, m in differ if float(d["score"]) != float(m["score"])]
             scored_first = [(d, m) for d, m in scored if d["first_token"] != m["first_token"]]

@@ -338,7 +338,7 @@ def _missed_mass(steps) -> dict | None:
         counts = [sum(r) for r in zip(*(s["rows_missed_steps"] for s in steps))]
         out["per_sequence"] = {
             "mean": [x / c if c else None for x, c in zip(sums, counts)],
-            "max": [max(r) for r in zip(*(s["rows_missed_max"] for s in steps))],
+            "max": [max(r) if c else None for r, c in zip(zip(*(s["rows_missed_max"] for s in steps)), counts)],
         }
     return out
 

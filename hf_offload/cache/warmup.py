@@ -16,7 +16,7 @@ import torch
 
 
 def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | None = None, new_tokens: int = 4,
-            **cache_settings) -> dict:  # fmt: skip
+            generate_kwargs: dict | None = None, **cache_settings) -> dict:  # fmt: skip
     """Run one short ``generate()`` through an ``OffloadCache(model, **cache_settings)`` so that the kernels it runs
     are compiled before the first real call (a server calls this once at start).
 
@@ -27,6 +27,8 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
         prompt_tokens: tokens of the warm-up prompt; ``None``: twice the budget (at least 1,024), so that the decode
             steps select blocks instead of attending every one.
         new_tokens: tokens generated (at least 3: the first decode steps capture the CUDA graphs).
+        generate_kwargs: further ``generate()`` arguments of the calls to come, e.g. ``{"prefill_chunk_size":
+            4096}`` (a chunked prefill runs the code that reads earlier chunks' blocks).
         **cache_settings: the ``OffloadCache`` settings of the calls to come (``budget_tokens=2048``, ...).
 
     Returns:
@@ -55,21 +57,37 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
     if limit is not None and prompt_tokens + new_tokens > limit:
         raise ValueError(f"warm_up: {prompt_tokens} prompt tokens + {new_tokens} new ones exceed the model's "
                          f"{limit} positions: pass a smaller prompt_tokens.")  # fmt: skip
-    device = next(model.parameters()).device
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    ids = torch.randint(0, config.vocab_size, (batch_size, prompt_tokens), generator=generator).to(device)
-    if device.type == "cuda":
+    embeddings = model.get_input_embeddings()
+    ids = _ordinary_ids(model, embeddings.num_embeddings, (batch_size, prompt_tokens)).to(embeddings.weight.device)
+    devices = {p.device for p in model.parameters() if p.device.type == "cuda"}
+    for device in devices:
         torch.cuda.synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids, attention_mask=torch.ones_like(ids), **{generate_cache_kwarg(): cache},
-                       do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       pad_token_id=0)  # fmt: skip
-    if device.type == "cuda":
+                       do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                       **(generate_kwargs or {}))  # fmt: skip
+    for device in devices:
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     stats = cache.stats()
     del cache  # parked for the next cache of these settings and batch (where it has CUDA graphs)
     return {"seconds": seconds, "prompt_tokens": prompt_tokens, "batch_size": batch_size,
-            "graph_captures": int(stats.get("graph_captures") or 0), "decode_steps": int(stats.get("decode_steps") or 0),
-            "attended_blocks": stats.get("attended_blocks")}  # fmt: skip
+            "graph_captures": int(stats.get("graph_captures") or 0),
+            "decode_steps": int(stats.get("decode_steps") or 0), "attended_blocks": stats.get("attended_blocks")}
+
+
+def _ordinary_ids(model: torch.nn.Module, vocab: int, shape: tuple[int, int]) -> torch.Tensor:
+    """Random token ids of the embedding table, none of them a token id the model's configs name (an image or
+    video placeholder of a multimodal model, BOS, EOS, padding), fixed by a seed."""
+    named: set[int] = set()
+    configs = [model.config, getattr(model.config, "get_text_config", lambda: model.config)()]
+    for config in configs:
+        for name, value in vars(config).items():
+            if name.endswith(("token_id", "token_ids", "token_index")):
+                for v in value if isinstance(value, (list, tuple)) else [value]:
+                    if isinstance(v, int) and not isinstance(v, bool):
+                        named.add(v)
+    allowed = torch.tensor(sorted(set(range(vocab)) - named) if named else range(vocab), dtype=torch.long)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    return allowed[torch.randint(0, len(allowed), shape, generator=generator)]

@@ -125,6 +125,7 @@ def test_certificate_per_sequence_is_each_sequence_s_own(selector):
     rows = stats["missed_mass"]["per_sequence"]
     assert len(rows["mean"]) == len(rows["max"]) == 2 and rows["mean"][0] != rows["mean"][1]
     assert stats["missed_mass"]["mean"] == pytest.approx(sum(rows["mean"]) / 2)
+    assert stats["missed_mass"]["max"] <= max(rows["max"])  # the largest step mean of the batch: at most its max
     for layer in stats["layers"].values():
         assert len(layer["missed_mass"]["per_sequence"]["mean"]) == 2
     for row in range(2):

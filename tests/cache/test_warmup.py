@@ -16,7 +16,7 @@ from .test_parking_cpu import graphs  # noqa: F401 (the fixture: stand-in graphs
 def test_warm_up_runs_a_selecting_decode():
     model = build_model("llama")
     out = warm_up(model, batch_size=2, prompt_tokens=160, new_tokens=5, **TINY_BLOCKS, budget_tokens=48)
-    assert out["batch_size"] == 2 and out["prompt_tokens"] == 160 and out["seconds"] > 0
+    assert out["batch_size"] == 2 and out["prompt_tokens"] == 160
     assert out["decode_steps"] > 0
     # The decode selected: fewer sealed blocks attended per step than the prompt holds.
     assert 0 < out["attended_blocks"] < 160 // TINY_BLOCKS["block_tokens"]
@@ -29,6 +29,36 @@ def test_warm_up_default_prompt_is_twice_the_budget_and_checked_against_the_posi
         warm_up(model, budget_tokens=limit)  # twice the budget: past the positions
     out = warm_up(model, **TINY_BLOCKS, budget_tokens=48, prompt_tokens=limit - 8)
     assert out["prompt_tokens"] == limit - 8
+    model.config.max_position_embeddings = 2048  # room for the default prompt (RoPE is computed per position)
+    assert warm_up(model, **TINY_BLOCKS, budget_tokens=48)["prompt_tokens"] == 1024  # at least 1,024
+    assert warm_up(model, **TINY_BLOCKS, budget_tokens=640)["prompt_tokens"] == 1280  # twice the budget
+
+
+def test_warm_up_ids_avoid_the_token_ids_the_config_names():
+    from hf_offload.cache.warmup import _ordinary_ids
+
+    model = build_model("llama")
+    model.config.image_token_id = 7
+    model.config.eos_token_id = [2, 9]
+    ids = _ordinary_ids(model, 12, (4, 500))
+    named = {7, 2, 9, model.config.bos_token_id, model.config.pad_token_id}
+    assert set(ids.unique().tolist()) == set(range(12)) - named
+    assert torch.equal(ids, _ordinary_ids(model, 12, (4, 500)))  # seeded
+
+
+def test_warm_up_passes_generate_arguments(monkeypatch):
+    model = build_model("llama")
+    seen = []
+    generate = model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("prefill_chunk_size"))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    out = warm_up(model, prompt_tokens=160, generate_kwargs={"prefill_chunk_size": 64}, **TINY_BLOCKS,
+                  budget_tokens=48)  # fmt: skip
+    assert seen == [64] and out["decode_steps"] > 0
 
 
 @pytest.mark.parametrize(("kwargs", "match"), [

@@ -115,7 +115,7 @@ def test_answers_that_part_at_the_first_token_are_counted(tmp_path):
     # sample 0 the same; 1 parts at the first token and loses; 2 parts later and gains; 3 parts at the first token
     # with the same score
     other = [rec("m", 0, 100.0, 5, "a b"), rec("m", 1, 0.0, 7, "x"), rec("m", 2, 100.0, 5, "a b"),
-             rec("m", 3, 100.0, 6, "a b")]  # fmt: skip
+             rec("m", 3, 100.0, 6, "z b")]  # fmt: skip
     write_study(tmp_path, [({"git_commit": "aaaa"}, dense + other)])
     md = render("s", tmp_path).split("## Paired difference against dense")[1]
     assert "| m 1/16 | 4 | 3 | 2 | 2 | 1 (1 lower / 0 higher) |" in md
