@@ -77,10 +77,17 @@ def test_warm_up_refuses_what_cannot_run(kwargs, match):
 def test_next_cache_of_the_same_settings_and_batch_takes_the_warm_up_s_layers(graphs):  # noqa: F811
     model = build_model("llama")
     settings = {**SMALL, "budget_tokens": 48}
-    assert warm_up(model, batch_size=3, prompt_tokens=160, **settings)["graph_captures"] > 0
     ids, mask = left_padded([150, 120, 90], seed=4)
+
+    def generate(cache):
+        with torch.no_grad():
+            return model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                  min_new_tokens=12, do_sample=False)  # fmt: skip
+
+    eager = OffloadCache(model, **settings, cuda_graphs=False)
+    expected = generate(eager)
+    assert warm_up(model, batch_size=3, prompt_tokens=160, **settings)["graph_captures"] > 0
     cache = OffloadCache(model, **settings)
-    with torch.no_grad():
-        model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=6, min_new_tokens=6,
-                       do_sample=False)  # fmt: skip
-    assert cache.stats()["parking"] == "took a parked state"
+    assert torch.equal(generate(cache), expected)  # the taken layers, emptied, give the tokens of a cache of its own
+    stats = cache.stats()
+    assert stats["parking"] == "took a parked state" and int(stats["graph_replays"]) > 0
