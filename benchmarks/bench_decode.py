@@ -860,6 +860,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--hf-offloaded-max-batch", type=int, default=4)
     parser.add_argument("--hf-offloaded-max-kv-gib", type=float, default=16.0,
                         help="skip hf-offloaded where its whole KV (copied both ways every step) exceeds this")
+    parser.add_argument("--cap-gib", type=float, default=None,
+                        help="limit the process to this much device memory (torch.cuda.set_per_process_memory_fraction)"
+                             ", weights, caches and activations together, as a smaller GPU would (default: none)")
     parser.add_argument("--device-margin-gib", type=float, default=3.0, help="device memory kept free (activations)")
     parser.add_argument("--host-margin-gib", type=float, default=8.0, help="host memory kept free")
     parser.add_argument("--admission-gib", type=float, default=None,
@@ -1040,6 +1043,11 @@ def main(argv: list[str] | None = None) -> int:
         return run_isolated(args, t_start)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
+    if args.cap_gib is not None:
+        if not cuda:
+            raise SystemExit("--cap-gib limits CUDA device memory: run on a CUDA device or leave it out.")
+        total = torch.cuda.mem_get_info(device)[1]
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GIB / total), device)
     max_positions = max(args.contexts + ([args.e2e_context + args.e2e_steps + 1] if args.e2e else [])) + 16
     recording = load_workload(args.workload)
     t0 = time.perf_counter()

@@ -218,3 +218,9 @@ def test_host_free_bytes_never_count_the_pinned_cache_below_zero(monkeypatch):
     assert bench_decode.host_free_bytes() == 100 << 30
     monkeypatch.setattr(bench_decode, "pinned_allocator_bytes", lambda: (8 << 30, 2 << 30))
     assert bench_decode.host_free_bytes() == 106 << 30
+
+
+def test_cap_needs_a_cuda_device(tmp_path):
+    with pytest.raises(SystemExit, match="--cap-gib limits CUDA device memory"):
+        bench_decode.main([*COMMON, "--device", "cpu", "--cap-gib", "24", "--out", str(tmp_path / "o.json")])
+    assert not (tmp_path / "o.json").exists()
