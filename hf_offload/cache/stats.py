@@ -155,11 +155,11 @@ class LayerStats:
                 self._patterns = patterns
         return self._steps, self._patterns
 
-    _ROW_SUM, _ROW_MAX, _ROW_LAST, _ROW_STEPS = range(4)
+    _ROW_SUM, _ROW_MAX, _ROW_STEPS, _N_ROW_ENTRIES = 0, 1, 2, 3
 
     def _row_buffer(self, device: torch.device, batch: int) -> torch.Tensor | None:
-        """The per-sequence certificate ``[4, batch]`` float64 (sum, max and last of the share, and the steps that
-        recorded one, per sequence), made outside a capture (``None`` inside one that finds none of this batch: that
+        """The per-sequence certificate ``[3, batch]`` float64 (sum and max of the share, and the steps that recorded
+        one, per sequence), made outside a capture (``None`` inside one that finds none of this batch: that
         step is not recorded per sequence). A batch edit takes its rows (:meth:`take_rows`); a buffer of another
         batch is made anew."""
         rows = getattr(self, "_rows", None)
@@ -168,7 +168,7 @@ class LayerStats:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             return None
         with torch.inference_mode(False), torch.no_grad():
-            self._rows = torch.zeros((4, batch), dtype=torch.float64, device=device)
+            self._rows = torch.zeros((self._N_ROW_ENTRIES, batch), dtype=torch.float64, device=device)
         return self._rows
 
     def take_rows(self, rows: torch.Tensor) -> None:
@@ -194,8 +194,8 @@ class LayerStats:
             raise RuntimeError("LayerStats.record_step inside a capture needs prepare_capture() before it.")
         steps, patterns = self._step_buffers(keep.device)
         pattern = patterns[self._SOURCES.index(source)]
-        rows = keep.numel() // max(keep.shape[-1], 1)  # sequences (x KV heads): kept entries per row are averaged
-        steps.addcmul_(pattern[1], keep.sum(dtype=torch.float64), value=1 / max(rows, 1)).add_(pattern[2])
+        entries = keep.numel() // max(keep.shape[-1], 1)  # sequences (x KV heads): kept entries per row are averaged
+        steps.addcmul_(pattern[1], keep.sum(dtype=torch.float64), value=1 / max(entries, 1)).add_(pattern[2])
         rows = self._row_buffer(keep.device, keep.shape[0])
         if missed is not None:
             pooled = missed.mean()
@@ -205,12 +205,10 @@ class LayerStats:
             if rows is not None:
                 rows[self._ROW_SUM].add_(missed)
                 torch.maximum(rows[self._ROW_MAX], missed, out=rows[self._ROW_MAX])
-                rows[self._ROW_LAST].copy_(missed)
                 rows[self._ROW_STEPS].add_(1)
         elif source == "exact":
             steps[self._MISSED_LAST].zero_()
             if rows is not None:
-                rows[self._ROW_LAST].zero_()
                 rows[self._ROW_STEPS].add_(1)
 
     def step_summary(self) -> dict:
@@ -228,7 +226,7 @@ class LayerStats:
         out = {**dict(zip(names, values[: len(names)])), **empty}
         if rows is not None:
             n = rows.shape[1]
-            per_row = [values[len(names) + i * n : len(names) + (i + 1) * n] for i in range(4)]
+            per_row = [values[len(names) + i * n : len(names) + (i + 1) * n] for i in range(self._N_ROW_ENTRIES)]
             out["rows_missed_sum"], out["rows_missed_max"] = per_row[self._ROW_SUM], per_row[self._ROW_MAX]
             out["rows_missed_steps"] = per_row[self._ROW_STEPS]
         return out
