@@ -303,7 +303,7 @@ class _Study:
         for r in self.results:
             if (r["method"], r["budget"]) == (method, budget):
                 h = self.file_header.get(r["_file"], {})
-                found["commit"].add((h.get("git_commit") or "unknown")[:10])
+                found["commit"].add(_short(h.get("git_commit"), 10))
                 found["code"].add((h.get("source_sha256") or "unknown")[:10])
                 found["batch size"].add((h.get("generation") or {}).get("batch_size"))
                 kernels = r.get("estimate_kernel", h.get("estimate_kernel"))
@@ -525,13 +525,19 @@ def _mean_table(s, lengths: list, title: str, value, note: str) -> list[str]:
     return lines
 
 
+def _short(commit: str | None, n: int) -> str:
+    """A commit's first ``n`` hex digits, or "none (a copy without git)" where a run recorded none."""
+    return commit[:n] if commit else "none (a copy without git)"
+
+
 def render(study: str, results_dir="results", plot_file: str | None = None) -> str:
     """The markdown report of a study (``plot_file``: name of a plot image beside it to link, if any)."""
     s = _Study(results_dir, study)
     h = s.header
     model, versions, machine = h.get("model", {}), h.get("versions", {}), h.get("machine", {})
     name = (h.get("settings") or {}).get("model") or model.get("name_or_path") or "-"
-    commits = sorted({x.get("git_commit") or "unknown" for x in s.headers}) or ["unknown"]
+    commits = sorted({x.get("git_commit") or "" for x in s.headers}) or [""]
+    sources = sorted({x["source_sha256"][:10] for x in s.headers if x.get("source_sha256")})
     files = sorted({r["_file"] for r in s.results})
     axis_name = "length bucket (words)" if s.by_bucket else "context length (tokens)"
     min_tokens = (h.get("budgets") or {}).get("budget_min_tokens", "?")
@@ -543,7 +549,8 @@ def render(study: str, results_dir="results", plot_file: str | None = None) -> s
         "",
         f"Model: `{name}` ({model.get('type')}, {model.get('layers')} layers, {model.get('kv_heads')} KV heads), "
         f"{model.get('dtype')} on {machine.get('gpu') or model.get('device')}; torch {versions.get('torch')}, "
-        f"transformers {versions.get('transformers')}; git commit(s) {', '.join(c[:12] for c in commits)}.",
+        f"transformers {versions.get('transformers')}; git commit(s) {', '.join(_short(c, 12) for c in commits)}"
+        + (f"; source sha256 {', '.join(sources)}." if sources else "."),
         "",
         f"Scores: mean per-sample score, 0-100 ({_METRIC_NOTE.get(s.suite, s.suite)}), greedy decoding. Samples per "
         f"cell: {', '.join(map(str, s.counts))}. Budgets are per sequence and layer: a share of prompt + answer (at "

@@ -49,10 +49,27 @@ def _capture_on(stream_device: torch.device, enqueue, pool, stream: torch.cuda.S
                 graph.capture_end()
             except Exception:
                 pass  # the capture was invalidated by the failure being raised (the caller starts a new pool)
+            _end_generator_capture()
             raise
         graph.capture_end()
     current.wait_stream(stream)
     return graph, out
+
+
+def _end_generator_capture() -> None:
+    """Take the device's default random generator out of capture mode after a failed capture.
+
+    A capture registers the current device's default CUDA generator, and only a capture that ends cleanly releases
+    it: after a failed one every later draw on that device (``generate(do_sample=True)``, a module's initialisation)
+    raises "Offset increment outside graph capture encountered unexpectedly". An empty capture that ends cleanly,
+    on the stream the failed one used, releases it.
+    """
+    try:
+        empty = torch.cuda.CUDAGraph()
+        empty.capture_begin()
+        empty.capture_end()
+    except Exception:  # the failure being raised is the one the caller reports
+        pass
 
 
 def capture(body, query: torch.Tensor, pool, held: tuple, stream: torch.cuda.Stream | None = None) -> CapturedDecode:

@@ -39,3 +39,10 @@ python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --ba
 python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32000 --batches 1 --cap-gib 139 \
   --caches defaults always --calls 3 --new-tokens 32 --prefill-chunk 8192 --max-seconds 120 \
   --out "$OUT/first_step_8b_32000_parked_h100.json"
+# After hf_offload.warm_up, the first process on a fresh machine (one H100, 163d8a7):
+python3 benchmarks/bench_memory_cap.py --shape llama-3.1-8b --context 32768 --batches 1 --cap-gib 70 \
+  --caches defaults --calls 2 --new-tokens 32 --prefill-chunk 8192 --max-seconds 150 --warmup-context 4096 \
+  --out "$OUT/first_step_8b_32768_warmup_h100.json"
+# A real model end to end, DynamicCache against the defaults (one H100, 163d8a7; the model converted beforehand):
+HF_HUB_OFFLINE=1 python3 benchmarks/bench_memory_cap.py --model qwen15 --context 32768 --batches 1 8 32 --cap-gib 70 \
+  --caches dynamic defaults --new-tokens 48 --warmup-context 4096 --max-seconds 300 --out "$OUT/e2e_qwen15_32k_h100.json"

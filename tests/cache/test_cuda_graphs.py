@@ -137,6 +137,11 @@ def test_capture_failure_falls_back_or_raises():
     assert not any(layer.execution.graphs for layer in cache.offload_layers)
     with pytest.raises(RuntimeError, match="capturing the decode step failed"):
         _generate(model, ids, mask, 20, selector=_SyncingSelector(), cuda_graphs=True)
+    # A failed capture leaves nothing behind: the device's random generator draws, and sampling runs.
+    assert torch.randn(4, device="cuda").isfinite().all()
+    sampled = model.generate(input_ids=ids, attention_mask=mask, past_key_values=OffloadCache(model, **SMALL),
+                             do_sample=True, max_new_tokens=4, min_new_tokens=4)  # fmt: skip
+    assert sampled.shape[1] == ids.shape[1] + 4
 
 
 @pytest.mark.parametrize("attention", ["pool", "paged"])
