@@ -9,7 +9,9 @@ answer prefix), token for token the prompt RULER builds when it asks for that ke
 * **full**: per question, a new ``OffloadCache`` and ``generate()`` over prefix + question (the context prefilled
   every time);
 * **fork**: the prefix prefilled once into a cache, then per question ``prefix.fork()`` and ``generate()`` over the
-  same ids (only the question is prefilled).
+  same ids (only the question is prefilled; the fork's time counts in the question's time to first token);
+* **dynamic** (at the whole-context budget, the reference without this library): the prefix prefilled once into a
+  ``DynamicCache``, then per question ``copy.deepcopy`` of it and ``generate()`` (the copy's time counts).
 
 Budgets: ``full`` (the whole context: token-identical to ``DynamicCache``) and a share (``1/16``) resolved as the
 runner does (:class:`eval_harness.runner.Budget`, floor 512 tokens) on the longest prompt plus the new tokens, the same
@@ -109,8 +111,9 @@ def answer(model, tokenizer, ids: list[int], cache, new_tokens: int) -> dict:
     eos = {eos} if isinstance(eos, int) else set(eos or ())
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(x, attention_mask=torch.ones_like(x), **cache.generate_kwargs(), max_new_tokens=new_tokens,
-                             do_sample=False, logits_processor=[first], pad_token_id=tokenizer.eos_token_id)  # fmt: skip
+        kwargs = cache.generate_kwargs() if hasattr(cache, "generate_kwargs") else {"past_key_values": cache}
+        out = model.generate(x, attention_mask=torch.ones_like(x), **kwargs, max_new_tokens=new_tokens, do_sample=False,
+                             logits_processor=[first], pad_token_id=tokenizer.eos_token_id)  # fmt: skip
     total = time.perf_counter() - start
     tokens = out[0, len(ids) :].tolist()
     for i, t in enumerate(tokens):
@@ -160,16 +163,19 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
     with torch.inference_mode():
         model(input_ids=x, attention_mask=torch.ones_like(x), **prefix_cache.forward_kwargs(), use_cache=True,
               logits_to_keep=1)  # fmt: skip
-    if x.is_cuda:
-        torch.cuda.synchronize(x.device)
-    prefix_s = time.perf_counter() - start
+    prefix_s = _synced(x) - start
     prefix_summary = prefix_cache.stats()["device_summary_bytes"]
     forks = []
     for q, question in enumerate(questions):
         ids = prefix + question["suffix"]
+        start = time.perf_counter()
         fork = prefix_cache.fork()
+        fork_s = _synced(x) - start
         row = answer(model, tokenizer, ids, fork, new_tokens)
+        row["ttft_s"] += fork_s  # a question waits for its fork
+        row["total_s"] += fork_s
         record = _record(row, "fork", index, q, length, budget_spec, budget, ids, question, _stats(fork))
+        record["fork_s"] = fork_s
         record["same_tokens_as_full"] = row["tokens"] == records[q]["tokens"]
         records.append(record)
         forks.append(fork)
@@ -192,7 +198,58 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
         "device_summary_bytes_forks": sum(s["device_summary_bytes"] for s in fork_stats),
         "device_summary_shared_bytes_forks": sum(s.get("device_summary_shared_bytes", 0) for s in fork_stats),
     }  # fmt: skip
+    del forks, prefix_cache
+    if budget_spec == FULL:
+        dynamic = dynamic_prefix(model, tokenizer, prefix, questions, new_tokens)
+        for q, (question, row) in enumerate(zip(questions, dynamic["rows"])):
+            ids = prefix + question["suffix"]
+            record = _record(row, "dynamic", index, q, length, budget_spec, None, ids, question, {})
+            record["same_tokens_as_full"] = row["tokens"] == records[q]["tokens"]
+            records.append(record)
+        later = dynamic["later_s"]
+        held.update(prefix_prefill_dynamic_s=dynamic["prefix_s"], ttft_first_question_dynamic_s=dynamic["first_s"],
+                    ttft_later_questions_dynamic_s=later,
+                    ttft_later_over_first_dynamic=None if later is None else later / dynamic["first_s"])  # fmt: skip
     return {"records": records, "context": held}
+
+
+def _synced(x) -> float:
+    """``time.perf_counter()`` once the device of ``x`` has finished its queued work."""
+    if x.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(x.device)
+    return time.perf_counter()
+
+
+def dynamic_prefix(model, tokenizer, prefix: list[int], questions: list[dict], new_tokens: int) -> dict:
+    """The reference without this library: the prefix prefilled once into a ``DynamicCache``, then per question
+    ``copy.deepcopy`` of it (transformers' way to reuse a prompt's cache) and ``generate()`` over prefix + question.
+    Returns the rows of :func:`answer` (time to first token and total include the copy), the prefix's prefill
+    time, the first question's time to first token (the prefix's prefill included) and the later ones' mean."""
+    import copy
+
+    import torch
+    from transformers import DynamicCache
+
+    x = torch.tensor([prefix], device=next(model.parameters()).device)
+    cache = DynamicCache(config=model.config)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        model(input_ids=x, attention_mask=torch.ones_like(x), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    prefix_s = _synced(x) - start
+    rows = []
+    for question in questions:
+        start = time.perf_counter()
+        own = copy.deepcopy(cache)
+        copy_s = _synced(x) - start
+        row = answer(model, tokenizer, prefix + question["suffix"], own, new_tokens)
+        row["ttft_s"] += copy_s
+        row["total_s"] += copy_s
+        rows.append(row)
+        del own
+    later = sum(r["ttft_s"] for r in rows[1:]) / len(rows[1:]) if len(rows) > 1 else None
+    return {"rows": rows, "prefix_s": prefix_s, "first_s": prefix_s + rows[0]["ttft_s"], "later_s": later}
 
 
 def _record(row, way, index, q, length, budget_spec, budget, ids, question, stats) -> dict:
@@ -236,8 +293,13 @@ def summarize(records: list[dict], budgets: list[str], contexts: list[dict] | No
             "ttft_s_full": sum(r["ttft_s"] for r in full) / len(full),
             "ttft_s_fork": sum(r["ttft_s"] for r in fork) / len(fork),
         }  # fmt: skip
+        dynamic = [r for r in records if r["budget"] == budget and r["method"] == "dynamic"]
+        if dynamic:  # the reference without the library (the whole-context budget only)
+            out[budget].update(identical_dynamic=sum(r["same_tokens_as_full"] for r in dynamic),
+                               accuracy_dynamic=sum(r["score"] for r in dynamic) / len(dynamic),
+                               ttft_s_dynamic=sum(r["ttft_s"] for r in dynamic) / len(dynamic))  # fmt: skip
         rows = [c for c in contexts or () if c["budget"] == budget]
-        for name in ("ttft_later_over_first", "host_bytes_fork_over_one"):
+        for name in ("ttft_later_over_first", "ttft_later_over_first_dynamic", "host_bytes_fork_over_one"):
             values = [c[name] for c in rows if c.get(name) is not None]
             if values:
                 out[budget][f"max_{name}"] = max(values)
@@ -300,6 +362,12 @@ def main(argv=None) -> int:
                   f"{sum(r['ttft_s'] for r in fork) / len(fork):.2f}s; later / first question "
                   f"{run['context']['ttft_later_over_first'] or 0:.3f}, host bytes fork / one request "
                   f"{run['context']['host_bytes_fork_over_one'] or 0:.2f}", flush=True)  # fmt: skip
+            if run["context"].get("ttft_later_questions_dynamic_s") is not None:
+                c = run["context"]
+                print(f"  DynamicCache prefix, deep-copied per question: TTFT first "
+                      f"{c['ttft_first_question_dynamic_s']:.2f}s "
+                      f"later {c['ttft_later_questions_dynamic_s']:.3f}s ({c['ttft_later_over_first_dynamic']:.3f}); "
+                      f"fork later {c['ttft_later_questions_s']:.3f}s", flush=True)  # fmt: skip
     result["complete"] = True
     out.write_text(json.dumps(result, indent=1))
     print(json.dumps(result["summary"], indent=1))

@@ -47,8 +47,17 @@ def test_forked_answers_equal_full_prefills_at_the_whole_context_budget(tok):
     forks = [r for r in run["records"] if r["method"] == "fork"]
     assert row["ttft_first_question_s"] == row["prefix_prefill_s"] + forks[0]["ttft_s"]
     assert row["ttft_later_over_first"] == forks[1]["ttft_s"] / row["ttft_first_question_s"]
+    assert all(0 < r["fork_s"] < r["ttft_s"] for r in forks)  # a question's time to first token includes its fork
+    # The reference without the library: a DynamicCache prefix deep-copied per question answers the same tokens.
+    dynamic = [r for r in run["records"] if r["method"] == "dynamic"]
+    assert [r["tokens"] for r in dynamic] == [r["tokens"] for r in full]
+    assert all(r["same_tokens_as_full"] for r in dynamic)
+    assert row["ttft_first_question_dynamic_s"] == row["prefix_prefill_dynamic_s"] + dynamic[0]["ttft_s"]
+    assert row["ttft_later_over_first_dynamic"] == dynamic[1]["ttft_s"] / row["ttft_first_question_dynamic_s"]
     summary = summarize(run["records"], ["full"], [row])["full"]
     assert summary["identical"] == 2 and summary["full_minus_fork"]["equal"] == 2
+    assert summary["identical_dynamic"] == 2 and summary["accuracy_dynamic"] == summary["accuracy_full"]
+    assert summary["max_ttft_later_over_first_dynamic"] == row["ttft_later_over_first_dynamic"]
     assert summary["max_ttft_later_over_first"] == row["ttft_later_over_first"]
     assert summary["max_host_bytes_fork_over_one"] == row["host_bytes_fork_over_one"]
 
@@ -69,6 +78,7 @@ def test_admission_reaches_every_cache(tok, monkeypatch):
                       admission="always")  # fmt: skip
     assert seen == ["always"] * 3  # two full prefills and the prefix; forks take the prefix's settings
     assert all(r["host_kv_bytes"] > 0 for r in run["records"])
+    assert {r["method"] for r in run["records"]} == {"full", "fork"}  # the DynamicCache reference: whole budget only
 
 
 def test_the_summary_pairs_question_by_question():
