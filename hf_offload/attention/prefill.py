@@ -331,6 +331,12 @@ def left_padding(mask: OffloadMask | None, total: int) -> tuple[bool, list[int] 
     padding = None if mask is None else mask.padding
     if padding is None:
         return True, None
+    # Every layer of a forward asks alike, and the answer reads the mask on the host: once per forward.
+    return mask.memo(("left_padding", total), lambda: _left_padding(padding, total))
+
+
+def _left_padding(padding: torch.Tensor, total: int) -> tuple[bool, list[int] | None]:
+    """:func:`left_padding` of a 2D padding mask (``[batch, >= total]``, ``torch.bool``)."""
     padding = padding[:, :total]
     if bool(padding.all()):
         return True, None

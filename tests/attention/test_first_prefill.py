@@ -270,3 +270,16 @@ def test_cuda_segments_of_a_later_chunk_match_the_whole_kv(monkeypatch, dtype):
     tolerance = 2e-2 if dtype == torch.bfloat16 else 1e-4
     for a, b in zip(segments.scores, whole.scores):
         torch.testing.assert_close(a, b, atol=tolerance * max(1.0, b.abs().max().item()), rtol=tolerance)
+
+
+def test_the_padding_is_read_on_the_host_once_per_forward(monkeypatch):
+    """Where each sequence starts is read from the padding mask on the host (a device synchronisation on CUDA) once
+    per prefill forward, not once per layer; the tokens are those of DynamicCache."""
+    from hf_offload.attention import prefill
+
+    reads = []
+    original = prefill._left_padding
+    monkeypatch.setattr(prefill, "_left_padding", lambda *a: reads.append(a[1]) or original(*a))
+    cache = _chunked_matches_dense([45, 20, 38], seed=2, chunk=16, new_tokens=3)
+    assert len(cache.offload_layers) > 1
+    assert reads == [16, 32, 45]  # the first chunk and the two later ones: one read each
