@@ -40,9 +40,12 @@ def chunk_prefill(
         return None  # not left padding: the tiled path evaluates the mask exactly
     store = layer.blocks
     earlier = 2 * store.batch * store.kv_heads * handoff.n_blocks_before * store.block_tokens * store.head_dim
-    if segments_pay(earlier * query.element_size(), batch, q_heads, q_len, query.shape[-1]) and lse_attention_available(
-        query.device, query.dtype, query.shape[-1]
-    ):
+    # In parts merged by their log-sum-exp where that holds less on the device, and wherever query heads share a
+    # KV head: the earlier keys, which every query of the chunk sees, are then attended without a copy per query
+    # head (one call with the heads' queries stacked), not through one masked call per KV head over copies.
+    parts = q_heads > store.kv_heads or segments_pay(earlier * query.element_size(), batch, q_heads, q_len,
+                                                     query.shape[-1])  # fmt: skip
+    if parts and lse_attention_available(query.device, query.dtype, query.shape[-1]):
         segment = segment_blocks(store.batch, store.kv_heads, store.block_tokens, store.head_dim, query.element_size())
         return segmented_prefill(handoff, query, starts, scaling, segment)
     k, v = layer.blocks.sealed_kv(handoff.n_blocks_before, handoff.key, handoff.recent_values)
@@ -219,9 +222,17 @@ def segmented_prefill(
     out = torch.zeros_like(query)
 
     def attend(merge: _Merge, rows: slice, k: torch.Tensor, v: torch.Tensor, causal: bool, q_from: int, merged) -> None:
-        """One part for the sequences ``rows`` (queries from ``q_from``), one KV head at a time, merged into
-        ``merge`` at ``merged`` (its rows)."""
+        """One part for the sequences ``rows`` (queries from ``q_from``), merged into ``merge`` at ``merged`` (its
+        rows): keys that every query sees in one call, the query heads of each KV head stacked as more queries of
+        it (no copy of the keys and values per query head); the causal part one KV head at a time."""
         q = query[rows, :, q_from:]
+        if not causal and group > 1:
+            b, _, n_q, _ = q.shape  # query head h * group + g of KV head h: its queries g * n_q + i
+            o, lse = _attention_with_lse(q.reshape(b, kv_heads, group * n_q, head_dim).contiguous(), k.contiguous(),
+                                         v.contiguous(), False, scaling)  # fmt: skip
+            merge.add(o.reshape(b, q_heads, n_q, head_dim), lse.reshape(b, q_heads, n_q), merged, slice(None),
+                      slice(q_from, None))  # fmt: skip
+            return
         sub = repeat_rows(group, k.shape[-2], head_dim, k.element_size())
         for r in range(0, q.shape[0], sub):
             for h in range(kv_heads):

@@ -278,8 +278,10 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
     the last position's logits in float32 and, for a prefill chunk after ``cached_tokens`` tokens, what its
     attention holds (:func:`~hf_offload.attention.prefill.chunk_prefill`): one layer's earlier keys and values
     recalled to the device with the chunk's behind them, plus one KV head's repeated for its query heads over a
-    slice of the batch; or, where segments hold less (``segments_pay``) and ``segmented``, one segment of them, the
-    repeated copies and twice the float32 accumulator of a slice of the batch. An estimate for admission, which
+    slice of the batch; or, where ``segmented`` and query heads share KV heads or segments hold less
+    (``segments_pay``), one segment of them (at most :data:`~hf_offload.attention.prefill.SEGMENT_BYTES`), the
+    chunk's own keys and values repeated for the query heads and twice the float32 accumulator of a slice of the
+    batch. An estimate for admission, which
     learns the real peak after the forward.
 
     Args:
@@ -310,8 +312,12 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
             repeated = 2 * group * keys // batch * rows
         recalled = 2 * kv_heads * keys + repeated
         earlier = 2 * kv_heads * batch * cached_tokens * head_dim * dtype_bytes
-        if segmented and prefill.segments_pay(earlier, batch, heads, q_len, head_dim):
+        if segmented and (group > 1 or prefill.segments_pay(earlier, batch, heads, q_len, head_dim)):
             accumulator = prefill.accumulator_bytes(batch, heads, q_len, head_dim)
-            recalled = prefill.SEGMENT_BYTES + repeated + 2 * accumulator
+            own = 0  # the earlier parts are attended without repeats; the chunk's own keys are repeated
+            if group > 1:
+                rows = min(batch, repeat_rows(group, q_len, head_dim, dtype_bytes))
+                own = 2 * group * q_len * head_dim * dtype_bytes * rows
+            recalled = min(earlier, prefill.SEGMENT_BYTES) + own + 2 * accumulator
     return (tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4
             + recalled)  # fmt: skip

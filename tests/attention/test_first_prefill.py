@@ -93,8 +93,9 @@ def test_other_cases_go_to_the_tiles():
 @pytest.mark.parametrize("transfer", ["torch", "kernel"])
 def test_later_prefill_chunks_use_one_fused_call_and_match_dense(monkeypatch, transfer):
     """generate(prefill_chunk_size=...) with left padding: chunks after the first attend to every earlier sealed
-    block (recalled in one pass) and their own tokens through one SDPA call, and so does each decode step over its
-    selected blocks; logits match DynamicCache."""
+    block (recalled in one pass) and their own tokens in one fused pass (two query heads per KV head: the earlier
+    keys in one call for both, the chunk's own causally, merged by their log-sum-exp), and each decode step through
+    one SDPA call over its selected blocks; logits match DynamicCache."""
     from transformers import DynamicCache
 
     from hf_offload import OffloadCache
@@ -220,7 +221,8 @@ def test_later_prefill_chunk_segments_through_the_kernel_path(monkeypatch):
 
 def test_segments_are_used_where_they_hold_less():
     """A later chunk goes in segments where its earlier keys and values exceed one segment plus twice the
-    accumulator; the admission's estimate of its temporaries follows (8B shape at 128K, chunks of 8,192)."""
+    accumulator, and in parts wherever query heads share KV heads; the admission's estimate of its temporaries
+    follows (8B shape at 128K, chunks of 8,192)."""
     from types import SimpleNamespace
 
     from hf_offload.attention import prefill
@@ -235,8 +237,13 @@ def test_segments_are_used_where_they_hold_less():
     assert prefill.segments_pay(threshold + 1, 1, heads, q_len, head_dim)
     config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                              head_dim=128, vocab_size=128256)  # fmt: skip
-    one = forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192)
-    assert one == forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192, segmented=False)  # 0.5 GiB: whole
+    # Without shared KV heads, one sequence's earlier keys (0.5 GiB) are attended whole; with them, in parts.
+    mha = SimpleNamespace(**{**vars(config), "num_key_value_heads": 32})
+    one = forward_transient_bytes(mha, 1, 1024, 2, 1024, 4096)
+    assert one == forward_transient_bytes(mha, 1, 1024, 2, 1024, 4096, segmented=False)
+    gqa = forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192)
+    own = 2 * 4 * 8192 * 128 * 2  # the chunk's own keys and values, repeated for the 4 query heads of a KV head
+    assert gqa == prefill.SEGMENT_BYTES + own + 2 * accumulator + forward_transient_bytes(config, 1, 8192, 2, 8192)
     eight = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192)
     whole = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192, segmented=False)
     earlier = 2 * 8 * 8 * (131072 - 8192) * 128 * 2
@@ -283,3 +290,46 @@ def test_the_padding_is_read_on_the_host_once_per_forward(monkeypatch):
     cache = _chunked_matches_dense([45, 20, 38], seed=2, chunk=16, new_tokens=3)
     assert len(cache.offload_layers) > 1
     assert reads == [16, 32, 45]  # the first chunk and the two later ones: one read each
+
+
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_later_chunks_attend_in_parts_where_query_heads_share_kv_heads(monkeypatch, kv_heads):
+    """Where query heads share a KV head (4 query heads on 2 KV heads), a later chunk attends its earlier keys with
+    the heads' queries stacked in one call per sequence slice (no copy of the keys per query head) and its own keys
+    causally, merged by their log-sum-exp; with one query head per KV head it stays one masked call. Tokens and
+    logits are DynamicCache's either way."""
+    import transformers
+    from transformers import DynamicCache
+
+    from hf_offload import OffloadCache
+    from hf_offload.attention import prefill
+
+    from ..helpers import _common, left_padded
+
+    assert prefill.lse_attention_available(torch.device("cpu"), torch.float32, 16)  # checked before the spy
+    parts, calls = [], []
+    original, attention = prefill.segmented_prefill, prefill._attention_with_lse
+    monkeypatch.setattr(prefill, "segmented_prefill", lambda *a: parts.append(1) or original(*a))
+    monkeypatch.setattr(prefill, "_attention_with_lse",
+                        lambda q, k, v, causal, scale: calls.append((q.shape[1], q.shape[2], k.shape[1], causal))
+                        or attention(q, k, v, causal, scale))  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(**_common(num_key_value_heads=kv_heads))
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids, mask = left_padded([45, 45], seed=4)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    with torch.no_grad():
+        expected = model.generate(past_key_values=DynamicCache(config=config), **kwargs)
+        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
+        got = model.generate(past_key_values=cache, **kwargs)
+    assert torch.equal(got.sequences, expected.sequences)
+    for a, b in zip(got.scores, expected.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if kv_heads == 2:
+        assert len(parts) == 2 * len(cache.offload_layers)  # chunks 2 and 3, in every layer
+        # The earlier keys: both KV heads, each with its 2 query heads' 16 queries stacked (32).
+        assert (2, 32, 2, False) in calls
+        assert all(c[1] <= 16 for c in calls if c[3])  # the chunk's own keys: causal, queries not stacked
+    else:
+        assert parts == [] and calls == []
