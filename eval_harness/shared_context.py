@@ -292,12 +292,16 @@ def summarize(records: list[dict], budgets: list[str], contexts: list[dict] | No
             "full_minus_fork": diff(full, fork),
             "ttft_s_full": sum(r["ttft_s"] for r in full) / len(full),
             "ttft_s_fork": sum(r["ttft_s"] for r in fork) / len(fork),
+            # a question's whole answer (prefill, decode, the fork or copy): what sharing the prefix saves in all
+            "total_s_full": sum(r["total_s"] for r in full) / len(full),
+            "total_s_fork": sum(r["total_s"] for r in fork) / len(fork),
         }  # fmt: skip
         dynamic = [r for r in records if r["budget"] == budget and r["method"] == "dynamic"]
         if dynamic:  # the reference without the library (the whole-context budget only)
             out[budget].update(identical_dynamic=sum(r["same_tokens_as_full"] for r in dynamic),
                                accuracy_dynamic=sum(r["score"] for r in dynamic) / len(dynamic),
-                               ttft_s_dynamic=sum(r["ttft_s"] for r in dynamic) / len(dynamic))  # fmt: skip
+                               ttft_s_dynamic=sum(r["ttft_s"] for r in dynamic) / len(dynamic),
+                               total_s_dynamic=sum(r["total_s"] for r in dynamic) / len(dynamic))  # fmt: skip
         rows = [c for c in contexts or () if c["budget"] == budget]
         for name in ("ttft_later_over_first", "ttft_later_over_first_dynamic", "host_bytes_fork_over_one"):
             values = [c[name] for c in rows if c.get(name) is not None]

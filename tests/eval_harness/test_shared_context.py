@@ -58,6 +58,9 @@ def test_forked_answers_equal_full_prefills_at_the_whole_context_budget(tok):
     assert summary["identical"] == 2 and summary["full_minus_fork"]["equal"] == 2
     assert summary["identical_dynamic"] == 2 and summary["accuracy_dynamic"] == summary["accuracy_full"]
     assert summary["max_ttft_later_over_first_dynamic"] == row["ttft_later_over_first_dynamic"]
+    for way, records in (("full", full), ("fork", fork), ("dynamic", dynamic)):
+        assert summary[f"total_s_{way}"] == sum(r["total_s"] for r in records) / 2
+        assert all(r["total_s"] >= r["ttft_s"] for r in records)
     assert summary["max_ttft_later_over_first"] == row["ttft_later_over_first"]
     assert summary["max_host_bytes_fork_over_one"] == row["host_bytes_fork_over_one"]
 
@@ -84,7 +87,7 @@ def test_admission_reaches_every_cache(tok, monkeypatch):
 def test_the_summary_pairs_question_by_question():
     def rec(method, budget, sample, score):
         return {"task": "t", "length": 8, "method": method, "budget": budget, "sample_id": sample, "score": score,
-                "ttft_s": 1.0, "same_tokens_as_full": score == 100.0}  # fmt: skip
+                "ttft_s": 1.0, "total_s": 2.0, "same_tokens_as_full": score == 100.0}  # fmt: skip
 
     records = [rec("full", "full", s, 100.0) for s in "abcd"] + [rec("fork", "full", s, 100.0) for s in "abcd"]
     records += [rec("full", "1/16", s, 100.0) for s in "abcd"] + [rec("fork", "1/16", s, x) for s, x in
