@@ -36,6 +36,7 @@ from benchmarks.bench_disk import build  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.attention import prefill  # noqa: E402
+from hf_offload.cache import layer as layer_module  # noqa: E402
 from hf_offload.tools.bench import SHAPES  # noqa: E402
 
 WORKLOAD = "random weights, random token ids; exact attention over every earlier key (a prefill does not select)"
@@ -53,8 +54,8 @@ def timed_chunk(model, prefix: OffloadCache, ids: torch.Tensor, n_prefix: int, b
     the last position's logits."""
     device = ids.device
     available = prefill.lse_attention_available
-    if path == "masked":
-        prefill.lse_attention_available = lambda *args: False
+    if path == "masked":  # the attention's check, and the admission's estimate of the forward's temporaries
+        prefill.lse_attention_available = layer_module.lse_attention_available = lambda *args: False
     try:
         start = _sync(device)
         fork = prefix.fork(batch=batch)
@@ -63,7 +64,7 @@ def timed_chunk(model, prefix: OffloadCache, ids: torch.Tensor, n_prefix: int, b
             out = model(input_ids=ids, attention_mask=mask, **fork.forward_kwargs(), use_cache=True, logits_to_keep=1)
         seconds = _sync(device) - start
     finally:
-        prefill.lse_attention_available = available
+        prefill.lse_attention_available = layer_module.lse_attention_available = available
     return seconds, out.logits[:, -1].float()
 
 

@@ -28,6 +28,7 @@ intervals) and each way at the share against the full budget.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import re
@@ -198,7 +199,8 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
         "device_summary_bytes_forks": sum(s["device_summary_bytes"] for s in fork_stats),
         "device_summary_shared_bytes_forks": sum(s.get("device_summary_shared_bytes", 0) for s in fork_stats),
     }  # fmt: skip
-    del forks, prefix_cache
+    del forks, fork, prefix_cache  # the reference below gets the device memory they held
+    gc.collect()
     if budget_spec == FULL:
         dynamic = dynamic_prefix(model, tokenizer, prefix, questions, new_tokens)
         for q, (question, row) in enumerate(zip(questions, dynamic["rows"])):
@@ -356,8 +358,8 @@ def main(argv=None) -> int:
             result["contexts"].append(run["context"])
             result["summary"] = summarize(result["records"], args.budgets, result["contexts"])
             out.write_text(json.dumps(result, indent=1))
-            same = sum(r.get("same_tokens_as_full", False) for r in run["records"])
             fork = [r for r in run["records"] if r["method"] == "fork"]
+            same = sum(r["same_tokens_as_full"] for r in fork)
             full = [r for r in run["records"] if r["method"] == "full"]
             print(f"context {index} budget {budget:>5s} ({run['context']['budget_tokens']} tokens): identical "
                   f"{same}/{len(fork)}, score full {sum(r['score'] for r in full) / len(full):.0f} fork "

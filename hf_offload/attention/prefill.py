@@ -230,8 +230,9 @@ def segmented_prefill(
             b, _, n_q, _ = q.shape  # query head h * group + g of KV head h: its queries g * n_q + i
             o, lse = _attention_with_lse(q.reshape(b, kv_heads, group * n_q, head_dim).contiguous(), k.contiguous(),
                                          v.contiguous(), False, scaling)  # fmt: skip
-            merge.add(o.reshape(b, q_heads, n_q, head_dim), lse.reshape(b, q_heads, n_q), merged, slice(None),
-                      slice(q_from, None))  # fmt: skip
+            o, lse = o.view(b, kv_heads, group, n_q, head_dim), lse.view(b, kv_heads, group, n_q)
+            for h in range(kv_heads):  # merged a KV head at a time: the merge's temporaries stay a head's
+                merge.add(o[:, h], lse[:, h], merged, slice(h * group, (h + 1) * group), slice(q_from, None))
             return
         sub = repeat_rows(group, k.shape[-2], head_dim, k.element_size())
         for r in range(0, q.shape[0], sub):

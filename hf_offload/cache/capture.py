@@ -11,6 +11,7 @@ captured. :class:`StaticInputs` gives the arguments of a whole decoder layer's c
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -65,9 +66,11 @@ def _end_generator_capture() -> None:
     on the stream the failed one used, releases it.
     """
     try:
-        empty = torch.cuda.CUDAGraph()
-        empty.capture_begin()
-        empty.capture_end()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch warns that the graph is empty: it is meant to be
+            empty = torch.cuda.CUDAGraph()
+            empty.capture_begin()
+            empty.capture_end()
     except Exception:  # the failure being raised is the one the caller reports
         pass
 

@@ -280,8 +280,8 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
     recalled to the device with the chunk's behind them, plus one KV head's repeated for its query heads over a
     slice of the batch; or, where ``segmented`` and query heads share KV heads or segments hold less
     (``segments_pay``), one segment of them (at most :data:`~hf_offload.attention.prefill.SEGMENT_BYTES`), the
-    chunk's own keys and values repeated for the query heads and twice the float32 accumulator of a slice of the
-    batch. An estimate for admission, which
+    chunk's own keys and values repeated for the query heads, the stacked queries and their output, and twice the
+    float32 accumulator of a slice of the batch. An estimate for admission, which
     learns the real peak after the forward.
 
     Args:
@@ -318,6 +318,8 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
             if group > 1:
                 rows = min(batch, repeat_rows(group, q_len, head_dim, dtype_bytes))
                 own = 2 * group * q_len * head_dim * dtype_bytes * rows
-            recalled = min(earlier, prefill.SEGMENT_BYTES) + own + 2 * accumulator
+            # The stacked call's query copy and output, a slice of the sequences at a time.
+            stacked = 2 * accumulator // (4 * (head_dim + 1)) * head_dim * dtype_bytes if group > 1 else 0
+            recalled = min(earlier, prefill.SEGMENT_BYTES) + own + stacked + 2 * accumulator
     return (tokens * (3 * inter + 4 * hidden + heads * head_dim) * dtype_bytes + scores + 2 * batch * vocab * 4
             + recalled)  # fmt: skip

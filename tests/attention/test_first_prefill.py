@@ -243,7 +243,9 @@ def test_segments_are_used_where_they_hold_less():
     assert one == forward_transient_bytes(mha, 1, 1024, 2, 1024, 4096, segmented=False)
     gqa = forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192)
     own = 2 * 4 * 8192 * 128 * 2  # the chunk's own keys and values, repeated for the 4 query heads of a KV head
-    assert gqa == prefill.SEGMENT_BYTES + own + 2 * accumulator + forward_transient_bytes(config, 1, 8192, 2, 8192)
+    stacked = 2 * 32 * 8192 * 128 * 2  # the stacked queries of the 32 query heads and their output
+    assert gqa == (prefill.SEGMENT_BYTES + own + stacked + 2 * accumulator
+                   + forward_transient_bytes(config, 1, 8192, 2, 8192))  # fmt: skip
     eight = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192)
     whole = forward_transient_bytes(config, 8, 8192, 2, 8192, 131072 - 8192, segmented=False)
     earlier = 2 * 8 * 8 * (131072 - 8192) * 128 * 2

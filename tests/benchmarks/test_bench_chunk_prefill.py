@@ -21,7 +21,11 @@ def test_both_paths_are_timed_and_give_the_same_logits(tmp_path, capsys):
         assert row["masked_over_parts"] == row["median_masked_s"] / row["median_parts_s"]
         assert row["max_abs_logit_diff"] <= 1e-4 * max(1.0, row["max_abs_logit"])
     assert "masked/parts" in capsys.readouterr().out
-    assert prefill.lse_attention_available.__name__ == "lse_attention_available"  # restored after the runs
+    from hf_offload.cache import layer
+
+    # Restored after the runs, in the attention and in the admission's estimate.
+    assert prefill.lse_attention_available.__name__ == "lse_attention_available"
+    assert layer.lse_attention_available is prefill.lse_attention_available
 
 
 def test_the_masked_path_skips_the_parts(monkeypatch):
