@@ -132,10 +132,12 @@ def _stats(cache) -> dict:
 
 
 def run_context(model, tokenizer, context: dict, index: int, length: int, budget_spec: str, new_tokens: int,
-                admission: str | None = None) -> dict:
+                admission: str | None = None, reuse_fork: bool = False) -> dict:
     """Both ways over one context at one budget: the records (one per question and way) and the context's row.
     ``admission``: the caches' ``admission`` (``None``: the library's default; ``"always"`` keeps every sealed
-    block in host memory, so that host bytes are all the KV)."""
+    block in host memory, so that host bytes are all the KV). ``reuse_fork``: one fork serves the questions in
+    turn, refilled for each (``prefix.fork(into=fork)``: its CUDA graphs replay), instead of a new fork per
+    question, all held to the end."""
     from hf_offload import OffloadCache
 
     settings = {} if admission is None else {"admission": admission}
@@ -166,11 +168,11 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
               logits_to_keep=1)  # fmt: skip
     prefix_s = _synced(x) - start
     prefix_summary = prefix_cache.stats()["device_summary_bytes"]
-    forks = []
+    forks, fork = [], None
     for q, question in enumerate(questions):
         ids = prefix + question["suffix"]
         start = time.perf_counter()
-        fork = prefix_cache.fork()
+        fork = prefix_cache.fork(into=fork if reuse_fork else None)
         fork_s = _synced(x) - start
         row = answer(model, tokenizer, ids, fork, new_tokens)
         row["ttft_s"] += fork_s  # a question waits for its fork
@@ -178,8 +180,11 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
         record = _record(row, "fork", index, q, length, budget_spec, budget, ids, question, _stats(fork))
         record["fork_s"] = fork_s
         record["same_tokens_as_full"] = row["tokens"] == records[q]["tokens"]
+        record["reused_fork"] = reuse_fork and q > 0
         records.append(record)
-        forks.append(fork)
+        if not reuse_fork:
+            forks.append(fork)
+    forks = forks or [fork]
     fork_stats = [f.stats() for f in forks]
     forked = [r for r in records if r["method"] == "fork"]
     first_s = prefix_s + forked[0]["ttft_s"]  # the first question waits for the prefix's prefill
@@ -189,6 +194,7 @@ def run_context(model, tokenizer, context: dict, index: int, length: int, budget
     held = {
         "context": index, "budget": budget_spec, "budget_tokens": budget, "prefix_tokens": len(prefix),
         "question_tokens": [len(q["suffix"]) for q in questions], "prefix_prefill_s": prefix_s,
+        "forks_held": len(forks),  # at the end: every question's, or the one refilled for each
         # the forks write their own blocks into the prefix's host pool: every cache sharing it reports it whole
         "host_bytes_full": full_host, "host_bytes_fork": host_fork, "host_bytes_one_request": one_request,
         "host_bytes_fork_over_one": host_fork / one_request if one_request else None,
@@ -335,6 +341,9 @@ def main(argv=None) -> int:
     parser.add_argument("--admission", choices=["always", "auto"], default=None,
                         help="the caches' admission (default: the library's); 'always' keeps every sealed block in "
                              "host memory, so that host bytes are all the KV")  # fmt: skip
+    parser.add_argument("--reuse-fork", action="store_true",
+                        help="one fork serves the questions in turn, refilled for each (prefix.fork(into=fork)), "
+                             "instead of a new fork per question, all held to the end")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="results/shared_context/shared_context.json")
     args = parser.parse_args(argv)
@@ -353,7 +362,7 @@ def main(argv=None) -> int:
         context = make_context(tokenizer, args.length, args.questions, index, args.seed)
         for budget in args.budgets:
             run = run_context(model, tokenizer, context, index, args.length, budget, args.new_tokens,
-                              args.admission)  # fmt: skip
+                              args.admission, args.reuse_fork)  # fmt: skip
             result["records"] += run["records"]
             result["contexts"].append(run["context"])
             result["summary"] = summarize(result["records"], args.budgets, result["contexts"])

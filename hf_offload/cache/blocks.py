@@ -339,6 +339,70 @@ class BlockStore:
         summaries = {name: view[dev] for name, view in other.summaries.items()}
         self.adopt(table, summaries, other.keys[dev], other.values[dev], other.n_tokens)
 
+    def refill(self, other: "BlockStore", rows: torch.Tensor) -> None:
+        """Drop this store's tokens and continue the sequences ``rows`` of ``other`` again (this store is an earlier
+        fork of ``other``: :meth:`share_rows`), in this store's own buffers: its references to blocks go back to the
+        shared pool (blocks only it held are freed), ``other``'s sealed blocks are shared again, and the block
+        tables, summaries and open block are copied into the buffers this store already has, so that the graphs
+        captured over them replay; buffers too small for ``other``'s blocks are replaced (as a growth does).
+
+        Args:
+            other: the store this one was forked from (the same host pool).
+            rows: which of ``other``'s sequences each of this store's sequences continues, ``[batch]``,
+                ``torch.int64``, CPU.
+
+        Raises:
+            ValueError: for a store that is not an initialized fork of ``other`` with ``len(rows)`` sequences, or
+                whose summaries are not laid out as ``other``'s (:meth:`summary_layout`: ``other`` re-encoded them
+                at a coarser level since the fork).
+        """
+        if self.host is not other.host or not self.is_initialized or len(rows) != self.batch:
+            raise ValueError(f"Layer {self.layer_idx}: refill takes an initialized fork of the store, of its batch.")
+        if self.summary_layout() != other.summary_layout():
+            raise ValueError(f"Layer {self.layer_idx}: the summaries are laid out unlike the store's to refill from.")
+        if self.execution.streams is not None:
+            torch.cuda.synchronize(self.device)  # side-stream writes and prefetches into these buffers finish first
+        other.wait_host_writes()
+        self.host.free(self.block_table.flatten())  # blocks only this store held go back to the pool
+        table = other.block_table[rows]
+        self.host.share(table.flatten())
+        dev = rows.to(other.device)
+        summaries = {name: view[dev] for name, view in other.summaries.items()}
+        open_keys, open_values, n_tokens = other.keys[dev], other.values[dev], other.n_tokens
+        self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
+        seal_args = self.seal_args
+        self._clear()
+        self.seal_args = seal_args  # a captured seal reads it
+        self.pool.clear()
+        self.pool.data.zero_()
+        self.pool.clock.zero_()
+        n = table.shape[1]
+        buffers = [self._block_table_store, *self.summary_store.values()]
+        if self.block_table_dev is not None:
+            buffers.append(self.block_table_dev)
+        if any(buffer.shape[1] < n for buffer in buffers):
+            self.adopt(table, summaries, open_keys, open_values, n_tokens)  # new buffers, as a growth makes
+            return
+        left = n_tokens - n * self.block_tokens
+        self._block_table_store[:, :n] = table
+        self._block_table_store[:, n:] = -1
+        if self.block_table_dev is not None:
+            self.block_table_dev[:, :n].copy_(table.to(self.device))
+            self.block_table_dev[:, n:] = -1
+        for name, store in self.summary_store.items():
+            store[:, :n].copy_(summaries[name])
+            store[:, n:].zero_()
+        self.open_k[:, :, :left] = open_keys.to(self.device)
+        self.open_v[:, :, :left] = open_values.to(self.device)
+        self.n_blocks, self.n_tokens = n, n_tokens
+        self.block_table = self._block_table_store[:, :n]
+        self.summaries = {name: store[:, :n] for name, store in self.summary_store.items()}
+        self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
+
+    def summary_layout(self) -> dict[str, tuple]:
+        """Each summary's per-block shape and dtype, by name (the selector level's layout)."""
+        return {name: (tuple(store.shape[2:]), store.dtype) for name, store in self.summary_store.items()}
+
     def refer(self, ids: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         """The block table ``ids[index]`` of blocks just allocated (one reference each), with its references
         counted: one per entry, so a block several entries share stays shared and one no entry names is freed.

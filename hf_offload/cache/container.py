@@ -490,7 +490,7 @@ class OffloadCache(Cache):
         )
 
     @normal_tensors
-    def fork(self, batch: int | None = None) -> "OffloadCache":
+    def fork(self, batch: int | None = None, *, into: "OffloadCache | None" = None) -> "OffloadCache":
         """A new cache whose sequences continue this one's (a prefix prefilled once, continued by many requests),
         sharing its sealed blocks instead of copying them.
 
@@ -505,13 +505,21 @@ class OffloadCache(Cache):
 
         Args:
             batch: sequences of the fork, a positive multiple of this cache's batch; ``None``: this cache's batch.
+            into: an earlier fork of this cache, of ``batch`` sequences, to reuse (a question answered, the next one
+                comes): its tokens are dropped (blocks only it held go back to the pool) and it holds this cache's
+                tokens again, in its own buffers, so that the CUDA graphs its decode steps captured replay instead
+                of being captured again (a new fork captures its own: its first decode step costs about as much as
+                the rest of a short answer). Where this cache re-encoded its summaries at a coarser level since
+                that fork, a new fork is returned instead and ``into`` is left as it was.
 
         Returns:
-            An independent :class:`OffloadCache` for the same model, holding the same tokens per sequence.
+            An independent :class:`OffloadCache` for the same model, holding the same tokens per sequence
+            (``into``, refilled, where given).
 
         Raises:
-            ValueError: if this cache holds no tokens yet, or for a ``batch`` that is not a multiple of its batch.
-            RuntimeError: if the model was freed, or the cache is broken (:meth:`update`).
+            ValueError: if this cache holds no tokens yet, for a ``batch`` that is not a multiple of its batch, or
+                for an ``into`` that is not a fork of this cache with ``batch`` sequences.
+            RuntimeError: if the model was freed, or either cache is broken (:meth:`update`) or closed.
 
         Example:
             >>> prefix = OffloadCache(model, budget_tokens=2048)  # doctest: +SKIP
@@ -519,6 +527,7 @@ class OffloadCache(Cache):
             >>> cache = prefix.fork(batch=len(questions))  # doctest: +SKIP
             >>> model.generate(input_ids=torch.cat([document.expand(len(questions), -1), questions], 1),
             ...                past_key_values=cache, max_new_tokens=64)  # doctest: +SKIP
+            >>> cache = prefix.fork(batch=len(questions), into=cache)  # the next questions  # doctest: +SKIP
         """
         self._check_usable()
         model = self._model_ref()
@@ -534,6 +543,8 @@ class OffloadCache(Cache):
             raise ValueError(f"fork(batch=...) takes a positive multiple of the cache's batch ({have}): each sequence "
                              f"is continued by batch // {have} sequences of the fork; got {batch!r}.")  # fmt: skip
         rows = torch.arange(have).repeat_interleave(int(batch) // have)
+        if into is not None and self._refill(into, rows):
+            return into
         clone = OffloadCache(model, config=self.config)
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OffloadLayer):
@@ -541,6 +552,34 @@ class OffloadCache(Cache):
             else:
                 clone.layers[idx] = _sliding_rows(layer, rows)
         return clone
+
+    def _refill(self, into: "OffloadCache", rows: torch.Tensor) -> bool:
+        """``fork(into=into)``: refill ``into`` with this cache's sequences ``rows`` in place; ``False`` (``into``
+        untouched) where this cache's summaries are no longer laid out as ``into``'s."""
+        if not isinstance(into, OffloadCache) or into is self:
+            raise ValueError(f"fork(into=...) takes an earlier fork of this cache, got {type(into).__name__}.")
+        into._check_usable()
+        pairs = list(zip(self.layers, into.layers))
+        offload = [(a, b) for a, b in pairs if isinstance(a, OffloadLayer)]
+        if len(into.layers) != len(self.layers) or any(
+            not isinstance(b, OffloadLayer) or not b.blocks.is_initialized or b.blocks.host is not a.blocks.host
+            for a, b in offload if a.blocks.is_initialized
+        ):  # fmt: skip
+            raise ValueError("fork(into=...) takes an earlier fork of this cache (OffloadCache.fork): this cache "
+                             "does not share its blocks with it.")  # fmt: skip
+        if any(b.blocks.batch != len(rows) for a, b in offload if a.blocks.is_initialized):
+            raise ValueError(f"fork(batch={len(rows)}, into=...) refills a fork of {len(rows)} sequences; that one "
+                             f"has {offload[0][1].blocks.batch}: pass its batch, or fork anew.")  # fmt: skip
+        if any(a.blocks.summary_layout() != b.blocks.summary_layout() for a, b in offload if a.blocks.is_initialized):
+            return False  # this cache coarsened its summaries since that fork
+        for idx, (mine, theirs) in enumerate(pairs):
+            if isinstance(mine, OffloadLayer):
+                if mine.blocks.is_initialized:
+                    theirs.refill_rows(mine, rows)
+            else:
+                into.layers[idx] = _sliding_rows(mine, rows)
+        into.reset_stats()
+        return True
 
     @normal_tensors
     def save(self, path: str | os.PathLike, *, overwrite: bool = False) -> None:

@@ -368,6 +368,21 @@ class OffloadLayer(CacheLayerMixin):
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
         self.blocks.share_rows(other.blocks, rows)
 
+    def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor) -> None:
+        """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's
+        buffers and captured graphs (this layer is an earlier fork of ``other``: :meth:`share_rows`,
+        :meth:`BlockStore.refill`, which says what it refuses); the counters start at zero."""
+        inputs = self.resources.decode_inputs(self.device)
+        inputs.invalidate()
+        live_rows = inputs.kept_rows()
+        self.recaller.wait_prefetch()
+        self.blocks.refill(other.blocks, rows)
+        self.planner.kept = None
+        self.recaller.recycle()
+        self.stats.reset()
+        self._decode_noted = False
+        self.graphs.recycle(live_rows)
+
     @normal_tensors
     def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:
         """Initialise the layer for keys and values shaped like these (``[batch, kv_heads, any, head_dim]``) without

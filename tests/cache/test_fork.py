@@ -143,3 +143,54 @@ def test_fork_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match=r"positive multiple of the cache's batch \(2\)"):
             prefix.fork(batch=batch)
     assert prefix.fork().offload_layers[0].blocks.batch == 2
+
+
+@pytest.mark.parametrize("settings", [FULL, SPARSE], ids=["full", "sparse"])
+def test_a_fork_refilled_for_the_next_questions_answers_as_a_new_fork(arch, settings):
+    """fork(into=cache) drops the fork's tokens and holds the prefix again in the fork's own buffers: the next
+    questions get the answers of a new fork (and, at a budget that covers the context, DynamicCache's); blocks only
+    the fork held go back to the pool, the prefix does not move, the counters start at zero."""
+    model = build_model(arch)
+    prefix, document = _prefix(model, settings)
+    kv_before = _kv(prefix)
+    host = prefix.offload_layers[0].blocks.host
+    prefix_blocks = host.used_blocks
+    cache = prefix.fork(batch=3)
+    buffers = [layer.blocks.summary_store for layer in cache.offload_layers]
+    for seed in (1, 2, 3):
+        questions = _questions(3, seed)
+        expected = _answer(model, prefix.fork(batch=3), document, questions)
+        if settings is FULL:
+            assert torch.equal(expected, _answer(model, DynamicCache(config=model.config), document, questions))
+        reused = prefix.fork(batch=3, into=cache)
+        assert reused is cache and cache.get_seq_length() == DOCUMENT
+        assert cache.stats()["decode_steps"] == 0  # counters start at zero
+        assert torch.equal(_answer(model, cache, document, questions), expected)
+        gc.collect()
+    for layer, stores in zip(cache.offload_layers, buffers):  # the same buffers (the prefix grew nothing)
+        assert all(layer.blocks.summary_store[name] is store for name, store in stores.items())
+    for (keys, values), (now_k, now_v) in zip(kv_before, _kv(prefix)):
+        assert torch.equal(keys, now_k) and torch.equal(values, now_v)
+    # Blocks the last answers sealed stay with the fork; refilled once more, only the prefix's are held.
+    prefix.fork(batch=3, into=cache)
+    del expected
+    gc.collect()
+    assert host.used_blocks == prefix_blocks
+
+
+def test_fork_into_refuses_what_is_not_its_fork():
+    model = build_model("llama")
+    prefix, _ = _prefix(model, FULL)
+    other, _ = _prefix(model, FULL, seed=5)
+    with pytest.raises(ValueError, match="does not share its blocks"):
+        prefix.fork(into=other.fork())
+    with pytest.raises(ValueError, match="takes an earlier fork of this cache"):
+        prefix.fork(into=prefix)
+    with pytest.raises(ValueError, match="takes an earlier fork of this cache"):
+        prefix.fork(into=DynamicCache())
+    with pytest.raises(ValueError, match=r"refills a fork of 2 sequences; that one has 1"):
+        prefix.fork(batch=2, into=prefix.fork())
+    closed = prefix.fork()
+    closed.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        prefix.fork(into=closed)

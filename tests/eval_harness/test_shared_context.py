@@ -98,3 +98,17 @@ def test_the_summary_pairs_question_by_question():
     assert d["mean"] == 25.0 and d["dense_higher"] == 1 and d["equal"] == 3 and d["low"] <= 25.0 <= d["high"]
     assert out["1/16"]["fork_at_full_budget_minus_fork"]["mean"] == 25.0
     assert out["1/16"]["full_at_full_budget_minus_full"]["mean"] == 0.0
+
+
+def test_one_fork_refilled_for_each_question_answers_as_new_forks(tok):
+    model = tiny_model(len(tok), max_positions=1200)
+    context = make_context(tok, 1024, 3, index=0)
+    new = run_context(model, tok, context, 0, 1024, "1/16", new_tokens=5)
+    reused = run_context(model, tok, context, 0, 1024, "1/16", new_tokens=5, reuse_fork=True)
+
+    def forks(run):
+        return [r for r in run["records"] if r["method"] == "fork"]
+    assert [r["tokens"] for r in forks(reused)] == [r["tokens"] for r in forks(new)]
+    assert [r["reused_fork"] for r in forks(reused)] == [False, True, True]
+    assert not any(r["reused_fork"] for r in forks(new))
+    assert reused["context"]["forks_held"] == 1 and new["context"]["forks_held"] == 3
