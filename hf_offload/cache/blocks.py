@@ -339,12 +339,23 @@ class BlockStore:
         summaries = {name: view[dev] for name, view in other.summaries.items()}
         self.adopt(table, summaries, other.keys[dev], other.values[dev], other.n_tokens)
 
+    def refill_fits(self, other: "BlockStore") -> bool:
+        """Whether :meth:`refill` from ``other`` can keep this store's buffers: the summaries laid out alike (the
+        same selector level) and every per-block buffer as large as ``other``'s blocks and reservation."""
+        if not self.is_initialized or self.summary_layout() != other.summary_layout():
+            return False
+        need = max(other.n_blocks, other.reserved_blocks)
+        buffers = [self._block_table_store, *self.summary_store.values()]
+        if self.block_table_dev is not None:
+            buffers.append(self.block_table_dev)
+        return all(buffer.shape[1] >= need for buffer in buffers)
+
     def refill(self, other: "BlockStore", rows: torch.Tensor) -> None:
         """Drop this store's tokens and continue the sequences ``rows`` of ``other`` again (this store is an earlier
-        fork of ``other``: :meth:`share_rows`), in this store's own buffers: its references to blocks go back to the
-        shared pool (blocks only it held are freed), ``other``'s sealed blocks are shared again, and the block
+        fork of ``other``: :meth:`share_rows`), in this store's own buffers: ``other``'s sealed blocks are shared
+        again, this store's references go back to the shared pool (blocks only it held are freed), and the block
         tables, summaries and open block are copied into the buffers this store already has, so that the graphs
-        captured over them replay; buffers too small for ``other``'s blocks are replaced (as a growth does).
+        captured over them replay. Nothing is allocated on the device.
 
         Args:
             other: the store this one was forked from (the same host pool).
@@ -353,22 +364,25 @@ class BlockStore:
 
         Raises:
             ValueError: for a store that is not an initialized fork of ``other`` with ``len(rows)`` sequences, or
-                whose summaries are not laid out as ``other``'s (:meth:`summary_layout`: ``other`` re-encoded them
-                at a coarser level since the fork).
+                whose buffers cannot take ``other``'s blocks (:meth:`refill_fits`); nothing changed then.
         """
-        if self.host is not other.host or not self.is_initialized or len(rows) != self.batch:
-            raise ValueError(f"Layer {self.layer_idx}: refill takes an initialized fork of the store, of its batch.")
-        if self.summary_layout() != other.summary_layout():
-            raise ValueError(f"Layer {self.layer_idx}: the summaries are laid out unlike the store's to refill from.")
+        if self.host is not other.host or len(rows) != self.batch or not self.refill_fits(other):
+            raise ValueError(f"Layer {self.layer_idx}: refill takes an initialized fork of the store, of its batch, "
+                             "whose buffers hold the store's blocks and summaries.")  # fmt: skip
         if self.execution.streams is not None:
             torch.cuda.synchronize(self.device)  # side-stream writes and prefetches into these buffers finish first
         other.wait_host_writes()
-        self.host.free(self.block_table.flatten())  # blocks only this store held go back to the pool
         table = other.block_table[rows]
-        self.host.share(table.flatten())
         dev = rows.to(other.device)
         summaries = {name: view[dev] for name, view in other.summaries.items()}
         open_keys, open_values, n_tokens = other.keys[dev], other.values[dev], other.n_tokens
+        n, left = table.shape[1], n_tokens - table.shape[1] * self.block_tokens
+        # References: the prefix's counted first, then this store's let go of, then the table that holds them.
+        self.host.share(table.flatten())
+        self.host.free(self.block_table.flatten())
+        self._block_table_store[:, :n] = table
+        self._block_table_store[:, n:] = -1
+        self.block_table = self._block_table_store[:, :n]
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         seal_args = self.seal_args
         self._clear()
@@ -376,16 +390,6 @@ class BlockStore:
         self.pool.clear()
         self.pool.data.zero_()
         self.pool.clock.zero_()
-        n = table.shape[1]
-        buffers = [self._block_table_store, *self.summary_store.values()]
-        if self.block_table_dev is not None:
-            buffers.append(self.block_table_dev)
-        if any(buffer.shape[1] < n for buffer in buffers):
-            self.adopt(table, summaries, open_keys, open_values, n_tokens)  # new buffers, as a growth makes
-            return
-        left = n_tokens - n * self.block_tokens
-        self._block_table_store[:, :n] = table
-        self._block_table_store[:, n:] = -1
         if self.block_table_dev is not None:
             self.block_table_dev[:, :n].copy_(table.to(self.device))
             self.block_table_dev[:, n:] = -1
@@ -395,7 +399,6 @@ class BlockStore:
         self.open_k[:, :, :left] = open_keys.to(self.device)
         self.open_v[:, :, :left] = open_values.to(self.device)
         self.n_blocks, self.n_tokens = n, n_tokens
-        self.block_table = self._block_table_store[:, :n]
         self.summaries = {name: store[:, :n] for name, store in self.summary_store.items()}
         self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
 

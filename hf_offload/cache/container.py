@@ -127,6 +127,7 @@ class OffloadCache(Cache):
         self.disk = _disk_tier(config, model)
         self.host_budget = HostMemoryBudget(config.host_memory_gib, self.disk)
         self._closed = False
+        self._fork_of: weakref.ref | None = None  # the cache this one was forked from (fork(into=...) checks it)
         types = layer_types(text_config)
         unsupported = sorted(set(types) - {"full_attention", *_SLIDING_TYPES})
         if unsupported:
@@ -510,7 +511,8 @@ class OffloadCache(Cache):
                 tokens again, in its own buffers, so that the CUDA graphs its decode steps captured replay instead
                 of being captured again (a new fork captures its own: its first decode step costs about as much as
                 the rest of a short answer). Where this cache re-encoded its summaries at a coarser level since
-                that fork, a new fork is returned instead and ``into`` is left as it was.
+                that fork, or holds more blocks (or a larger reservation) than that fork's buffers take, a new
+                fork is returned instead and ``into`` is left as it was.
 
         Returns:
             An independent :class:`OffloadCache` for the same model, holding the same tokens per sequence
@@ -546,6 +548,7 @@ class OffloadCache(Cache):
         if into is not None and self._refill(into, rows):
             return into
         clone = OffloadCache(model, config=self.config)
+        clone._fork_of = weakref.ref(self)
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OffloadLayer):
                 clone.layers[idx].share_rows(layer, rows)
@@ -559,25 +562,34 @@ class OffloadCache(Cache):
         if not isinstance(into, OffloadCache) or into is self:
             raise ValueError(f"fork(into=...) takes an earlier fork of this cache, got {type(into).__name__}.")
         into._check_usable()
+        parent = into._fork_of() if into._fork_of is not None else None
         pairs = list(zip(self.layers, into.layers))
         offload = [(a, b) for a, b in pairs if isinstance(a, OffloadLayer)]
-        if len(into.layers) != len(self.layers) or any(
-            not isinstance(b, OffloadLayer) or not b.blocks.is_initialized or b.blocks.host is not a.blocks.host
-            for a, b in offload if a.blocks.is_initialized
+        if parent is not self or any(
+            not isinstance(b, OffloadLayer) or b.blocks.is_initialized != a.blocks.is_initialized
+            or (a.blocks.is_initialized and b.blocks.host is not a.blocks.host)
+            for a, b in offload
         ):  # fmt: skip
-            raise ValueError("fork(into=...) takes an earlier fork of this cache (OffloadCache.fork): this cache "
-                             "does not share its blocks with it.")  # fmt: skip
-        if any(b.blocks.batch != len(rows) for a, b in offload if a.blocks.is_initialized):
+            raise ValueError("fork(into=...) takes a fork of this cache (made by this cache's fork()); that cache "
+                             "is not one: fork this cache anew.")  # fmt: skip
+        held = [(a, b) for a, b in offload if a.blocks.is_initialized]
+        if any(b.blocks.batch != len(rows) for _, b in held):
             raise ValueError(f"fork(batch={len(rows)}, into=...) refills a fork of {len(rows)} sequences; that one "
-                             f"has {offload[0][1].blocks.batch}: pass its batch, or fork anew.")  # fmt: skip
-        if any(a.blocks.summary_layout() != b.blocks.summary_layout() for a, b in offload if a.blocks.is_initialized):
-            return False  # this cache coarsened its summaries since that fork
-        for idx, (mine, theirs) in enumerate(pairs):
-            if isinstance(mine, OffloadLayer):
-                if mine.blocks.is_initialized:
-                    theirs.refill_rows(mine, rows)
-            else:
-                into.layers[idx] = _sliding_rows(mine, rows)
+                             f"has {held[0][1].blocks.batch}: pass its batch, or fork anew.")  # fmt: skip
+        if not all(b.blocks.refill_fits(a.blocks) for a, b in held):
+            return False  # coarsened summaries, or more blocks than that fork's buffers take: a new fork
+        for statics in into._shared.statics.values():
+            statics.forget_last()
+        try:
+            for idx, (mine, theirs) in enumerate(pairs):
+                if isinstance(mine, OffloadLayer):
+                    if mine.blocks.is_initialized:
+                        theirs.refill_rows(mine, rows)
+                else:
+                    into.layers[idx] = _sliding_rows(mine, rows)
+        except BaseException:
+            into._broken = "fork(into=...) stopped in the middle of refilling it"
+            raise
         into.reset_stats()
         return True
 

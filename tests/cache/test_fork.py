@@ -182,8 +182,15 @@ def test_fork_into_refuses_what_is_not_its_fork():
     model = build_model("llama")
     prefix, _ = _prefix(model, FULL)
     other, _ = _prefix(model, FULL, seed=5)
-    with pytest.raises(ValueError, match="does not share its blocks"):
+    with pytest.raises(ValueError, match="that cache is not one"):
         prefix.fork(into=other.fork())
+    fork = prefix.fork()
+    for not_its_fork in (fork.fork(), copy.deepcopy(fork)):  # a fork of a fork, a copy: not forks of the prefix
+        with pytest.raises(ValueError, match="that cache is not one"):
+            prefix.fork(into=not_its_fork)
+    with pytest.raises(ValueError, match="that cache is not one"):
+        fork.fork(into=prefix)  # the prefix is not a fork of its fork: it keeps its tokens
+    assert prefix.get_seq_length() == DOCUMENT
     with pytest.raises(ValueError, match="takes an earlier fork of this cache"):
         prefix.fork(into=prefix)
     with pytest.raises(ValueError, match="takes an earlier fork of this cache"):
@@ -194,3 +201,46 @@ def test_fork_into_refuses_what_is_not_its_fork():
     closed.close()
     with pytest.raises(RuntimeError, match="was closed"):
         prefix.fork(into=closed)
+
+
+def test_fork_into_forks_anew_where_the_fork_cannot_take_the_prefix():
+    """A prefix that reserved more blocks than an earlier fork's buffers take: fork(into=...) returns a new fork
+    and leaves that one as it was."""
+    model = build_model("llama")
+    prefix, document = _prefix(model, FULL)
+    cache = prefix.fork()
+    questions = _questions(1, 4)
+    answered = _answer(model, cache, document, questions)
+    length = cache.get_seq_length()
+    prefix.reserve(64 * 1024)
+    new = prefix.fork(into=cache)
+    assert new is not cache and cache.get_seq_length() == length and new.get_seq_length() == DOCUMENT
+    assert torch.equal(_answer(model, new, document, questions), answered)
+
+
+def test_a_refill_stopped_part_way_leaves_the_fork_broken_and_the_pool_counted(monkeypatch):
+    from hf_offload.cache import OffloadLayer
+
+    model = build_model("llama")
+    prefix, document = _prefix(model, FULL)
+    host = prefix.offload_layers[0].blocks.host
+    held = host.used_blocks
+    cache = prefix.fork()
+    _answer(model, cache, document, _questions(1, 4))
+    refill, calls = OffloadLayer.refill_rows, []
+
+    def stops_at_the_second_layer(self, other, rows):
+        calls.append(self.layer_idx)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        refill(self, other, rows)
+
+    monkeypatch.setattr(OffloadLayer, "refill_rows", stops_at_the_second_layer)
+    with pytest.raises(KeyboardInterrupt):
+        prefix.fork(into=cache)
+    with pytest.raises(RuntimeError, match="stopped in the middle of refilling it"):
+        prefix.fork(into=cache)
+    del cache
+    gc.collect()
+    assert host.used_blocks == held  # every reference of the fork went back, none twice
+    assert prefix.get_seq_length() == DOCUMENT
