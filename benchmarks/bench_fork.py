@@ -1,0 +1,155 @@
+"""Questions over one prefilled prefix, one after another: a new fork per question, one fork refilled for each
+(``prefix.fork(into=fork)``), and a ``DynamicCache`` prefix deep-copied per question, timed in the same run.
+
+A prefix of ``--context`` random tokens is prefilled once into an ``OffloadCache`` (and once into a
+``DynamicCache``); then ``--questions`` questions of ``--question`` random tokens each are answered in turn with
+``--new-tokens`` greedy tokens, each way:
+
+* **new**: ``prefix.fork()`` per question (a new fork captures its CUDA graphs at its first decode step);
+* **into**: one fork, refilled for each question after the first (``prefix.fork(into=fork)``: its graphs replay);
+* **dynamic**: ``copy.deepcopy`` of the ``DynamicCache`` prefix per question (transformers' own way).
+
+Per question and way: the fork's (or copy's) seconds, time to first token and total seconds (both including the
+fork or copy), the graph captures of the answer, and whether its tokens equal the new fork's. The summary takes the
+median over the questions after the first. Random weights and token ids: the prefill attends exactly, and the
+decode selects from random keys (its hit rate is in the file), so the times are those of the workload, not of a
+model's answers.
+
+    python benchmarks/bench_fork.py --shape qwen2.5-coder-1.5b --context 32768 --questions 6 --new-tokens 16 \\
+        --out results/prefix_sharing/h100_qwen15_32k_forks.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from benchmarks.bench_disk import build  # noqa: E402
+from benchmarks.common import run_metadata, write_results  # noqa: E402
+from hf_offload import OffloadCache  # noqa: E402
+from hf_offload.tools.bench import SHAPES  # noqa: E402
+
+WORKLOAD = "random weights, random token ids (prefix and questions); greedy answers"
+WAYS = ("new", "into", "dynamic")
+
+
+def _sync(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+class _FirstLogits:
+    """A logits processor that notes when ``generate()`` first has logits (the end of the prefill)."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.at = device, None
+
+    def __call__(self, input_ids, scores):
+        if self.at is None:
+            self.at = _sync(self.device)
+        return scores
+
+
+def answer(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict:
+    """``generate()`` over ``ids`` with the cache ``make_cache()`` returns (timed with it): tokens and times."""
+    device = ids.device
+    start = _sync(device)
+    cache = make_cache()
+    made = _sync(device)
+    first = _FirstLogits(device)
+    kwargs = cache.generate_kwargs() if hasattr(cache, "generate_kwargs") else {"past_key_values": cache}
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, logits_processor=[first])  # fmt: skip
+    end = _sync(device)
+    stats = cache.stats() if hasattr(cache, "stats") else {}
+    return {"cache": cache, "tokens": out[0, ids.shape[1]:].tolist(), "make_s": made - start,
+            "ttft_s": first.at - start, "total_s": end - start,
+            "graph_captures": stats.get("graph_captures", 0) + stats.get("layer_graph_captures", 0),
+            "hit_rate": stats.get("hit_rate")}  # fmt: skip
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="qwen2.5-coder-1.5b", choices=sorted(SHAPES))
+    parser.add_argument("--layers", type=int, default=None, help="override the shape's layer count")
+    parser.add_argument("--context", type=int, default=32768, help="prefix tokens")
+    parser.add_argument("--question", type=int, default=36, help="tokens per question")
+    parser.add_argument("--questions", type=int, default=6)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--budget", type=int, default=2048, help="the caches' budget_tokens")
+    parser.add_argument("--admission", choices=["always", "auto"], default=None, help="default: the library's")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.questions < 2 or args.question < 1 or args.new_tokens < 2 or args.context < 64:
+        parser.error("--questions >= 2, --question >= 1, --new-tokens >= 2 and --context >= 64, please")
+
+    from transformers import DynamicCache
+
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = build(args.shape, args.layers, args.context + args.question + args.new_tokens + 8, device, dtype)
+    config = model.config
+    g = torch.Generator().manual_seed(0)
+    prefix_ids = torch.randint(3, config.vocab_size, (1, args.context), generator=g).to(device)
+    questions = [torch.randint(3, config.vocab_size, (1, args.question), generator=g).to(device)
+                 for _ in range(args.questions)]  # fmt: skip
+    settings = {} if args.admission is None else {"admission": args.admission}
+    prefix = OffloadCache(model, budget_tokens=args.budget, **settings)
+    dense = DynamicCache(config=config)
+    with torch.inference_mode():
+        for cache in (prefix, dense):
+            kwargs = cache.forward_kwargs() if hasattr(cache, "forward_kwargs") else {"past_key_values": cache}
+            model(input_ids=prefix_ids, attention_mask=torch.ones_like(prefix_ids), **kwargs, use_cache=True,
+                  logits_to_keep=1)  # fmt: skip
+    rows = {way: [] for way in WAYS}
+    held = {"into": None}
+
+    def refilled():
+        held["into"] = prefix.fork(into=held["into"])
+        return held["into"]
+
+    makers = {"new": prefix.fork, "into": refilled, "dynamic": lambda: copy.deepcopy(dense)}
+    for q, question in enumerate(questions):
+        ids = torch.cat([prefix_ids, question], dim=1)
+        for way in WAYS:
+            row = answer(model, makers[way], ids, args.new_tokens)
+            row.pop("cache")
+            row["question"] = q
+            rows[way].append(row)
+        for way in WAYS:
+            rows[way][-1]["same_tokens_as_new"] = rows[way][-1]["tokens"] == rows["new"][-1]["tokens"]
+    summary = {}
+    print(f"{args.shape} ({config.num_hidden_layers} layers), {args.context}-token prefix, {args.questions} questions "
+          f"of {args.question} tokens, {args.new_tokens} new tokens, budget {args.budget}, {device}, {args.dtype}; "
+          f"{WORKLOAD}; medians over questions 2-{args.questions}")  # fmt: skip
+    print(f"{'way':>8} {'fork/copy ms':>13} {'TTFT ms':>9} {'total ms':>9} {'captures':>9} {'same tokens':>12}")
+    for way in WAYS:
+        later = rows[way][1:]
+        summary[way] = {name: statistics.median(r[name] for r in later) for name in ("make_s", "ttft_s", "total_s")}
+        summary[way]["graph_captures_later"] = sum(r["graph_captures"] for r in later)
+        summary[way]["same_tokens_as_new"] = sum(r["same_tokens_as_new"] for r in rows[way])
+        s = summary[way]
+        print(f"{way:>8} {1e3 * s['make_s']:>13.2f} {1e3 * s['ttft_s']:>9.2f} {1e3 * s['total_s']:>9.2f} "
+              f"{s['graph_captures_later']:>9} {s['same_tokens_as_new']:>8}/{args.questions}", flush=True)
+    summary["new_total_over_into"] = summary["new"]["total_s"] / summary["into"]["total_s"]
+    print(f"new fork / refilled fork, total per question: {summary['new_total_over_into']:.2f}x")
+    if args.out:
+        write_results(args.out, {"metadata": run_metadata(args, workload=WORKLOAD), "rows": rows,
+                                 "summary": summary, "complete": True})  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,24 @@
+"""The fork benchmark: the three ways answer every question, the refilled fork with the new fork's tokens."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks import bench_fork
+
+
+def test_every_way_answers_and_the_refilled_fork_answers_as_a_new_one(tmp_path, capsys):
+    out = tmp_path / "forks.json"
+    assert bench_fork.main(["--shape", "tiny", "--layers", "2", "--context", "300", "--question", "7",
+                            "--questions", "3", "--new-tokens", "5", "--budget", "4096", "--dtype", "float32",
+                            "--device", "cpu", "--out", str(out)]) == 0  # fmt: skip
+    result = json.loads(out.read_text())
+    assert result["complete"] and result["metadata"]["workload"] == bench_fork.WORKLOAD
+    rows, summary = result["rows"], result["summary"]
+    for way in bench_fork.WAYS:
+        assert [r["question"] for r in rows[way]] == [0, 1, 2]
+        assert all(len(r["tokens"]) == 5 and 0 <= r["make_s"] <= r["ttft_s"] <= r["total_s"] for r in rows[way])
+    # A budget over the whole context: all three give the same tokens.
+    assert summary["into"]["same_tokens_as_new"] == summary["dynamic"]["same_tokens_as_new"] == 3
+    assert summary["new_total_over_into"] == summary["new"]["total_s"] / summary["into"]["total_s"]
+    assert "new fork / refilled fork" in capsys.readouterr().out
