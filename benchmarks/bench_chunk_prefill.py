@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -33,7 +32,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_disk import build  # noqa: E402
-from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.common import run_metadata, synced_clock, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.attention import prefill  # noqa: E402
 from hf_offload.cache import layer as layer_module  # noqa: E402
@@ -41,12 +40,6 @@ from hf_offload.tools.bench import SHAPES  # noqa: E402
 
 WORKLOAD = "random weights, random token ids; exact attention over every earlier key (a prefill does not select)"
 PATHS = ("masked", "parts")
-
-
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def timed_chunk(model, prefix: OffloadCache, ids: torch.Tensor, n_prefix: int, batch: int, path: str):
@@ -57,12 +50,12 @@ def timed_chunk(model, prefix: OffloadCache, ids: torch.Tensor, n_prefix: int, b
     if path == "masked":  # the attention's check, and the admission's estimate of the forward's temporaries
         prefill.lse_attention_available = layer_module.lse_attention_available = lambda *args: False
     try:
-        start = _sync(device)
+        start = synced_clock(device)
         fork = prefix.fork(batch=batch)
         mask = torch.ones(batch, n_prefix + ids.shape[1], dtype=torch.long, device=device)
         with torch.inference_mode():
             out = model(input_ids=ids, attention_mask=mask, **fork.forward_kwargs(), use_cache=True, logits_to_keep=1)
-        seconds = _sync(device) - start
+        seconds = synced_clock(device) - start
     finally:
         prefill.lse_attention_available = layer_module.lse_attention_available = available
     return seconds, out.logits[:, -1].float()

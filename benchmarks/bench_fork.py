@@ -25,7 +25,6 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,18 +33,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_disk import build  # noqa: E402
-from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.common import run_metadata, synced_clock, write_results  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.tools.bench import SHAPES  # noqa: E402
 
 WORKLOAD = "random weights, random token ids (prefix and questions); greedy answers"
 WAYS = ("new", "into", "dynamic")
-
-
-def _sync(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 class _FirstLogits:
@@ -56,22 +49,22 @@ class _FirstLogits:
 
     def __call__(self, input_ids, scores):
         if self.at is None:
-            self.at = _sync(self.device)
+            self.at = synced_clock(self.device)
         return scores
 
 
 def answer(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict:
     """``generate()`` over ``ids`` with the cache ``make_cache()`` returns (timed with it): tokens and times."""
     device = ids.device
-    start = _sync(device)
+    start = synced_clock(device)
     cache = make_cache()
-    made = _sync(device)
+    made = synced_clock(device)
     first = _FirstLogits(device)
     kwargs = cache.generate_kwargs() if hasattr(cache, "generate_kwargs") else {"past_key_values": cache}
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, logits_processor=[first])  # fmt: skip
-    end = _sync(device)
+    end = synced_clock(device)
     stats = cache.stats() if hasattr(cache, "stats") else {}
     return {"cache": cache, "tokens": out[0, ids.shape[1]:].tolist(), "make_s": made - start,
             "ttft_s": first.at - start, "total_s": end - start,

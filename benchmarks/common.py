@@ -8,11 +8,19 @@ import os
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def synced_clock(device: torch.device) -> float:
+    """``time.perf_counter()`` once ``device`` has finished the work queued on it (CUDA; any other device: now)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def cuda_event_ms(fn, warmup: int, reps: int) -> list[float]:

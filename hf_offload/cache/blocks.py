@@ -215,14 +215,19 @@ class BlockStore:
             self.block_table_dev.fill_(-1)
         self._block_table_store.fill_(-1)
         self.block_table = self._block_table_store[:, :0]
+        self._restart_in_place()
+        self.keys, self.values = self.open_k[:, :, :0], self.open_v[:, :, :0]
+        self.recycled = True
+
+    def _restart_in_place(self) -> None:
+        """Forget the per-step state and empty the slot pool, keeping every buffer a captured graph reads (the
+        seal's arguments, the pool's storage): :meth:`recycle`, :meth:`refill`."""
         self.pool.clear()
         self.pool.data.zero_()
         self.pool.clock.zero_()
         seal_args = self.seal_args
         self._clear()
         self.seal_args = seal_args  # a captured seal reads it
-        self.keys, self.values = self.open_k[:, :, :0], self.open_v[:, :, :0]
-        self.recycled = True
 
     def drop_chunks(self) -> None:
         """Free the host pool's chunks (host memory and admitted device chunks) but keep its device tables, which the
@@ -384,12 +389,7 @@ class BlockStore:
         self._block_table_store[:, n:] = -1
         self.block_table = self._block_table_store[:, :n]
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
-        seal_args = self.seal_args
-        self._clear()
-        self.seal_args = seal_args  # a captured seal reads it
-        self.pool.clear()
-        self.pool.data.zero_()
-        self.pool.clock.zero_()
+        self._restart_in_place()
         if self.block_table_dev is not None:
             self.block_table_dev[:, :n].copy_(table.to(self.device))
             self.block_table_dev[:, n:] = -1

@@ -193,12 +193,17 @@ class OffloadLayer(CacheLayerMixin):
     def recycle(self) -> None:
         """Drop all tokens but keep the buffers and the captured graphs, for the next cache of the model
         (:mod:`~hf_offload.cache.parking`, :meth:`BlockStore.recycle`); the counters start at zero."""
+        self._emptied_in_place(self.blocks.recycle)
+
+    def _emptied_in_place(self, empty: Callable[[], None]) -> None:
+        """``empty()`` (the block store emptied, or refilled, in its own buffers), then the step's shared inputs,
+        the plan, the recall state and the counters start afresh; the graphs that can still replay stay."""
         live_rows: set[int] = set()
         if self.blocks.is_initialized:
             inputs = self.resources.decode_inputs(self.device)
             inputs.invalidate()
             live_rows = inputs.kept_rows()
-        self.blocks.recycle()
+        empty()
         self.planner.kept = None
         self.recaller.recycle()
         self.stats.reset()
@@ -372,16 +377,8 @@ class OffloadLayer(CacheLayerMixin):
         """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's
         buffers and captured graphs (this layer is an earlier fork of ``other``: :meth:`share_rows`,
         :meth:`BlockStore.refill`, which says what it refuses); the counters start at zero."""
-        inputs = self.resources.decode_inputs(self.device)
-        inputs.invalidate()
-        live_rows = inputs.kept_rows()
         self.recaller.wait_prefetch()
-        self.blocks.refill(other.blocks, rows)
-        self.planner.kept = None
-        self.recaller.recycle()
-        self.stats.reset()
-        self._decode_noted = False
-        self.graphs.recycle(live_rows)
+        self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows))
 
     @normal_tensors
     def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:
