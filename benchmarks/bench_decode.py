@@ -61,7 +61,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.bench_decode_step import fill_random  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from benchmarks.workload import Replay, load_workload  # noqa: E402
+from benchmarks.workload import RANDOM_WORKLOAD, Replay, load_workload, workload_row  # noqa: E402
 from hf_offload import OffloadCache, OffloadConfig, disable_offload_attention  # noqa: E402
 from hf_offload.config import DEFAULT_SELECTOR  # noqa: E402
 from hf_offload.attention import take_handoff  # noqa: E402
@@ -71,7 +71,6 @@ from hf_offload.store.host import available_host_bytes  # noqa: E402
 
 GIB = 1 << 30
 DECODE_ONLY = "decode-only: KV filled with random values, no prefill"
-RANDOM_WORKLOAD = {"kind": "random", "label": "random KV (worst case)"}
 METHODS = ["dynamic", "static", "hf-offloaded", "defaults", "quantkey", "quantkey-graphs", "quantkey-auto",
            "solohead", "solohead-graphs", "solohead-auto", "headwise-copy"]
 OFFLOAD_METHODS = ("defaults", "quantkey", "quantkey-graphs", "quantkey-auto", "solohead", "solohead-graphs",
@@ -519,16 +518,6 @@ def fill_dense(cache, batch: int, tokens: int, layers: int, kv_heads: int, head_
         v = torch.randn(batch, kv_heads, tokens, head_dim, device=device, dtype=torch.bfloat16, generator=g)
         cache.update(k, v, idx)
         del k, v
-
-
-def workload_row(env: dict) -> dict:
-    """What each result row says about its workload: random, or the recording's file, SHA-256 and model."""
-    rec = env.get("recording")
-    if rec is None:
-        return dict(RANDOM_WORKLOAD)
-    d = rec.describe()
-    return {"kind": "recorded", "label": f"recorded {d['file']} ({d['model']})", "file": d["file"],
-            "sha256": d["sha256"], "model": d["model"]}  # fmt: skip
 
 
 def run_config(model, env: dict, method: str, context: int, batch: int, args,

@@ -1,7 +1,7 @@
 """Time per phase of one decode step with the KV offloaded, on a real-shaped random-weight model.
 
 The KV cache is filled directly with random keys and values (no prefill: decode speed does not depend on the KV
-contents, only its size), then the model decodes ``--steps`` tokens through ``generate()`` with
+contents, only its size, but what a selector picks does), then the model decodes ``--steps`` tokens through ``generate()`` with
 ``OffloadCache(timing=True)``. Reports mean milliseconds per decode step of select / prefetch / recall / attention /
 rest, tokens per second, hit rate and recalled bytes per step, for each transfer path and lookahead setting
 (``--lookahead off|on|both``; every setting decodes on the same filled cache, one after the other). Raw JSON to
@@ -26,6 +26,11 @@ rest, tokens per second, hit rate and recalled bytes per step, for each transfer
   plans of the lookahead-off run missed per layer and step, into a scratch slot pool, on an idle device; median of
   ``--alone-repeats``. Also given for the bytes each setting moved itself (``recall_alone_own_ms``: prefetches
   included).
+
+``--workload recorded:PATH`` fills the cache with a decode recorded from a real model instead (``benchmarks/workload.py``:
+its keys tiled to the context, random values) and replays the recorded queries and new keys at every decode step, so
+that selection, hit rate and step-to-step locality (what a forecast can use) are a model's; the model's
+``rope_theta`` becomes the recording's. Random KV is the worst case for a forecast.
 
 Must-show of the recall engine (H200, ~1 min)::
 
@@ -53,6 +58,7 @@ sys.path.insert(0, str(REPO))
 
 from benchmarks.check_transfer_paths import SHAPES  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
+from benchmarks.workload import Replay, load_workload, workload_row  # noqa: E402
 from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
 from hf_offload.store import transfer  # noqa: E402
 from hf_offload.tools.bench import _StepClock, fill_random  # noqa: E402
@@ -273,9 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile-trace", default=None, metavar="ANCHOR",
                         help="with --profile on CUDA: also write every kernel in launch order and one period between "
                         "two kernels whose name contains ANCHOR (e.g. quantkey: one layer) to a .trace.json")  # fmt: skip
+    parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
+                        help="'random' (random KV and queries, the worst case) or 'recorded:PATH', a decode recorded "
+                        "by benchmarks/workload.py and replayed at the shape (the model's rope_theta becomes the "
+                        "recording's)")  # fmt: skip
     parser.add_argument("--device", default=None, help="default: cuda where available, else cpu")
     parser.add_argument("--out", default="results/decode/decode_step.json")
     args = parser.parse_args(argv)
+    try:
+        recording = load_workload(args.workload)  # a bad file fails here, before any model is built
+    except (OSError, ValueError) as err:
+        parser.error(f"--workload: {err}")
     if args.steps < 2:
         parser.error("--steps must be at least 2 (step times are measured from one step's start to the next)")
     if args.rounds < 1:
@@ -288,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     settings += [(True, la) for la in LOOKAHEAD[args.lookahead]] * (True in GRAPHS[args.graphs])
     modes = [False, True] if args.hidden_share else [False]  # copies skipped?
     total_steps = args.warmup * (1 + len(settings)) + args.steps * len(settings) * len(modes) * args.rounds
-    config = LlamaConfig(**shape, max_position_embeddings=args.context + total_steps + 16)
+    theta = {"rope_theta": recording.rope_theta} if recording is not None else {}
+    config = LlamaConfig(**{**shape, **theta}, max_position_embeddings=args.context + total_steps + 16)
     torch.manual_seed(0)
     t0 = time.perf_counter()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -297,10 +312,17 @@ def main(argv: list[str] | None = None) -> int:
         model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
     build_s = time.perf_counter() - t0
     runs, shares, skipped = [], [], []
-    note = "decode-only: the KV is filled with random values without a prefill; random weights"
+    workload = workload_row({"recording": recording})
+    if recording is None:
+        note = "decode-only: the KV is filled with random values without a prefill; random weights"
+    else:
+        workload["recording"] = recording.describe()
+        note = (f"decode-only: KV replayed from {workload['file']} (sha256 {workload['sha256'][:12]}..., recorded "
+                f"from {workload['model']}; keys tiled to the context, the recorded queries and new keys, random "
+                f"values); random weights")  # fmt: skip
 
     def save(complete: bool) -> None:
-        meta = run_metadata(args, model_build_s=build_s, note=note)
+        meta = run_metadata(args, model_build_s=build_s, note=note, workload=workload)
         write_results(args.out, {"metadata": meta, "runs": runs,
                                  "hidden_share": shares, "skipped": skipped, "complete": complete})  # fmt: skip
 
@@ -316,10 +338,19 @@ def main(argv: list[str] | None = None) -> int:
                              decode_attention=args.decode_attention,
                              lookahead=settings[0][1], lookahead_blocks=args.lookahead_blocks)  # fmt: skip
         t0 = time.perf_counter()
-        fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
+        replay = None
+        if recording is None:
+            fill_random(cache, args.batch, args.context, shape["num_key_value_heads"], shape["head_dim"], device)
+        else:  # decode starts at position args.context, the token after the filled ones (Replay's contract)
+            replay = Replay(recording, config, args.batch, args.context, device, dtype=model.dtype)
+            with torch.inference_mode():
+                replay.fill(cache)
         if cuda:
             torch.cuda.synchronize()
         fill_s = time.perf_counter() - t0
+        replaying = contextlib.ExitStack()
+        if replay is not None:  # every decode step from here on attends with a recorded step's query and key
+            replaying.enter_context(replay.hooks(model))
         ids = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), device=device)
         if args.warmup:
             ids, _ = decode(model, cache, ids, args.warmup, cuda)  # compiles kernels, fills the slot pools
@@ -356,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
                 timing = stats["timing"] or {"step_ms": median_ms}
                 run = {
                     "transfer": path,
+                    "workload": workload["kind"],
                     "cuda_graphs": graphs,
                     "lookahead": lookahead,
                     "bytes_moved": not skip,
@@ -429,6 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"bytes {own:.2f} ms) -> hidden share {hidden}"
                       + (f" (rounds {min(paired):.2f}..{max(paired):.2f})" if len(paired) > 1 else ""),
                       flush=True)  # fmt: skip
+        replaying.close()
         del cache
         if cuda:
             torch.cuda.empty_cache()

@@ -40,9 +40,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from benchmarks.bench_decode import workload_row  # noqa: E402
 from benchmarks.common import run_metadata, write_results  # noqa: E402
-from benchmarks.workload import Replay, load_workload  # noqa: E402
+from benchmarks.workload import Replay, load_workload, workload_row  # noqa: E402
 from hf_offload import OffloadCache  # noqa: E402
 from hf_offload.store.disk import ALIGN, DiskTier, aligned_buffer  # noqa: E402
 from hf_offload.tools.bench import SHAPES, _decode, fill_random  # noqa: E402

@@ -712,6 +712,20 @@ def load_workload(spec: str) -> Recording | None:
     return Recording.load(path)
 
 
+RANDOM_WORKLOAD = {"kind": "random", "label": "random KV (worst case)"}
+
+
+def workload_row(env: dict) -> dict:
+    """What each result row says about its workload: random, or the recording's (``env["recording"]``) file, SHA-256
+    and model."""
+    rec = env.get("recording")
+    if rec is None:
+        return dict(RANDOM_WORKLOAD)
+    d = rec.describe()
+    return {"kind": "recorded", "label": f"recorded {d['file']} ({d['model']})", "file": d["file"],
+            "sha256": d["sha256"], "model": d["model"]}  # fmt: skip
+
+
 # ------------------------------------------------------------------------------------------------- CPU hit rate
 GEOMETRIES = {
     # The attention of the Llama-3.1-8B shape (32 query / 8 KV heads, head_dim 128) on a few thin layers: what the
