@@ -94,6 +94,7 @@ class BlockStore:
         self.reserved_blocks = 0  # summary capacity asked for by reserve(); outlives release()
         self.recycled = False  # emptied for another cache (recycle()) and not updated since
         self.storage_epoch = 0  # counts replacements of the summary and block-table buffers (graphs read them)
+        self._buffer_bytes: tuple | None = None  # device_buffer_bytes() and the buffers it was taken of
         self._clear()
 
     def _clear(self) -> None:
@@ -146,6 +147,7 @@ class BlockStore:
                 budget=self.budget,
                 admission=self.admission(self.device),
             )
+        self._buffer_bytes = None  # new buffers (an id may be an earlier buffer's)
         admission = self.host.admission
         if admission is not None:
             admission.register(self)
@@ -188,6 +190,7 @@ class BlockStore:
             self.block_table_dev = None
             self.keys = self.values = self.open_k = self.open_v = None
             self.is_initialized = False
+            self._buffer_bytes = None
         self.recycled = False
         self._clear()
 
@@ -451,22 +454,26 @@ class BlockStore:
                 f"block of {left}, not {open_keys.shape[-2]}."
             )
         self.n_blocks = n  # _grown copies the adopted blocks into the new buffers (once) and fills past them
+        capacity = self.summary_capacity(n)
+        for name, summary in summaries.items() if keep_summaries else ():
+            if summary.device != self.device or not summary.is_contiguous() or summary.shape[1] != capacity:
+                raise ValueError(f"Layer {self.layer_idx}: summary {name!r} of shape {tuple(summary.shape)} on "
+                                 f"{summary.device} is not a buffer of {capacity} blocks on {self.device}.")  # fmt: skip
+        # One check of the device bound for all of this store's buffers (it asks every store of the pool: a fork
+        # adopts into every layer), then none per buffer.
+        buffers = [*summaries.values(), *([table] if self.block_table_dev is not None else [])]
+        self._room_for_bytes(sum(self._buffer_bytes_for(like, capacity) for like in buffers))
         self._block_table_store = self._grown(table, table, n, fill=-1, host=True)
         if self.block_table_dev is not None:
             table_dev = table.to(self.device)
-            self.block_table_dev = self._grown(table_dev, table_dev, n, fill=-1)
+            self.block_table_dev = self._grown(table_dev, table_dev, n, fill=-1, room_made=True)
         self.summary_store = {}
         for name, summary in summaries.items():
             if keep_summaries:
-                capacity = self.summary_capacity(n)
-                if summary.device != self.device or not summary.is_contiguous() or summary.shape[1] != capacity:
-                    raise ValueError(f"Layer {self.layer_idx}: summary {name!r} of shape {tuple(summary.shape)} on "
-                                     f"{summary.device} is not a buffer of {capacity} blocks on {self.device}.")  # fmt: skip
-                self._room_for(summary, capacity)
                 self.storage_epoch += 1
             else:
                 summary = summary.to(self.device)
-                summary = self._grown(summary, summary, n)
+                summary = self._grown(summary, summary, n, room_made=True)
             self.summary_store[name] = summary
         self.open_k[:, :, :left] = open_keys.to(self.device)
         self.open_v[:, :, :left] = open_values.to(self.device)
@@ -770,15 +777,17 @@ class BlockStore:
         return store
 
     def _grown(
-        self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0, host: bool = False
+        self, store: torch.Tensor | None, like: torch.Tensor, blocks: int, fill: int = 0, host: bool = False,
+        room_made: bool = False,
     ) -> torch.Tensor:
         """A per-block buffer (a summary, the device block table) for at least ``blocks`` blocks, the reservation
         and the decode capacity of ``blocks`` (in whole SUMMARY_CHUNK_BLOCKS), holding ``store``'s first
         :attr:`n_blocks` blocks and ``fill`` past them (blocks past the sealed ones are scored, masked, by a step of
         a larger capacity: zeros keep their arithmetic finite); ``like``: any tensor of this name, ``[batch, n,
-        ...]``; ``host``: a buffer in host memory (the CPU block table), which the device bound does not count."""
+        ...]``; ``host``: a buffer in host memory (the CPU block table), which the device bound does not count;
+        ``room_made``: the caller made room under the bound for it already."""
         capacity = self.summary_capacity(blocks)
-        if not host:
+        if not host and not room_made:
             self._room_for(like, capacity)
         grown = like.new_empty((like.shape[0], capacity, *like.shape[2:]))
         kept = self.n_blocks if store is not None else 0
@@ -853,9 +862,18 @@ class BlockStore:
     def _room_for(self, like: torch.Tensor, capacity: int) -> None:
         """Make room under the device bound for a device buffer of ``capacity`` blocks shaped like ``like``
         (admitted chunks going back to the host if need be)."""
+        self._room_for_bytes(self._buffer_bytes_for(like, capacity))
+
+    @staticmethod
+    def _buffer_bytes_for(like: torch.Tensor, capacity: int) -> int:
+        """Bytes of a per-block buffer of ``capacity`` blocks shaped like ``like`` (``[batch, n, ...]``)."""
+        return like[:1, :1].numel() * like.element_size() * like.shape[0] * capacity
+
+    def _room_for_bytes(self, nbytes: int) -> None:
+        """Make room under the device bound for ``nbytes`` of new device buffers."""
         admission = self.host.admission if self.is_initialized else None
         if admission is not None:
-            admission.make_room(like[:1, :1].numel() * like.element_size() * like.shape[0] * capacity)
+            admission.make_room(nbytes)
 
     def summary_views(self, n: int) -> dict[str, torch.Tensor]:
         """Every summary over its first ``n`` blocks, ``[batch, n, ...]`` views of the buffers (``n`` may exceed
@@ -1009,11 +1027,22 @@ class BlockStore:
 
     def device_buffer_bytes(self) -> int:
         """Device bytes of this store's buffers besides admitted blocks: the slot pool (with the open block), the
-        summaries and the device block table."""
+        summaries and the device block table.
+
+        The device bound asks every store of a host pool at each check (forks share the prefix's pool: with many
+        held, tens of thousands of asks per fork), so the sum is kept until a buffer is replaced: every replacement
+        of a summary or block-table buffer advances :attr:`storage_epoch` (graphs read them), and the slot pool is
+        made once per :meth:`initialize`."""
         if not self.is_initialized:
             return 0
         table = self.block_table_dev
-        return self.pool.nbytes + self.device_summary_bytes() + (0 if table is None else table.numel() * 8)
+        key = (self.storage_epoch, id(self.pool), id(table), len(self.summary_store))
+        memo = self._buffer_bytes
+        if memo is not None and memo[0] == key:
+            return memo[1]
+        nbytes = self.pool.nbytes + self.device_summary_bytes() + (0 if table is None else table.numel() * 8)
+        self._buffer_bytes = (key, nbytes)
+        return nbytes
 
     def admitted_chunks(self) -> int:
         """Chunks of the host pool that live on the device."""
