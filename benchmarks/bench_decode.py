@@ -1032,6 +1032,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_isolated(args, t_start)
     device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device)
     cuda = device.type == "cuda"
+    if cuda and device.index is None:  # the memory fraction takes an indexed device
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.cap_gib is not None:
         if not cuda:
             raise SystemExit("--cap-gib limits CUDA device memory: run on a CUDA device or leave it out.")

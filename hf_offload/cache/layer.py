@@ -225,7 +225,8 @@ class OffloadLayer(CacheLayerMixin):
         segmented = q_len > 1 and lse_attention_available(key_states.device, key_states.dtype, key_states.shape[-1])
         admission.note_forward(
             forward_transient_bytes(self.model_config, batch, q_len, key_states.element_size(),
-                                    self.config.prefill_chunk_tokens, self.blocks.n_tokens, segmented)  # fmt: skip
+                                    self.config.prefill_chunk_tokens, self.blocks.n_tokens, segmented,
+                                    cpu=key_states.device.type == "cpu")  # fmt: skip
         )
 
     @normal_tensors

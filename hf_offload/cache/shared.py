@@ -271,7 +271,7 @@ def _reserved_bytes(device: torch.device) -> int:
 
 
 def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: int, tile_tokens: int,
-                            cached_tokens: int = 0, segmented: bool = True) -> int:  # fmt: skip
+                            cached_tokens: int = 0, segmented: bool = True, cpu: bool = False) -> int:  # fmt: skip
     """Device bytes a forward of ``batch x q_len`` new tokens holds at its peak besides weights and cache, as its
     shapes predict them: the MLP's intermediate activations (three of them), a few hidden-size copies (residual,
     norm, attention output), the query, the prefill attention's score tile (``batch x heads x tile**2`` floats),
@@ -292,6 +292,8 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
         cached_tokens: tokens per sequence the cache holds before this forward.
         segmented: a later chunk may attend its earlier blocks in segments (the device's fused attention gives its
             log-sum-exp: :func:`~hf_offload.attention.prefill.lse_attention_available`).
+        cpu: the forward runs on the CPU (a later chunk then attends in parts wherever query heads share a KV head:
+            :func:`~hf_offload.attention.prefill.in_parts`).
     """
     hidden = getattr(model_config, "hidden_size", 0) or 0
     inter = getattr(model_config, "intermediate_size", None) or 4 * hidden
@@ -312,7 +314,7 @@ def forward_transient_bytes(model_config, batch: int, q_len: int, dtype_bytes: i
             repeated = 2 * group * keys // batch * rows
         recalled = 2 * kv_heads * keys + repeated
         earlier = 2 * kv_heads * batch * cached_tokens * head_dim * dtype_bytes
-        if segmented and (group > 1 or prefill.segments_pay(earlier, batch, heads, q_len, head_dim)):
+        if segmented and prefill.in_parts(cpu, group, earlier, batch, heads, q_len, head_dim):
             accumulator = prefill.accumulator_bytes(batch, heads, q_len, head_dim)
             own = 0  # the earlier parts are attended without repeats; the chunk's own keys are repeated
             if group > 1:

@@ -135,6 +135,15 @@ def _kv_bytes(cache) -> int:
 
 def _decode(model, cache, batch: int, context: int, steps: int, device: torch.device) -> float:
     """Decode ``steps`` tokens after a filled cache; returns the mean seconds per step, the first two excluded."""
+    times = _decode_step_times(model, cache, batch, context, steps, device)
+    return sum(times) / len(times)
+
+
+def _decode_step_times(model, cache, batch: int, context: int, steps: int, device: torch.device) -> list[float]:
+    """Decode ``steps`` (at least 3) tokens after a filled cache; returns the seconds of steps 3..``steps``, each.
+
+    A mean over them carries the steps that capture CUDA graphs (the second step, the first seals of a block):
+    their median is the steady step."""
     from transformers import LogitsProcessorList
 
     from .. import generate_cache_kwarg
@@ -148,7 +157,7 @@ def _decode(model, cache, batch: int, context: int, steps: int, device: torch.de
     # One mark per step, taken after the step's forward: the spans from the second mark on time steps 3..steps. The
     # first step also pays one-time costs such as kernel compilation; with CUDA graphs (on by default) it runs op by
     # op and the second step captures each layer's graph, so the third is the first replayed step.
-    return (clock.marks[-1] - clock.marks[1]) / (len(clock.marks) - 2)
+    return [b - a for a, b in zip(clock.marks[1:], clock.marks[2:])]
 
 
 def check_settings(budget: int, selectors, transfer: str, overrides: dict) -> None:

@@ -235,13 +235,23 @@ def test_segments_are_used_where_they_hold_less():
     threshold = prefill.SEGMENT_BYTES + 2 * accumulator
     assert not prefill.segments_pay(threshold, 1, heads, q_len, head_dim)
     assert prefill.segments_pay(threshold + 1, 1, heads, q_len, head_dim)
+    # Shared KV heads take the parts on the CPU only; past the threshold every device takes them.
+    assert prefill.in_parts(True, 4, threshold, 1, heads, q_len, head_dim)
+    assert not prefill.in_parts(False, 4, threshold, 1, heads, q_len, head_dim)
+    assert not prefill.in_parts(True, 1, threshold, 1, heads, q_len, head_dim)
+    assert prefill.in_parts(False, 1, threshold + 1, 1, heads, q_len, head_dim)
     config = SimpleNamespace(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                              head_dim=128, vocab_size=128256)  # fmt: skip
-    # Without shared KV heads, one sequence's earlier keys (0.5 GiB) are attended whole; with them, in parts.
+    # Without shared KV heads, one sequence's earlier keys (0.5 GiB) are attended whole; with them, in parts on the
+    # CPU, and whole on CUDA (below the size where parts hold less).
     mha = SimpleNamespace(**{**vars(config), "num_key_value_heads": 32})
     one = forward_transient_bytes(mha, 1, 1024, 2, 1024, 4096)
     assert one == forward_transient_bytes(mha, 1, 1024, 2, 1024, 4096, segmented=False)
-    gqa = forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192)
+    assert one == forward_transient_bytes(mha, 1, 1024, 2, 1024, 4096, cpu=True)
+    assert not prefill.segments_pay(2 * 8 * (131072 - 8192) * 128 * 2, 1, heads, q_len, head_dim)
+    assert forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192) == forward_transient_bytes(
+        config, 1, 8192, 2, 8192, 131072 - 8192, segmented=False)  # fmt: skip
+    gqa = forward_transient_bytes(config, 1, 8192, 2, 8192, 131072 - 8192, cpu=True)
     own = 2 * 4 * 8192 * 128 * 2  # the chunk's own keys and values, repeated for the 4 query heads of a KV head
     stacked = 2 * 32 * 8192 * 128 * 2  # the stacked queries of the 32 query heads and their output
     assert gqa == (prefill.SEGMENT_BYTES + own + stacked + 2 * accumulator
