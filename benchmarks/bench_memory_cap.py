@@ -313,6 +313,9 @@ def main(argv=None) -> int:
                              "tokens (hf_offload.warm_up for the library's caches, one generate() for the others), "
                              "not recorded, so that the kernels' compilation (Triton, once per process and shapes) "
                              "is out of the measured calls' times (0: none)")  # fmt: skip
+    parser.add_argument("--warmup-parks", action="store_true",
+                        help="keep what the warm-up parks (its layers and CUDA graphs) for the first measured call "
+                             "(default: released, so that the first call shows compiled kernels only)")  # fmt: skip
     parser.add_argument(
         "--prefill-batch-tokens", type=int, default=0,
         help="tokens of one prefill chunk over the whole batch: the chunk is this divided by the batch (a multiple of "
@@ -381,7 +384,8 @@ def main(argv=None) -> int:
             result["warmup"].append({k: r.get(k) for k in ("cache", "batch", "context", "ok", "ttft_s", "error")})
             print(f"warm-up {kind} batch {r['batch']} context {r['context']}: "
                   f"{'ok' if r['ok'] else (r.get('error') or '')[:80]} ttft {r.get('ttft_s', float('nan')):.2f} s")
-        release_parked()  # the sweep's first call starts with nothing parked: what the warm-up leaves is compiled code
+        if not args.warmup_parks:
+            release_parked()  # the sweep's first call starts with nothing parked: the warm-up leaves compiled code
         gc.collect()
     for batch in args.batches:
         for kind, call in [(kind, call) for kind in args.caches for call in range(1, args.calls + 1)]:
