@@ -328,9 +328,15 @@ def test_coarser_summaries_let_a_small_device_run_larger_batches():
     )
 
 
-def test_the_planned_prefill_temporaries_are_the_admissions_own_estimate():
+def test_the_planned_prefill_temporaries_are_the_admissions_own_estimate(monkeypatch):
     # A chunked prefill of 61 tokens in chunks of 16 through a bounded cache (the admission exists on the CPU only
-    # under a bound): the largest estimate the admission took, at the last chunk, equals the plan's.
+    # under a bound): the largest estimate the admission took, at the last chunk, equals the plan's. The plan is a
+    # device's; a later chunk on the CPU attends in parts where a device would not, so the CPU takes the device's
+    # route here.
+    from hf_offload.attention import prefill
+
+    in_parts = prefill.in_parts
+    monkeypatch.setattr(prefill, "in_parts", lambda cpu, *args: in_parts(False, *args))
     model = build_model("llama")
     config = OffloadConfig(budget_tokens=48, device_memory_gib=1.0, **SMALL)
     cache = OffloadCache(model, config=config)
