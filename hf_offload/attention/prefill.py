@@ -119,15 +119,15 @@ def flash_takes_shared_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) 
 
 def in_parts(cpu: bool, group: int, earlier_bytes: int, batch: int, q_heads: int, q_len: int, head_dim: int) -> bool:
     """Whether a later chunk attends in parts merged by their log-sum-exp (:func:`segmented_prefill`) rather than
-    through one masked call per KV head over its keys repeated for its query heads: where the parts hold less on
-    the device (:func:`segments_pay`), and on the CPU also wherever ``group`` query heads share a KV head.
+    with one masked attention over all its keys (:func:`chunk_prefill`): where the parts hold less on the device
+    (:func:`segments_pay`), and on the CPU also wherever ``group`` query heads share a KV head.
 
     On the CPU the parts were faster (2 cores, the Qwen2.5-Coder-1.5B shape cut to 2 layers, 8K prefix: the masked
-    calls took 1.51x their time for a 36-token question, 1.10x for a 1,024-token chunk;
-    ``results/prefill/cpu_qwen15_2layers_8k.json``). On an H100 the masked calls were faster for a question, where
-    the step is bound by launches on the host (the parts launch more: 0.93x the parts' time at the 1.5B shape with
-    a 32K prefix, 0.81x at the Llama-3.1-8B shape with 64K), and within 9% either way for chunks of 1,024-8,192
-    tokens (``results/prefill/h100_qwen15_32k.json``, ``h100_llama8b_64k.json``)."""
+    calls, one per KV head over its repeated keys, took 1.51x their time for a 36-token question, 1.10x for a
+    1,024-token chunk; ``results/prefill/cpu_qwen15_2layers_8k.json``). On an H100 those masked calls were faster
+    for a question, where the step is bound by launches on the host (the parts launch more: 0.93x the parts' time
+    at the 1.5B shape with a 32K prefix, 0.81x at the Llama-3.1-8B shape with 64K), and within 9% either way for
+    chunks of 1,024-8,192 tokens (``results/prefill/h100_qwen15_32k.json``, ``h100_llama8b_64k.json``)."""
     return (cpu and group > 1) or segments_pay(earlier_bytes, batch, q_heads, q_len, head_dim)
 
 
