@@ -1,7 +1,8 @@
 """Time per phase of one decode step with the KV offloaded, on a real-shaped random-weight model.
 
 The KV cache is filled directly with random keys and values (no prefill: decode speed does not depend on the KV
-contents, only its size, but what a selector picks does), then the model decodes ``--steps`` tokens through ``generate()`` with
+contents, only its size, but what a selector picks does), then the model decodes ``--steps`` tokens through
+``generate()`` with
 ``OffloadCache(timing=True)``. Reports mean milliseconds per decode step of select / prefetch / recall / attention /
 rest, tokens per second, hit rate and recalled bytes per step, for each transfer path and lookahead setting
 (``--lookahead off|on|both``; every setting decodes on the same filled cache, one after the other). Raw JSON to
@@ -27,8 +28,8 @@ rest, tokens per second, hit rate and recalled bytes per step, for each transfer
   ``--alone-repeats``. Also given for the bytes each setting moved itself (``recall_alone_own_ms``: prefetches
   included).
 
-``--workload recorded:PATH`` fills the cache with a decode recorded from a real model instead (``benchmarks/workload.py``:
-its keys tiled to the context, random values) and replays the recorded queries and new keys at every decode step, so
+``--workload recorded:PATH`` fills the cache with a decode recorded from a real model instead
+(``benchmarks/workload.py``: its keys tiled to the context, random values) and replays the recorded queries and new keys at every decode step, so
 that selection, hit rate and step-to-step locality (what a forecast can use) are a model's; the model's
 ``rope_theta`` becomes the recording's. Random KV is the worst case for a forecast.
 

@@ -458,7 +458,7 @@ class BlockStore:
         for name, summary in summaries.items() if keep_summaries else ():
             if summary.device != self.device or not summary.is_contiguous() or summary.shape[1] != capacity:
                 raise ValueError(f"Layer {self.layer_idx}: summary {name!r} of shape {tuple(summary.shape)} on "
-                                 f"{summary.device} is not a buffer of {capacity} blocks on {self.device}.")  # fmt: skip
+                                 f"{summary.device} is not a buffer of {capacity} blocks on {self.device}.")
         # One check of the device bound for all of this store's buffers (it asks every store of the pool: a fork
         # adopts into every layer), then none per buffer.
         buffers = [*summaries.values(), *([table] if self.block_table_dev is not None else [])]
