@@ -3,9 +3,9 @@
 The KV cache is filled directly with random keys and values (no prefill: decode speed does not depend on the KV
 contents, only its size, but what a selector picks does), then the model decodes ``--steps`` tokens through
 ``generate()`` with ``OffloadCache(timing=True)``. Reports mean milliseconds per decode step of select / prefetch /
-recall / attention / rest, tokens per second, hit rate and recalled bytes per step, for each transfer path and lookahead setting
-(``--lookahead off|on|both``; every setting decodes on the same filled cache, one after the other). Raw JSON to
-``--out``.
+recall / attention / rest, tokens per second, hit rate and recalled bytes per step, for each transfer path and
+lookahead setting (``--lookahead off|on|both``; every setting decodes on the same filled cache, one after the
+other). Raw JSON to ``--out``.
 
 ``--hidden-share`` also measures how much of the recall is hidden behind compute::
 
