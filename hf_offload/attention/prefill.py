@@ -54,9 +54,6 @@ def chunk_prefill(
         bias = causal_lower_right(q.shape[-2], k.shape[-2])
         if group == 1:
             return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling)
-        if flash_takes_shared_heads(q, k, v):  # one call over the KV heads as they are: no copies, few launches
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scaling,
-                                                                    enable_gqa=True)  # fmt: skip
         # One KV head (and its query heads) at a time, over as many sequences as keep the repeated keys and values
         # within REPEAT_BYTES: not every KV head's copies for the whole batch at once (at 128K tokens, 8 KV heads
         # and 32 query heads, 1.9 GiB per sequence and layer).
@@ -104,17 +101,6 @@ def accumulator_bytes(batch: int, q_heads: int, q_len: int, head_dim: int) -> in
     """Bytes of the float32 output and log-sum-exp of one slice of a segmented chunk's sequences."""
     per_row = 4 * q_heads * q_len * (head_dim + 1)
     return per_row * min(batch, accumulator_rows(q_heads, q_len, head_dim))
-
-
-def flash_takes_shared_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Whether the fused flash kernel attends ``q`` (``[B, q_heads, L, D]``) over ``k`` and ``v`` with fewer heads
-    (query heads sharing a KV head) in one call: on CUDA, in half precision, where the kernel takes the shapes.
-    Elsewhere a lower-right causal call with shared heads falls back to the math kernel, which holds every score."""
-    if q.device.type != "cuda":
-        return False
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
-
-    return bool(can_use_flash_attention(SDPAParams(q, k, v, None, 0.0, False, True), False))
 
 
 def in_parts(cpu: bool, group: int, earlier_bytes: int, batch: int, q_heads: int, q_len: int, head_dim: int) -> bool:

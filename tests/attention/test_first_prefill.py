@@ -291,47 +291,6 @@ def test_cuda_segments_of_a_later_chunk_match_the_whole_kv(monkeypatch, dtype):
         torch.testing.assert_close(a, b, atol=tolerance * max(1.0, b.abs().max().item()), rtol=tolerance)
 
 
-@pytest.mark.cuda
-def test_cuda_later_chunks_of_shared_kv_heads_take_one_flash_call(monkeypatch):
-    """On CUDA in bfloat16, a later chunk whose query heads share KV heads attends the earlier keys in one flash
-    call with the KV heads as they are (no copy per query head, no call per KV head); its tokens are DynamicCache's
-    and its logits within bfloat16 rounding of it."""
-    import transformers
-    from transformers import DynamicCache
-
-    from hf_offload import OffloadCache
-    from hf_offload.attention import prefill
-
-    from ..helpers import _common, left_padded
-
-    calls = []
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-
-    def spy(q, k, v, *args, **kwargs):
-        calls.append((q.shape[1], k.shape[1], kwargs.get("enable_gqa", False)))
-        return sdpa(q, k, v, *args, **kwargs)
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**_common(num_key_value_heads=2))
-    model = transformers.LlamaForCausalLM(config).eval().to("cuda", torch.bfloat16)
-    ids, mask = left_padded([45, 45], seed=4)
-    ids, mask = ids.cuda(), mask.cuda()
-    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prefill_chunk_size=16,
-                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
-    with torch.no_grad():
-        expected = model.generate(past_key_values=DynamicCache(config=config), **kwargs)
-        cache = OffloadCache(model, budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
-        monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-        got = model.generate(past_key_values=cache, **kwargs)
-    assert torch.equal(got.sequences, expected.sequences)
-    for a, b in zip(got.scores, expected.scores):
-        torch.testing.assert_close(a, b, atol=2e-2 * max(1.0, b.abs().max().item()), rtol=2e-2)
-    shared = [c for c in calls if c[2]]
-    assert len(shared) == 2 * len(cache.offload_layers)  # chunks 2 and 3, one call per layer
-    assert all(c == (config.num_attention_heads, 2, True) for c in shared)
-    assert not [c for c in calls if c[:2] == (2, 1)]  # no call per KV head (its 2 query heads over copies)
-
-
 def test_the_padding_is_read_on_the_host_once_per_forward(monkeypatch):
     """Where each sequence starts is read from the padding mask on the host (a device synchronisation on CUDA) once
     per prefill forward, not once per layer; the tokens are those of DynamicCache."""
