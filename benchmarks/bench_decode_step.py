@@ -28,9 +28,10 @@ other). Raw JSON to ``--out``.
   included).
 
 ``--workload recorded:PATH`` fills the cache with a decode recorded from a real model instead
-(``benchmarks/workload.py``: its keys tiled to the context, random values) and replays the recorded queries and new keys at every decode step, so
-that selection, hit rate and step-to-step locality (what a forecast can use) are a model's; the model's
-``rope_theta`` becomes the recording's. Random KV is the worst case for a forecast.
+(``benchmarks/workload.py``: its keys tiled to the context, random values) and replays the recorded queries and new
+keys at every decode step, so that selection, hit rate and step-to-step locality are a model's; the model's
+``rope_theta`` becomes the recording's. Lookahead's forecast still runs the next layer's query projection of the
+random weights, so it forecasts nothing there.
 
 Must-show of the recall engine (H200, ~1 min)::
 
@@ -351,117 +352,122 @@ def main(argv: list[str] | None = None) -> int:
         replaying = contextlib.ExitStack()
         if replay is not None:  # every decode step from here on attends with a recorded step's query and key
             replaying.enter_context(replay.hooks(model))
-        ids = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), device=device)
-        if args.warmup:
-            ids, _ = decode(model, cache, ids, args.warmup, cuda)  # compiles kernels, fills the slot pools
-        layers = len(cache.offload_layers)
-        measured = {}
-        # Settings run one after the other on this cache. After a run without copies the slots hold stale bytes,
-        # which changes the tokens that follow but no timing (decode cost does not depend on the values).
-        for graphs, lookahead in settings:
-            cache.set_options(cuda_graphs=graphs, timing=not graphs, lookahead=lookahead)
-            if args.warmup:  # the setting's own kernels compile and its graphs are captured before any timed step
-                ids, _ = decode(model, cache, ids, args.warmup, cuda)
-            for round_idx, skip in ((r, skip) for r in range(args.rounds) for skip in modes):
-                cache.reset_stats()
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                cache.drop_graphs()  # graphs captured with or without copies must not serve the other mode
-                step_s: list[float] = []
-                with copies_skipped() if skip else contextlib.nullcontext():
-                    if graphs and args.warmup:  # the mode's graphs are captured before the timed steps
-                        ids, _ = decode(model, cache, ids, args.warmup, cuda)
-                        cache.reset_stats()
-                    ids, generate_s = decode(model, cache, ids, args.steps, cuda, step_s)
-                stats = cache.stats()
-                if args.profile and not skip and round_idx == args.rounds - 1:
-                    profile_steps(model, cache, ids, args.profile, cuda,
-                                  Path(args.out).with_suffix(f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"),
-                                  host=args.profile_host, trace_anchor=args.profile_trace)  # fmt: skip
-                cache.drop_graphs()
-                stats.pop("layers")
-                steps = max(stats["decode_steps"], 1)
-                wall_ms = generate_s * 1e3 / args.steps
-                median_ms = statistics.median(step_s) * 1e3
-                # graphs: no phase timer; the median step (a seal's graph capture in the timed steps is one spike)
-                timing = stats["timing"] or {"step_ms": median_ms}
-                run = {
-                    "transfer": path,
-                    "workload": workload["kind"],
-                    "cuda_graphs": graphs,
-                    "lookahead": lookahead,
-                    "bytes_moved": not skip,
-                    "round": round_idx,
-                    "fill_s": fill_s,
-                    "generate_s": generate_s,
-                    "wall_ms_per_step": wall_ms,
-                    "median_step_ms": median_ms,
-                    "step_s": step_s,
-                    "step_ms": timing["step_ms"],
-                    "tokens_per_s": args.batch * 1e3 / timing["step_ms"],
-                    "decode_recalled_bytes_per_step": stats["decode_recalled_bytes"] / steps,
-                    "decode_recalled_blocks_per_layer_step": stats["decode_recalled_blocks"] / steps / layers,
-                    "exact_recalled_blocks_per_layer_step":
-                        (stats["decode_recalled_blocks"] - stats["prefetched_blocks"]) / steps / layers,
-                    "prefetched_bytes_per_step": stats["prefetched_bytes"] / steps,
-                    "prefetch_used_share": stats["prefetch_used_blocks"] / stats["prefetched_blocks"]
-                    if stats["prefetched_blocks"] else None,
-                    "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
-                    # Host time of the layer steps that captured a graph, per timed step (a capture follows each
-                    # seal of a block, every block_tokens steps): the part of wall_ms_per_step graphs cost.
-                    "graph_capture_ms_per_step": stats["graph_capture_ms"] / steps,
-                    "stats": stats,
-                }  # fmt: skip
-                runs.append(run)
-                measured.setdefault((graphs, lookahead, skip), []).append(run)
-                used = "-" if run["prefetch_used_share"] is None else f"{run['prefetch_used_share']:.2f}"
-                phases = " ".join(f"{timing.get(k + '_ms', float('nan')):{w}.2f}" for k, w in
-                                  (("select", 7), ("prefetch", 8), ("recall", 7), ("attention", 7), ("rest", 7)))
-                print(f"{path:8s} {'on' if graphs else 'off':6s} {'on' if lookahead else 'off':9s} "
-                      f"{'none' if skip else 'moved':8s} {wall_ms:8.2f} {timing['step_ms']:8.2f} {phases} "
-                      f"{run['tokens_per_s']:7.1f} {stats['hit_rate']:6.3f} "
-                      f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s} "
-                      f"{stats['graph_replays']:>8d}/{stats['graph_captures']:<7d} "
-                      f"{run['graph_capture_ms_per_step']:10.2f}", flush=True)  # fmt: skip
-        if args.hidden_share:
-            # The bytes a step must move to be exact: the misses of the plans without lookahead.
-            base = next(measured[key] for key in ((False, False, False), (True, False, False), (False, True, False))
-                        if key in measured)  # fmt: skip
-            missed = statistics.mean(r["exact_recalled_blocks_per_layer_step"] for r in base)
-            alone = recall_alone_ms(cache, missed, path, args.alone_repeats)
+        try:
+            ids = torch.randint(0, config.vocab_size, (args.batch, args.context + 1), device=device)
+            if args.warmup:
+                ids, _ = decode(model, cache, ids, args.warmup, cuda)  # compiles kernels, fills the slot pools
+            layers = len(cache.offload_layers)
+            measured = {}
+            # Settings run one after the other on this cache. After a run without copies the slots hold stale bytes,
+            # which changes the tokens that follow but no timing (decode cost does not depend on the values).
             for graphs, lookahead in settings:
-                reals, residents = measured[(graphs, lookahead, False)], measured[(graphs, lookahead, True)]
-                step = statistics.median(r["step_ms"] for r in reals)
-                resident = statistics.median(r["step_ms"] for r in residents)
-                moved_blocks = statistics.mean(r["decode_recalled_blocks_per_layer_step"] for r in reals)
-                own = recall_alone_ms(cache, moved_blocks, path, args.alone_repeats)
-                exposed = step - resident
-                # Each round's own pair (its moved run and the resident run right after it): the spread of the share.
-                paired = [1 - (a["step_ms"] - b["step_ms"]) / alone for a, b in zip(reals, residents)] if alone else []
-                share = {
-                    "transfer": path,
-                    "cuda_graphs": graphs,
-                    "lookahead": lookahead,
-                    "rounds": len(reals),
-                    "step_ms": step,
-                    "resident_step_ms": resident,
-                    "exposed_recall_ms": exposed,
-                    "recall_alone_ms": alone,
-                    "recall_alone_blocks_per_layer": missed,
-                    "hidden_share": 1 - exposed / alone if alone else None,
-                    "hidden_share_per_round": paired,
-                    "recall_alone_own_ms": own,
-                    "recall_alone_own_blocks_per_layer": moved_blocks,
-                }
-                shares.append(share)
-                hidden = "-" if share["hidden_share"] is None else f"{share['hidden_share']:.2f}"
-                print(f"{path:8s} graphs {'on ' if graphs else 'off'} lookahead {'on ' if lookahead else 'off'}: step {share['step_ms']:.2f} ms, all "
-                      f"resident {share['resident_step_ms']:.2f} ms, exposed recall {exposed:.2f} ms, recall alone "
-                      f"{alone:.2f} ms ({share['recall_alone_blocks_per_layer']:.1f} blocks x {layers} layers; own "
-                      f"bytes {own:.2f} ms) -> hidden share {hidden}"
-                      + (f" (rounds {min(paired):.2f}..{max(paired):.2f})" if len(paired) > 1 else ""),
-                      flush=True)  # fmt: skip
-        replaying.close()
+                cache.set_options(cuda_graphs=graphs, timing=not graphs, lookahead=lookahead)
+                if args.warmup:  # the setting's own kernels compile and its graphs are captured before any timed step
+                    ids, _ = decode(model, cache, ids, args.warmup, cuda)
+                for round_idx, skip in ((r, skip) for r in range(args.rounds) for skip in modes):
+                    cache.reset_stats()
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    cache.drop_graphs()  # graphs captured with or without copies must not serve the other mode
+                    step_s: list[float] = []
+                    with copies_skipped() if skip else contextlib.nullcontext():
+                        if graphs and args.warmup:  # the mode's graphs are captured before the timed steps
+                            ids, _ = decode(model, cache, ids, args.warmup, cuda)
+                            cache.reset_stats()
+                        ids, generate_s = decode(model, cache, ids, args.steps, cuda, step_s)
+                    stats = cache.stats()
+                    if args.profile and not skip and round_idx == args.rounds - 1:
+                        profile_steps(model, cache, ids, args.profile, cuda,
+                                      Path(args.out).with_suffix(
+                                          f".{path}.graphs-{graphs}.lookahead-{lookahead}.prof.txt"),
+                                      host=args.profile_host, trace_anchor=args.profile_trace)  # fmt: skip
+                    cache.drop_graphs()
+                    stats.pop("layers")
+                    steps = max(stats["decode_steps"], 1)
+                    wall_ms = generate_s * 1e3 / args.steps
+                    median_ms = statistics.median(step_s) * 1e3
+                    # graphs: no phase timer; the median step (a seal's graph capture in the timed steps is one spike)
+                    timing = stats["timing"] or {"step_ms": median_ms}
+                    run = {
+                        "transfer": path,
+                        "workload": workload["kind"],
+                        "cuda_graphs": graphs,
+                        "lookahead": lookahead,
+                        "bytes_moved": not skip,
+                        "round": round_idx,
+                        "fill_s": fill_s,
+                        "generate_s": generate_s,
+                        "wall_ms_per_step": wall_ms,
+                        "median_step_ms": median_ms,
+                        "step_s": step_s,
+                        "step_ms": timing["step_ms"],
+                        "tokens_per_s": args.batch * 1e3 / timing["step_ms"],
+                        "decode_recalled_bytes_per_step": stats["decode_recalled_bytes"] / steps,
+                        "decode_recalled_blocks_per_layer_step": stats["decode_recalled_blocks"] / steps / layers,
+                        "exact_recalled_blocks_per_layer_step":
+                            (stats["decode_recalled_blocks"] - stats["prefetched_blocks"]) / steps / layers,
+                        "prefetched_bytes_per_step": stats["prefetched_bytes"] / steps,
+                        "prefetch_used_share": stats["prefetch_used_blocks"] / stats["prefetched_blocks"]
+                        if stats["prefetched_blocks"] else None,
+                        "peak_device_bytes": torch.cuda.max_memory_allocated() if cuda else None,
+                        # Host time of the layer steps that captured a graph, per timed step (a capture follows each
+                        # seal of a block, every block_tokens steps): the part of wall_ms_per_step graphs cost.
+                        "graph_capture_ms_per_step": stats["graph_capture_ms"] / steps,
+                        "stats": stats,
+                    }  # fmt: skip
+                    runs.append(run)
+                    measured.setdefault((graphs, lookahead, skip), []).append(run)
+                    used = "-" if run["prefetch_used_share"] is None else f"{run['prefetch_used_share']:.2f}"
+                    phases = " ".join(f"{timing.get(k + '_ms', float('nan')):{w}.2f}" for k, w in
+                                      (("select", 7), ("prefetch", 8), ("recall", 7), ("attention", 7), ("rest", 7)))
+                    print(f"{path:8s} {'on' if graphs else 'off':6s} {'on' if lookahead else 'off':9s} "
+                          f"{'none' if skip else 'moved':8s} {wall_ms:8.2f} {timing['step_ms']:8.2f} {phases} "
+                          f"{run['tokens_per_s']:7.1f} {stats['hit_rate']:6.3f} "
+                          f"{run['decode_recalled_bytes_per_step'] / 2**20:9.2f} {used:>13s} "
+                          f"{stats['graph_replays']:>8d}/{stats['graph_captures']:<7d} "
+                          f"{run['graph_capture_ms_per_step']:10.2f}", flush=True)  # fmt: skip
+            if args.hidden_share:
+                # The bytes a step must move to be exact: the misses of the plans without lookahead.
+                base = next(measured[key] for key in ((False, False, False), (True, False, False), (False, True, False))
+                            if key in measured)  # fmt: skip
+                missed = statistics.mean(r["exact_recalled_blocks_per_layer_step"] for r in base)
+                alone = recall_alone_ms(cache, missed, path, args.alone_repeats)
+                for graphs, lookahead in settings:
+                    reals, residents = measured[(graphs, lookahead, False)], measured[(graphs, lookahead, True)]
+                    step = statistics.median(r["step_ms"] for r in reals)
+                    resident = statistics.median(r["step_ms"] for r in residents)
+                    moved_blocks = statistics.mean(r["decode_recalled_blocks_per_layer_step"] for r in reals)
+                    own = recall_alone_ms(cache, moved_blocks, path, args.alone_repeats)
+                    exposed = step - resident
+                    # Each round's own pair (its moved run and the resident run right after it): the spread of the
+                    # share.
+                    paired = ([1 - (a["step_ms"] - b["step_ms"]) / alone for a, b in zip(reals, residents)]
+                              if alone else [])
+                    share = {
+                        "transfer": path,
+                        "cuda_graphs": graphs,
+                        "lookahead": lookahead,
+                        "rounds": len(reals),
+                        "step_ms": step,
+                        "resident_step_ms": resident,
+                        "exposed_recall_ms": exposed,
+                        "recall_alone_ms": alone,
+                        "recall_alone_blocks_per_layer": missed,
+                        "hidden_share": 1 - exposed / alone if alone else None,
+                        "hidden_share_per_round": paired,
+                        "recall_alone_own_ms": own,
+                        "recall_alone_own_blocks_per_layer": moved_blocks,
+                    }
+                    shares.append(share)
+                    hidden = "-" if share["hidden_share"] is None else f"{share['hidden_share']:.2f}"
+                    print(f"{path:8s} graphs {'on ' if graphs else 'off'} lookahead {'on ' if lookahead else 'off'}: step {share['step_ms']:.2f} ms, all "
+                          f"resident {share['resident_step_ms']:.2f} ms, exposed recall {exposed:.2f} ms, recall alone "
+                          f"{alone:.2f} ms ({share['recall_alone_blocks_per_layer']:.1f} blocks x {layers} layers; own "
+                          f"bytes {own:.2f} ms) -> hidden share {hidden}"
+                          + (f" (rounds {min(paired):.2f}..{max(paired):.2f})" if len(paired) > 1 else ""),
+                          flush=True)  # fmt: skip
+        finally:  # the replay's hooks leave the model on every path
+            replaying.close()
         del cache
         if cuda:
             torch.cuda.empty_cache()

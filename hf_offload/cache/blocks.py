@@ -453,12 +453,12 @@ class BlockStore:
                 f"Layer {self.layer_idx}: {n_tokens} tokens are {n} sealed blocks of {self.block_tokens} and an open "
                 f"block of {left}, not {open_keys.shape[-2]}."
             )
-        self.n_blocks = n  # _grown copies the adopted blocks into the new buffers (once) and fills past them
         capacity = self.summary_capacity(n)
         for name, summary in summaries.items() if keep_summaries else ():
             if summary.device != self.device or not summary.is_contiguous() or summary.shape[1] != capacity:
                 raise ValueError(f"Layer {self.layer_idx}: summary {name!r} of shape {tuple(summary.shape)} on "
                                  f"{summary.device} is not a buffer of {capacity} blocks on {self.device}.")
+        self.n_blocks = n  # _grown copies the adopted blocks into the new buffers (once) and fills past them
         # One check of the device bound for all of this store's buffers (it asks every store of the pool: a fork
         # adopts into every layer), then none per buffer.
         buffers = [*summaries.values(), *([table] if self.block_table_dev is not None else [])]
@@ -872,7 +872,7 @@ class BlockStore:
     def _room_for_bytes(self, nbytes: int) -> None:
         """Make room under the device bound for ``nbytes`` of new device buffers."""
         admission = self.host.admission if self.is_initialized else None
-        if admission is not None:
+        if admission is not None and nbytes:
             admission.make_room(nbytes)
 
     def summary_views(self, n: int) -> dict[str, torch.Tensor]:
@@ -1031,8 +1031,8 @@ class BlockStore:
 
         The device bound asks every store of a host pool at each check (forks share the prefix's pool: with many
         held, tens of thousands of asks per fork), so the sum is kept until a buffer is replaced: every replacement
-        of a summary or block-table buffer advances :attr:`storage_epoch` (graphs read them), and the slot pool is
-        made once per :meth:`initialize`."""
+        of a summary or block-table buffer advances :attr:`storage_epoch` (graphs read them), and a new slot pool
+        comes from :meth:`allocate` (which drops the kept sum) or :meth:`take_rows` (which advances the epoch)."""
         if not self.is_initialized:
             return 0
         table = self.block_table_dev
