@@ -361,8 +361,11 @@ def fusions_of(args) -> dict:
 
 
 def device_free_bytes(device: torch.device) -> int | None:
-    """Free device memory now (CUDA), else ``None``: what an admitting cache of the next configuration may take."""
-    return torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    """Device memory this process may still allocate (CUDA: the free memory, and under ``--cap-gib`` no more than the
+    process's memory fraction leaves), else ``None``: what an admitting cache of the next configuration may take."""
+    from hf_offload.store.host import process_headroom_bytes
+
+    return process_headroom_bytes(device) if device.type == "cuda" else None
 
 
 def predict(method: str, shape, context: int, batch: int, config: OffloadConfig, layer_kv_bytes: int,
@@ -380,7 +383,7 @@ def predict(method: str, shape, context: int, batch: int, config: OffloadConfig,
         return {"source": "hf_offload.planner.plan(method='offload')", "device_bytes": p.device_bytes,
                 "device_kv_bytes": p.device_kv_bytes + p.device_summary_bytes, "host_bytes": p.host_reserved_bytes,
                 "host_kv_bytes": p.host_kv_bytes, "admitted_kv_bytes": p.admitted_kv_bytes,
-                "transient_device_bytes": 0}  # fmt: skip
+                "admitted_reserved_bytes": p.admitted_reserved_bytes, "transient_device_bytes": 0}  # fmt: skip
     dense = plan(shape, context, batch, "static" if method == "static" else "dense")
     if method == "hf-offloaded":
         # Whole KV on the host; on the device the prefetched layer and the one being updated (plus its concatenation).
@@ -398,8 +401,10 @@ def predict(method: str, shape, context: int, batch: int, config: OffloadConfig,
 def fit_problem(method: str, pred: dict, device: torch.device, args, pinned_round: int = 0) -> str | None:
     """Why the prediction says this configuration cannot fit device or host memory, or ``None``."""
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        need = pred["device_bytes"] + pred["transient_device_bytes"] + int(args.device_margin_gib * GIB)
+        free = device_free_bytes(device)
+        # Admitted blocks stay on the device only while they fit: the cache sends them back to host memory first.
+        kept = pred["device_bytes"] - pred.get("admitted_reserved_bytes", 0)
+        need = kept + pred["transient_device_bytes"] + int(args.device_margin_gib * GIB)
         if need > free:
             return f"predicted not to fit device memory: {need / GIB:.1f} GiB needed, {free / GIB:.1f} GiB free"
     host_need = pred["host_bytes"] + pinned_round

@@ -224,3 +224,21 @@ def test_cap_needs_a_cuda_device(tmp_path):
     with pytest.raises(SystemExit, match="--cap-gib limits CUDA device memory"):
         bench_decode.main([*COMMON, "--device", "cpu", "--cap-gib", "24", "--out", str(tmp_path / "o.json")])
     assert not (tmp_path / "o.json").exists()
+
+
+def test_the_fit_check_leaves_admitted_blocks_out_and_takes_the_process_headroom(monkeypatch):
+    """A configuration fits where the cache's device bytes besides its admitted chunks (which go back to host memory
+    before anything else runs out) and the margin fit what the process may still allocate (under --cap-gib, its
+    memory fraction, not the device's free memory)."""
+    from types import SimpleNamespace
+
+    gib = bench_decode.GIB
+    monkeypatch.setattr(bench_decode, "device_free_bytes", lambda device: 40 * gib)
+    args = SimpleNamespace(device_margin_gib=3.0, host_margin_gib=8.0)
+    pred = {"device_bytes": 64 * gib, "admitted_reserved_bytes": 50 * gib, "transient_device_bytes": 0,
+            "host_bytes": 0}  # fmt: skip
+    monkeypatch.setattr(bench_decode, "host_free_bytes", lambda: None)
+    assert bench_decode.fit_problem("defaults", pred, torch.device("cuda"), args) is None
+    pred["admitted_reserved_bytes"] = 0
+    problem = bench_decode.fit_problem("defaults", pred, torch.device("cuda"), args)
+    assert problem == "predicted not to fit device memory: 67.0 GiB needed, 40.0 GiB free"
