@@ -25,10 +25,9 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
         batch_size: sequences per ``generate()`` call of the calls to come (kernels are compiled per batch size
             class, and a parked state serves that batch).
         prompt_tokens: tokens of the warm-up prompt; ``None``: twice the budget (at least 1,024), so that the decode
-            steps select blocks instead of attending every one. The graphs it parks serve calls whose context needs
-            buffers of the same size (in steps of ``SUMMARY_CHUNK_BLOCKS`` blocks, 4,096 tokens of the default 16-token
-            blocks): pass the context length of the calls to come, so that their first decode step replays instead
-            of capturing (a warm-up of 4,096 tokens compiles the kernels, but 32K calls capture again).
+            steps select blocks instead of attending every one. The graphs it parks read buffers of its own
+            context's size (in steps of ``SUMMARY_CHUNK_BLOCKS`` blocks, 4,096 tokens of the default 16-token
+            blocks), so they can serve only calls of that size: pass the context length of the calls to come.
         new_tokens: tokens generated (at least 3: the first decode steps capture the CUDA graphs).
         generate_kwargs: further ``generate()`` arguments of the calls to come, e.g. ``{"prefill_chunk_size":
             4096}`` (a chunked prefill runs the code that reads earlier chunks' blocks).
