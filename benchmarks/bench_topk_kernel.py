@@ -1,5 +1,5 @@
-"""The two-tier top-k of a decode step's block scores: the Triton kernel against the CUDA kernel at several thread
-layouts, in one run (``hf_offload/kernels/topk.py``).
+"""The two-tier top-k of a decode step's block scores: the Triton kernel (its bisection, and its radix select) against
+the CUDA kernel at several thread layouts, in one run (``hf_offload/kernels/topk.py``).
 
 For each (batch, blocks, k, ranked) shape it times each kernel inside a CUDA graph of ``--calls`` calls (median of
 ``--reps`` replays, per call) on random scores with a few ``+inf`` entries (the forced sink and window blocks), and
@@ -23,9 +23,12 @@ sys.path.insert(0, str(REPO))
 from benchmarks.common import cuda_graph_us, run_metadata, write_results  # noqa: E402
 from hf_offload.kernels import topk  # noqa: E402
 
-SHAPES = [(12, 4096, 128, 128), (12, 4096, 128, 512), (6, 8192, 128, 128), (8, 2048, 128, 128)]
+SHAPES = [(12, 4096, 128, 128), (12, 4096, 128, 512), (6, 8192, 128, 128), (8, 2048, 128, 128),
+          (1, 8200, 120, 2040), (4, 8200, 120, 2040), (1, 16400, 120, 2040), (12, 4096, 120, 2040)]  # fmt: skip
 """(batch, blocks, k, ranked): 64K tokens at batch 12 (plain ``quantkey``, and the default selector's near blocks),
-128K at batch 6, 32K at batch 8; 16-token blocks, a 2,048-token budget."""
+128K at batch 6, 32K at batch 8; 16-token blocks, a 2,048-token budget. Then the default selector's (its near blocks
+16 times its selection) at batch 1 and 4 just past 128K (a decode past 8,192 blocks), batch 1 past 256K, and batch
+12 at 64K."""
 
 LAYOUTS = [None, (512, 8), (256, 16), (1024, 4), (128, 32), (1024, 8)]
 """CUDA thread layouts (threads, entries per thread) timed besides the default one (``None``), where they cover the
@@ -41,17 +44,18 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_topk_kernel: no CUDA device; nothing was measured")
     rows = []
-    default_layout = topk._cuda_layout
+    default_layout, radix_min_n = topk._cuda_layout, topk.RADIX_MIN_N
     try:
         for batch, n, k, ranked in SHAPES:
             scores = torch.rand(batch, 1, n, device="cuda")
             scores[:, :, :2] = float("inf")
             scores[:, :, -8:] = float("inf")
             want = topk.ranked_topk_reference(scores, k, ranked)
-            variants = [("triton", None)] + [("cuda", lay) for lay in LAYOUTS
+            variants = [("triton", None), ("triton-radix", None)] + [("cuda", lay) for lay in LAYOUTS
                                              if lay is None or (lay[0] * lay[1] >= n and lay != default_layout(n))]
             for name, lay in variants:
-                topk.BACKEND = name
+                topk.BACKEND = name.partition("-")[0]
+                topk.RADIX_MIN_N = 1 if name == "triton-radix" else None
                 topk._cuda_layout = (lambda m, lay=lay: lay) if lay else default_layout
                 got = topk.ranked_topk_keep(scores, k, ranked)
                 same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"batch": batch, "n": n, "k": k, "ranked": ranked, "kernel": name, "layout": layout,
                              "default_layout": lay is None, "us": us, "same_as_reference": same})
     finally:
-        topk._cuda_layout, topk.BACKEND = default_layout, None
+        topk._cuda_layout, topk.BACKEND, topk.RADIX_MIN_N = default_layout, None, radix_min_n
     write_results(args.out, {"metadata": run_metadata(args), "rows": rows})
 
 
