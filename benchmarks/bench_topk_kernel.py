@@ -1,5 +1,5 @@
-"""The two-tier top-k of a decode step's block scores: the Triton kernel (its bisection, and its radix select) against
-the CUDA kernel at several thread layouts, in one run (``hf_offload/kernels/topk.py``).
+"""The two-tier top-k of a decode step's block scores: the Triton kernel against the CUDA kernel at several thread
+layouts, in one run (``hf_offload/kernels/topk.py``).
 
 For each (batch, blocks, k, ranked) shape it times each kernel inside a CUDA graph of ``--calls`` calls (median of
 ``--reps`` replays, per call) on random scores with a few ``+inf`` entries (the forced sink and window blocks), and
@@ -44,18 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_topk_kernel: no CUDA device; nothing was measured")
     rows = []
-    default_layout, radix_min_n = topk._cuda_layout, topk.RADIX_MIN_N
+    default_layout = topk._cuda_layout
     try:
         for batch, n, k, ranked in SHAPES:
             scores = torch.rand(batch, 1, n, device="cuda")
             scores[:, :, :2] = float("inf")
             scores[:, :, -8:] = float("inf")
             want = topk.ranked_topk_reference(scores, k, ranked)
-            variants = [("triton", None), ("triton-radix", None)] + [("cuda", lay) for lay in LAYOUTS
+            variants = [("triton", None)] + [("cuda", lay) for lay in LAYOUTS
                                              if lay is None or (lay[0] * lay[1] >= n and lay != default_layout(n))]
             for name, lay in variants:
-                topk.BACKEND = name.partition("-")[0]
-                topk.RADIX_MIN_N = 1 if name == "triton-radix" else None
+                topk.BACKEND = name
                 topk._cuda_layout = (lambda m, lay=lay: lay) if lay else default_layout
                 got = topk.ranked_topk_keep(scores, k, ranked)
                 same = torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -66,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append({"batch": batch, "n": n, "k": k, "ranked": ranked, "kernel": name, "layout": layout,
                              "default_layout": lay is None, "us": us, "same_as_reference": same})
     finally:
-        topk._cuda_layout, topk.BACKEND, topk.RADIX_MIN_N = default_layout, None, radix_min_n
+        topk._cuda_layout, topk.BACKEND = default_layout, None
     write_results(args.out, {"metadata": run_metadata(args), "rows": rows})
 
 

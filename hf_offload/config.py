@@ -141,9 +141,9 @@ class Execution:
             turns graphs off under ``graph_scope="attention"``). Default ``None``.
         graph_scope: what a replayed graph covers: ``"layer"`` (default): the whole decoder layer (a layer that
             cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the offloaded attention.
-        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this, so its
-            shapes and graph last that many seals; positive, above 1 only for a selector whose ``masks_invalid``
-            holds. ``None`` (default): 64 for such a selector (every built-in one), else 1.
+        decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this (its shapes
+            and graph last that many seals); above 1 only for a selector with ``masks_invalid``. Default ``None``: for
+            such a selector 64, or a sixteenth of the sealed blocks (a power of two) where more; else 1.
         lookahead: prefetch the next offloaded layer's likely blocks on a side stream (its own plan still decides
             what it attends). ``False`` (default); ``None``: on where blocks move through the copy kernels on CUDA;
             ``True``: on everywhere, without CUDA synchronously.

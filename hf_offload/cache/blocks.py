@@ -800,7 +800,8 @@ class BlockStore:
     def summary_capacity(self, blocks: int) -> int:
         """Blocks a per-block buffer (:meth:`_grown`) for ``blocks`` blocks is made for: at least ``blocks``, the
         reservation and the decode capacity of ``blocks``, in whole SUMMARY_CHUNK_BLOCKS."""
-        blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks))
+        blocks = max(blocks, self.reserved_blocks, decode_capacity(blocks, 0, self.execution.capacity_blocks,
+                                                                   self.execution.capacity_share))
         return -(-blocks // SUMMARY_CHUNK_BLOCKS) * SUMMARY_CHUNK_BLOCKS
 
     def make_summary_room(self, blocks: int, before_coarsening: Callable[[], None] | None = None) -> None:

@@ -24,6 +24,11 @@ from ..store import transfer
 # step's sums run over the same blocks with graphs or without.
 GRAPH_CAPACITY_BLOCKS = 64
 
+# With decode_capacity_blocks=None, the step grows with the context: at least the sealed blocks over this, rounded down
+# to a power of two. A step scores at most 1/16 more blocks than are sealed, and a long context recaptures its graphs
+# once per as many seals (at 64K tokens in 16-token blocks, every 4,096 tokens instead of every 1,024).
+GRAPH_CAPACITY_SHARE = 16
+
 
 @dataclass
 class LayerExecution:
@@ -39,6 +44,8 @@ class LayerExecution:
         fusions: ``(norms, rotary, projections)`` run fused in the decoder layer's calls; ``None`` until the device
             is known (each call then decides from its hidden states).
         capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this.
+        capacity_share: with it, the multiple is at least the sealed blocks over it, rounded down to a power of two
+            (0: ``capacity_blocks`` alone).
     """
 
     use_kernels: bool = False
@@ -48,12 +55,19 @@ class LayerExecution:
     graphs: bool = False
     fusions: tuple[bool, bool, bool] | None = None
     capacity_blocks: int = 1
+    capacity_share: int = 0
 
 
-def decode_capacity(n: int, k: int, capacity_blocks: int) -> int:
-    """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to
-    ``capacity_blocks`` (the blocks past ``n`` are never valid), or ``n`` when every block is selected."""
-    return n if k >= n or capacity_blocks == 1 else -(-n // capacity_blocks) * capacity_blocks
+def decode_capacity(n: int, k: int, capacity_blocks: int, share: int = 0) -> int:
+    """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to a multiple
+    of ``capacity_blocks``, or with ``share`` of the largest power of two up to ``n // share`` where that is larger
+    (the blocks past ``n`` are never valid); ``n`` when every block is selected. Never smaller for a larger ``n``."""
+    if k >= n or capacity_blocks == 1:
+        return n
+    step = capacity_blocks
+    if share and n // share > step:
+        step = 1 << ((n // share).bit_length() - 1)
+    return -(-n // step) * step
 
 
 def want_kernels(config: OffloadConfig, device: torch.device, pinned: bool) -> bool:
@@ -124,8 +138,10 @@ def resolve(execution: LayerExecution, config: OffloadConfig, device: torch.devi
                             and not (execution.lookahead and config.graph_scope != "layer"))  # fmt: skip
     execution.fusions = None if device is None else fusions_on(config, device)
     capacity = config.decode_capacity_blocks
+    execution.capacity_share = 0
     if capacity is None:
         capacity = GRAPH_CAPACITY_BLOCKS if masks_invalid else 1
+        execution.capacity_share = GRAPH_CAPACITY_SHARE if masks_invalid else 0
     execution.capacity_blocks = capacity
 
 

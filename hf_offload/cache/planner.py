@@ -79,7 +79,8 @@ class DecodePlanner:
         k = min(n, (config.budget_tokens - recent) // block)
         if k >= n or not config.adaptive:
             return k
-        return min(decode_capacity(n, 0, self.execution.capacity_blocks), (config.max_budget_tokens - recent) // block)
+        capacity = decode_capacity(n, 0, self.execution.capacity_blocks, self.execution.capacity_share)
+        return min(capacity, (config.max_budget_tokens - recent) // block)
 
     def keeps_at_least(self, k: int) -> int:
         """Of ``k`` selected entries (:meth:`decode_blocks`), those the base budget attends whatever the estimate:
@@ -95,9 +96,12 @@ class DecodePlanner:
         return k < n or self.keeps_at_least(k) < k
 
     def decode_capacity(self, n: int, k: int) -> int:
-        """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up to
-        ``capacity_blocks`` (the blocks past ``n`` are never valid), or ``n`` when every block is attended."""
-        return decode_capacity(n, 0 if self.keeps_at_least(k) < min(k, n) else k, self.execution.capacity_blocks)
+        """Blocks a decode step with ``n`` sealed blocks, ``k`` of them selected, scores: ``n`` rounded up as
+        :func:`~hf_offload.cache.execution.decode_capacity` does (the blocks past ``n`` are never valid), or ``n``
+        when every block is attended."""
+        execution = self.execution
+        kept = 0 if self.keeps_at_least(k) < min(k, n) else k
+        return decode_capacity(n, kept, execution.capacity_blocks, execution.capacity_share)
 
     def select_all(self, n_blocks: int) -> Selection:
         """Every sealed block below ``n_blocks``, for every sequence (exact attention)."""

@@ -976,13 +976,11 @@ def tail_plan_reference(
     return near_ok, tail.all(dim=-1).scatter(1, index, False)
 
 
-PLAN_BLOCK_N = 256
-"""Blocks per program of the plan kernel's far pass (a sequence's blocks are split over programs, so that a batch of
-one still spreads over the device)."""
+PLAN_BLOCK_N = 2048
+"""Blocks per step of the plan kernel's pass over a sequence's token masks (one program per sequence)."""
 
 PLAN_NEAR_BLOCK = 64
-"""Near blocks per step of the plan kernel's membership tests (against the selection, and of each block against the
-near blocks)."""
+"""Near blocks per step of the plan kernel's membership test against the selection."""
 
 if triton is not None:
 
@@ -1006,50 +1004,44 @@ if triton is not None:
         near,
         T: tl.constexpr,
         BLOCK_N: tl.constexpr,
+        STEPS: tl.constexpr,  # a power of two >= cdiv(n, BLOCK_N)
         KP: tl.constexpr,  # a power of two >= k
         NEAR_BLOCK: tl.constexpr,
         NEAR_STEPS: tl.constexpr,  # a power of two >= cdiv(near, NEAR_BLOCK)
     ):
-        # Program (b, c): blocks c * BLOCK_N .. of sequence b are far where all their tokens are attendable and
-        # neither a kept block of the selection nor a near block; the program past the last chunk writes the near
-        # blocks' token masks. Every entry is written by one program, once.
         b = tl.program_id(0).to(tl.int64)
-        c = tl.program_id(1)
+        t = tl.arange(0, T)
+        # Every block whose tokens are all attendable, first.
+        for step in range(STEPS):
+            j = step * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = j < n
+            r = tl.load(rows_ptr + b * rows_sb + j[:, None] * rows_sn + t[None, :], mask=live[:, None], other=0)
+            tl.store(far_ptr + b * n + j, (tl.min(r, axis=1) != 0).to(tl.uint8), mask=live)
         kk = tl.arange(0, KP)
         in_k = kk < k
         kept = in_k & (tl.load(keep_ptr + b * keep_sb + kk, mask=in_k, other=0) != 0)
-        blk = tl.where(kept, tl.load(blocks_ptr + b * blocks_sb + kk, mask=in_k, other=0), -1)  # -1: none
-        t = tl.arange(0, T)
-        if c * BLOCK_N < n:
-            j = c * BLOCK_N + tl.arange(0, BLOCK_N)
-            live = j < n
-            r = tl.load(rows_ptr + b * rows_sb + j[:, None] * rows_sn + t[None, :], mask=live[:, None], other=0)
-            far = (tl.min(r, axis=1) != 0) & (tl.max((j[:, None] == blk[None, :]).to(tl.int32), axis=1) == 0)
-            for step in range(NEAR_STEPS):
-                jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
-                idx = tl.load(idx_ptr + b * idx_sb + jn, mask=jn < near, other=-1)
-                far = far & (tl.max((j[:, None] == idx[None, :]).to(tl.int32), axis=1) == 0)
-            tl.store(far_ptr + b * n + j, far.to(tl.uint8), mask=live)
-        else:
-            for step in range(NEAR_STEPS):
-                jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
-                in_near = jn < near
-                idx = tl.load(idx_ptr + b * idx_sb + jn, mask=in_near, other=0)
-                score = tl.load(scores_ptr + b * scores_sb + idx, mask=in_near, other=float("-inf"))
-                chosen = tl.max((idx[:, None] == blk[None, :]).to(tl.int32), axis=1) > 0
-                ok = in_near & (score > float("-inf")) & (chosen == 0)
-                r = tl.load(rows_ptr + b * rows_sb + idx[:, None] * rows_sn + t[None, :], mask=ok[:, None], other=0)
-                tl.store(near_ok_ptr + (b * near + jn)[:, None] * T + t[None, :], (r != 0).to(tl.uint8),
-                         mask=in_near[:, None])  # fmt: skip
+        blk = tl.where(kept, tl.load(blocks_ptr + b * blocks_sb + kk, mask=in_k, other=0), n)  # n: none
+        tl.debug_barrier()  # the stores below overwrite some of those above (other threads' entries)
+        tl.store(far_ptr + b * n + blk, tl.zeros([KP], tl.uint8), mask=kept & (blk < n))
+        for step in range(NEAR_STEPS):
+            jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
+            in_near = jn < near
+            idx = tl.load(idx_ptr + b * idx_sb + jn, mask=in_near, other=0)
+            score = tl.load(scores_ptr + b * scores_sb + idx, mask=in_near, other=float("-inf"))
+            chosen = tl.max((idx[:, None] == blk[None, :]).to(tl.int32), axis=1) > 0
+            ok = in_near & (score > float("-inf")) & (chosen == 0)
+            r = tl.load(rows_ptr + b * rows_sb + idx[:, None] * rows_sn + t[None, :], mask=ok[:, None], other=0)
+            tl.store(near_ok_ptr + (b * near + jn)[:, None] * T + t[None, :], (r != 0).to(tl.uint8),
+                     mask=in_near[:, None])  # fmt: skip
+            tl.store(far_ptr + b * n + idx, tl.zeros([NEAR_BLOCK], tl.uint8), mask=in_near)
 
 
 def tail_plan(
     rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, scores: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tail_plan_reference` in one launch (each sequence's blocks split over :data:`PLAN_BLOCK_N`-block
-    programs, and one program per sequence for the near blocks) where Triton runs on ``rows``' device; the same
-    result. Arguments and result as the reference's (any strides with the last dimension contiguous; ``rows``'
-    ``block_tokens`` a power of two). Allocates only its results and never waits for the device."""
+    """:func:`tail_plan_reference` in one launch (one program per sequence) where Triton runs on ``rows``' device;
+    the same result. Arguments and result as the reference's (any strides with the last dimension contiguous;
+    ``rows``' ``block_tokens`` a power of two). Allocates only its results and never waits for the device."""
     batch, n, tokens = rows.shape
     k, near = blocks.shape[-1], index.shape[-1]
     if (not kernels_available(rows.device) or tokens & (tokens - 1) or n == 0
@@ -1059,15 +1051,6 @@ def tail_plan(
     near_ok = torch.empty((batch, near, tokens), dtype=torch.bool, device=rows.device)
     if batch == 0:
         return near_ok, far
-    step = min(PLAN_BLOCK_N, triton.next_power_of_2(n))
-    _tail_plan_kernel[(batch, triton.cdiv(n, step) + 1)](
-        rows.view(torch.uint8), blocks, keep.view(torch.uint8), index, scores, far.view(torch.uint8),
-        near_ok.view(torch.uint8), rows.stride(0), rows.stride(1), blocks.stride(0), keep.stride(0), index.stride(0),
-        scores.stride(0), n, k, near, T=tokens, BLOCK_N=step, KP=triton.next_power_of_2(k),
-        NEAR_BLOCK=PLAN_NEAR_BLOCK, NEAR_STEPS=triton.next_power_of_2(max(1, triton.cdiv(near, PLAN_NEAR_BLOCK))),
-        num_warps=4,
-    )  # fmt: skip
-    return near_ok, far
     step = min(PLAN_BLOCK_N, triton.next_power_of_2(n))
     _tail_plan_kernel[(batch,)](
         rows.view(torch.uint8), blocks, keep.view(torch.uint8), index, scores, far.view(torch.uint8),

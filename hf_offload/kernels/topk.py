@@ -176,9 +176,10 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
 CUDA_MAX_N = 32768
 """Most entries per row the CUDA kernel takes (1,024 threads of 32 entries)."""
 
-CUDA_AUTO_MAX_N = 8192
-"""Most entries per row for which :data:`BACKEND` ``None`` picks the CUDA kernel (the row lengths where it is the
-faster of the two)."""
+CUDA_AUTO_MAX_N = CUDA_MAX_N
+"""Most entries per row for which :data:`BACKEND` ``None`` picks the CUDA kernel: every row it takes. On an H100 it
+was the faster of the two at every shape timed, batch 1 to 12, 2,048 to 16,400 entries
+(``results/selection/topk_h100.json``)."""
 
 BACKEND: str | None = None
 """Which kernel :func:`ranked_topk` runs on CUDA: ``None`` (the CUDA kernel where it compiles, else Triton),
@@ -271,7 +272,6 @@ if triton is not None:
         stride_n,
         BLOCK: tl.constexpr,
         PACK: tl.constexpr,
-        RADIX: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)  # b * rows + r
         b = row // rows
@@ -287,62 +287,29 @@ if triton is not None:
         bits = tl.where(bits == -2147483648, 0, bits)
         key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
         key = tl.where(live, key, -2147483648)
-        if RADIX:
-            # Radix select, a byte of the key per round (four rounds, each two histograms of 256 bins, where the
-            # bisection below takes 32 reductions over the row): T_k is the k-th largest key and above_k the count
-            # of keys above it. ub: the key's bits with the sign flipped, ordered as unsigned; lanes past the row
-            # are never counted (the histograms' mask).
-            ub = key ^ -2147483648
-            bins = tl.arange(0, 256)
-            pre_k = tl.full([], 0, tl.int32)
-            pre_r = pre_k
-            need_k = tl.full([], 0, tl.int32) + k
-            need_r = tl.full([], 0, tl.int32) + ranked
-            high = tl.full([], 0, tl.int32)  # the bits above this round's byte
-            for rnd in tl.static_range(4):
-                shift: tl.constexpr = 24 - 8 * rnd
-                digit = (ub >> shift) & 255
-                h_k = tl.histogram(digit, 256, mask=live & ((ub & high) == pre_k))
-                h_r = tl.histogram(digit, 256, mask=live & ((ub & high) == pre_r))
-                # The largest byte d whose keys with this prefix and a byte >= d number at least need: bin 0's
-                # count (all keys with the prefix) is >= need at every round.
-                from_k = tl.sum(h_k, axis=0) - tl.cumsum(h_k, axis=0) + h_k
-                from_r = tl.sum(h_r, axis=0) - tl.cumsum(h_r, axis=0) + h_r
-                d_k = tl.max(tl.where(from_k >= need_k, bins, 0), axis=0)
-                d_r = tl.max(tl.where(from_r >= need_r, bins, 0), axis=0)
-                need_k -= tl.sum(tl.where(bins > d_k, h_k, 0), axis=0)
-                need_r -= tl.sum(tl.where(bins > d_r, h_r, 0), axis=0)
-                pre_k = pre_k | (d_k << shift)
-                pre_r = pre_r | (d_r << shift)
-                high = (high >> 8) | -16777216
-            t_k = pre_k ^ -2147483648
-            t_r = pre_r ^ -2147483648
-            above_k = k - need_k
-            above_r = ranked - need_r
-        else:
-            # Bisection for T_k, the largest t with count(key >= t) >= k (the k-th largest key), and T_r likewise for
-            # ranked. Invariants: count(key >= lo) >= k > count(key >= hi) = above; at the end hi = lo + 1, so
-            # above = count(key > T_k). lo = INT32_MIN holds since k <= n; hi = 2**31 holds with count 0.
-            lo_k = tl.full([], -2147483648, tl.int64)
-            hi_k = tl.full([], 2147483648, tl.int64)
-            above_k = tl.full([], 0, tl.int32)
-            lo_r = lo_k
-            hi_r = hi_k
-            above_r = above_k
-            for _ in range(32):
-                mid_k = lo_k + (hi_k - lo_k) // 2  # lo < mid < hi, and int32
-                mid_r = lo_r + (hi_r - lo_r) // 2
-                cnt_k, cnt_r = _count2(key >= mid_k.to(tl.int32), key >= mid_r.to(tl.int32), PACK)
-                ok_k = cnt_k >= k
-                ok_r = cnt_r >= ranked
-                lo_k = tl.where(ok_k, mid_k, lo_k)
-                hi_k = tl.where(ok_k, hi_k, mid_k)
-                above_k = tl.where(ok_k, above_k, cnt_k)
-                lo_r = tl.where(ok_r, mid_r, lo_r)
-                hi_r = tl.where(ok_r, hi_r, mid_r)
-                above_r = tl.where(ok_r, above_r, cnt_r)
-            t_k = lo_k.to(tl.int32)
-            t_r = lo_r.to(tl.int32)
+        # Bisection for T_k, the largest t with count(key >= t) >= k (the k-th largest key), and T_r likewise for
+        # ranked. Invariants: count(key >= lo) >= k > count(key >= hi) = above; at the end hi = lo + 1, so
+        # above = count(key > T_k). lo = INT32_MIN holds since k <= n; hi = 2**31 holds with count 0.
+        lo_k = tl.full([], -2147483648, tl.int64)
+        hi_k = tl.full([], 2147483648, tl.int64)
+        above_k = tl.full([], 0, tl.int32)
+        lo_r = lo_k
+        hi_r = hi_k
+        above_r = above_k
+        for _ in range(32):
+            mid_k = lo_k + (hi_k - lo_k) // 2  # lo < mid < hi, and int32
+            mid_r = lo_r + (hi_r - lo_r) // 2
+            cnt_k, cnt_r = _count2(key >= mid_k.to(tl.int32), key >= mid_r.to(tl.int32), PACK)
+            ok_k = cnt_k >= k
+            ok_r = cnt_r >= ranked
+            lo_k = tl.where(ok_k, mid_k, lo_k)
+            hi_k = tl.where(ok_k, hi_k, mid_k)
+            above_k = tl.where(ok_k, above_k, cnt_k)
+            lo_r = tl.where(ok_r, mid_r, lo_r)
+            hi_r = tl.where(ok_r, hi_r, mid_r)
+            above_r = tl.where(ok_r, above_r, cnt_r)
+        t_k = lo_k.to(tl.int32)
+        t_r = lo_r.to(tl.int32)
         # Entries tied with a threshold enter by index: the first (k - count(key > T_k)) of them.
         tie_k = live & (key == t_k)
         tie_r = live & (key == t_r)
@@ -356,14 +323,6 @@ if triton is not None:
         out = row * ranked + pos
         tl.store(idx_ptr + out, i.to(tl.int64), mask=top)
         tl.store(val_ptr + out, x, mask=top)
-
-
-RADIX_MIN_N: int | None = 4097
-"""Rows of at least this many entries take the Triton kernel's radix select (``None``: never; shorter rows bisect)."""
-
-
-def _radix(n: int) -> bool:
-    return RADIX_MIN_N is not None and n >= RADIX_MIN_N
 
 
 def ranked_topk_supported(scores: torch.Tensor, ranked: int) -> bool:
@@ -443,6 +402,6 @@ def _ranked_topk_triton(scores: torch.Tensor, k: int, ranked: int) -> tuple[torc
     num_warps = 4 if block <= 2048 else 8 if block <= 4096 else 16
     _ranked_topk_kernel[(batch * rows,)](
         scores, indices, values, rows, n, k, ranked, scores.stride(0), scores.stride(1), scores.stride(2),
-        BLOCK=block, PACK=n <= _PACK_MAX, RADIX=_radix(n), num_warps=num_warps,
+        BLOCK=block, PACK=n <= _PACK_MAX, num_warps=num_warps,
     )  # fmt: skip
     return indices, values

