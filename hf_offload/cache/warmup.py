@@ -15,8 +15,8 @@ import time
 import torch
 
 
-def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | None = None, new_tokens: int = 4,
-            generate_kwargs: dict | None = None, **cache_settings) -> dict:  # fmt: skip
+def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | None = None,
+            new_tokens: int | None = None, generate_kwargs: dict | None = None, **cache_settings) -> dict:  # fmt: skip
     """Run one short ``generate()`` through an ``OffloadCache(model, **cache_settings)`` so that the kernels it runs
     are compiled before the first real call (a server calls this once at start).
 
@@ -28,13 +28,17 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
             steps select blocks instead of attending every one. The graphs it parks read buffers of its own
             context's size (in steps of ``SUMMARY_CHUNK_BLOCKS`` blocks, 4,096 tokens of the default 16-token
             blocks), so they can serve only calls of that size: pass the context length of the calls to come.
-        new_tokens: tokens generated (at least 3: the first decode steps capture the CUDA graphs).
+        new_tokens: tokens generated (at least 3: the first decode steps capture the CUDA graphs). ``None``: a block
+            and three more (fewer where the model's positions end first), so that the decode seals its first block
+            and parks the graphs of the capacity after it too: a prompt of whole blocks at a capacity boundary
+            (``decode_capacity_blocks``) moves to the next capacity at its first seal.
         generate_kwargs: further ``generate()`` arguments of the calls to come, e.g. ``{"prefill_chunk_size":
             4096}`` (a chunked prefill runs the code that reads earlier chunks' blocks).
         **cache_settings: the ``OffloadCache`` settings of the calls to come (``budget_tokens=2048``, ...).
 
     Returns:
-        ``{"seconds", "prompt_tokens", "batch_size", "graph_captures", "decode_steps", "attended_blocks"}``
+        ``{"seconds", "prompt_tokens", "new_tokens", "batch_size", "graph_captures", "decode_steps",
+        "attended_blocks"}``
         (``attended_blocks``: sealed blocks a decode step attended per sequence, mean: fewer than the prompt's where
         the steps selected).
 
@@ -46,7 +50,7 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
 
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"warm_up: batch_size must be a positive integer, got {batch_size!r}.")
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 3:
+    if new_tokens is not None and (isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 3):
         raise ValueError(f"warm_up: new_tokens must be an integer of at least 3 (the first decode steps capture the "
                          f"CUDA graphs), got {new_tokens!r}.")  # fmt: skip
     cache = OffloadCache(model, **cache_settings)
@@ -56,6 +60,10 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
         raise ValueError(f"warm_up: prompt_tokens must be a positive integer, got {prompt_tokens!r}.")
     config = getattr(model.config, "get_text_config", lambda: model.config)()
     limit = getattr(config, "max_position_embeddings", None)
+    if new_tokens is None:
+        new_tokens = cache.config.block_tokens + 3
+        if limit is not None:
+            new_tokens = max(3, min(new_tokens, limit - prompt_tokens))
     if limit is not None and prompt_tokens + new_tokens > limit:
         raise ValueError(f"warm_up: {prompt_tokens} prompt tokens + {new_tokens} new ones exceed the model's "
                          f"{limit} positions: pass a smaller prompt_tokens.")  # fmt: skip
@@ -74,7 +82,7 @@ def warm_up(model: torch.nn.Module, batch_size: int = 1, prompt_tokens: int | No
     seconds = time.perf_counter() - start
     stats = cache.stats()
     del cache  # parked for the next cache of these settings and batch (where it has CUDA graphs)
-    return {"seconds": seconds, "prompt_tokens": prompt_tokens, "batch_size": batch_size,
+    return {"seconds": seconds, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "batch_size": batch_size,
             "graph_captures": int(stats.get("graph_captures") or 0),
             "decode_steps": int(stats.get("decode_steps") or 0), "attended_blocks": stats.get("attended_blocks")}
 

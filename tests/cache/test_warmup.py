@@ -22,6 +22,19 @@ def test_warm_up_runs_a_selecting_decode():
     assert 0 < out["attended_blocks"] < 160 // TINY_BLOCKS["block_tokens"]
 
 
+def test_warm_up_decodes_past_its_first_seal_by_default():
+    """By default the warm-up generates a block and three tokens more, so that its decode seals a block whatever the
+    prompt's alignment (and parks the graphs of the capacity after that seal); fewer where the positions end."""
+    model = build_model("llama")
+    block = TINY_BLOCKS["block_tokens"]
+    for prompt in (160, 163):  # whole blocks, and three tokens into the open block
+        out = warm_up(model, prompt_tokens=prompt, **TINY_BLOCKS, budget_tokens=48)
+        assert out["new_tokens"] == block + 3 and out["decode_steps"] == block + 2
+    limit = model.config.max_position_embeddings
+    assert warm_up(model, prompt_tokens=limit - 5, **TINY_BLOCKS, budget_tokens=48)["new_tokens"] == 5
+    assert warm_up(model, prompt_tokens=160, new_tokens=5, **TINY_BLOCKS, budget_tokens=48)["new_tokens"] == 5
+
+
 def test_warm_up_default_prompt_is_twice_the_budget_and_checked_against_the_positions():
     model = build_model("llama")
     limit = model.config.max_position_embeddings
