@@ -31,17 +31,25 @@ def _generate(model, ids, mask, steps, **options):
 
 @pytest.mark.parametrize("selector", ["quantkey", DEFAULT_SELECTOR, "quantkey[tail_bits=2]", "solohead", "headwise",
                                       "meanbound", "meanvar", "union", "oracle"])  # fmt: skip
-def test_capacity_steps_give_the_tokens_of_sealed_block_steps(selector):
+def test_capacity_steps_give_the_tokens_of_sealed_block_steps(selector, monkeypatch):
+    from hf_offload.cache import execution
+
     model = build_model("llama")
     ids, mask = left_padded([150, 97], seed=4)  # sequence 1: 53 tokens of padding, six whole blocks of it
     steps = 40  # 150 + 40 tokens: 18 to 23 sealed blocks, 7 of them selected
     expected, plain = _generate(model, ids, mask, steps, selector=selector, decode_capacity_blocks=1)
-    for capacity in (8, 64):  # 8: the capacity grows from 24 to 32 blocks during the run; 64: one capacity
+    # 8: the capacity grows from 24 to 32 blocks during the run; 64: one capacity; None: the default's rule scaled
+    # down (multiples of 2, or of a quarter of the sealed blocks rounded down to a power of two): from 20 to 24.
+    monkeypatch.setattr(execution, "GRAPH_CAPACITY_BLOCKS", 2)
+    monkeypatch.setattr(execution, "GRAPH_CAPACITY_SHARE", 4)
+    for capacity in (8, 64, None):
         got, cache = _generate(model, ids, mask, steps, selector=selector, decode_capacity_blocks=capacity)
         layer = cache.offload_layers[0]
-        assert layer.execution.capacity_blocks == capacity
+        assert layer.execution.capacity_blocks == (capacity or 2)
         last_n = layer.n_blocks - (1 if layer.keys.shape[-2] == 0 else 0)  # sealed blocks before the last step
-        assert layer.resources.decode_inputs(layer.device).capacity == -(-last_n // capacity) * capacity
+        want = execution.decode_capacity(last_n, 0, capacity or 2, 0 if capacity else 4)
+        assert layer.resources.decode_inputs(layer.device).capacity == want
+        assert capacity or want == -(-last_n // 4) * 4  # 17 to 31 sealed blocks: steps of 4
         assert torch.equal(got.sequences, expected.sequences), capacity
         for a, b in zip(got.scores, expected.scores):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
