@@ -10,7 +10,8 @@ Layout (``channels``: ``head_dim`` rounded up to a multiple of ``8 // bits``, pa
 * ``codes``: ``[batch, n_blocks, kv_heads, block_tokens, channels * bits // 8]``, ``torch.uint8``.
 * ``kmin``, ``kstep``: ``[batch, n_blocks, kv_heads, channels]``, the dtype of what was quantized.
 
-Everything here runs on any device and never waits for it.
+Everything here runs on any device and never waits for it; :func:`quantize_keys` runs one Triton kernel where it
+can (``hf_offload.kernels.seal``).
 """
 
 from __future__ import annotations
@@ -21,7 +22,17 @@ import torch
 
 
 def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
-    """Per-(block, head, channel) asymmetric quantization of keys, packed ``8 // bits`` codes per byte.
+    """:func:`quantize_keys_reference`, in one launch where :func:`~hf_offload.kernels.seal.quantize_blocks_supported`
+    (Triton on the keys' device; the same result, bit for bit)."""
+    from .seal import quantize_blocks, quantize_blocks_supported  # (seal builds on this module)
+
+    if quantize_blocks_supported(keys, bits):
+        return quantize_blocks(keys, bits)
+    return quantize_keys_reference(keys, bits)
+
+
+def quantize_keys_reference(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """Per-(block, head, channel) asymmetric quantization of keys, packed ``8 // bits`` codes per byte, in torch.
 
     Args:
         keys: ``[batch, n, kv_heads, block_tokens, head_dim]``, any float dtype, any device.

@@ -110,6 +110,48 @@ def seal_block(
     )  # fmt: skip
 
 
+
+def quantize_blocks_supported(keys: torch.Tensor, bits: int) -> bool:
+    """Whether :func:`quantize_blocks` runs for ``keys`` (``[batch, n, kv_heads, block_tokens, head_dim]``): Triton
+    on their device, a float16, bfloat16 or float32 tensor with a unit stride along ``head_dim``, ``block_tokens`` and
+    ``head_dim`` powers of two with ``head_dim`` a multiple of ``8 // bits`` (no padded channels), 1 to 8 bits."""
+    if bits not in (1, 2, 4, 8) or keys.dim() != 5 or keys.dtype not in FLOAT_DTYPES:
+        return False
+    if not kernels_available(keys.device) or keys.stride(-1) != 1:
+        return False
+    tokens, dim = keys.shape[3:]
+    return tokens > 0 and not tokens & (tokens - 1) and dim >= 8 and not dim & (dim - 1) and dim % (8 // bits) == 0
+
+
+def quantize_blocks(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """:func:`~hf_offload.kernels.quant.quantize_keys_reference` in one launch (one program per block and KV head),
+    bit for bit, where :func:`quantize_blocks_supported`: the summaries of many blocks at once (a prefill's seal)
+    without the reference's twenty-odd small operations. Never waits for the device.
+
+    Args:
+        keys: ``[batch, n, kv_heads, block_tokens, head_dim]``, any strides with a unit one along ``head_dim``.
+        bits: 1, 2, 4 or 8.
+
+    Returns:
+        ``codes`` (``[batch, n, kv_heads, block_tokens, head_dim * bits // 8]``, ``torch.uint8``), ``kmin`` and
+        ``kstep`` (``[batch, n, kv_heads, head_dim]``, ``keys.dtype``), contiguous.
+    """
+    batch, n, heads, tokens, dim = keys.shape
+    codes = torch.empty((batch, n, heads, tokens, dim * bits // 8), dtype=torch.uint8, device=keys.device)
+    low = torch.empty((batch, n, heads, dim), dtype=keys.dtype, device=keys.device)
+    step = torch.empty_like(low)
+    if batch * n * heads:
+        kind = DTYPE_KIND[keys.dtype]
+        as_kind = (lambda t: t.view(torch.int16)) if kind == 2 else (lambda t: t)  # noqa: E731
+        inv = float(torch.tensor(1.0) / ((1 << bits) - 1))  # float32(1 / levels), as in seal_block
+        _quantize_kernel[(batch * n, heads)](
+            as_kind(keys), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3), codes, as_kind(low),
+            as_kind(step), n, heads, inv, TOKENS=tokens, DIM=dim, KIND=kind, BITS=bits, PRECISE=keys.is_cuda,
+            num_warps=WARPS,
+        )  # fmt: skip
+    return {"codes": codes, "kmin": low, "kstep": step}
+
+
 if triton is not None:
     from .norm import round_to, store_as
 
@@ -223,3 +265,33 @@ if triton is not None:
                            vlow_ptr + b * vlow_sb + pos * vlow_sn + h * vlow_sh,
                            vstep_ptr + b * vlow_sb + pos * vlow_sn + h * vlow_sh, vinv_levels, t, d, TOKENS, DIM,
                            KIND, VBITS, PRECISE)  # fmt: skip
+
+    @triton.jit
+    def _quantize_kernel(
+        k_ptr,  # [batch, n, heads, TOKENS, DIM] of KIND (bfloat16 as int16), unit stride along DIM
+        stride_b,
+        stride_n,
+        stride_h,
+        stride_t,
+        codes_ptr,  # uint8 [batch, n, heads, TOKENS, DIM * BITS / 8], contiguous
+        low_ptr,  # [batch, n, heads, DIM] of KIND, contiguous
+        step_ptr,  # same shape
+        n,
+        heads,
+        inv_levels,  # float32(1 / (2**BITS - 1))
+        TOKENS: tl.constexpr,
+        DIM: tl.constexpr,
+        KIND: tl.constexpr,
+        BITS: tl.constexpr,
+        PRECISE: tl.constexpr,
+    ):
+        bn = tl.program_id(0).to(tl.int64)  # b * n + block
+        h = tl.program_id(1).to(tl.int64)
+        b = bn // n
+        j = bn % n
+        t = tl.arange(0, TOKENS)
+        d = tl.arange(0, DIM)
+        raw = tl.load(k_ptr + b * stride_b + j * stride_n + h * stride_h + t[:, None] * stride_t + d[None, :])
+        row = bn * heads + h  # this block and head in the contiguous results
+        _quantize_tile(_as_f32(raw, KIND), codes_ptr + row * (TOKENS * (DIM * BITS // 8)), low_ptr + row * DIM,
+                       step_ptr + row * DIM, inv_levels, t, d, TOKENS, DIM, KIND, BITS, PRECISE)  # fmt: skip

@@ -1,5 +1,5 @@
 """The one-launch seal of a full block (``hf_offload.kernels.seal``) against the operations it replaces: codes,
-minima and steps bit for bit equal to ``quantize_keys`` (keys and values, 1 to 8 bits, float16, bfloat16 and
+minima and steps bit for bit equal to ``quantize_keys_reference`` (keys and values, 1 to 8 bits, float16, bfloat16 and
 float32, exact ties of the rounding, constant channels), the block in its pool block, the block table's column, and
 nothing else written. Runs where Triton can run: on CUDA, or on the CPU under Triton's interpreter
 (``TRITON_INTERPRET=1``)."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_offload.kernels.seal import seal_block, seal_block_supported
-from hf_offload.kernels.quant import quantize_keys
+from hf_offload.kernels.quant import quantize_keys, quantize_keys_reference
+from hf_offload.kernels.seal import quantize_blocks, quantize_blocks_supported, seal_block, seal_block_supported
 
 from ..cache.test_layer_graphs_cpu import _assert_same_sealed_state
 from ..cache.test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
@@ -68,9 +68,9 @@ def test_seal_block_matches_the_operations_it_replaces(dtype, bits, value_bits, 
     assert seal_block_supported(keys, stores, bits, value_bits)
     seal_block(keys, values, args, stores, bits, value_bits, chunk_addrs=addrs, chunk_blocks=CHUNK_BLOCKS, table=table)
 
-    want = quantize_keys(keys.unsqueeze(1), bits)  # [batch, 1, heads, ...]
+    want = quantize_keys_reference(keys.unsqueeze(1), bits)  # [batch, 1, heads, ...]
     if value_bits:
-        vwant = quantize_keys(values.unsqueeze(1), value_bits)
+        vwant = quantize_keys_reference(values.unsqueeze(1), value_bits)
         want.update(vcodes=vwant["codes"], vmin=vwant["kmin"], vstep=vwant["kstep"])
     assert sorted(want) == sorted(stores)
     for name in want:
@@ -86,6 +86,31 @@ def test_seal_block_matches_the_operations_it_replaces(dtype, bits, value_bits, 
     assert all(not chunks[c][b].any() for c, b in untouched)
     assert torch.equal(table[:, pos].cpu(), ids)
     assert (table[:, torch.arange(CAPACITY) != pos] == -1).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("ties", [False, True])
+def test_quantize_blocks_matches_the_reference(dtype, bits, ties):
+    """Many blocks at once (a prefill's seal), from a strided view of the keys: the reference's codes, minima and
+    steps bit for bit; ``quantize_keys`` takes this kernel where it runs and the reference elsewhere."""
+    keys, values = _block(dtype, seed=bits, ties=ties)  # [batch, heads, tokens, dim] strided
+    blocks = torch.stack([keys, values, keys.flip(-2)], dim=1)  # [batch, 3 blocks, heads, tokens, dim]
+    wide = torch.zeros((*blocks.shape[:-1], DIM + 8), dtype=dtype, device=DEVICE)
+    wide[..., :DIM] = blocks
+    blocks = wide[..., :DIM]  # not contiguous: a larger stride per token
+    assert quantize_blocks_supported(blocks, bits) and not blocks.is_contiguous()
+    got, want = quantize_blocks(blocks, bits), quantize_keys_reference(blocks, bits)
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+        assert torch.equal(quantize_keys(blocks, bits)[name], want[name]), name
+    odd = torch.randn(2, 2, 1, 16, 6, device=DEVICE).to(dtype)  # 6 channels: padded for 4 bits, the reference's
+    assert not quantize_blocks_supported(odd, 4)
+    fallback, reference = quantize_keys(odd, 4), quantize_keys_reference(odd, 4)
+    assert all(torch.equal(fallback[name], reference[name]) for name in reference)
+    empty = quantize_blocks(blocks[:, :0], bits)
+    assert empty["codes"].shape == (BATCH, 0, HEADS, TOKENS, DIM * bits // 8)
 
 
 def test_seal_block_writes_only_what_it_is_given():
