@@ -6,6 +6,8 @@ nothing else written. Runs where Triton can run: on CUDA, or on the CPU under Tr
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -198,3 +200,23 @@ def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_gra
         assert layer.blocks.host.table_version == 2  # 64 entries, then 128 at the second decode seal
         assert int(layer.stats.seal_graph_captures) == 2 and int(layer.stats.seal_graph_replays) == 1
         _assert_same_sealed_state(layer, eager.layers[layer.layer_idx])
+
+
+def test_a_summaries_kernel_that_cannot_run_warns_once_and_leaves_the_reference(monkeypatch):
+    from hf_offload.kernels import quant, seal
+
+    def broken(keys, bits):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(quant, "_KERNEL", {"ran": set(), "failed": None})
+    monkeypatch.setattr(seal, "quantize_blocks", broken)
+    monkeypatch.setattr(seal, "quantize_blocks_supported", lambda keys, bits: True)
+    keys = torch.randn(2, 3, 2, 16, 64)
+    with pytest.warns(RuntimeWarning, match="summaries' kernel could not run .*no compiler"):
+        got = quantize_keys(keys, 4)
+    want = quantize_keys_reference(keys, 4)
+    assert all(torch.equal(got[name], want[name]) for name in want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: no second warning, the reference directly
+        again = quantize_keys(keys, 4)
+    assert all(torch.equal(again[name], want[name]) for name in want)
