@@ -33,8 +33,8 @@ class DecodeInputs:
     """The inputs every offloaded layer of one decode step shares, built once per step.
 
     A step scores ``capacity`` blocks: the ``n_blocks`` sealed ones, then blocks past them that nothing may attend
-    (``capacity`` is ``n_blocks`` rounded up to ``OffloadConfig.decode_capacity_blocks``), so that the shapes, and a
-    captured graph, stay the same over several seals.
+    (``capacity`` is ``n_blocks`` rounded up as ``hf_offload.cache.execution.decode_capacity`` does), so that the
+    shapes, and a captured graph, stay the same over several seals.
 
     Attributes:
         rows: which tokens may be attended, ``[batch, capacity + 2, block_tokens]``, ``torch.bool``, compute device.
