@@ -15,6 +15,11 @@ median over the questions after the first. Random weights and token ids: the pre
 decode selects from random keys (its hit rate is in the file), so the times are those of the workload, not of a
 model's answers.
 
+``--profile``: after the timed questions, one more refilled fork and its question up to the first token run under
+``torch.profiler`` (with Python frames); the file then lists, per line of this library or of the model's code (the
+innermost frame of either that an event comes from), the host-side kernel launches, copies, memsets and
+synchronisations on CUDA (top-level ``aten`` operations on the CPU), and the host time spent in them.
+
     python benchmarks/bench_fork.py --shape qwen2.5-coder-1.5b --context 32768 --questions 6 --new-tokens 16 \\
         --out results/prefix_sharing/h100_qwen15_32k_forks.json
 """
@@ -72,6 +77,54 @@ def answer(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict:
             "hit_rate": stats.get("hit_rate")}  # fmt: skip
 
 
+HOST_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaMemcpyAsync",
+              "cudaMemsetAsync", "cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+"""Host-side runtime calls counted per source line on CUDA."""
+
+
+def source_line(event) -> str:
+    """The innermost frame of this library or of a model's code that ``event`` ran under (profiler events of Python
+    frames are the parents of the operations they ran), ``"?"`` where none."""
+    while event is not None:
+        name = event.name
+        if ".py(" in name and ("hf_offload" in name or "transformers/models" in name):
+            return name.split("site-packages/")[-1].split("hf_offload/", 1)[-1] if "hf_offload/" in name else name
+        event = event.cpu_parent
+    return "?"
+
+
+def profile_question(model, make_cache, ids: torch.Tensor, device: torch.device) -> dict:
+    """One question's cache (``make_cache()``) and its prefill to the first token under ``torch.profiler``: the
+    host-side launches, copies and synchronisations per source line on CUDA, the top-level ``aten`` operations on
+    the CPU (count and host milliseconds, most first)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    synced_clock(device)
+    with profile(activities=activities, with_stack=True) as prof:
+        cache = make_cache()
+        kwargs = cache.generate_kwargs()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs, max_new_tokens=1, do_sample=False)
+        synced_clock(device)
+    count: dict[str, int] = {}
+    host_us: dict[str, float] = {}
+    for event in prof.events():
+        if cuda:
+            if not event.name.startswith(HOST_CALLS):
+                continue
+        elif not event.name.startswith("aten::") or (event.cpu_parent is not None
+                                                      and event.cpu_parent.name.startswith("aten::")):  # fmt: skip
+            continue
+        line = source_line(event)
+        count[line] = count.get(line, 0) + 1
+        host_us[line] = host_us.get(line, 0.0) + event.cpu_time_total
+    by_line = sorted(((line, n, host_us[line] / 1e3) for line, n in count.items()), key=lambda r: -r[1])
+    return {"kind": "launches, copies and synchronisations" if cuda else "top-level aten operations",
+            "events": sum(count.values()), "host_ms": sum(host_us.values()) / 1e3, "by_line": by_line}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="qwen2.5-coder-1.5b", choices=sorted(SHAPES))
@@ -84,6 +137,8 @@ def main(argv=None) -> int:
     parser.add_argument("--admission", choices=["always", "auto"], default=None, help="default: the library's")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more refilled fork and question (launches per source line)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.questions < 2 or args.question < 1 or args.new_tokens < 2 or args.context < 64:
@@ -138,9 +193,17 @@ def main(argv=None) -> int:
               f"{s['graph_captures_later']:>9} {s['same_tokens_as_new']:>8}/{args.questions}", flush=True)
     summary["new_total_over_into"] = summary["new"]["total_s"] / summary["into"]["total_s"]
     print(f"new fork / refilled fork, total per question: {summary['new_total_over_into']:.2f}x")
+    result = {"metadata": run_metadata(args, workload=WORKLOAD), "rows": rows, "summary": summary}
+    if args.profile:
+        ids = torch.cat([prefix_ids, questions[-1]], dim=1)
+        result["profile"] = profile_question(model, refilled, ids, device)
+        p = result["profile"]
+        print(f"refilled fork and question to the first token: {p['events']} {p['kind']}, {p['host_ms']:.1f} ms of "
+              "host time in them; by source line:")  # fmt: skip
+        for line, count, ms in p["by_line"][:15]:
+            print(f"{count:>7} {ms:>8.2f} ms  {line}")
     if args.out:
-        write_results(args.out, {"metadata": run_metadata(args, workload=WORKLOAD), "rows": rows,
-                                 "summary": summary, "complete": True})  # fmt: skip
+        write_results(args.out, {**result, "complete": True})
     return 0
 
 

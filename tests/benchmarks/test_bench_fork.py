@@ -11,7 +11,7 @@ def test_every_way_answers_and_the_refilled_fork_answers_as_a_new_one(tmp_path, 
     out = tmp_path / "forks.json"
     assert bench_fork.main(["--shape", "tiny", "--layers", "2", "--context", "300", "--question", "7",
                             "--questions", "3", "--new-tokens", "5", "--budget", "4096", "--dtype", "float32",
-                            "--device", "cpu", "--out", str(out)]) == 0  # fmt: skip
+                            "--device", "cpu", "--profile", "--out", str(out)]) == 0  # fmt: skip
     result = json.loads(out.read_text())
     assert result["complete"] and result["metadata"]["workload"] == bench_fork.WORKLOAD
     rows, summary = result["rows"], result["summary"]
@@ -22,3 +22,9 @@ def test_every_way_answers_and_the_refilled_fork_answers_as_a_new_one(tmp_path, 
     assert summary["into"]["same_tokens_as_new"] == summary["dynamic"]["same_tokens_as_new"] == 3
     assert summary["new_total_over_into"] == summary["new"]["total_s"] / summary["into"]["total_s"]
     assert "new fork / refilled fork" in capsys.readouterr().out
+    # The profile of one more refilled question: operations per source line, this library's among them.
+    profile = result["profile"]
+    assert profile["kind"] == "top-level aten operations"
+    assert profile["events"] == sum(n for _, n, _ in profile["by_line"]) > 0
+    lines = [line for line, _, _ in profile["by_line"]]
+    assert any(line.startswith(("cache/", "attention/", "kernels/", "store/")) and ".py(" in line for line in lines)
