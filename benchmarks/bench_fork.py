@@ -88,7 +88,7 @@ def source_line(event) -> str:
     while event is not None:
         name = event.name
         if ".py(" in name and ("hf_offload" in name or "transformers/models" in name):
-            return name.split("site-packages/")[-1].split("hf_offload/", 1)[-1] if "hf_offload/" in name else name
+            return name.split("site-packages/")[-1].split("hf_offload/", 1)[-1]
         event = event.cpu_parent
     return "?"
 

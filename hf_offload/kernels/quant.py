@@ -17,8 +17,11 @@ can (``hf_offload.kernels.seal``).
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
+
+from .seal import quantize_blocks, quantize_blocks_supported
 
 
 _KERNEL = {"ran": set(), "failed": None}  # the compiled variants that have run / why a first launch failed
@@ -28,8 +31,6 @@ def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """:func:`quantize_keys_reference`, in one launch where :func:`~hf_offload.kernels.seal.quantize_blocks_supported`
     (Triton on the keys' device; the same result, bit for bit). Where the first launch of a compiled variant (device,
     dtype, bits, block shape) fails (it could not be compiled), one warning, and the reference from then on."""
-    from .seal import quantize_blocks, quantize_blocks_supported  # (seal builds on this module)
-
     if _KERNEL["failed"] is None and quantize_blocks_supported(keys, bits):
         variant = (keys.device.type, keys.dtype, bits, *keys.shape[3:])
         if variant in _KERNEL["ran"]:
@@ -39,8 +40,6 @@ def quantize_keys(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
         except Exception as e:  # noqa: BLE001 (reported once; the reference runs from here on)
             if keys.is_cuda and torch.cuda.is_current_stream_capturing():
                 raise  # perhaps only the capture forbids it: the capture's own fallback takes it
-            import warnings
-
             _KERNEL["failed"] = f"{type(e).__name__}: {e}"
             warnings.warn(f"hf_offload: the summaries' kernel could not run ({_KERNEL['failed'][:300]}); using the "
                           "torch code instead.", RuntimeWarning, stacklevel=2)  # fmt: skip

@@ -203,14 +203,14 @@ def test_a_seal_that_reallocates_the_chunk_tables_is_captured_again(stand_in_gra
 
 
 def test_a_summaries_kernel_that_cannot_run_warns_once_and_leaves_the_reference(monkeypatch):
-    from hf_offload.kernels import quant, seal
+    from hf_offload.kernels import quant
 
     def broken(keys, bits):
         raise RuntimeError("no compiler")
 
     monkeypatch.setattr(quant, "_KERNEL", {"ran": set(), "failed": None})
-    monkeypatch.setattr(seal, "quantize_blocks", broken)
-    monkeypatch.setattr(seal, "quantize_blocks_supported", lambda keys, bits: True)
+    monkeypatch.setattr(quant, "quantize_blocks", broken)
+    monkeypatch.setattr(quant, "quantize_blocks_supported", lambda keys, bits: True)
     keys = torch.randn(2, 3, 2, 16, 64)
     with pytest.warns(RuntimeWarning, match="summaries' kernel could not run .*no compiler"):
         got = quantize_keys(keys, 4)
