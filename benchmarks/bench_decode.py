@@ -474,6 +474,32 @@ def profile_host(model, cache, kw: str, ids: torch.Tensor, start: int, n: int, m
     print(f"host profile of {n} steps -> {path}")
 
 
+def profile_kernels(model, cache, kw: str, ids: torch.Tensor, start: int, n: int, mask: torch.Tensor,
+                    device: torch.device) -> dict | None:
+    """Decode ``n`` more steps under :mod:`torch.profiler` and return the device time per step by kernel name
+    (``device_us_per_step`` all together; ``kernels``, longest first: launches and microseconds per step), or
+    ``None`` where there is no CUDA device or the steps do not fit ``mask``."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    if device.type != "cuda" or mask.shape[1] < start + n:
+        return None
+    sync(device)
+    with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+        decode(model, cache, kw, ids, start, n, mask)
+        sync(device)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        entry = kernels.setdefault(event.name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += event.device_time
+    rows = sorted(({"kernel": name[:160], "launches_per_step": c / n, "us_per_step": us / n}
+                   for name, (c, us) in kernels.items()), key=lambda r: -r["us_per_step"])  # fmt: skip
+    return {"steps": n, "device_us_per_step": sum(r["us_per_step"] for r in rows), "kernels": rows}
+
+
 def make_cache(method: str, model, context: int, args, device: torch.device, config: OffloadConfig | None = None):
     """A fresh cache of ``method`` (an OffloadCache one with ``config``, from :func:`offload_config`); returns
     ``(cache, transfer path used by decode steps or None)``."""
@@ -535,7 +561,8 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, env["head_dim"]
     cuda = device.type == "cuda"
-    fill_tokens = context - args.warmup - args.steps - (args.profile_seal if method in OFFLOAD_METHODS else 0)
+    fill_tokens = context - args.warmup - args.steps - (
+        args.profile_seal + args.profile_kernels if method in OFFLOAD_METHODS else 0)
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else None
@@ -666,6 +693,12 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         if args.profile_seal and method in OFFLOAD_METHODS:
             profile_host(model, cache, kw, ids, pos, args.profile_seal, mask, device,
                          Path(args.out).with_suffix(f".{method}.{context}.{batch}.host_profile.txt"))  # fmt: skip
+        if args.profile_kernels and method in OFFLOAD_METHODS:
+            row["kernel_profile"] = profile_kernels(model, cache, kw, ids, pos + args.profile_seal,
+                                                    args.profile_kernels, mask, device)  # fmt: skip
+            top = (row["kernel_profile"] or {}).get("kernels", [])[:12]
+            for entry in top:
+                print(f"    {entry['us_per_step']:9.1f} us/step {entry['launches_per_step']:7.1f} x  {entry['kernel'][:90]}")
         if replay is not None:
             row["workload_steps_replayed"] = replay.step
         del cache, ids, mask
@@ -876,6 +909,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--profile-seal", type=int, default=0, metavar="STEPS",
                         help="after each OffloadCache configuration, decode this many more steps under cProfile (at "
                         "least block_tokens to include a seal) and write where the host time goes next to --out")
+    parser.add_argument("--profile-kernels", type=int, default=0, metavar="STEPS",
+                        help="after each OffloadCache configuration, decode this many more steps under torch.profiler "
+                        "and record the device time per step by kernel in its row (CUDA)")
     parser.add_argument("--device", default="auto", help="auto (CUDA where available), cpu, cuda, ...")
     parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
                         help="the KV and queries of the decode: 'random' (default; random KV, the worst case for a "
@@ -955,7 +991,8 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
             "--cuda-graphs", args.cuda_graphs, "--graph-scope", args.graph_scope, "--fused-norms", args.fused_norms,
             "--fused-rotary", args.fused_rotary, "--fused-projections", args.fused_projections,
             "--seal-graphs", args.seal_graphs, "--reselect-every", str(args.reselect_every),
-            "--profile-seal", str(args.profile_seal), "--lookahead", args.lookahead]  # fmt: skip
+            "--profile-seal", str(args.profile_seal), "--profile-kernels", str(args.profile_kernels),
+            "--lookahead", args.lookahead]  # fmt: skip
     if args.max_budget is not None:
         out += ["--max-budget", str(args.max_budget)]
     if args.missed_mass_target is not None:

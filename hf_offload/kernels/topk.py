@@ -9,8 +9,8 @@ position (a second cumulative sum), with no sort.
 
 On CUDA the same algorithm runs as a CUDA kernel compiled at run time (NVRTC, :data:`CUDA_SOURCE`), which Triton
 cannot express as cheaply: one program of up to 1,024 threads per row, each thread holding a few consecutive
-entries in registers; a bisection step is one warp-wide ``redux`` sum and one barrier (the per-warp counts
-double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans; the Triton
+entries in registers; a bisection step is one warp-wide ``redux`` sum, one barrier and a second ``redux`` over the
+per-warp counts (double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans; the Triton
 kernel spends most of its time in the 32 steps' block-wide reductions. The CUDA kernel also writes the ``keep`` mask
 of tier 1 (``values > -inf``), one launch less.
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from .gather import kernels_available, tl, triton
+from .nvrtc import RuntimeKernel
 
 MAX_N = 32768
 """Most entries per row the kernel takes (a row is held in registers in one block); above it the torch code runs.
@@ -86,13 +87,13 @@ __device__ __forceinline__ unsigned warp_inclusive_scan(unsigned v, int lane) {
     return v;
 }
 // Exclusive prefix sum of v over the program's threads in thread order (totals: WARPS words of shared memory,
-// used by this scan only).
+// used by this scan only; WARPS <= 32).
 __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* totals, int lane, int warp) {
     const unsigned incl = warp_inclusive_scan(v, lane);
     if (lane == 31) totals[warp] = incl;
     __syncthreads();
-    unsigned before = 0;
-    for (int w = 0; w < warp; ++w) before += totals[w];
+    // The totals of the warps before this one: lane w reads warp w's, then one warp-wide sum.
+    const unsigned before = __reduce_add_sync(0xffffffffu, lane < warp ? totals[lane] : 0u);
     return before + incl - v;
 }
 extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
@@ -131,9 +132,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
         c = __reduce_add_sync(0xffffffffu, c);
         if (lane == 0) counts[it & 1][warp] = c;
         __syncthreads();  // (the other buffer is rewritten only after the next barrier: no second one needed)
-        unsigned total = 0;
-#pragma unroll
-        for (int w = 0; w < WARPS; ++w) total += counts[it & 1][w];
+        // Lane w reads warp w's count, then one warp-wide sum (every warp computes the same total).
+        const unsigned total = __reduce_add_sync(0xffffffffu, lane < WARPS ? counts[it & 1][lane] : 0u);
         const unsigned ck = total & 0xffffu, cr = total >> 16;
         if (ck >= static_cast<unsigned>(k)) lo_k = mk; else { hi_k = mk; above_k = ck; }
         if (cr >= static_cast<unsigned>(ranked)) lo_r = mr; else { hi_r = mr; above_r = cr; }
@@ -185,8 +185,7 @@ BACKEND: str | None = None
 """Which kernel :func:`ranked_topk` runs on CUDA: ``None`` (the CUDA kernel where it compiles, else Triton),
 ``"cuda"`` or ``"triton"`` (read at each call; the benchmark times both)."""
 
-_CUDA_COMPILED: dict[tuple[int, int], object] = {}
-_CUDA_FAILED: str | None = None
+_CUDA = RuntimeKernel(CUDA_SOURCE, "ranked_topk", "top-k", "the Triton kernel")
 
 
 def _cuda_layout(n: int) -> tuple[int, int]:
@@ -202,22 +201,8 @@ def _cuda_layout(n: int) -> tuple[int, int]:
 def _cuda_kernel(n: int):
     """The compiled CUDA kernel for rows of ``n`` entries, or ``None`` (with one warning per process) where NVRTC
     cannot build it."""
-    global _CUDA_FAILED
-    layout = _cuda_layout(n)
-    fn = _CUDA_COMPILED.get(layout)
-    if fn is None and _CUDA_FAILED is None:
-        try:
-            source = f"#define THREADS {layout[0]}\n#define PER {layout[1]}\n" + CUDA_SOURCE
-            fn = _CUDA_COMPILED[layout] = torch.cuda._compile_kernel(source, "ranked_topk")
-        except Exception as e:  # reported once; the Triton kernel runs from here on
-            if torch.cuda.is_current_stream_capturing():  # perhaps only the capture forbids it: this call only
-                return None
-            _CUDA_FAILED = f"{type(e).__name__}: {e}"
-            import warnings
-
-            warnings.warn(f"hf_offload: the CUDA top-k kernel could not be compiled ({_CUDA_FAILED[:300]}); using "
-                          "the Triton kernel instead.", RuntimeWarning, stacklevel=3)  # fmt: skip
-    return fn
+    threads, per = _cuda_layout(n)
+    return _CUDA.get(THREADS=threads, PER=per)
 
 
 def cuda_topk_supported(scores: torch.Tensor, ranked: int) -> bool:
@@ -231,11 +216,7 @@ def cuda_topk_supported(scores: torch.Tensor, ranked: int) -> bool:
     last = sum((d - 1) * st for d, st in zip(scores.shape, scores.stride()))
     if not 0 < ranked <= n <= largest or last >= 2**31:  # (the kernel takes element offsets as 32-bit integers)
         return False
-    if torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):
-        return False
-    if torch.cuda.get_device_capability(scores.device) < (8, 0):  # __reduce_add_sync
-        return False
-    return _cuda_kernel(n) is not None
+    return _CUDA.runs_on(scores.device) and _cuda_kernel(n) is not None  # (8.0: __reduce_add_sync)
 
 
 if triton is not None:
