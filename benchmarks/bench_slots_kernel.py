@@ -24,9 +24,10 @@ from benchmarks.common import cuda_graph_us, run_metadata, write_results  # noqa
 from hf_offload.kernels import slots as slots_module  # noqa: E402
 from hf_offload.store import DeviceSlotPool  # noqa: E402
 
-SHAPES = [(1, 8, 136, 128), (1, 8, 256, 128), (1, 8, 256, 256), (4, 8, 136, 128), (12, 8, 136, 128)]
-"""(batch, KV heads, slots, wanted blocks): the 8B shape's 8 KV heads with a 2,048-token budget (128 blocks of 16
-tokens) in pools of 136 and 256 slots, at batch 1, 4 and 12, and a pool as wide as its selection."""
+SHAPES = [(1, 8, 160, 120), (4, 8, 160, 120), (12, 8, 160, 120), (1, 8, 256, 128), (1, 8, 256, 256)]
+"""(batch, KV heads, slots, wanted blocks): the 8B shape's 8 KV heads with the default pool of a 2,048-token budget
+(160 slots of 16 tokens: 5/4 of the budget) and its 120 selected blocks past the sink and window, at batch 1, 4 and
+12; a pool of 256 slots, and one as wide as its selection."""
 
 
 def _same_as_reference(batch: int, heads: int, slots: int, n: int, steps: int = 8) -> bool:
