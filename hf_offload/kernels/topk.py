@@ -78,6 +78,7 @@ CUDA_SOURCE = r"""
 // scores: float32 [B, R, N] (strides sb, sr, sn in elements); idx: int64 [B, R, ranked]; val: float32 [B, R, ranked];
 // keep: uint8 [B, R, k] (written where has_keep). Requires N <= THREADS * PER <= 32768 (counts packed 16 + 16 bits).
 constexpr int WARPS = THREADS / 32;
+constexpr unsigned CAND = 1024;  // most keys of a bracket that one warp finishes alone
 __device__ __forceinline__ unsigned warp_inclusive_scan(unsigned v, int lane) {
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -101,6 +102,9 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
     unsigned char* __restrict__ keep, int rows, int n, int k, int ranked, int sb, int sr, int sn, int has_keep) {
     __shared__ unsigned counts[2][WARPS];
     __shared__ unsigned totals[2][WARPS];
+    __shared__ unsigned gather_totals[WARPS];
+    __shared__ unsigned cand[2][CAND];
+    __shared__ unsigned found[2], found_above[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long row = blockIdx.x;
     const long long b = row / rows, r = row - b * rows;
@@ -108,22 +112,26 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
     // Order-preserving unsigned keys: a float's bits, -0.0 as 0.0, negative numbers' other bits flipped, then the
     // sign bit flipped. Every non-NaN float maps above 0x007fffff; entries past the row get 0 and are never taken.
     unsigned u[PER];
-    float x[PER];
 #pragma unroll
     for (int e = 0; e < PER; ++e) {
         const int i = tid * PER + e;
-        x[e] = i < n ? src[static_cast<long long>(i) * sn] : 0.f;
-        unsigned bits = __float_as_uint(x[e]);
+        unsigned bits = __float_as_uint(i < n ? src[static_cast<long long>(i) * sn] : 0.f);
         if (bits == 0x80000000u) bits = 0u;
         if (bits & 0x80000000u) bits ^= 0x7fffffffu;
         u[e] = i < n ? bits ^ 0x80000000u : 0u;
     }
     // Bisection for T_k, the largest t with count(u >= t) >= k (the k-th largest key), and T_r likewise for ranked;
-    // above = count(u > T) at the end (hi = lo + 1).
+    // above = count(u > T) at the end (hi = lo + 1). Invariant: count(u >= lo) = at_lo >= k > count(u >= hi) = above,
+    // so at_lo - above keys lie in [lo, hi). Block-wide steps run until each bracket holds at most CAND keys (or is
+    // final); then those keys are gathered in shared memory and one warp per threshold finishes its bisection alone,
+    // with no block barrier per step.
     unsigned long long lo_k = 0, hi_k = 1ull << 32, lo_r = 0, hi_r = 1ull << 32;
-    unsigned above_k = 0, above_r = 0;
+    unsigned above_k = 0, above_r = 0, at_lo_k = THREADS * PER, at_lo_r = THREADS * PER;
 #pragma unroll 1
     for (int it = 0; it < 32; ++it) {
+        const bool fits_k = hi_k - lo_k == 1 || at_lo_k - above_k <= CAND;
+        const bool fits_r = hi_r - lo_r == 1 || at_lo_r - above_r <= CAND;
+        if (fits_k && fits_r) break;  // (the same decision in every thread)
         const unsigned mk = static_cast<unsigned>(lo_k + ((hi_k - lo_k) >> 1));
         const unsigned mr = static_cast<unsigned>(lo_r + ((hi_r - lo_r) >> 1));
         unsigned c = 0;
@@ -135,8 +143,48 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
         // Lane w reads warp w's count, then one warp-wide sum (every warp computes the same total).
         const unsigned total = __reduce_add_sync(0xffffffffu, lane < WARPS ? counts[it & 1][lane] : 0u);
         const unsigned ck = total & 0xffffu, cr = total >> 16;
-        if (ck >= static_cast<unsigned>(k)) lo_k = mk; else { hi_k = mk; above_k = ck; }
-        if (cr >= static_cast<unsigned>(ranked)) lo_r = mr; else { hi_r = mr; above_r = cr; }
+        if (ck >= static_cast<unsigned>(k)) { lo_k = mk; at_lo_k = ck; } else { hi_k = mk; above_k = ck; }
+        if (cr >= static_cast<unsigned>(ranked)) { lo_r = mr; at_lo_r = cr; } else { hi_r = mr; above_r = cr; }
+    }
+    const bool open_k = hi_k - lo_k > 1, open_r = hi_r - lo_r > 1;
+    if (open_k || open_r) {
+        // Gather the keys of each open bracket (at most CAND) in index order.
+        unsigned mine = 0;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            mine += (open_k && u[e] >= lo_k && u[e] < hi_k ? 1u : 0u);
+            mine += (open_r && u[e] >= lo_r && u[e] < hi_r ? 0x10000u : 0u);
+        }
+        const unsigned at = block_exclusive_scan(mine, gather_totals, lane, warp);
+        unsigned pk = at & 0xffffu, pr = at >> 16;
+#pragma unroll
+        for (int e = 0; e < PER; ++e) {
+            if (open_k && u[e] >= lo_k && u[e] < hi_k) cand[0][pk++] = u[e];
+            if (open_r && u[e] >= lo_r && u[e] < hi_r) cand[1][pr++] = u[e];
+        }
+        __syncthreads();
+        for (int w = warp; w < 2; w += WARPS) {  // warp 0: T_k, warp 1: T_r (one warp alone: both)
+            if (!(w == 0 ? open_k : open_r)) continue;
+            unsigned long long lo = w == 0 ? lo_k : lo_r, hi = w == 0 ? hi_k : hi_r;
+            unsigned above = w == 0 ? above_k : above_r;
+            const unsigned need = w == 0 ? k : ranked, m = w == 0 ? at_lo_k - above_k : at_lo_r - above_r;
+            const unsigned* keys = cand[w];
+            while (hi - lo > 1) {  // (the same in every lane)
+                const unsigned mid = static_cast<unsigned>(lo + ((hi - lo) >> 1));
+                unsigned c = 0;
+#pragma unroll 8
+                for (unsigned j = lane; j < m; j += 32) c += keys[j] >= mid ? 1u : 0u;
+                c = above + __reduce_add_sync(0xffffffffu, c);
+                if (c >= need) lo = mid; else { hi = mid; above = c; }
+            }
+            if (lane == 0) {
+                found[w] = static_cast<unsigned>(lo);
+                found_above[w] = above;
+            }
+        }
+        __syncthreads();
+        if (open_k) { lo_k = found[0]; above_k = found_above[0]; }
+        if (open_r) { lo_r = found[1]; above_r = found_above[1]; }
     }
     const unsigned tk = static_cast<unsigned>(lo_k), tr = static_cast<unsigned>(lo_r);
     const unsigned need_k = k - above_k, need_r = ranked - above_r;  // entries tied with T enter by index
@@ -165,8 +213,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
         if (!(t1 || t2)) continue;
         const long long at = row * ranked + (t1 ? p1 : p2);
         idx[at] = tid * PER + e;
-        val[at] = x[e];
-        if (t1 && has_keep) keep[row * k + p1] = x[e] > -__int_as_float(0x7f800000) ? 1 : 0;
+        val[at] = src[static_cast<long long>(tid * PER + e) * sn];  // (read again: -0.0 keeps its sign bit)
+        if (t1 && has_keep) keep[row * k + p1] = u[e] > 0x007fffffu ? 1 : 0;  // (-inf's key is 0x007fffff)
         p1 += t1 ? 1u : 0u;
         p2 += t2 ? 1u : 0u;
     }
@@ -190,11 +238,16 @@ _CUDA = RuntimeKernel(CUDA_SOURCE, "ranked_topk", "top-k", "the Triton kernel")
 
 def _cuda_layout(n: int) -> tuple[int, int]:
     """``(threads, entries per thread)`` of the CUDA kernel for rows of ``n`` entries: 8 entries per thread up to
-    2,048 entries (at least one warp), 16 up to 16,384, then 32 (1,024 threads)."""
+    2,048 entries (at least one warp), 16 up to 8,192, then 512 threads of up to 20 entries (10,240: past that the
+    registers of 512 threads spill), 1,024 threads of 16 up to 16,384, then of 32."""
     if n <= 2048:
         return max(32, 1 << max(0, (n - 1).bit_length() - 3)), 8
-    if n <= 16384:
+    if n <= 8192:
         return 1 << ((n - 1).bit_length() - 4), 16
+    if n <= 512 * 20:
+        return 512, -(-n // 512)
+    if n <= 16384:
+        return 1024, 16
     return 1024, 32
 
 

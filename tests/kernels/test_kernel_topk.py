@@ -67,6 +67,8 @@ def _random(shape, seed):
         ((2, 2, 128), 128, 128),
         ((12, 1, 4096 + 3), 128, 256),
         ((2, 2, 3000), 100, 100),
+        ((1, 1, 8200), 120, 2040),  # the default selector just past 128K: 512 threads of 17 entries
+        ((3, 1, 10240), 1, 10240),
         ((1, 1, 20000), 300, 19999),
         ((1, 1, MAX_N), 1000, MAX_N),  # too long to count both thresholds in one int32 reduction
     ],
@@ -75,7 +77,8 @@ def test_random_rows_match_the_reference(shape, k, ranked):
     _assert_same(_random(shape, seed=shape[-1] + k), k, ranked)
 
 
-@pytest.mark.parametrize("n,k,ranked", [(37, 5, 12), (300, 40, 100), (1000, 250, 251), (64, 1, 64)])
+@pytest.mark.parametrize("n,k,ranked", [(37, 5, 12), (300, 40, 100), (1000, 250, 251), (64, 1, 64), (8200, 120, 2040),
+                                         (5000, 1500, 3000)])  # fmt: skip
 def test_many_exact_ties(n, k, ranked):
     g = torch.Generator().manual_seed(n)
     scores = torch.randint(0, 4, (3, 2, n), generator=g).float().to(DEVICE)
