@@ -108,3 +108,18 @@ def tiny_recording(theta: float = 1e6, context: int = 40, steps: int = 3):
     ids = torch.randint(0, 128, (context,)).tolist()
     return workload.record(model, ids, steps, layers=[0, 1, 2, 3], chunk=16, meta={"model": "tiny-qwen2"},
                            log=lambda *a: None)  # fmt: skip
+
+
+def kernel_backends(module):
+    """An autouse fixture that runs each test of a file once per kernel of ``module`` (which reads its ``BACKEND``
+    at each call): the Triton one, and the CUDA one where CUDA runs. The test sees the backend's name."""
+    import pytest
+
+    @pytest.fixture(autouse=True, params=["triton", "cuda"])
+    def backend(request, monkeypatch):
+        if request.param == "cuda" and not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        monkeypatch.setattr(module, "BACKEND", request.param)
+        return request.param
+
+    return backend

@@ -12,17 +12,12 @@ from hf_offload.kernels import slots as slots_module
 from hf_offload.kernels.slots import MAX_SLOTS, assign_supported, cuda_assign_supported
 from hf_offload.store import DeviceSlotPool
 
+from ..helpers import kernel_backends
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.triton
 
-
-@pytest.fixture(autouse=True, params=["triton", "cuda"])
-def backend(request, monkeypatch):
-    """Each test once per kernel: the Triton one, and the CUDA one where CUDA runs."""
-    if request.param == "cuda" and DEVICE.type != "cuda":
-        pytest.skip("needs CUDA")
-    monkeypatch.setattr(slots_module, "BACKEND", request.param)
-    return request.param
+backend = kernel_backends(slots_module)
 
 
 def _pools(batch, heads, slots):

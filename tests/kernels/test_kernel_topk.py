@@ -18,19 +18,14 @@ from hf_offload.kernels.topk import (
     ranked_topk_supported,
 )
 
+from ..helpers import kernel_backends
+
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.triton
 
 INF = float("inf")
 
-
-@pytest.fixture(autouse=True, params=["triton", "cuda"])
-def backend(request, monkeypatch):
-    """Each test once per kernel: the Triton one, and the CUDA one where CUDA runs."""
-    if request.param == "cuda" and DEVICE.type != "cuda":
-        pytest.skip("needs CUDA")
-    monkeypatch.setattr(topk, "BACKEND", request.param)
-    return request.param
+backend = kernel_backends(topk)
 
 
 def _assert_same(scores, k, ranked):
