@@ -30,10 +30,9 @@ SHAPES = [(12, 4096, 128, 128), (12, 4096, 128, 512), (6, 8192, 128, 128), (8, 2
 16 times its selection) at batch 1 and 4 just past 128K (a decode past 8,192 blocks), batch 1 past 256K, and batch
 12 at 64K."""
 
-LAYOUTS = [None, (512, 8), (256, 16), (1024, 4), (128, 32), (1024, 8), (1024, 16), (512, 32), (512, 20)]
+LAYOUTS = [None, (512, 8), (256, 16), (1024, 4), (128, 32), (1024, 8)]
 """CUDA thread layouts (threads, entries per thread) timed besides the default one (``None``), where they cover the
-row (512 x 8 and 1,024 x 8: the first defaults at 4,096 and 8,192 entries; past 8,192 the default, 512 threads,
-against 1,024 x 16 and 512 x 32)."""
+row (512 x 8 and 1,024 x 8: the first defaults at 4,096 and 8,192 entries)."""
 
 
 def main(argv: list[str] | None = None) -> None:

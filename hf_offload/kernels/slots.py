@@ -8,13 +8,6 @@ before it in (last use, slot) order), gives the i-th miss the i-th of them and w
 result, and the pool's state after it, are those of the torch code (``DeviceSlotPool.assign_reference``), which the
 tests compare bit for bit. The pool runs it on CUDA (``DeviceSlotPool.use_kernel``); the tests also run it on the
 CPU under Triton's interpreter.
-
-On CUDA the same computation runs as a CUDA kernel compiled at run time (:data:`CUDA_SOURCE`, through
-:class:`~hf_offload.kernels.nvrtc.RuntimeKernel`): one program of up to 256 threads per row, the row's slots in shared
-memory, each thread one wanted block (its hit found by one pass over the slots) and one slot (its rank by one pass
-over the slots' keys, then written to a rank-to-slot table that the misses read). The Triton kernel compares every
-slot with every slot as one [slots, slots] tensor in a single program, which at 128 to 256 slots costs tens of
-microseconds per decode step and layer; the CUDA kernel's passes are shared-memory loops of one thread per entry.
 """
 
 from __future__ import annotations
@@ -22,117 +15,16 @@ from __future__ import annotations
 import torch
 
 from .gather import kernels_available, tl, triton
-from .nvrtc import RuntimeKernel
 
 MAX_SLOTS = 256
 """Most slots per row (and wanted blocks per row) the kernel takes; above it the torch code runs (the kernel's
 compare of every slot with every slot grows with the square of the row)."""
 
 
-CUDA_SOURCE = r"""
-// One program of THREADS threads per (sequence, KV head) row of the pool; THREADS >= S >= N, a multiple of 32.
-// block, used: int64 [B, H, S + 1]; blocks: int64 [B, HB, N]; keep: uint8 [B, HB, N]; slots: int64 [B, H, N] and
-// miss: uint8 [B, H, N], written. Every read of block / used comes before the first barrier, every write after it.
-extern "C" __global__ void __launch_bounds__(THREADS) assign_slots(
-    long long* __restrict__ block, long long* __restrict__ used, const long long* __restrict__ clock,
-    const long long* __restrict__ blocks, const unsigned char* __restrict__ keep, long long* __restrict__ out_slots,
-    unsigned char* __restrict__ out_miss, int heads, int blocks_heads, int S, int N, int touch) {
-    __shared__ long long held[THREADS];
-    __shared__ long long key[THREADS];
-    __shared__ int guarded[THREADS];
-    __shared__ int victim[THREADS];
-    __shared__ unsigned totals[THREADS / 32];
-    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-    const long long row = blockIdx.x, b = row / heads, h = row - b * heads, hb = h % blocks_heads;
-    const long long base = row * (S + 1);
-    long long last = 0;
-    if (t < S) {
-        held[t] = block[base + t];
-        last = used[base + t];
-    }
-    guarded[t] = 0;
-    long long want = 0;
-    bool kept = false;
-    if (t < N) {
-        const long long at = (b * blocks_heads + hb) * N + t;
-        want = blocks[at];
-        kept = keep[at] != 0;
-    }
-    const long long wanted = kept ? want : -2;  // entries not kept look for block -2, which no slot holds
-    __syncthreads();
-    // Hit: the first slot holding the wanted block; every slot holding a wanted block is protected from eviction.
-    int hit_slot = S;
-    if (t < N) {
-        for (int s = 0; s < S; ++s) {
-            if (held[s] == wanted) {
-                hit_slot = min(hit_slot, s);
-                guarded[s] = 1;
-            }
-        }
-    }
-    const bool miss = kept && hit_slot == S;
-    __syncthreads();
-    // Eviction order: (protected, last use, slot) ascending, as one integer key per slot.
-    if (t < S) key[t] = (static_cast<long long>(guarded[t]) << 62) | ((last + 1) << 9) | t;
-    // The misses' ranks in entry order (an exclusive scan over the threads).
-    unsigned incl = miss ? 1u : 0u;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-        const unsigned y = __shfl_up_sync(0xffffffffu, incl, o);
-        if (lane >= o) incl += y;
-    }
-    if (lane == 31) totals[warp] = incl;
-    __syncthreads();
-    if (t < S) {  // the slot of rank r is the r-th victim
-        const long long mine = key[t];
-        int rank = 0;
-        for (int s = 0; s < S; ++s) rank += key[s] < mine ? 1 : 0;
-        victim[rank] = t;
-    }
-    unsigned before = 0;
-    for (int w = 0; w < warp; ++w) before += totals[w];
-    __syncthreads();
-    if (t < N) {
-        const long long slot = miss ? victim[before + incl - 1] : (hit_slot < S ? hit_slot : 0);
-        out_slots[row * N + t] = slot;
-        out_miss[row * N + t] = miss ? 1 : 0;
-        if (miss) block[base + slot] = want;
-        if (touch) {
-            if (kept) used[base + slot] = *clock;
-        } else if (miss) {
-            used[base + slot] = -1;
-        }
-    }
-}
-"""
-
-_CUDA = RuntimeKernel(CUDA_SOURCE, "assign_slots", "slot assignment", "the Triton kernel")
-
-BACKEND: str | None = None
-"""Which kernel :func:`assign_slots` runs on CUDA: ``None`` (the CUDA kernel where it compiles, else Triton),
-``"cuda"`` or ``"triton"`` (read at each call; the tests and the benchmark run both)."""
-
-
-def _cuda_threads(slots: int) -> int:
-    """Threads of the CUDA kernel's program for rows of ``slots`` slots: a power of two >= 32."""
-    return max(32, 1 << (slots - 1).bit_length())
-
-
-def cuda_assign_supported(device: torch.device, slots: int, n: int) -> bool:
-    """Whether :func:`assign_slots` runs the CUDA kernel for a pool of ``slots`` slots per row and ``n`` wanted
-    blocks per row on ``device`` (an NVIDIA GPU of compute capability 8.0 or newer, ``0 < n <= slots <=``
-    :data:`MAX_SLOTS`, :data:`BACKEND` not ``"triton"``, and the kernel compiles)."""
-    if BACKEND == "triton" or not 0 < n <= slots <= MAX_SLOTS or not _CUDA.runs_on(device):
-        return False
-    return _CUDA.get(THREADS=_cuda_threads(slots)) is not None
-
-
 def assign_supported(device: torch.device, slots: int, n: int) -> bool:
     """Whether :func:`assign_slots` runs for a pool of ``slots`` slots per row and ``n`` wanted blocks per row on
-    ``device`` (the CUDA kernel or Triton there; both at most :data:`MAX_SLOTS`)."""
-    if not 0 < n <= slots <= MAX_SLOTS:
-        return False
-    return (BACKEND != "cuda" and kernels_available(device)) or cuda_assign_supported(device, slots, n)
+    ``device`` (Triton there; both at most :data:`MAX_SLOTS`)."""
+    return kernels_available(device) and 0 < n <= slots <= MAX_SLOTS
 
 
 if triton is not None:
@@ -206,8 +98,7 @@ def assign_slots(
     keep: torch.Tensor,
     touch: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:meth:`~hf_offload.store.DeviceSlotPool.assign` in one launch (after ``clock`` has ticked, if ``touch``): the
-    CUDA kernel where :func:`cuda_assign_supported`, else the Triton kernel.
+    """:meth:`~hf_offload.store.DeviceSlotPool.assign` in one launch (after ``clock`` has ticked, if ``touch``).
 
     Args:
         block: block per slot, ``[batch, kv_heads, slots + 1]``, ``torch.int64``, contiguous (the pool's, with its
@@ -227,12 +118,6 @@ def assign_slots(
     keep = keep.contiguous()
     out_slots = torch.empty((batch, heads, n), dtype=torch.int64, device=block.device)
     out_miss = torch.empty((batch, heads, n), dtype=torch.bool, device=block.device)
-    if cuda_assign_supported(block.device, slots, n):
-        threads = _cuda_threads(slots)
-        _CUDA.get(THREADS=threads)(grid=(batch * heads, 1, 1), block=(threads, 1, 1),
-                                   args=[block, last_used, clock, blocks, keep.view(torch.uint8), out_slots,
-                                         out_miss.view(torch.uint8), heads, blocks.shape[1], slots, n, int(touch)])
-        return out_slots, out_miss
     _assign_kernel[(batch * heads,)](
         block, last_used, clock, blocks, keep, out_slots, out_miss, heads, blocks.shape[1],
         S=slots, N=n, SP=triton.next_power_of_2(slots), NP=triton.next_power_of_2(n), TOUCH=touch, num_warps=8,

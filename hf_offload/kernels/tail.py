@@ -976,32 +976,13 @@ def tail_plan_reference(
     return near_ok, tail.all(dim=-1).scatter(1, index, False)
 
 
-PLAN_BLOCK_N = 256
-"""Blocks per program of the plan's first launch (which blocks have every token attendable): a sequence's blocks
-are spread over programs, so that at batch 1 the pass over the token masks runs on many SMs."""
+PLAN_BLOCK_N = 2048
+"""Blocks per step of the plan kernel's pass over a sequence's token masks (one program per sequence)."""
 
 PLAN_NEAR_BLOCK = 64
-"""Near blocks per step of the plan's second launch (one program per sequence), which tests them against the
-selection."""
+"""Near blocks per step of the plan kernel's membership test against the selection."""
 
 if triton is not None:
-
-    @triton.jit(do_not_specialize=["n"])
-    def _tail_far_kernel(
-        rows_ptr,  # uint8 [B, n, T] (strides rows_sb, rows_sn, 1)
-        far_ptr,  # uint8 [B, n], written
-        rows_sb,
-        rows_sn,
-        n,
-        T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        b = tl.program_id(0).to(tl.int64)
-        j = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        t = tl.arange(0, T)
-        live = j < n
-        r = tl.load(rows_ptr + b * rows_sb + j[:, None] * rows_sn + t[None, :], mask=live[:, None], other=0)
-        tl.store(far_ptr + b * n + j, (tl.min(r, axis=1) != 0).to(tl.uint8), mask=live)
 
     @triton.jit(do_not_specialize=["n", "k", "near"])
     def _tail_plan_kernel(
@@ -1010,7 +991,7 @@ if triton is not None:
         keep_ptr,  # uint8 [B, k] (stride keep_sb, 1)
         idx_ptr,  # int64 [B, near] (stride idx_sb, 1)
         scores_ptr,  # float32 [B, n] (stride scores_sb, 1)
-        far_ptr,  # uint8 [B, n]: each block's "every token attendable" (_tail_far_kernel's), cleared here
+        far_ptr,  # uint8 [B, n], written
         near_ok_ptr,  # uint8 [B, near, T], written
         rows_sb,
         rows_sn,
@@ -1022,17 +1003,25 @@ if triton is not None:
         k,
         near,
         T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        STEPS: tl.constexpr,  # a power of two >= cdiv(n, BLOCK_N)
         KP: tl.constexpr,  # a power of two >= k
         NEAR_BLOCK: tl.constexpr,
         NEAR_STEPS: tl.constexpr,  # a power of two >= cdiv(near, NEAR_BLOCK)
     ):
         b = tl.program_id(0).to(tl.int64)
         t = tl.arange(0, T)
-        # Kept blocks and near blocks are not far (every store here writes 0, so their order does not matter).
+        # Every block whose tokens are all attendable, first.
+        for step in range(STEPS):
+            j = step * BLOCK_N + tl.arange(0, BLOCK_N)
+            live = j < n
+            r = tl.load(rows_ptr + b * rows_sb + j[:, None] * rows_sn + t[None, :], mask=live[:, None], other=0)
+            tl.store(far_ptr + b * n + j, (tl.min(r, axis=1) != 0).to(tl.uint8), mask=live)
         kk = tl.arange(0, KP)
         in_k = kk < k
         kept = in_k & (tl.load(keep_ptr + b * keep_sb + kk, mask=in_k, other=0) != 0)
         blk = tl.where(kept, tl.load(blocks_ptr + b * blocks_sb + kk, mask=in_k, other=0), n)  # n: none
+        tl.debug_barrier()  # the stores below overwrite some of those above (other threads' entries)
         tl.store(far_ptr + b * n + blk, tl.zeros([KP], tl.uint8), mask=kept & (blk < n))
         for step in range(NEAR_STEPS):
             jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
@@ -1050,8 +1039,8 @@ if triton is not None:
 def tail_plan(
     rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, scores: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tail_plan_reference` in two launches where Triton runs on ``rows``' device (the blocks whose tokens are
-    all attendable, spread over programs; then per sequence the kept and near blocks); the same result. Arguments and result as the reference's (any strides with the last dimension contiguous;
+    """:func:`tail_plan_reference` in one launch (one program per sequence) where Triton runs on ``rows``' device;
+    the same result. Arguments and result as the reference's (any strides with the last dimension contiguous;
     ``rows``' ``block_tokens`` a power of two). Allocates only its results and never waits for the device."""
     batch, n, tokens = rows.shape
     k, near = blocks.shape[-1], index.shape[-1]
@@ -1063,14 +1052,11 @@ def tail_plan(
     if batch == 0:
         return near_ok, far
     step = min(PLAN_BLOCK_N, triton.next_power_of_2(n))
-    _tail_far_kernel[(batch, triton.cdiv(n, step))](
-        rows.view(torch.uint8), far.view(torch.uint8), rows.stride(0), rows.stride(1), n, T=tokens, BLOCK_N=step,
-        num_warps=4,
-    )  # fmt: skip
     _tail_plan_kernel[(batch,)](
         rows.view(torch.uint8), blocks, keep.view(torch.uint8), index, scores, far.view(torch.uint8),
         near_ok.view(torch.uint8), rows.stride(0), rows.stride(1), blocks.stride(0), keep.stride(0), index.stride(0),
-        scores.stride(0), n, k, near, T=tokens, KP=triton.next_power_of_2(k), NEAR_BLOCK=PLAN_NEAR_BLOCK,
+        scores.stride(0), n, k, near, T=tokens, BLOCK_N=step, STEPS=triton.next_power_of_2(triton.cdiv(n, step)),
+        KP=triton.next_power_of_2(k), NEAR_BLOCK=PLAN_NEAR_BLOCK,
         NEAR_STEPS=triton.next_power_of_2(max(1, triton.cdiv(near, PLAN_NEAR_BLOCK))), num_warps=8,
     )  # fmt: skip
     return near_ok, far

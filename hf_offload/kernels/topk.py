@@ -9,8 +9,8 @@ position (a second cumulative sum), with no sort.
 
 On CUDA the same algorithm runs as a CUDA kernel compiled at run time (NVRTC, :data:`CUDA_SOURCE`), which Triton
 cannot express as cheaply: one program of up to 1,024 threads per row, each thread holding a few consecutive
-entries in registers; a bisection step is one warp-wide ``redux`` sum, one barrier and a second ``redux`` over the
-per-warp counts (double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans; the Triton
+entries in registers; a bisection step is one warp-wide ``redux`` sum and one barrier (the per-warp counts
+double-buffered in shared memory, so no second barrier), and the two cumulative sums are warp scans; the Triton
 kernel spends most of its time in the 32 steps' block-wide reductions. The CUDA kernel also writes the ``keep`` mask
 of tier 1 (``values > -inf``), one launch less.
 
@@ -27,7 +27,6 @@ from __future__ import annotations
 import torch
 
 from .gather import kernels_available, tl, triton
-from .nvrtc import RuntimeKernel
 
 MAX_N = 32768
 """Most entries per row the kernel takes (a row is held in registers in one block); above it the torch code runs.
@@ -78,7 +77,6 @@ CUDA_SOURCE = r"""
 // scores: float32 [B, R, N] (strides sb, sr, sn in elements); idx: int64 [B, R, ranked]; val: float32 [B, R, ranked];
 // keep: uint8 [B, R, k] (written where has_keep). Requires N <= THREADS * PER <= 32768 (counts packed 16 + 16 bits).
 constexpr int WARPS = THREADS / 32;
-constexpr unsigned CAND = 1024;  // most keys of a bracket that one warp finishes alone
 __device__ __forceinline__ unsigned warp_inclusive_scan(unsigned v, int lane) {
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
@@ -88,13 +86,13 @@ __device__ __forceinline__ unsigned warp_inclusive_scan(unsigned v, int lane) {
     return v;
 }
 // Exclusive prefix sum of v over the program's threads in thread order (totals: WARPS words of shared memory,
-// used by this scan only; WARPS <= 32).
+// used by this scan only).
 __device__ __forceinline__ unsigned block_exclusive_scan(unsigned v, unsigned* totals, int lane, int warp) {
     const unsigned incl = warp_inclusive_scan(v, lane);
     if (lane == 31) totals[warp] = incl;
     __syncthreads();
-    // The totals of the warps before this one: lane w reads warp w's, then one warp-wide sum.
-    const unsigned before = __reduce_add_sync(0xffffffffu, lane < warp ? totals[lane] : 0u);
+    unsigned before = 0;
+    for (int w = 0; w < warp; ++w) before += totals[w];
     return before + incl - v;
 }
 extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
@@ -102,9 +100,6 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
     unsigned char* __restrict__ keep, int rows, int n, int k, int ranked, int sb, int sr, int sn, int has_keep) {
     __shared__ unsigned counts[2][WARPS];
     __shared__ unsigned totals[2][WARPS];
-    __shared__ unsigned gather_totals[WARPS];
-    __shared__ unsigned cand[2][CAND];
-    __shared__ unsigned found[2], found_above[2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
     const long long row = blockIdx.x;
     const long long b = row / rows, r = row - b * rows;
@@ -112,26 +107,22 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
     // Order-preserving unsigned keys: a float's bits, -0.0 as 0.0, negative numbers' other bits flipped, then the
     // sign bit flipped. Every non-NaN float maps above 0x007fffff; entries past the row get 0 and are never taken.
     unsigned u[PER];
+    float x[PER];
 #pragma unroll
     for (int e = 0; e < PER; ++e) {
         const int i = tid * PER + e;
-        unsigned bits = __float_as_uint(i < n ? src[static_cast<long long>(i) * sn] : 0.f);
+        x[e] = i < n ? src[static_cast<long long>(i) * sn] : 0.f;
+        unsigned bits = __float_as_uint(x[e]);
         if (bits == 0x80000000u) bits = 0u;
         if (bits & 0x80000000u) bits ^= 0x7fffffffu;
         u[e] = i < n ? bits ^ 0x80000000u : 0u;
     }
     // Bisection for T_k, the largest t with count(u >= t) >= k (the k-th largest key), and T_r likewise for ranked;
-    // above = count(u > T) at the end (hi = lo + 1). Invariant: count(u >= lo) = at_lo >= k > count(u >= hi) = above,
-    // so at_lo - above keys lie in [lo, hi). Block-wide steps run until each bracket holds at most CAND keys (or is
-    // final); then those keys are gathered in shared memory and one warp per threshold finishes its bisection alone,
-    // with no block barrier per step.
+    // above = count(u > T) at the end (hi = lo + 1).
     unsigned long long lo_k = 0, hi_k = 1ull << 32, lo_r = 0, hi_r = 1ull << 32;
-    unsigned above_k = 0, above_r = 0, at_lo_k = THREADS * PER, at_lo_r = THREADS * PER;
+    unsigned above_k = 0, above_r = 0;
 #pragma unroll 1
     for (int it = 0; it < 32; ++it) {
-        const bool fits_k = hi_k - lo_k == 1 || at_lo_k - above_k <= CAND;
-        const bool fits_r = hi_r - lo_r == 1 || at_lo_r - above_r <= CAND;
-        if (fits_k && fits_r) break;  // (the same decision in every thread)
         const unsigned mk = static_cast<unsigned>(lo_k + ((hi_k - lo_k) >> 1));
         const unsigned mr = static_cast<unsigned>(lo_r + ((hi_r - lo_r) >> 1));
         unsigned c = 0;
@@ -140,51 +131,12 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
         c = __reduce_add_sync(0xffffffffu, c);
         if (lane == 0) counts[it & 1][warp] = c;
         __syncthreads();  // (the other buffer is rewritten only after the next barrier: no second one needed)
-        // Lane w reads warp w's count, then one warp-wide sum (every warp computes the same total).
-        const unsigned total = __reduce_add_sync(0xffffffffu, lane < WARPS ? counts[it & 1][lane] : 0u);
+        unsigned total = 0;
+#pragma unroll
+        for (int w = 0; w < WARPS; ++w) total += counts[it & 1][w];
         const unsigned ck = total & 0xffffu, cr = total >> 16;
-        if (ck >= static_cast<unsigned>(k)) { lo_k = mk; at_lo_k = ck; } else { hi_k = mk; above_k = ck; }
-        if (cr >= static_cast<unsigned>(ranked)) { lo_r = mr; at_lo_r = cr; } else { hi_r = mr; above_r = cr; }
-    }
-    const bool open_k = hi_k - lo_k > 1, open_r = hi_r - lo_r > 1;
-    if (open_k || open_r) {
-        // Gather the keys of each open bracket (at most CAND) in index order.
-        unsigned mine = 0;
-#pragma unroll
-        for (int e = 0; e < PER; ++e) {
-            mine += (open_k && u[e] >= lo_k && u[e] < hi_k ? 1u : 0u);
-            mine += (open_r && u[e] >= lo_r && u[e] < hi_r ? 0x10000u : 0u);
-        }
-        const unsigned at = block_exclusive_scan(mine, gather_totals, lane, warp);
-        unsigned pk = at & 0xffffu, pr = at >> 16;
-#pragma unroll
-        for (int e = 0; e < PER; ++e) {
-            if (open_k && u[e] >= lo_k && u[e] < hi_k) cand[0][pk++] = u[e];
-            if (open_r && u[e] >= lo_r && u[e] < hi_r) cand[1][pr++] = u[e];
-        }
-        __syncthreads();
-        for (int w = warp; w < 2; w += WARPS) {  // warp 0: T_k, warp 1: T_r (one warp alone: both)
-            if (!(w == 0 ? open_k : open_r)) continue;
-            unsigned long long lo = w == 0 ? lo_k : lo_r, hi = w == 0 ? hi_k : hi_r;
-            unsigned above = w == 0 ? above_k : above_r;
-            const unsigned need = w == 0 ? k : ranked, m = w == 0 ? at_lo_k - above_k : at_lo_r - above_r;
-            const unsigned* keys = cand[w];
-            while (hi - lo > 1) {  // (the same in every lane)
-                const unsigned mid = static_cast<unsigned>(lo + ((hi - lo) >> 1));
-                unsigned c = 0;
-#pragma unroll 8
-                for (unsigned j = lane; j < m; j += 32) c += keys[j] >= mid ? 1u : 0u;
-                c = above + __reduce_add_sync(0xffffffffu, c);
-                if (c >= need) lo = mid; else { hi = mid; above = c; }
-            }
-            if (lane == 0) {
-                found[w] = static_cast<unsigned>(lo);
-                found_above[w] = above;
-            }
-        }
-        __syncthreads();
-        if (open_k) { lo_k = found[0]; above_k = found_above[0]; }
-        if (open_r) { lo_r = found[1]; above_r = found_above[1]; }
+        if (ck >= static_cast<unsigned>(k)) lo_k = mk; else { hi_k = mk; above_k = ck; }
+        if (cr >= static_cast<unsigned>(ranked)) lo_r = mr; else { hi_r = mr; above_r = cr; }
     }
     const unsigned tk = static_cast<unsigned>(lo_k), tr = static_cast<unsigned>(lo_r);
     const unsigned need_k = k - above_k, need_r = ranked - above_r;  // entries tied with T enter by index
@@ -213,8 +165,8 @@ extern "C" __global__ void __launch_bounds__(THREADS) ranked_topk(
         if (!(t1 || t2)) continue;
         const long long at = row * ranked + (t1 ? p1 : p2);
         idx[at] = tid * PER + e;
-        val[at] = src[static_cast<long long>(tid * PER + e) * sn];  // (read again: -0.0 keeps its sign bit)
-        if (t1 && has_keep) keep[row * k + p1] = u[e] > 0x007fffffu ? 1 : 0;  // (-inf's key is 0x007fffff)
+        val[at] = x[e];
+        if (t1 && has_keep) keep[row * k + p1] = x[e] > -__int_as_float(0x7f800000) ? 1 : 0;
         p1 += t1 ? 1u : 0u;
         p2 += t2 ? 1u : 0u;
     }
@@ -233,29 +185,39 @@ BACKEND: str | None = None
 """Which kernel :func:`ranked_topk` runs on CUDA: ``None`` (the CUDA kernel where it compiles, else Triton),
 ``"cuda"`` or ``"triton"`` (read at each call; the benchmark times both)."""
 
-_CUDA = RuntimeKernel(CUDA_SOURCE, "ranked_topk", "top-k", "the Triton kernel")
+_CUDA_COMPILED: dict[tuple[int, int], object] = {}
+_CUDA_FAILED: str | None = None
 
 
 def _cuda_layout(n: int) -> tuple[int, int]:
     """``(threads, entries per thread)`` of the CUDA kernel for rows of ``n`` entries: 8 entries per thread up to
-    2,048 entries (at least one warp), 16 up to 8,192, then 512 threads of up to 20 entries (10,240: past that the
-    registers of 512 threads spill), 1,024 threads of 16 up to 16,384, then of 32."""
+    2,048 entries (at least one warp), 16 up to 16,384, then 32 (1,024 threads)."""
     if n <= 2048:
         return max(32, 1 << max(0, (n - 1).bit_length() - 3)), 8
-    if n <= 8192:
-        return 1 << ((n - 1).bit_length() - 4), 16
-    if n <= 512 * 20:
-        return 512, -(-n // 512)
     if n <= 16384:
-        return 1024, 16
+        return 1 << ((n - 1).bit_length() - 4), 16
     return 1024, 32
 
 
 def _cuda_kernel(n: int):
     """The compiled CUDA kernel for rows of ``n`` entries, or ``None`` (with one warning per process) where NVRTC
     cannot build it."""
-    threads, per = _cuda_layout(n)
-    return _CUDA.get(THREADS=threads, PER=per)
+    global _CUDA_FAILED
+    layout = _cuda_layout(n)
+    fn = _CUDA_COMPILED.get(layout)
+    if fn is None and _CUDA_FAILED is None:
+        try:
+            source = f"#define THREADS {layout[0]}\n#define PER {layout[1]}\n" + CUDA_SOURCE
+            fn = _CUDA_COMPILED[layout] = torch.cuda._compile_kernel(source, "ranked_topk")
+        except Exception as e:  # reported once; the Triton kernel runs from here on
+            if torch.cuda.is_current_stream_capturing():  # perhaps only the capture forbids it: this call only
+                return None
+            _CUDA_FAILED = f"{type(e).__name__}: {e}"
+            import warnings
+
+            warnings.warn(f"hf_offload: the CUDA top-k kernel could not be compiled ({_CUDA_FAILED[:300]}); using "
+                          "the Triton kernel instead.", RuntimeWarning, stacklevel=3)  # fmt: skip
+    return fn
 
 
 def cuda_topk_supported(scores: torch.Tensor, ranked: int) -> bool:
@@ -269,7 +231,11 @@ def cuda_topk_supported(scores: torch.Tensor, ranked: int) -> bool:
     last = sum((d - 1) * st for d, st in zip(scores.shape, scores.stride()))
     if not 0 < ranked <= n <= largest or last >= 2**31:  # (the kernel takes element offsets as 32-bit integers)
         return False
-    return _CUDA.runs_on(scores.device) and _cuda_kernel(n) is not None  # (8.0: __reduce_add_sync)
+    if torch.version.hip is not None or not hasattr(torch.cuda, "_compile_kernel"):
+        return False
+    if torch.cuda.get_device_capability(scores.device) < (8, 0):  # __reduce_add_sync
+        return False
+    return _cuda_kernel(n) is not None
 
 
 if triton is not None:

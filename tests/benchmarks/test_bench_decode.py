@@ -158,14 +158,26 @@ def test_isolated_children_get_the_offload_settings():
     argv = ["--shape", "tiny", "--quantkey-selector", "quantkey[bits=4]", "--decode-capacity", "32",
             "--decode-attention", "pool", "--cuda-graphs", "off", "--graph-scope", "attention", "--fused-norms", "off",
             "--fused-rotary", "off",
-            "--fused-projections", "off", "--seal-graphs", "off", "--profile-seal", "20", "--reselect-every", "2",
+            "--fused-projections", "off", "--seal-graphs", "off", "--profile-seal", "20", "--profile-kernels", "3",
+            "--reselect-every", "2",
             "--max-budget", "4096", "--missed-mass-target", "0.05", "--isolate"]  # fmt: skip
     parent = bench_decode.parse_args(argv)
     child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "quantkey"])
     for name in ("quantkey_selector", "decode_capacity", "decode_attention", "cuda_graphs", "graph_scope",
-                 "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "budget",
+                 "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "profile_kernels", "budget",
                  "steps", "reselect_every", "warmup", "max_budget", "missed_mass_target"):  # fmt: skip
         assert getattr(child, name) == getattr(parent, name), name
+
+
+def test_kernel_profile_is_left_out_without_cuda_and_its_steps_come_off_the_fill(tmp_path):
+    """--profile-kernels decodes its steps after the timed ones (the fill leaves room for them); without a CUDA
+    device there is no kernel to time, and the row says so (None)."""
+    plain = _run(tmp_path, "--contexts", str(CONTEXT), "--batches", str(BATCH), "--methods", "quantkey")
+    data = _run(tmp_path, "--contexts", str(CONTEXT), "--batches", str(BATCH), "--methods", "quantkey",
+                "--profile-kernels", "3")  # fmt: skip
+    (run,), (base,) = data["runs"], plain["runs"]
+    assert run["kernel_profile"] is None and "kernel_profile" not in base
+    assert run["kv_tokens_start"] == base["kv_tokens_start"] - 3
 
 
 def test_reused_selections_decode_and_warm_up_longer(tmp_path):

@@ -1,23 +1,17 @@
 """The slot-assignment kernel gives the slots, misses and pool state of the torch code, bit for bit, over sequences
 of random assignments (hits, misses, entries not kept, speculative ones that do not touch, shared and per-head
-selections). The Triton kernel runs where Triton can run (on CUDA, or on the CPU under Triton's interpreter,
-``TRITON_INTERPRET=1``), the CUDA kernel on CUDA."""
+selections). Runs where Triton can run: on CUDA, or on the CPU under Triton's interpreter (``TRITON_INTERPRET=1``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hf_offload.kernels import slots as slots_module
-from hf_offload.kernels.slots import MAX_SLOTS, assign_supported, cuda_assign_supported
+from hf_offload.kernels.slots import MAX_SLOTS, assign_supported
 from hf_offload.store import DeviceSlotPool
-
-from ..helpers import kernel_backends
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 pytestmark = pytest.mark.triton
-
-backend = kernel_backends(slots_module)
 
 
 def _pools(batch, heads, slots):
@@ -30,13 +24,12 @@ def _pools(batch, heads, slots):
 
 
 @pytest.mark.parametrize("shared", [True, False])
-@pytest.mark.parametrize("slots,n", [(12, 5), (160, 127), (40, 40), (7, 1), (256, 256), (256, 130), (33, 32)])
-def test_assign_kernel_matches_the_torch_code(shared, slots, n, backend):
+@pytest.mark.parametrize("slots,n", [(12, 5), (160, 127), (40, 40), (7, 1)])
+def test_assign_kernel_matches_the_torch_code(shared, slots, n):
     g = torch.Generator().manual_seed(slots * 7 + n)
     batch, heads, universe = 3, 4, slots * 3
     kernel_pool, torch_pool = _pools(batch, heads, slots)
     assert assign_supported(DEVICE, slots, n)
-    assert cuda_assign_supported(DEVICE, slots, n) == (backend == "cuda")
     for step in range(12):
         rows = 1 if shared else heads
         # n distinct blocks per row out of the universe (random, so some are resident and some not)
@@ -54,9 +47,7 @@ def test_assign_kernel_matches_the_torch_code(shared, slots, n, backend):
     assert (kernel_pool.block >= 0).any()  # the pool filled up
 
 
-def test_assign_kernel_limits(backend):
-    assert not cuda_assign_supported(DEVICE, MAX_SLOTS + 1, 4) and not cuda_assign_supported(DEVICE, 16, 17)
-    assert not cuda_assign_supported(torch.device("cpu"), 16, 4)
+def test_assign_kernel_limits():
     assert not assign_supported(DEVICE, MAX_SLOTS + 1, 4)
     assert not assign_supported(DEVICE, 16, 17)
     assert not assign_supported(DEVICE, 16, 0)
