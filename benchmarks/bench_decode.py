@@ -698,7 +698,8 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
                                                     args.profile_kernels, mask, device)  # fmt: skip
             top = (row["kernel_profile"] or {}).get("kernels", [])[:12]
             for entry in top:
-                print(f"    {entry['us_per_step']:9.1f} us/step {entry['launches_per_step']:7.1f} x  {entry['kernel'][:90]}")
+                print(f"    {entry['us_per_step']:9.1f} us/step {entry['launches_per_step']:7.1f} x  "
+                      f"{entry['kernel'][:90]}")
         if replay is not None:
             row["workload_steps_replayed"] = replay.step
         del cache, ids, mask

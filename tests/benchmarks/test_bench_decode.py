@@ -164,7 +164,8 @@ def test_isolated_children_get_the_offload_settings():
     parent = bench_decode.parse_args(argv)
     child = bench_decode.parse_args([*bench_decode._child_argv(parent), "--contexts", "256", "--methods", "quantkey"])
     for name in ("quantkey_selector", "decode_capacity", "decode_attention", "cuda_graphs", "graph_scope",
-                 "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "profile_kernels", "budget",
+                 "fused_norms", "fused_rotary", "fused_projections", "seal_graphs", "profile_seal", "profile_kernels",
+                 "budget",
                  "steps", "reselect_every", "warmup", "max_budget", "missed_mass_target"):  # fmt: skip
         assert getattr(child, name) == getattr(parent, name), name
 
