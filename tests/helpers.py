@@ -6,6 +6,7 @@ Imported by the tests (``from ..helpers import build_model``); the pytest fixtur
 
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -113,8 +114,6 @@ def tiny_recording(theta: float = 1e6, context: int = 40, steps: int = 3):
 def kernel_backends(module):
     """An autouse fixture that runs each test of a file once per kernel of ``module`` (which reads its ``BACKEND``
     at each call): the Triton one, and the CUDA one where CUDA runs. The test sees the backend's name."""
-    import pytest
-
     @pytest.fixture(autouse=True, params=["triton", "cuda"])
     def backend(request, monkeypatch):
         if request.param == "cuda" and not torch.cuda.is_available():

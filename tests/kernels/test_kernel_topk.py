@@ -62,7 +62,7 @@ def _random(shape, seed):
         ((2, 2, 128), 128, 128),
         ((12, 1, 4096 + 3), 128, 256),
         ((2, 2, 3000), 100, 100),
-        ((1, 1, 8200), 120, 2040),  # the default selector just past 128K: 512 threads of 17 entries
+        ((1, 1, 8200), 120, 2040),  # the default selector just past 128K
         ((3, 1, 10240), 1, 10240),
         ((1, 1, 20000), 300, 19999),
         ((1, 1, MAX_N), 1000, MAX_N),  # too long to count both thresholds in one int32 reduction
