@@ -12,6 +12,13 @@ with the tier's own I/O sizes), the tier's spill and read throughput, and decode
   bytes spilled over the time spent in ``DiskTier.spill`` (write and its reservation); the read throughput the
   bytes read from disk over the time spent in ``DiskTier.read_blocks`` (reads, waits and copies out of staging).
 
+``--model NAME`` runs a real model instead (a registry name of ``hf-offload models`` or a local folder): each
+sequence's prompt is ``--context`` tokens of real text with a question at the end (``benchmarks/workload.py:
+needle_document``, one document per sequence), prefilled into the cache (``prefill_chunk_size``), then ``--steps``
+greedy steps from it; every configuration must generate the host-only run's tokens (``tokens_match_host_only``).
+Real keys, queries and hidden states make the selection, and lookahead's forecast of the next layer's blocks, the
+model's own (the recorded workload replays queries, so a forecast from the hidden states means nothing there).
+
 Random KV and random queries select blocks nearly at random (a low hit rate), which is the worst case for recall
 traffic. ``--workload recorded:PATH`` fills the cache with a decode recorded from a real model instead
 (``benchmarks/workload.py``: its keys tiled to the context, random values) and replays the recorded queries and new
@@ -184,12 +191,50 @@ def run_cache(model, args, device, disk: dict, recording=None) -> dict:
         fill_spill_s = timed.spill_s
         with replay.hooks(model) if replay is not None else contextlib.nullcontext():
             step_times = _decode_step_times(model, cache, args.batch, args.context, args.steps, device)
+    spilled = cache.stats()["disk_spilled_bytes"]
+    return _row(cache, args, step_times, fill_s, spilled / fill_spill_s / 1e9 if fill_spill_s else None,
+                timed.spill_s, timed.read_s)  # fmt: skip
+
+
+def run_model_cache(model, prompts: torch.Tensor, args, device, disk: dict) -> dict:
+    """A real model: prefill ``prompts`` (``[batch, context]``) into a cache, then ``args.steps`` greedy steps; times,
+    tokens/s, stats (of the decode steps), the generated tokens."""
+    from hf_offload import generate_cache_kwarg
+    from hf_offload.tools.bench import _StepClock
+    from transformers import LogitsProcessorList
+
+    cache = OffloadCache(model, budget_tokens=args.budget, host_chunk_mib=args.host_chunk_mib, admission="always",
+                         **disk)  # fmt: skip
+    kw = generate_cache_kwarg()
+    with _Timed() as timed, torch.inference_mode():
+        start = time.perf_counter()
+        first = model.generate(prompts, attention_mask=torch.ones_like(prompts), **{kw: cache}, do_sample=False,
+                               max_new_tokens=1, prefill_chunk_size=args.prefill_chunk)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        fill_s, fill_spill_s = time.perf_counter() - start, timed.spill_s
+        spilled = cache.stats()["disk_spilled_bytes"]
+        cache.reset_stats()  # the decode's reads alone
+        timed.read_s = 0.0
+        clock = _StepClock(device)
+        out = model.generate(first, attention_mask=torch.ones_like(first), **{kw: cache}, do_sample=False,
+                             max_new_tokens=args.steps, min_new_tokens=args.steps,
+                             logits_processor=LogitsProcessorList([clock]))  # fmt: skip
+    step_times = [b - a for a, b in zip(clock.marks[1:], clock.marks[2:])]
+    return _row(cache, args, step_times, fill_s, spilled / fill_spill_s / 1e9 if fill_spill_s else None,
+                timed.spill_s, timed.read_s, tokens=out[:, prompts.shape[1] + 1 :].tolist())  # fmt: skip
+
+
+def _row(cache, args, step_times: list[float], fill_s: float, spill_gbs: float | None, spill_s: float, read_s: float,
+         **extra) -> dict:  # fmt: skip
+    """The result row of one cache configuration (closes the cache): ``spill_gbs`` of the fill, the seconds spent
+    spilling (``spill_s``) and reading (``read_s``)."""
     # The steady step is the median: the mean carries the steps that capture CUDA graphs (the first seals).
     step_s, mean_s = statistics.median(step_times), sum(step_times) / len(step_times)
     stats = cache.stats()
     stats.pop("layers")
     cache.close()
-    spilled, read = stats["disk_spilled_bytes"], stats["disk_read_bytes"]
+    read = stats["disk_read_bytes"]
     steps = max(1, stats["decode_steps"])
     return {
         "fill_s": fill_s,
@@ -198,17 +243,19 @@ def run_cache(model, args, device, disk: dict, recording=None) -> dict:
         "decode_tok_s": args.batch / step_s,
         "decode_mean_step_ms": mean_s * 1e3,
         "decode_step_s": step_times,
-        "spill_gbs": spilled / fill_spill_s / 1e9 if fill_spill_s else None,
-        "tier_read_gbs": read / timed.read_s / 1e9 if timed.read_s else None,
+        "spill_gbs": spill_gbs,
+        "tier_read_gbs": read / read_s / 1e9 if read_s else None,
         "hit_rate": stats.get("hit_rate"),
         # Per decode step: blocks read from disk when a recall needed them (not staged ahead), blocks staged ahead
         # (lookahead, disk_stage_near) and those of them a recall used.
         "demand_read_blocks_per_step": (stats["disk_read_blocks"] - stats["disk_staged_ahead_blocks"]) / steps,
         "staged_ahead_blocks_per_step": stats["disk_staged_ahead_blocks"] / steps,
         "staged_used_blocks_per_step": stats["disk_staged_used_blocks"] / steps,
-        "spill_s": timed.spill_s,
-        "read_s": timed.read_s,
+        "staging_hits_per_step": stats["disk_staging_hits"] / steps,
+        "spill_s": spill_s,
+        "read_s": read_s,
         "stats": stats,
+        **extra,
     }
 
 
@@ -228,7 +275,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="the drive test's threads and disk_read_threads (default: the library's default)")
     parser.add_argument("--drive-mib", type=int, default=1024)
     parser.add_argument("--random-reads", type=int, default=4096)
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default=None,
+                        help="default: bfloat16 for --shape; for --model the loader's (bfloat16 on CUDA, float32 on CPU)")
+    parser.add_argument("--model", default=None, metavar="NAME",
+                        help="a real model (a registry name of 'hf-offload models', or a local folder) instead of "
+                        "--shape: real prompts prefilled, greedy decode")  # fmt: skip
+    parser.add_argument("--prefill-chunk", type=int, default=4096, help="prefill_chunk_size of --model's prefill")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each cache, alternating (the summary takes the last of each: the first run of a "
@@ -251,21 +303,40 @@ def main(argv: list[str] | None = None) -> int:
         from hf_offload import OffloadConfig
 
         args.threads = OffloadConfig().disk_read_threads
+    if args.model is not None and (args.workload != "random" or args.layers is not None):
+        parser.error("--model runs a real model on real prompts: leave out --workload and --layers")
     try:
         recording = load_workload(args.workload)  # a bad file fails here, before any model is built
     except (OSError, ValueError) as err:
         parser.error(f"--workload: {err}")
     device = torch.device(args.device)
-    dtype = getattr(torch, args.dtype)
-    model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype,
-                  rope_theta=recording.rope_theta if recording is not None else None)  # fmt: skip
-    workload = workload_row({"recording": recording})  # the same row as bench_decode's
-    if recording is None:
-        note = f"{workload['label']}: {WORKLOAD}"
+    prompts = None
+    if args.model is not None:
+        from benchmarks.workload import needle_document
+        from hf_offload.tools.models import load
+
+        model, tokenizer = load(args.model, dtype=None if args.dtype is None else getattr(torch, args.dtype),
+                                device=device)  # fmt: skip
+        model.eval()
+        dtype = model.dtype
+        documents = [needle_document(tokenizer, args.context, seed) for seed in range(args.batch)]
+        prompts = torch.tensor([ids for ids, _ in documents], device=device)
+        workload = {"kind": "model", "label": f"real model {args.model} ({str(dtype).removeprefix('torch.')})",
+                    "model": args.model,
+                    "prompts": [info for _, info in documents]}  # fmt: skip
+        note = (f"{workload['label']}: one needle document of {args.context:,} tokens per sequence "
+                "(benchmarks/workload.py: needle_document, seeds 0..batch-1), prefilled, then greedy decode")  # fmt: skip
     else:
-        workload["recording"] = recording.describe()
-        note = (f"{workload['label']}: random weights, the recording's keys tiled to the context with random values "
-                "written into the cache, its queries and new keys at every decode step")  # fmt: skip
+        dtype = getattr(torch, args.dtype or "bfloat16")
+        model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype,
+                      rope_theta=recording.rope_theta if recording is not None else None)  # fmt: skip
+        workload = workload_row({"recording": recording})  # the same row as bench_decode's
+        if recording is None:
+            note = f"{workload['label']}: {WORKLOAD}"
+        else:
+            workload["recording"] = recording.describe()
+            note = (f"{workload['label']}: random weights, the recording's keys tiled to the context with random "
+                    "values written into the cache, its queries and new keys at every decode step")  # fmt: skip
     config = model.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     block_bytes = 2 * config.num_key_value_heads * 16 * head_dim * dtype.itemsize
@@ -287,7 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     runs, repeats = {}, {name: [] for name, _ in configs}
     for _ in range(args.repeats):
         for name, disk in configs:
-            runs[name] = r = run_cache(model, args, device, disk, recording)
+            if prompts is not None:
+                runs[name] = r = run_model_cache(model, prompts, args, device, disk)
+            else:
+                runs[name] = r = run_cache(model, args, device, disk, recording)
             repeats[name].append({k: r[k] for k in ("fill_s", "decode_tok_s", "spill_gbs", "tier_read_gbs", "hit_rate")})
             print(f"{name}: fill {r['fill_s']:.2f} s, decode {r['decode_tok_s']:.2f} tok/s (median step; mean "
                   f"{args.batch * 1e3 / r['decode_mean_step_ms']:.2f}), spill {r['spill_gbs']} "
@@ -307,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             f"decode_mean_disk_vs_host_only{tag}":
                 runs["host_only"]["decode_mean_step_ms"] / disk_run["decode_mean_step_ms"],
         })  # fmt: skip
+        if prompts is not None:  # the disk tier moves blocks, never what is attended: the same tokens
+            summary[f"tokens_match_host_only{tag}"] = disk_run["tokens"] == runs["host_only"]["tokens"]
     print(summary)
     payload = {"metadata": run_metadata(args, workload=note, kv_bytes=kv_bytes, block_bytes=block_bytes,
                                         chunk_bytes=chunk_bytes, host_memory_gib=host_gib),

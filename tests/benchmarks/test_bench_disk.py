@@ -75,3 +75,35 @@ def test_bench_disk_replays_a_recorded_workload(tmp_path):
     assert not list(tier.iterdir())  # the tier's files are gone
     with pytest.raises(SystemExit):
         bench_disk.main([*argv, "--workload", f"recorded:{tmp_path / 'missing.safetensors'}"])
+
+
+def test_bench_disk_runs_a_real_model_folder_with_the_same_tokens(tmp_path):
+    """``--model``: a model folder (here a tiny random Qwen2 and its tokenizer) prefills one needle document per
+    sequence and decodes greedily; the disk tier, with and without lookahead, generates the host-only tokens."""
+    import pytest
+
+    from ..fixtures.tiny import tiny_model, tiny_tokenizer
+
+    folder, tier, out = tmp_path / "model", tmp_path / "tier", tmp_path / "disk.json"
+    tier.mkdir()
+    tokenizer = tiny_tokenizer()
+    tiny_model(len(tokenizer), max_positions=4096).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    argv = ["--model", str(folder), "--context", "2048", "--batch", "2", "--steps", "5", "--budget", "256",
+            "--host-chunk-mib", "0.0625", "--drive-mib", "4", "--random-reads", "64", "--dir", str(tier),
+            "--device", "cpu", "--prefill-chunk", "512", "--lookahead", "both", "--out", str(out)]  # fmt: skip
+    assert bench_disk.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["workload"]["kind"] == "model" and len(result["workload"]["prompts"]) == 2
+    assert set(result["runs"]) == {"host_only", "disk_tier", "disk_tier_lookahead"}
+    host = result["runs"]["host_only"]
+    assert len(host["tokens"]) == 2 and all(len(t) == 5 for t in host["tokens"])
+    for name in ("disk_tier", "disk_tier_lookahead"):
+        run = result["runs"][name]
+        assert run["stats"]["disk_kv_bytes"] > 0 and run["stats"]["decode_steps"] == 5
+        assert run["demand_read_blocks_per_step"] + run["staging_hits_per_step"] > 0  # the decode read from disk
+    assert result["summary"]["tokens_match_host_only"] is True
+    assert result["summary"]["tokens_match_host_only_lookahead"] is True
+    assert not list(tier.iterdir())  # the tier's files are gone
+    with pytest.raises(SystemExit):  # a real model runs real prompts: no replayed workload
+        bench_disk.main([*argv, "--workload", "recorded:x.safetensors"])
