@@ -150,6 +150,11 @@ class Recording:
             position ``context + t``).
         new_keys: ``[n_layers, steps, kv_heads, head_dim]`` float32, pre-RoPE keys of the decode steps' tokens.
         token_ids: ``[context + steps]`` int64: the prompt, then the greedy tokens fed to the decode steps.
+        forecasts: ``[n_layers, steps, q_heads, head_dim]`` float32 or ``None`` (files recorded before it): per
+            kept layer ``i`` and decode step, the pre-RoPE query that kept layer ``i``'s own input norm and
+            ``q_proj`` give on the input of the kept layer before it (``(i - 1) mod n_layers``): what a layer-ahead
+            lookahead predicts (``hf_offload.cache.lookahead``); from the layer just before where the two are a kept
+            pair, else from a farther one.
         meta: the header's metadata (``model``, ``rope_theta``, ``head_dim``, ``layers``, ``context``, ``steps``,
             ``text_source``, ``token_ids_sha256``, ...).
         path: the file it was read from, if any.
@@ -165,6 +170,7 @@ class Recording:
     meta: dict
     path: str | None = None
     file_sha256: str | None = None
+    forecasts: torch.Tensor | None = None
 
     @property
     def n_layers(self) -> int:
@@ -208,6 +214,7 @@ class Recording:
             "model": self.meta.get("model"), "layers": self.meta.get("layers"), "context": self.context,
             "steps": self.steps, "head_dim": self.head_dim, "rope_theta": self.rope_theta,
             "text_source": self.meta.get("text_source"), "token_ids_sha256": self.meta.get("token_ids_sha256"),
+            "forecasts": self.forecasts is not None,
         }  # fmt: skip
 
     def save(self, path: str | Path) -> Path:
@@ -218,6 +225,8 @@ class Recording:
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {"keys": self.keys, "key_scales": self.key_scales, "key_means": self.key_means,
                    "queries": self.queries, "new_keys": self.new_keys, "token_ids": self.token_ids}  # fmt: skip
+        if self.forecasts is not None:
+            tensors["forecasts"] = self.forecasts
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
                   metadata={"format": FORMAT, "workload": json.dumps(self.meta)})  # fmt: skip
         self.path, self.file_sha256 = str(path), file_sha256(path)
@@ -239,7 +248,8 @@ class Recording:
                                  f"{FORMAT!r})")  # fmt: skip
             tensors = {k: f.get_tensor(k) for k in f.keys()}
         names = ("keys", "key_scales", "key_means", "queries", "new_keys", "token_ids")
-        return cls(*(tensors[k] for k in names), json.loads(header["workload"]), str(path), file_sha256(path))
+        return cls(*(tensors[k] for k in names), json.loads(header["workload"]), str(path), file_sha256(path),
+                   tensors.get("forecasts"))  # fmt: skip
 
     def layer_keys(self, index: int) -> torch.Tensor:
         """Kept layer ``index``'s pre-RoPE context keys, dequantized: ``[kv_heads, context, head_dim]`` float32."""
@@ -315,6 +325,12 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
             module = getattr(model.model.layers[i].self_attn, name)
             handles.append(module.register_forward_hook(
                 lambda mod, args, out, store=store: store.append(out.detach()[0].float().cpu())))  # fmt: skip
+    inputs: dict[int, torch.Tensor] = {}  # kept layer -> its input hidden state at the current decode step
+    for i in layers:
+        handles.append(model.model.layers[i].register_forward_pre_hook(
+            lambda mod, args, kwargs, i=i: inputs.__setitem__(i, (args[0] if args else kwargs["hidden_states"])[0, -1]
+                                                              .detach()), with_kwargs=True))  # fmt: skip
+    forecasts = []
     t0 = time.perf_counter()
     generated = []
     try:
@@ -336,6 +352,7 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
                 out = model(input_ids=token, position_ids=torch.full((1, 1), n + t, device=device), use_cache=True,
                             logits_to_keep=1, **{kw: cache})  # fmt: skip
                 token = out.logits[:, -1:].argmax(-1)
+                forecasts.append(_forecasts(model, layers, inputs))
     finally:
         for h in handles:
             h.remove()
@@ -353,7 +370,8 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
     means = keys.mean(2)  # [L, kv, d]
     codes, scales = quantize_int8(keys - means[:, :, None])
     token_ids = torch.tensor(list(prompt_ids) + generated, dtype=torch.int64)
-    rec = Recording(codes, scales, means, q, k, token_ids, {})
+    f = torch.stack(forecasts).view(steps, n_kept, q_heads, head_dim).transpose(0, 1).contiguous()
+    rec = Recording(codes, scales, means, q, k, token_ids, {}, forecasts=f)
     # How far int8 moves the first decode step's logits, relative to their spread over the context (worst head).
     q0 = rope_at(q[:, 0][:, :, None], torch.tensor([n]), theta)[:, :, 0]  # [L, q_heads, d]
     g = q_heads // kv_heads
@@ -373,9 +391,25 @@ def record(model, prompt_ids: list[int], steps: int, layers: list[int], chunk: i
         "generated_ids": generated,
         "token_ids_sha256": hashlib.sha256(token_ids.numpy().tobytes()).hexdigest(),
         "keys_int8_logit_error": errors,
+        "forecasts": "per kept layer i and step, the pre-RoPE query of kept layer i's input_layernorm and q_proj on "
+                     "the input of kept layer (i - 1) mod n (lookahead's prediction; the layer just before where the "
+                     "two are a pair)",
         "record_s": time.perf_counter() - t0,
     }  # fmt: skip
     return rec
+
+
+def _forecasts(model, layers: list[int], inputs: dict) -> torch.Tensor:
+    """One decode step's :attr:`Recording.forecasts`: ``[n_kept, q_heads * head_dim]`` float32, CPU. Kept layer
+    ``layers[i]``'s input norm and query projection (its weights, not its module call: the recording's ``q_proj``
+    hooks must not see it) on the input of ``layers[i - 1]`` (``inputs``)."""
+    rows = []
+    for i, layer_index in enumerate(layers):
+        layer = model.model.layers[layer_index]
+        source = inputs[layers[(i - 1) % len(layers)]]
+        q_proj = layer.self_attn.q_proj
+        rows.append(torch.nn.functional.linear(layer.input_layernorm(source[None]), q_proj.weight, q_proj.bias)[0])
+    return torch.stack(rows).float().cpu()
 
 
 def needle_document(tokenizer, context: int, seed: int = 0) -> tuple[list[int], dict]:
@@ -609,16 +643,31 @@ class Replay:
             :attr:`dtype`, on :attr:`device`; queries scaled by ``sqrt(head_dim / recorded head_dim)``.
         """
         rec = self.recording
-        q = torch.empty(rec.steps, rec.n_layers, self.kv_heads * self.q_per_kv, self.head_dim)
         k = torch.empty(rec.steps, rec.n_layers, self.kv_heads, self.head_dim)
         for m in range(rec.n_layers):
             for h in range(self.kv_heads):
                 li, hi = (m + h // rec.kv_heads) % rec.n_layers, h % rec.kv_heads
-                heads = self.query_heads(h)
-                q[:, m, h * self.q_per_kv : (h + 1) * self.q_per_kv] = embed_head(
-                    rec.queries[li][:, heads] * self.scale, self.head_dim)  # fmt: skip
                 k[:, m, h] = embed_head(rec.new_keys[li][:, hi], self.head_dim)
-        return (q.flatten(2).to(self.device, self.dtype), k.flatten(2).to(self.device, self.dtype))
+        return self._query_table(rec.queries), k.flatten(2).to(self.device, self.dtype)
+
+    def forecast_table(self) -> torch.Tensor | None:
+        """Every recorded step's forecast query (:attr:`Recording.forecasts`) at the target geometry, per base index,
+        laid out as :meth:`step_tables`' queries: ``[steps, n_kept, q_heads * head_dim]``; ``None`` where the
+        recording has none. Target layer ``j``'s KV head ``h`` takes the forecast of the kept layer its query comes
+        from, made on the input of the kept layer that target layer ``j - 1``'s head ``h`` comes from."""
+        forecasts = self.recording.forecasts
+        return None if forecasts is None else self._query_table(forecasts)
+
+    def _query_table(self, queries: torch.Tensor) -> torch.Tensor:
+        """Recorded per-layer queries ``[n_kept, steps, q_heads, head_dim]`` at the target geometry and scale."""
+        rec = self.recording
+        q = torch.empty(rec.steps, rec.n_layers, self.kv_heads * self.q_per_kv, self.head_dim)
+        for m in range(rec.n_layers):
+            for h in range(self.kv_heads):
+                li = (m + h // rec.kv_heads) % rec.n_layers
+                q[:, m, h * self.q_per_kv : (h + 1) * self.q_per_kv] = embed_head(
+                    queries[li][:, self.query_heads(h)] * self.scale, self.head_dim)  # fmt: skip
+        return q.flatten(2).to(self.device, self.dtype)
 
     @contextlib.contextmanager
     def hooks(self, model):
@@ -629,8 +678,11 @@ class Replay:
         Step ``t`` (counted from 0 at entry, wrapping after the recorded steps) is loaded into fixed buffers by a
         pre-hook on ``model`` before its forward, and each projection's hook returns a copy of its layer's row: a
         CUDA graph captured around a decoder layer reads those buffers, so replays see later steps. A projection
-        called outside its own layer's attention (the lookahead's prediction of the next layer's query) keeps its
-        own output. Forwards of more than one token (a prefill) are left unchanged.
+        called outside its own layer's attention keeps its own output. Where the recording has forecasts, the
+        lookahead's prediction of a layer's query (``hf_offload.cache.recaller.speculative_query``, replaced within
+        this context) is the recorded forecast, rotated by the step's RoPE, in place of what the random weights
+        give (which it still computes, so the step keeps its cost). Forwards of more than one token (a prefill) are
+        left unchanged.
 
         Args:
             model: the target causal LM (``model.model.layers[j].self_attn``), with ``config`` the one given here.
@@ -643,6 +695,8 @@ class Replay:
                              device=self.device)  # fmt: skip
         q_buf = q_table[0][index].clone()  # [layers, batch, q_heads * head_dim]
         k_buf = k_table[0][index].clone()
+        f_table = self.forecast_table()
+        f_buf = None if f_table is None else f_table[0][index].clone()
         state = {"decode": False, "active": None}
         handles = []
         self.step = 0
@@ -658,6 +712,8 @@ class Replay:
                 t = self.step % steps
                 q_buf.copy_(q_table[t][index])
                 k_buf.copy_(k_table[t][index])
+                if f_buf is not None:
+                    f_buf.copy_(f_table[t][index])
                 self.step += 1
 
         def replace(buf, j):
@@ -680,7 +736,24 @@ class Replay:
         layers = model.model.layers
         if len(layers) != self.layers:
             raise ValueError(f"the model has {len(layers)} decoder layers, the replay was built for {self.layers}")
+        from hf_offload.cache import recaller
+
+        predict = recaller.speculative_query
+        layer_of = {id(layer): j for j, layer in enumerate(layers)}
+
+        def forecast(decoder_layer, hidden, position_embeddings):
+            own = predict(decoder_layer, hidden, position_embeddings)  # the random weights' (its cost stays)
+            j = layer_of.get(id(decoder_layer))
+            if own is None or j is None or not state["decode"] or own.shape[2] != 1:
+                return own
+            cos, sin = (x.unsqueeze(1) for x in position_embeddings)
+            q = f_buf[j].view(own.shape[0], own.shape[1], 1, own.shape[3]).to(own.dtype)
+            half = q.shape[-1] // 2
+            return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+
         try:
+            if f_buf is not None:
+                recaller.speculative_query = forecast
             handles.append(model.register_forward_pre_hook(before_forward, with_kwargs=True))
             for j, layer in enumerate(layers):
                 attn = layer.self_attn
@@ -690,6 +763,7 @@ class Replay:
                 handles.append(attn.k_proj.register_forward_hook(replace(k_buf, j)))
             yield self
         finally:
+            recaller.speculative_query = predict
             for h in handles:
                 h.remove()
 
@@ -699,7 +773,10 @@ class Replay:
                 "q_per_kv": self.q_per_kv, "query_heads_of_group": self.q_pick, "query_scale": self.scale,
                 "fill_tokens": self.fill_tokens, "sink_tokens": self.sink_tokens,
                 "mapping": "target layer j, KV head h, sequence b <- kept layer (j + 2b + h // g) mod n, head h mod g; "
-                           "recorded document last, earlier positions cyclic copies; values random"}  # fmt: skip
+                           "recorded document last, earlier positions cyclic copies; values random",
+                "lookahead_forecast": "recorded (the recorded model's prediction of each kept layer's query from the "
+                                      "kept layer before it)" if self.recording.forecasts is not None else
+                                      "the target's random weights (the recording has no forecasts)"}  # fmt: skip
 
 
 def load_workload(spec: str) -> Recording | None:

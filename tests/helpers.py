@@ -95,17 +95,23 @@ def left_padded(lengths: list[int], seed: int = 0) -> tuple[torch.Tensor, torch.
     return ids, mask
 
 
-def tiny_recording(theta: float = 1e6, context: int = 40, steps: int = 3):
-    """A decode recorded by ``benchmarks/workload.py`` from a tiny random Qwen2 model (4 layers, 6 query / 2 KV heads,
-    head size 16, RoPE base ``theta``): ``context`` random tokens, then ``steps`` decode steps."""
+def tiny_recorded_model(theta: float = 1e6):
+    """The tiny random Qwen2 model :func:`tiny_recording` records from (4 layers, 6 query / 2 KV heads, head size 16,
+    RoPE base ``theta``), float32, eval mode; the global RNG seeded as the recording left it."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from benchmarks import workload
 
     cfg = Qwen2Config(hidden_size=96, intermediate_size=64, num_hidden_layers=4, num_attention_heads=6,
                       num_key_value_heads=2, vocab_size=128, rope_theta=theta, max_position_embeddings=256)  # fmt: skip
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg).eval()
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+def tiny_recording(theta: float = 1e6, context: int = 40, steps: int = 3):
+    """A decode recorded by ``benchmarks/workload.py`` from :func:`tiny_recorded_model`: ``context`` random tokens,
+    then ``steps`` decode steps."""
+    from benchmarks import workload
+
+    model = tiny_recorded_model(theta)
     ids = torch.randint(0, 128, (context,)).tolist()
     return workload.record(model, ids, steps, layers=[0, 1, 2, 3], chunk=16, meta={"model": "tiny-qwen2"},
                            log=lambda *a: None)  # fmt: skip

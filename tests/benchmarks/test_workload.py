@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from benchmarks import workload
 
-from ..helpers import tiny_recording
+from ..helpers import tiny_recorded_model, tiny_recording
 
 THETA = 1e6
 CONTEXT, STEPS = 40, 3
@@ -130,8 +130,9 @@ def test_sequences_differ_and_layers_cycle_in_pairs(recording):
 def test_save_and_load_round_trip(recording, tmp_path):
     path = recording.save(tmp_path / "w.safetensors")
     back = workload.Recording.load(path)
-    for name in ("keys", "key_scales", "key_means", "queries", "new_keys", "token_ids"):
+    for name in ("keys", "key_scales", "key_means", "queries", "new_keys", "token_ids", "forecasts"):
         assert torch.equal(getattr(back, name), getattr(recording, name)), name
+    assert back.describe()["forecasts"] is True
     assert back.meta["rope_theta"] == THETA and back.meta["layers"] == [0, 1, 2, 3]
     assert back.describe()["sha256"] == workload.file_sha256(path) and back.describe()["file"] == "w.safetensors"
     assert max(back.meta["keys_int8_logit_error"]) < 0.1
@@ -197,3 +198,84 @@ def test_bench_decode_replays_a_recorded_workload(recording, tmp_path, capsys):
     assert all(r["workload"]["label"] == "random KV (worst case)" for r in data["runs"])
     with pytest.raises(SystemExit):
         bench_decode.parse_args([*argv, "--workload", "recorded:/nonexistent.safetensors"])
+
+
+def test_recorded_forecasts_are_what_lookahead_predicts_on_the_recorded_model(recording):
+    """Each recorded forecast, rotated at its position, is the library's own prediction
+    (``hf_offload.cache.lookahead.speculative_query``) of that layer's query from the previous layer's input, on the
+    recorded model re-run over the recorded tokens."""
+    from hf_offload.cache.lookahead import speculative_query
+
+    model = tiny_recorded_model(THETA)
+    n, ids = recording.context, recording.token_ids[None]
+    inputs = {}
+    hooks = [layer.register_forward_pre_hook(
+        lambda m, a, kw, i=i: inputs.__setitem__(i, a[0] if a else kw["hidden_states"]), with_kwargs=True)
+        for i, layer in enumerate(model.model.layers)]  # fmt: skip
+    with torch.inference_mode():
+        model(input_ids=ids[:, : n + STEPS])
+    for h in hooks:
+        h.remove()
+    positions = torch.arange(n + STEPS)[None]
+    cos, sin = model.model.rotary_emb(inputs[0], positions)
+    layers = recording.meta["layers"]
+    checked = 0
+    for i in range(1, len(layers)):
+        for t in range(STEPS):
+            # decode step t ran token_ids[n + t] at position n + t
+            p = n + t
+            hidden = inputs[layers[i - 1]][:, p : p + 1]
+            want = speculative_query(model.model.layers[layers[i]], hidden, (cos[:, p : p + 1], sin[:, p : p + 1]))
+            got = workload.rope_at(recording.forecasts[i, t], torch.tensor([p]), THETA)  # [q_heads, d]
+            torch.testing.assert_close(got, want[0, :, 0], rtol=1e-3, atol=1e-4)
+            checked += 1
+    assert checked == 3 * STEPS
+    # the first kept layer's forecast comes from the last kept layer's input (the wrap): defined, finite
+    assert recording.forecasts.shape == recording.queries.shape and bool(recording.forecasts.isfinite().all())
+
+
+def test_replayed_lookahead_predicts_with_the_recorded_forecast(recording):
+    """Inside ``hooks``, the library's prediction of target layer j's query (what lookahead plans layer j with,
+    from layer j - 1) is the recorded forecast of the kept layer each head comes from, at the target geometry and
+    rotated at the step's position; outside a decode step and after the context, the random weights' own."""
+    from hf_offload.cache import recaller
+
+    original = recaller.speculative_query
+    cfg = target_config()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).eval()
+    batch, fill = 2, 2 * CONTEXT + 5
+    replay = workload.Replay(recording, cfg, batch=batch, fill_tokens=fill, dtype=torch.float32)
+    assert "recorded" in replay.describe()["lookahead_forecast"]
+    cache = DynamicCache(config=cfg)
+    replay.fill(cache)
+    hidden = torch.randn(batch, 1, cfg.hidden_size)
+    with torch.inference_mode(), replay.hooks(model):
+        assert recaller.speculative_query is not original
+        for t in range(STEPS):
+            pos = torch.full((batch, 1), fill + t)
+            model(input_ids=torch.zeros(batch, 1, dtype=torch.long), position_ids=pos, use_cache=True,
+                  **{workload.cache_keyword(model): cache})  # fmt: skip
+            cos, sin = model.model.rotary_emb(hidden, pos)
+            for j in range(cfg.num_hidden_layers):
+                got = recaller.speculative_query(model.model.layers[j], hidden, (cos, sin))  # [batch, heads, 1, D]
+                own = original(model.model.layers[j], hidden, (cos, sin))
+                assert got.shape == own.shape and not torch.allclose(got, own)
+                for b in range(batch):
+                    for h in range(cfg.num_key_value_heads):
+                        li, _ = replay.source(j, h, b)
+                        for i, qh in enumerate(replay.query_heads(h)):
+                            want = workload.rope_at(recording.forecasts[li, t, qh][None] * replay.scale,
+                                                    torch.tensor([fill + t]), THETA)  # fmt: skip
+                            torch.testing.assert_close(got[b, h * replay.q_per_kv + i, 0],
+                                                       workload.embed_head(want, cfg.head_dim)[0], rtol=1e-4,
+                                                       atol=1e-4)  # fmt: skip
+    assert recaller.speculative_query is original
+    # a recording without forecasts (an older file) leaves the prediction to the model's weights
+    import dataclasses
+
+    old = workload.Replay(dataclasses.replace(recording, forecasts=None), cfg, batch=batch, fill_tokens=fill,
+                          dtype=torch.float32)  # fmt: skip
+    assert "random weights" in old.describe()["lookahead_forecast"]
+    with old.hooks(model):
+        assert recaller.speculative_query is original
