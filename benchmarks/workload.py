@@ -13,8 +13,9 @@ in float32 on the CPU over a long real document (standard-library documentation,
 decodes ``--steps`` tokens greedily. It keeps, for a subset of layers (adjacent pairs): the context's keys before
 RoPE (their mean per layer and head, plus an int8 residual with one float16 scale per token and head: see
 :func:`record`), and per decode step the pre-RoPE query (``q_proj``'s output) and pre-RoPE key (``k_proj``'s
-output) of the new token. Values are not kept (speed and selection do not
-depend on them). The file is safetensors in ``.workloads/`` (git-ignored) with its metadata in the header.
+output) of the new token, and lookahead's forecast of each kept layer's query (its input norm and ``q_proj`` on the
+previous kept layer's input). Values are not kept (speed and selection do not depend on them). The file is
+safetensors in ``.workloads/`` (git-ignored) with its metadata in the header.
 
 **replay** (:class:`Replay`): maps the recording onto a target model (e.g. the Llama-3.1-8B shape: 32 layers,
 32 query / 8 KV heads, head_dim 128) and a context of any length:
@@ -35,6 +36,8 @@ depend on them). The file is safetensors in ``.workloads/`` (git-ignored) with i
   its copies elsewhere. A context shorter than the recording keeps the first ``sink_tokens`` and the last tokens.
 * the decode: :meth:`Replay.hooks` replaces ``q_proj`` / ``k_proj`` outputs of decode steps (one token per sequence)
   with the recorded step's query and key, so the model's own RoPE rotates them; values stay the model's (random).
+  Lookahead's prediction of the next layer's query is the recorded forecast (an adjacent layer's in the recorded
+  model for half of the transitions, across the layers between two kept pairs for the others).
 
 ``tests/benchmarks/test_workload.py`` checks the mapping on a tiny random model: replayed logits equal the recorded
 ones at the target geometry, and a re-rotated key equals RoPE at the shifted position.
