@@ -276,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drive-mib", type=int, default=1024)
     parser.add_argument("--random-reads", type=int, default=4096)
     parser.add_argument("--dtype", default=None,
-                        help="default: bfloat16 for --shape; for --model the loader's (bfloat16 on CUDA, float32 on CPU)")
+                        help="default: bfloat16 for --shape; for --model the loader's (bfloat16 on CUDA, float32 on "
+                        "CPU)")  # fmt: skip
     parser.add_argument("--model", default=None, metavar="NAME",
                         help="a real model (a registry name of 'hf-offload models', or a local folder) instead of "
                         "--shape: real prompts prefilled, greedy decode")  # fmt: skip
@@ -324,8 +325,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = {"kind": "model", "label": f"real model {args.model} ({str(dtype).removeprefix('torch.')})",
                     "model": args.model,
                     "prompts": [info for _, info in documents]}  # fmt: skip
-        note = (f"{workload['label']}: one needle document of {args.context:,} tokens per sequence "
-                "(benchmarks/workload.py: needle_document, seeds 0..batch-1), prefilled, then greedy decode")  # fmt: skip
+        note = (f"{workload['label']}: one needle document of {args.context:,} tokens per sequence (benchmarks/"
+                "workload.py: needle_document, seeds 0..batch-1), prefilled, then greedy decode")  # fmt: skip
     else:
         dtype = getattr(torch, args.dtype or "bfloat16")
         model = build(args.shape, args.layers, args.context + args.steps + 16, device, dtype,
