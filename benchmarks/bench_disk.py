@@ -191,9 +191,8 @@ def run_cache(model, args, device, disk: dict, recording=None) -> dict:
         fill_spill_s = timed.spill_s
         with replay.hooks(model) if replay is not None else contextlib.nullcontext():
             step_times = _decode_step_times(model, cache, args.batch, args.context, args.steps, device)
-    spilled = cache.stats()["disk_spilled_bytes"]
-    return _row(cache, args, step_times, fill_s, spilled / fill_spill_s / 1e9 if fill_spill_s else None,
-                timed.spill_s, timed.read_s)  # fmt: skip
+    return _row(cache, args, step_times, fill_s, cache.stats()["disk_spilled_bytes"], fill_spill_s, timed.spill_s,
+                timed.read_s)  # fmt: skip
 
 
 def run_model_cache(model, prompts: torch.Tensor, args, device, disk: dict) -> dict:
@@ -221,14 +220,15 @@ def run_model_cache(model, prompts: torch.Tensor, args, device, disk: dict) -> d
                              max_new_tokens=args.steps, min_new_tokens=args.steps,
                              logits_processor=LogitsProcessorList([clock]))  # fmt: skip
     step_times = [b - a for a, b in zip(clock.marks[1:], clock.marks[2:])]
-    return _row(cache, args, step_times, fill_s, spilled / fill_spill_s / 1e9 if fill_spill_s else None,
-                timed.spill_s, timed.read_s, tokens=out[:, prompts.shape[1] + 1 :].tolist())  # fmt: skip
+    return _row(cache, args, step_times, fill_s, spilled, fill_spill_s, timed.spill_s, timed.read_s,
+                tokens=out[:, prompts.shape[1] + 1 :].tolist())  # fmt: skip
 
 
-def _row(cache, args, step_times: list[float], fill_s: float, spill_gbs: float | None, spill_s: float, read_s: float,
-         **extra) -> dict:  # fmt: skip
-    """The result row of one cache configuration (closes the cache): ``spill_gbs`` of the fill, the seconds spent
-    spilling (``spill_s``) and reading (``read_s``)."""
+def _row(cache, args, step_times: list[float], fill_s: float, spilled: int, fill_spill_s: float, spill_s: float,
+         read_s: float, **extra) -> dict:  # fmt: skip
+    """The result row of one cache configuration (closes the cache): the spill throughput is ``spilled`` bytes over
+    the fill's seconds spilling (``fill_spill_s``); ``spill_s`` and ``read_s`` are all the seconds spent spilling and
+    reading."""
     # The steady step is the median: the mean carries the steps that capture CUDA graphs (the first seals).
     step_s, mean_s = statistics.median(step_times), sum(step_times) / len(step_times)
     stats = cache.stats()
@@ -243,7 +243,7 @@ def _row(cache, args, step_times: list[float], fill_s: float, spill_gbs: float |
         "decode_tok_s": args.batch / step_s,
         "decode_mean_step_ms": mean_s * 1e3,
         "decode_step_s": step_times,
-        "spill_gbs": spill_gbs,
+        "spill_gbs": spilled / fill_spill_s / 1e9 if fill_spill_s else None,
         "tier_read_gbs": read / read_s / 1e9 if read_s else None,
         "hit_rate": stats.get("hit_rate"),
         # Per decode step: blocks read from disk when a recall needed them (not staged ahead), blocks staged ahead

@@ -740,6 +740,7 @@ class Replay:
         if len(layers) != self.layers:
             raise ValueError(f"the model has {len(layers)} decoder layers, the replay was built for {self.layers}")
         from hf_offload.cache import recaller
+        from hf_offload.cache.lookahead import _rotate_half as rotate_half
 
         predict = recaller.speculative_query
         layer_of = {id(layer): j for j, layer in enumerate(layers)}
@@ -751,8 +752,7 @@ class Replay:
                 return own
             cos, sin = (x.unsqueeze(1) for x in position_embeddings)
             q = f_buf[j].view(own.shape[0], own.shape[1], 1, own.shape[3]).to(own.dtype)
-            half = q.shape[-1] // 2
-            return q * cos + torch.cat((-q[..., half:], q[..., :half]), dim=-1) * sin
+            return q * cos + rotate_half(q) * sin  # the rotation speculative_query applies
 
         try:
             if f_buf is not None:

@@ -237,7 +237,8 @@ def test_recorded_forecasts_are_what_lookahead_predicts_on_the_recorded_model(re
 def test_replayed_lookahead_predicts_with_the_recorded_forecast(recording):
     """Inside ``hooks``, the library's prediction of target layer j's query (what lookahead plans layer j with,
     from layer j - 1) is the recorded forecast of the kept layer each head comes from, at the target geometry and
-    rotated at the step's position; outside a decode step and after the context, the random weights' own."""
+    rotated at the step's position; after the context, and with a recording that has no forecasts, the random
+    weights' own."""
     from hf_offload.cache import recaller
 
     original = recaller.speculative_query
