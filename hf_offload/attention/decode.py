@@ -69,7 +69,8 @@ def decode_body(
     reuse: bool = False,
 ) -> torch.Tensor:
     """The work of one decode step of one layer (what a CUDA graph captures): plan, make the selection resident,
-    attend. No host synchronisation; reads only the layer's state, ``inputs`` and ``query``.
+    attend. No host synchronisation (with a disk tier: one, between the plan and the recall, which a captured step
+    runs between two graphs); reads only the layer's state, ``inputs`` and ``query``.
 
     Args:
         layer: the offloaded layer.
@@ -101,12 +102,12 @@ def decode_body(
         recaller.lookahead_next(q, mask, scaling)
         if timer is not None:
             timer.add("prefetch", t_select, t_select := timer.mark())
+    # With a disk tier the recall reads the blocks on disk on the host and stages those ranked below the selection.
+    stage = selection if layer.blocks.host.disk is not None else None
     blocks, keep, slots, _, _ = next(
         recaller.resident_rounds(selection, decode=True, count_step=count_step, gather=False,
-                                 in_place=layer.execution.paged)
+                                 in_place=layer.execution.paged, stage=stage)
     )
-    if layer.blocks.host.disk_chunks:  # never in a graph: the disk tier runs op by op
-        recaller.stage_near(selection)
     if timer is not None:
         timer.add("recall", t_select, t_recalled := timer.mark())
     out = decode_sdpa(layer, query, blocks, keep, slots, inputs, n, scaling, selection)

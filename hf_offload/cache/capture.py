@@ -29,32 +29,91 @@ class CapturedDecode:
         held: tensors the graph reads that the layer may replace while the graph lives.
     """
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | SegmentedGraph
     query: torch.Tensor
     out: torch.Tensor
     held: tuple
 
 
+class SegmentedGraph:
+    """CUDA graphs replayed one after the other with host work between them: what a capture becomes where the
+    captured code needs the host part-way (:func:`between_graphs`), e.g. to read blocks from disk between a layer's
+    plan and its recall. Replays like one graph."""
+
+    def __init__(self, graphs: list, work: list) -> None:
+        if len(graphs) != len(work) + 1:
+            raise ValueError("SegmentedGraph: one piece of host work between each two graphs")
+        self.graphs, self.work = graphs, work
+
+    def replay(self) -> None:
+        for graph, work in zip(self.graphs, self.work):
+            graph.replay()
+            work()
+        self.graphs[-1].replay()
+
+
+class _Segments:
+    """A capture in progress that :func:`between_graphs` may split: its graphs so far, the current one and the
+    host work between them."""
+
+    def __init__(self, pool) -> None:
+        self.pool = pool
+        self.done: list = []
+        self.work: list = []
+        self.graph = torch.cuda.CUDAGraph()
+
+    def split(self, work) -> None:
+        self.graph.capture_end()
+        self.done.append(self.graph)
+        self.work.append(work)
+        if self.pool is None:  # the graphs of one capture share its memory pool
+            self.pool = self.done[0].pool()
+        self.graph = torch.cuda.CUDAGraph()
+        self.graph.capture_begin(pool=self.pool)
+
+    def result(self):
+        return self.graph if not self.done else SegmentedGraph([*self.done, self.graph], self.work)
+
+
+_CAPTURING: list[_Segments] = []  # the captures of _capture_on in progress (innermost last)
+
+
+def between_graphs(work) -> None:
+    """Run ``work()`` (host work: it may synchronise with the device and launch operations) where it stands in the
+    decode step. Op by op that is now; inside a capture of :func:`capture`, :func:`capture_work` or
+    :func:`capture_decoder_layer` the capture ends here and a new graph starts, and each replay runs ``work()``
+    between the two graphs (:class:`SegmentedGraph`). ``work`` reads and writes only tensors that keep their
+    address while the graph lives (those the captured code created are kept alive by ``work``'s closure)."""
+    if _CAPTURING and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        _CAPTURING[-1].split(work)
+    else:
+        work()
+
+
 def _capture_on(stream_device: torch.device, enqueue, pool, stream: torch.cuda.Stream | None):
-    """Capture ``enqueue()`` into a CUDA graph on ``stream`` (``None``: a new one); returns ``(graph, output)``."""
-    graph = torch.cuda.CUDAGraph()
+    """Capture ``enqueue()`` into a CUDA graph on ``stream`` (``None``: a new one); returns ``(graph, output)``:
+    a :class:`SegmentedGraph` where the captured code asked for host work part-way (:func:`between_graphs`)."""
+    segments = _Segments(pool)
     current = torch.cuda.current_stream(stream_device)
     stream = stream if stream is not None else torch.cuda.Stream(stream_device)
     stream.wait_stream(current)
     with torch.cuda.stream(stream):
-        graph.capture_begin(pool=pool)
+        segments.graph.capture_begin(pool=pool)
+        _CAPTURING.append(segments)
         try:
             out = enqueue()
         except BaseException:
             try:
-                graph.capture_end()
+                segments.graph.capture_end()
             except Exception:
                 pass  # the capture was invalidated by the failure being raised (the caller starts a new pool)
             _end_generator_capture()
             raise
-        graph.capture_end()
+        finally:
+            _CAPTURING.remove(segments)
+        segments.graph.capture_end()
     current.wait_stream(stream)
-    return graph, out
+    return segments.result(), out
 
 
 def _end_generator_capture() -> None:
@@ -108,7 +167,7 @@ class CapturedWork:
         held: tensors the graph reads that their owner may replace while the graph lives.
     """
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | SegmentedGraph
     out: object
     held: tuple
 
@@ -140,7 +199,7 @@ class CapturedLayer:
         held: tensors the graph reads that the cache may replace while the graph lives.
     """
 
-    graph: torch.cuda.CUDAGraph
+    graph: torch.cuda.CUDAGraph | SegmentedGraph
     statics: list
     inputs: "StaticInputs"
     out: object

@@ -18,6 +18,7 @@ from .lookahead import speculative_query
 from ..selectors import Selection, Selector
 from ..store import transfer
 from .blocks import BlockStore
+from .capture import between_graphs
 from .execution import LayerExecution, hidden_states
 from .planner import DecodePlanner
 from .stats import LayerStats, count_recall
@@ -92,9 +93,12 @@ class Recaller:
 
     # ------------------------------------------------------------------------------------------------------- rounds
     def resident_rounds(
-        self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True, in_place: bool = False
+        self, selection: Selection, decode: bool, count_step: bool = True, gather: bool = True, in_place: bool = False,
+        stage: Selection | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
+        With ``stage`` (a decode step's plan, chunks on disk) the blocks it forecasts start moving from disk with the
+        first round's recall (:meth:`stage_ahead`).
 
         Before its first recall the compute stream waits for the host writes of the blocks this forward may read
         and for this layer's pending prefetch, if any (events, no host synchronisation).
@@ -146,7 +150,7 @@ class Recaller:
                 # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
                 # them; both must come after the prefetch. Recalled blocks must have reached the host.
                 self.wait_side_streams()
-            count, unit, host_count = self.recall(blocks, slots, miss)
+            count, unit, host_count = self.recall(blocks, slots, miss, stage=stage if start == 0 else None)
             count_recall(self.stats, count, unit, decode=decode, host_count=host_count)
             if decode:
                 # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss of
@@ -174,7 +178,8 @@ class Recaller:
         return keep & on_host[chunk]
 
     # ------------------------------------------------------------------------------------------------------- recall
-    def recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
+    def recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None,
+               stage: Selection | None = None):
         """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise).
 
         Args:
@@ -183,6 +188,7 @@ class Recaller:
             miss: entries to recall, ``[batch, kv_heads, n]``, ``torch.bool``, compute device.
             stream: kernel path on CUDA only: a side stream to run the copy on (its event becomes the pending
                 prefetch); ``None``: the current stream.
+            stage: a decode step's plan, whose forecast blocks start moving from disk (:meth:`stage_ahead`).
 
         Returns:
             ``(count, unit, host_count)``: pieces moved (a 0-d device tensor on the kernel path, an int otherwise),
@@ -190,7 +196,14 @@ class Recaller:
             came from blocks admitted to the device).
         """
         if self.execution.use_kernels:
-            return self._recall_kernel(blocks, slots, miss, stream)
+            return self._recall_kernel(blocks, slots, miss, stream, stage)
+        moved = self._recall_torch(blocks, slots, miss)
+        if stage is not None:
+            self.stage_ahead(stage)  # the reads queue behind the recall's own
+        return moved
+
+    def _recall_torch(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor):
+        """Torch path of :meth:`recall` (no side stream)."""
         store = self.blocks
         if self.selector.per_head:
             b, h, j = miss.nonzero(as_tuple=True)
@@ -205,8 +218,11 @@ class Recaller:
         transfer.recall_blocks(store.host, store.pool, ids, b, slots[:, 0][b, j])
         return len(ids), store.host.block_bytes, store.host.count_on_host(ids)
 
-    def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None):
-        """Kernel path of :meth:`recall`: one launch over every candidate entry; no host synchronisation.
+    def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None,
+                       stage: Selection | None = None):
+        """Kernel path of :meth:`recall`: one launch over every candidate entry; no host synchronisation, except
+        with a disk tier: there the host reads the entries' ids before the launch, recalls those on disk itself and
+        leaves the rest to the launch (in a captured graph: host work between two graphs, :func:`between_graphs`).
 
         The launch arguments are computed on the compute stream; only the copy runs on ``stream``.
         """
@@ -226,8 +242,10 @@ class Recaller:
             slot_idx = slots[:, :1].reshape(-1)
             count, unit = missed.sum(), host.block_bytes
         offsets = None if head_idx is not None else self._block_offsets(n)
-        if host.disk_chunks:
-            ids = self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
+        if host.disk is not None and stream is None:
+            between_graphs(self._disk_work(ids, batch_idx, slot_idx, head_idx, stage))
+        elif host.disk_chunks:  # a prefetch: its plan left the blocks on disk to staging (_stage_spilled)
+            self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
         addrs = host.chunk_addrs(store.device)  # refreshed on the compute stream, before any side stream
         uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,)) + (offsets or ())
         event = transfer.launch_on(
@@ -241,11 +259,28 @@ class Recaller:
             self._prefetch_event = event
         return count, unit, host.count_on_host(ids)
 
+    def _disk_work(self, ids: torch.Tensor, batch_idx: torch.Tensor, slot_idx: torch.Tensor,
+                   head_idx: torch.Tensor | None, stage: Selection | None):
+        """The host's part of a recall on the kernel path with a disk tier, as a function of no arguments (run
+        between the graphs of a captured step, or at once op by op): recall the entries on disk
+        (:meth:`_recall_spilled`), then start staging what ``stage`` forecasts (:meth:`stage_ahead`).
+        Without chunks on disk it does nothing (no synchronisation)."""
+
+        def work() -> None:
+            if not self.blocks.host.disk_chunks:
+                return
+            self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
+            if stage is not None:
+                self.stage_ahead(stage)
+
+        return work
+
     def _recall_spilled(self, ids: torch.Tensor, batch_idx: torch.Tensor, slot_idx: torch.Tensor,
                         head_idx: torch.Tensor | None) -> torch.Tensor:
         """Kernel path with chunks on disk: recall the entries whose blocks are on disk through the disk tier
-        (read into staging on its worker threads, copied to their slots on the compute stream) and return ``ids``
-        with those entries ``-1`` for the copy kernel. The host reads the ids: one synchronisation per call.
+        (read into staging on its worker threads, copied to their slots on the compute stream) and set those
+        entries of ``ids`` to ``-1`` in place for the copy kernel (returns ``ids``). The host reads the ids: one
+        synchronisation per call.
 
         Args:
             ids: host block id per entry or ``-1``, ``[n]``, ``torch.int64``, compute device.
@@ -263,7 +298,7 @@ class Recaller:
         dev = rows.to(ids.device)
         head = None if head_idx is None else head_idx[dev]
         transfer.recall_blocks(host, self.blocks.pool, ids_cpu[rows], batch_idx[dev], slot_idx[dev], head_idx=head)
-        return ids.index_fill(0, dev, -1)
+        return ids.index_fill_(0, dev, -1)
 
     def _stage_spilled(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
         """A speculative plan's misses whose blocks are on disk: start reading them into the disk tier's staging
@@ -289,11 +324,45 @@ class Recaller:
         store.pool.block.scatter_(-1, slots, torch.where(on_disk, torch.full_like(held, -1), held))
         return miss & ~on_disk
 
+    def stage_ahead(self, selection: Selection) -> None:
+        """With chunks on disk, after this step's reads from disk: :meth:`stage_near` and :meth:`stage_layers`."""
+        self.stage_near(selection)
+        self.stage_layers(selection)
+
+    def stage_layers(self, selection: Selection) -> None:
+        """With chunks on disk: start reading from disk, into the disk tier's staging and without waiting, the
+        blocks that the next ``disk_stage_layers`` offloaded layers hold at the positions this step selected. The
+        layers of a model attend much the same tokens at a step, so this layer's selection forecasts theirs, and
+        their reads run while this layer and the ones between compute. Synchronises with the host.
+
+        Args:
+            selection: this step's plan (its ``blocks`` where ``keep``).
+        """
+        ahead = self.config.disk_stage_layers
+        store = self.blocks
+        if not ahead or not store.host.disk_chunks:
+            return
+        positions = None
+        later = self.next
+        for _ in range(ahead):
+            if later is None:
+                break
+            other = later.blocks
+            if other.is_initialized and other.host.disk_chunks and (other.batch, other.block_tokens) == (
+                store.batch, store.block_tokens
+            ):
+                if positions is None:
+                    positions = torch.where(selection.keep, selection.blocks, -1).cpu()
+                sealed = torch.where(positions < other.block_table.shape[1], positions, -1)
+                other.host.stage(torch.unique(later._host_ids(sealed)))
+            later = later.next
+
     def stage_near(self, selection: Selection) -> None:
         """With chunks on disk: start reading from disk the ``disk_stage_near`` blocks per sequence (and KV head)
         ranked just below this step's selection, into the disk tier's staging, without waiting, so that a coming
-        step that selects them finds them staged. Call it after the step's recall (the reads queue behind the
-        recall's own). Synchronises with the host (the disk tier runs without CUDA graphs).
+        step that selects them finds them staged. Call it with the step's recall, after its reads from disk (the
+        reads queue behind the recall's own). Synchronises with the host (in a captured step: host work between
+        two graphs).
 
         Args:
             selection: this step's plan: its ``ranked`` blocks past the selection where the selector ranked them,
@@ -473,6 +542,8 @@ class Recaller:
         if not self.execution.lookahead or nxt is None:
             return None
         store, other = self.blocks, nxt.blocks
+        if store.host.disk is not None or other.host.disk is not None:
+            return None  # a prefetch's blocks on disk are staged by the host, which a graph cannot do mid-layer
         if not other.is_initialized or other.device != store.device or other.n_blocks != n_before:
             return None
         if (other.batch, other.kv_heads, other.head_dim, other.block_tokens) != (

@@ -10,8 +10,9 @@ from transformers import DynamicCache
 
 from hf_offload import OffloadCache
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
+from hf_offload.cache.capture import SegmentedGraph
 
-from ..helpers import TINY_PREFILL, build_model, left_padded
+from ..helpers import TINY_PREFILL, TINY_SPARSE, build_model, left_padded
 from .test_editing import MODES, _prompt
 from .test_faults import Boom, _fail_at_call
 
@@ -94,3 +95,33 @@ def test_disk_tier_on_cuda_matches_dynamic_cache_and_removes_its_files(arch, tmp
         stats = cache.stats()
         assert stats["disk_kv_bytes"] > stats["host_kv_bytes"] > 0 and stats["disk_reads"] > 0
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("budget", ["full", "sparse"])
+def test_disk_tier_with_graphs_replays_two_graphs_a_step_and_matches_op_by_op(arch, budget, tmp_path):
+    """``cuda_graphs=True`` with a disk tier: each captured step is two graphs with the host's reads from disk
+    between them; the tokens of the same cache op by op (and of DynamicCache at a full budget)."""
+    block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
+    disk = {"host_chunk_mib": 2 * block_bytes / 2**20, "host_memory_gib": 8 * block_bytes / 2**30}
+    settings = FULL if budget == "full" else dict(TINY_SPARSE, admission="always", disk_stage_near=2,
+                                                  decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
+    settings = {**settings, **disk}
+    model = build_model(arch).cuda()
+    ids, mask = _cuda(*left_padded([101, 77], seed=1))
+    runs = {}
+    for graphs in (False, True):
+        (tmp_path / str(graphs)).mkdir()
+        with OffloadCache(model, **{**settings, "cuda_graphs": graphs}, disk_dir=tmp_path / str(graphs)) as cache:
+            runs[graphs] = _generate(model, cache, ids, mask, new_tokens=24)
+            stats = cache.stats()
+            assert stats["disk_kv_bytes"] > stats["host_kv_bytes"] > 0 and stats["disk_reads"] > 0
+            if graphs:
+                layers = cache.offload_layers
+                assert all(int(layer.stats.layer_graph_replays) > 0 for layer in layers)
+                assert all(any(isinstance(g.graph, SegmentedGraph) for g in layer.graphs.graphs.values())
+                           for layer in layers)  # fmt: skip
+        assert not list((tmp_path / str(graphs)).iterdir())
+    assert torch.equal(runs[True], runs[False])
+    if budget == "full":
+        assert torch.equal(runs[True], _generate(model, DynamicCache(config=model.config), ids, mask, new_tokens=24))

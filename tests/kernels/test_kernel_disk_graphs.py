@@ -1,0 +1,50 @@
+"""Replayed decode steps with blocks on disk through the kernel transfer path, on Triton's CPU interpreter
+(``TRITON_INTERPRET=1``) with the stand-in graphs of ``tests/cache/test_layer_graphs_cpu.py``: the host reads the
+step's entries on disk between the plan and the copy kernel, which moves the rest; the tokens, selections and
+counters of the same cache op by op and of the cache without a disk tier."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_offload import OffloadCache
+from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
+from hf_offload.cache.recaller import Recaller
+
+from ..cache.test_disk_tier import DISK, _generate, _recorded
+from ..cache.test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
+from ..helpers import TINY_SPARSE, build_model, left_padded
+
+pytestmark = pytest.mark.triton
+
+
+def test_replayed_steps_read_their_blocks_on_disk_between_plan_and_copy(stand_in_graphs, tmp_path, monkeypatch):
+    model = build_model("llama")
+    ids, mask = left_padded([120, 90], seed=22)
+    settings = dict(TINY_SPARSE, selector="solohead", transfer="kernel", admission="always", disk_stage_near=2,
+                    decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
+    spilled_reads = []
+    read = Recaller._recall_spilled
+    monkeypatch.setattr(Recaller, "_recall_spilled", lambda self, ids, *rest: spilled_reads.append(
+        int((ids >= 0).sum())) or read(self, ids, *rest))  # fmt: skip
+    memory = OffloadCache(model, **settings, cuda_graphs=False)
+    expected, chosen = _recorded(lambda: _generate(model, ids, mask, memory, new_tokens=12))
+    runs = {}
+    for graphs in (False, None):
+        directory = tmp_path / str(graphs)
+        directory.mkdir()
+        cache = OffloadCache(model, **settings, **dict(DISK, disk_staging_chunks=8), cuda_graphs=graphs,
+                             disk_dir=directory)  # fmt: skip
+        runs[graphs] = (*_recorded(lambda: _generate(model, ids, mask, cache, new_tokens=12)), cache)
+    for got, selections, cache in runs.values():
+        assert torch.equal(got, expected) and selections == chosen
+        stats = cache.stats()
+        assert stats["disk_kv_bytes"] > stats["host_kv_bytes"] > 0 and stats["disk_read_blocks"] > 0
+        for name in ("recalled_blocks", "decode_recalled_blocks", "hit_rate", "decode_steps"):
+            assert stats[name] == memory.stats()[name], name
+        cache.close()
+    graphed = runs[None][2]
+    assert all(layer.execution.use_kernels for layer in graphed.offload_layers)
+    assert all(int(layer.stats.layer_graph_replays) > 0 for layer in graphed.offload_layers)
+    assert spilled_reads and sum(spilled_reads) > 0
