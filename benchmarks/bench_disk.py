@@ -289,9 +289,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookahead", choices=("off", "on", "both"), default="off",
                         help="the disk tier with lookahead (the next layer's likely blocks staged from disk during this "
                         "layer's work): off, on, or both as two configurations")  # fmt: skip
-    parser.add_argument("--stage-layers", type=int, nargs="+", default=[0], metavar="L",
-                        help="disk_stage_layers of the disk tier; each value is one configuration (0: none, L: "
-                             "'disk_tier_layersL'; combined with each --stage-near)")
     parser.add_argument("--graphs", choices=("off", "on", "both"), default="off",
                         help="the disk tier's decode steps replayed from CUDA graphs (cuda_graphs=True; CUDA only): "
                              "each step of a layer two graphs with the host's reads from disk between them")
@@ -357,14 +354,11 @@ def main(argv: list[str] | None = None) -> int:
                 disk_read_threads=args.threads)  # fmt: skip
     configs = [("host_only", {})]
     for near in args.stage_near:
-        for layers in args.stage_layers:
-            tag = (f"_near{near}" if near else "") + (f"_layers{layers}" if layers else "")
-            with_near = dict(tier, **({"disk_stage_near": near} if near else {}),
-                             **({"disk_stage_layers": layers} if layers else {}))  # fmt: skip
-            if args.lookahead in ("off", "both"):
-                configs.append((f"disk_tier{tag}", with_near))
-            if args.lookahead in ("on", "both"):
-                configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
+        tag, with_near = (f"_near{near}", dict(tier, disk_stage_near=near)) if near else ("", tier)
+        if args.lookahead in ("off", "both"):
+            configs.append((f"disk_tier{tag}", with_near))
+        if args.lookahead in ("on", "both"):
+            configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
     if args.graphs != "off":  # the disk configurations again with graphs (two a step, the host's reads between)
         graphed = [(f"{name}_graphs", dict(disk, cuda_graphs=True)) for name, disk in configs[1:]]
         configs = configs[:1] + graphed if args.graphs == "on" else configs + graphed

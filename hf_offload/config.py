@@ -108,9 +108,6 @@ class Memory:
         disk_stage_near: blocks per sequence (and KV head) ranked just below each decode step's selection whose
             reads from disk into staging start after the step's recall, without waiting (the likeliest next
             selections); ``>= 0``. Default 0: none.
-        disk_stage_layers: how many of the next offloaded layers start reading from disk into staging, at each
-            decode step and without waiting, their blocks at the positions a layer selected (its forecast of
-            theirs: the same tokens matter). ``>= 0``. Default 0: none.
     """
 
     pool_tokens: int | None = None
@@ -126,7 +123,6 @@ class Memory:
     disk_staging_chunks: int = 8
     disk_read_threads: int = 16
     disk_stage_near: int = 0
-    disk_stage_layers: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,7 +138,7 @@ class Execution:
             (default): ``"paged"`` on CUDA with the kernel transfer path, else ``"pool"``.
         cuda_graphs: replay each offloaded layer's decode step from a CUDA graph (CUDA, kernel transfer path; not
             prefill nor ``timing``; lookahead turns graphs off under ``graph_scope="attention"``; with ``disk_dir``
-            on with ``True`` only: two graphs a step, the reads from disk between them). Default ``None``.
+            on with ``True`` only: graphs split by the host's disk reads). Default ``None``.
         graph_scope: what a replayed graph covers: ``"layer"`` (default): the whole decoder layer (a layer that
             cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the offloaded attention.
         decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this (its shapes
@@ -378,9 +374,6 @@ class OffloadConfig:
         near = self.disk_stage_near
         if isinstance(near, bool) or not isinstance(near, int) or near < 0:
             raise ValueError(f"disk_stage_near must be a non-negative integer (blocks per sequence), got {near!r}.")
-        ahead = self.disk_stage_layers
-        if isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0:
-            raise ValueError(f"disk_stage_layers must be a non-negative integer (layers ahead), got {ahead!r}.")
         if self.transfer not in ("auto", "kernel", "torch"):
             raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
         cap = self.transfer_cap_blocks

@@ -97,8 +97,8 @@ class Recaller:
         stage: Selection | None = None,
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
         """Make the selected blocks resident, at most a pool's worth at a time, recalling misses from the host.
-        With ``stage`` (a decode step's plan, chunks on disk) the blocks it forecasts start moving from disk with the
-        first round's recall (:meth:`stage_ahead`).
+        With ``stage`` (a decode step's plan, chunks on disk) the blocks ranked just below it start moving from
+        disk with the first round's recall (:meth:`stage_near`).
 
         Before its first recall the compute stream waits for the host writes of the blocks this forward may read
         and for this layer's pending prefetch, if any (events, no host synchronisation).
@@ -179,7 +179,7 @@ class Recaller:
 
     # ------------------------------------------------------------------------------------------------------- recall
     def recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None,
-               stage: Selection | None = None):
+               stage: Selection | None = None, guess: bool = False):
         """Fill missed slots from the host pool (whole blocks for shared selections, head pieces otherwise).
 
         Args:
@@ -188,7 +188,8 @@ class Recaller:
             miss: entries to recall, ``[batch, kv_heads, n]``, ``torch.bool``, compute device.
             stream: kernel path on CUDA only: a side stream to run the copy on (its event becomes the pending
                 prefetch); ``None``: the current stream.
-            stage: a decode step's plan, whose forecast blocks start moving from disk (:meth:`stage_ahead`).
+            stage: a decode step's plan whose next-ranked blocks start moving from disk (:meth:`stage_near`).
+            guess: a speculative plan's misses, without those on disk (:meth:`_stage_spilled` left them to staging).
 
         Returns:
             ``(count, unit, host_count)``: pieces moved (a 0-d device tensor on the kernel path, an int otherwise),
@@ -196,10 +197,10 @@ class Recaller:
             came from blocks admitted to the device).
         """
         if self.execution.use_kernels:
-            return self._recall_kernel(blocks, slots, miss, stream, stage)
+            return self._recall_kernel(blocks, slots, miss, stream, stage, guess)
         moved = self._recall_torch(blocks, slots, miss)
         if stage is not None:
-            self.stage_ahead(stage)  # the reads queue behind the recall's own
+            self.stage_near(stage)  # the reads queue behind the recall's own
         return moved
 
     def _recall_torch(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor):
@@ -219,7 +220,7 @@ class Recaller:
         return len(ids), store.host.block_bytes, store.host.count_on_host(ids)
 
     def _recall_kernel(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None,
-                       stage: Selection | None = None):
+                       stage: Selection | None = None, guess: bool = False):
         """Kernel path of :meth:`recall`: one launch over every candidate entry; no host synchronisation, except
         with a disk tier: there the host reads the entries' ids before the launch, recalls those on disk itself and
         leaves the rest to the launch (in a captured graph: host work between two graphs, :func:`between_graphs`).
@@ -242,10 +243,8 @@ class Recaller:
             slot_idx = slots[:, :1].reshape(-1)
             count, unit = missed.sum(), host.block_bytes
         offsets = None if head_idx is not None else self._block_offsets(n)
-        if host.disk is not None and stream is None:
+        if host.disk is not None and not guess:
             between_graphs(self._disk_work(ids, batch_idx, slot_idx, head_idx, stage))
-        elif host.disk_chunks:  # a prefetch: its plan left the blocks on disk to staging (_stage_spilled)
-            self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
         addrs = host.chunk_addrs(store.device)  # refreshed on the compute stream, before any side stream
         uses = (ids, batch_idx, slot_idx, addrs) + (() if head_idx is None else (head_idx,)) + (offsets or ())
         event = transfer.launch_on(
@@ -263,7 +262,7 @@ class Recaller:
                    head_idx: torch.Tensor | None, stage: Selection | None):
         """The host's part of a recall on the kernel path with a disk tier, as a function of no arguments (run
         between the graphs of a captured step, or at once op by op): recall the entries on disk
-        (:meth:`_recall_spilled`), then start staging what ``stage`` forecasts (:meth:`stage_ahead`).
+        (:meth:`_recall_spilled`), then start staging the blocks ranked below ``stage`` (:meth:`stage_near`).
         Without chunks on disk it does nothing (no synchronisation)."""
 
         def work() -> None:
@@ -271,7 +270,7 @@ class Recaller:
                 return
             self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
             if stage is not None:
-                self.stage_ahead(stage)
+                self.stage_near(stage)
 
         return work
 
@@ -300,10 +299,10 @@ class Recaller:
         transfer.recall_blocks(host, self.blocks.pool, ids_cpu[rows], batch_idx[dev], slot_idx[dev], head_idx=head)
         return ids.index_fill_(0, dev, -1)
 
-    def _stage_spilled(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> torch.Tensor:
+    def _stage_spilled(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> None:
         """A speculative plan's misses whose blocks are on disk: start reading them into the disk tier's staging
         (worker threads, no wait), give their slots back (empty, so the exact plan recalls them, from staging) and
-        return ``miss`` without them.
+        take them out of ``miss`` in place. Host work (:func:`between_graphs`): one synchronisation.
 
         Args:
             blocks: block indices, ``[batch, 1 or kv_heads, n]``, ``torch.int64``, compute device.
@@ -312,50 +311,17 @@ class Recaller:
         """
         store = self.blocks
         host = store.host
-        if not store.block_table.shape[1]:
-            return miss
+        if not host.disk_chunks or not store.block_table.shape[1]:
+            return
         ids = self._host_ids(torch.where(miss, blocks.expand(miss.shape), -1))
         spilled = (ids >= 0) & host.on_disk(ids.clamp(min=0).flatten()).view(ids.shape)
         if not bool(spilled.any()):
-            return miss
+            return
         host.stage(torch.unique(ids[spilled]))
         on_disk = spilled.to(miss.device)
         held = store.pool.block.gather(-1, slots)
         store.pool.block.scatter_(-1, slots, torch.where(on_disk, torch.full_like(held, -1), held))
-        return miss & ~on_disk
-
-    def stage_ahead(self, selection: Selection) -> None:
-        """With chunks on disk, after this step's reads from disk: :meth:`stage_near` and :meth:`stage_layers`."""
-        self.stage_near(selection)
-        self.stage_layers(selection)
-
-    def stage_layers(self, selection: Selection) -> None:
-        """With chunks on disk: start reading from disk, into the disk tier's staging and without waiting, the
-        blocks that the next ``disk_stage_layers`` offloaded layers hold at the positions this step selected. The
-        layers of a model attend much the same tokens at a step, so this layer's selection forecasts theirs, and
-        their reads run while this layer and the ones between compute. Synchronises with the host.
-
-        Args:
-            selection: this step's plan (its ``blocks`` where ``keep``).
-        """
-        ahead = self.config.disk_stage_layers
-        store = self.blocks
-        if not ahead or not store.host.disk_chunks:
-            return
-        positions = None
-        later = self.next
-        for _ in range(ahead):
-            if later is None:
-                break
-            other = later.blocks
-            if other.is_initialized and other.host.disk_chunks and (other.batch, other.block_tokens) == (
-                store.batch, store.block_tokens
-            ):
-                if positions is None:
-                    positions = torch.where(selection.keep, selection.blocks, -1).cpu()
-                sealed = torch.where(positions < other.block_table.shape[1], positions, -1)
-                other.host.stage(torch.unique(later._host_ids(sealed)))
-            later = later.next
+        miss.logical_and_(~on_disk)
 
     def stage_near(self, selection: Selection) -> None:
         """With chunks on disk: start reading from disk the ``disk_stage_near`` blocks per sequence (and KV head)
@@ -526,9 +492,9 @@ class Recaller:
         if self.execution.paged:  # blocks of admitted chunks are read in place: nothing to prefetch for them
             keep = self.pool_keep(selection.blocks, keep)
         slots, miss = store.pool.assign(selection.blocks, keep, touch=False)
-        if store.host.disk_chunks:  # blocks on disk are staged ahead of the exact plan, not recalled here
-            miss = self._stage_spilled(selection.blocks, slots, miss)
-        count, unit, host_count = self.recall(selection.blocks, slots, miss, stream)
+        if store.host.disk is not None:  # blocks on disk are staged ahead of the exact plan, not recalled here
+            between_graphs(lambda: self._stage_spilled(selection.blocks, slots, miss))
+        count, unit, host_count = self.recall(selection.blocks, slots, miss, stream, guess=True)
         count_recall(self.stats, count, unit, decode=True, prefetch=True, host_count=host_count)
         self._mark_prefetched(slots, miss)
 
@@ -542,8 +508,6 @@ class Recaller:
         if not self.execution.lookahead or nxt is None:
             return None
         store, other = self.blocks, nxt.blocks
-        if store.host.disk is not None or other.host.disk is not None:
-            return None  # a prefetch's blocks on disk are staged by the host, which a graph cannot do mid-layer
         if not other.is_initialized or other.device != store.device or other.n_blocks != n_before:
             return None
         if (other.batch, other.kv_heads, other.head_dim, other.block_tokens) != (
@@ -563,7 +527,8 @@ class Recaller:
         capacity ``n`` with the step's shared ``inputs`` (valid and forced blocks) and selects ``k``, as this
         layer's own step will. With side streams the plan, the slot assignment and the copy all run on the prefetch
         stream, forked from the capturing stream (so the speculative scoring too runs beside the previous layer's
-        work), and :meth:`wait_prefetch` joins it before the capture ends. Never changes what is attended.
+        work), and :meth:`wait_prefetch` joins it before the capture ends; with a disk tier they run on the current
+        stream. Never changes what is attended.
 
         Args:
             query: ``[batch, kv_heads, group, head_dim]``, compute device (predicted or an earlier layer's query).
@@ -572,7 +537,9 @@ class Recaller:
             n, k: blocks the step scores and selects.
         """
         streams = self.execution.streams
-        if streams is None:  # CPU, torch path: synchronously
+        if streams is None or self.blocks.host.disk is not None:
+            # CPU, torch path: synchronously. A disk tier: the host stages the plan's blocks on disk part-way
+            # (between two graphs), which a fork to the prefetch stream would leave open: on the current stream.
             self._prefetch_planned(query, scaling, inputs, n, k)
             return
         side = streams.prefetch

@@ -101,10 +101,11 @@ def test_disk_tier_on_cuda_matches_dynamic_cache_and_removes_its_files(arch, tmp
 @pytest.mark.parametrize("budget", ["full", "sparse"])
 def test_disk_tier_with_graphs_replays_two_graphs_a_step_and_matches_op_by_op(arch, budget, tmp_path):
     """``cuda_graphs=True`` with a disk tier: each captured step is two graphs with the host's reads from disk
-    between them; the tokens of the same cache op by op (and of DynamicCache at a full budget)."""
+    between them (three with lookahead, at the sparse budget); the tokens of the same cache op by op (and of
+    DynamicCache at a full budget)."""
     block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
     disk = {"host_chunk_mib": 2 * block_bytes / 2**20, "host_memory_gib": 8 * block_bytes / 2**30}
-    settings = FULL if budget == "full" else dict(TINY_SPARSE, admission="always", disk_stage_near=2,
+    settings = FULL if budget == "full" else dict(TINY_SPARSE, admission="always", disk_stage_near=2, lookahead=True,
                                                   decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
     settings = {**settings, **disk}
     model = build_model(arch).cuda()

@@ -109,15 +109,18 @@ def test_a_capture_that_fails_after_a_split_ends_its_current_graph_and_raises(fa
     assert not capture._CAPTURING
 
 
+@pytest.mark.parametrize("lookahead", [False, True])
 @pytest.mark.parametrize("selector", ["quantkey[bits=4,tail_bits=2,tail_near=3]", "solohead"])
-def test_replayed_steps_with_blocks_on_disk_select_and_count_as_op_by_op(stand_in_graphs, tmp_path, selector):
+def test_replayed_steps_with_blocks_on_disk_select_and_count_as_op_by_op(stand_in_graphs, tmp_path, selector,
+                                                                         lookahead):  # fmt: skip
     """The whole layer replayed (stand-in graphs) with most sealed blocks on disk: the tokens, every plan's
     selection and the counters of the same cache run op by op, blocks read from disk, and the blocks ranked below
-    each selection staged (``disk_stage_near``)."""
+    each selection staged (``disk_stage_near``); with lookahead, its prefetch inside the layer's graph stages the
+    next layer's blocks on disk and counts as op by op."""
     model = build_model("llama")
     ids, mask = left_padded([140, 101], seed=21)
     settings = dict(TINY_SPARSE, selector=selector, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS,
-                    disk_stage_near=2, **dict(DISK, disk_staging_chunks=8))  # fmt: skip
+                    disk_stage_near=2, lookahead=lookahead, **dict(DISK, disk_staging_chunks=8))  # fmt: skip
     runs = {}
     for graphs in (False, None):
         directory = tmp_path / str(graphs)
@@ -128,8 +131,13 @@ def test_replayed_steps_with_blocks_on_disk_select_and_count_as_op_by_op(stand_i
     assert torch.equal(got, expected) and chosen_graphed == chosen
     a, b = eager.stats(), graphed.stats()
     # (How many blocks come from disk depends on how far the staging threads got: not compared.)
-    for name in ("recalled_blocks", "decode_recalled_blocks", "hit_rate", "decode_steps", "disk_kv_bytes"):
+    for name in ("recalled_blocks", "decode_recalled_blocks", "hit_rate", "decode_steps", "disk_kv_bytes",
+                 "prefetched_blocks", "prefetch_used_blocks"):  # fmt: skip
         assert a[name] == b[name], (name, a[name], b[name])
+    if lookahead:  # the first layer's graphs prefetch for the second
+        assert b["prefetched_blocks"] > 0 and b["prefetch_used_blocks"] > 0
+        first = graphed.offload_layers[0].graphs.graphs
+        assert any(key[1:2] == ("layer",) and key[4] is not None for key in first)
     assert b["disk_kv_bytes"] > b["host_kv_bytes"] > 0 and b["disk_read_blocks"] > 0
     assert b["disk_staged_ahead_blocks"] > 0
     assert all(int(layer.stats.layer_graph_replays) > 0 for layer in graphed.offload_layers)

@@ -419,30 +419,3 @@ def test_disk_memory_gib_bounds_the_spilled_bytes(tmp_path):
     cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path, disk_memory_gib=3 * CHUNK_BYTES / 2**30)
     with pytest.raises(MemoryError, match="disk_memory_gib"):
         _generate(model, ids, mask, cache)
-
-
-def test_disk_stage_layers_reads_the_next_layers_blocks_at_the_selected_positions_ahead(tmp_path, monkeypatch):
-    """``disk_stage_layers``: after each layer's recall, the next layers' blocks at the positions it selected start
-    moving from disk into their own pools' staging; what is attended stays the same."""
-    model = build_model("llama")
-    ids, mask = left_padded([140, 101], seed=16)
-    settings = dict(TINY_SPARSE, **dict(DISK, disk_staging_chunks=16), disk_dir=tmp_path)
-    without = OffloadCache(model, **settings)
-    expected, chosen = _recorded(lambda: _generate(model, ids, mask, without))
-    staged = []
-    stage = type(without.disk).stage
-    monkeypatch.setattr(type(without.disk), "stage", lambda self, pool, ids: staged.append((pool, list(ids))) or stage(
-        self, pool, ids))  # fmt: skip
-    cache = OffloadCache(model, **settings, disk_stage_layers=1)
-    got, selections = _recorded(lambda: _generate(model, ids, mask, cache))
-    assert torch.equal(got, expected) and selections == chosen
-    first, second = (layer.blocks.host for layer in cache.offload_layers)
-    assert staged and all(pool is second for pool, _ in staged)  # the first layer stages the second's; no wrap
-    stats, before = cache.stats(), without.stats()
-    assert before["disk_staged_ahead_blocks"] == 0 and stats["disk_staged_ahead_blocks"] > 0
-    assert stats["disk_staged_used_blocks"] > 0
-    assert stats["disk_read_blocks"] - stats["disk_staged_ahead_blocks"] < before["disk_read_blocks"]
-    with pytest.raises(ValueError, match="disk_stage_layers must be a non-negative integer"):
-        cache.set_options(disk_stage_layers=-1)
-    cache.set_options(disk_stage_layers=2)
-    assert cache.config.disk_stage_layers == 2
