@@ -275,11 +275,11 @@ class Recaller:
         return work
 
     def _recall_spilled(self, ids: torch.Tensor, batch_idx: torch.Tensor, slot_idx: torch.Tensor,
-                        head_idx: torch.Tensor | None) -> torch.Tensor:
+                        head_idx: torch.Tensor | None) -> None:
         """Kernel path with chunks on disk: recall the entries whose blocks are on disk through the disk tier
         (read into staging on its worker threads, copied to their slots on the compute stream) and set those
-        entries of ``ids`` to ``-1`` in place for the copy kernel (returns ``ids``). The host reads the ids: one
-        synchronisation per call.
+        entries of ``ids`` to ``-1`` in place for the copy kernel. The host reads the ids: one synchronisation per
+        call.
 
         Args:
             ids: host block id per entry or ``-1``, ``[n]``, ``torch.int64``, compute device.
@@ -292,12 +292,12 @@ class Recaller:
         host.touch(ids_cpu[wanted])
         spilled = wanted & host.on_disk(ids_cpu.clamp(min=0))
         if not bool(spilled.any()):
-            return ids
+            return
         rows = spilled.nonzero().flatten()
         dev = rows.to(ids.device)
         head = None if head_idx is None else head_idx[dev]
         transfer.recall_blocks(host, self.blocks.pool, ids_cpu[rows], batch_idx[dev], slot_idx[dev], head_idx=head)
-        return ids.index_fill_(0, dev, -1)
+        ids.index_fill_(0, dev, -1)
 
     def _stage_spilled(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor) -> None:
         """A speculative plan's misses whose blocks are on disk: start reading them into the disk tier's staging
