@@ -123,6 +123,10 @@ def segments_pay(earlier_bytes: int, batch: int, q_heads: int, q_len: int, head_
     return earlier_bytes > SEGMENT_BYTES + 2 * accumulator_bytes(batch, q_heads, q_len, head_dim)
 
 
+# Bytes of float32 output a later prefill chunk's part merges at once (a short chunk's: every query head in one
+# merge; a long one's: a KV head's query heads at a time).
+MERGE_BYTES = 64 << 20
+
 # Bytes of keys and values repeated for the query heads of one KV head that a later prefill chunk holds at once
 # (at least one sequence's): the batch is attended in slices of sequences below it.
 REPEAT_BYTES = 256 << 20
@@ -196,16 +200,20 @@ class _Merge:
     def __init__(self, shape: torch.Size, device: torch.device):
         self.out = torch.zeros(shape, dtype=torch.float32, device=device)  # [rows, q_heads, q_len, head_dim]
         self.lse = torch.full(shape[:-1], float("-inf"), dtype=torch.float32, device=device)
+        self.empty = True  # nothing added yet: a part is copied in, not merged
 
     def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice, heads: slice, queries: slice) -> None:
         """Merge one part's ``out`` ``[r, h, q, head_dim]`` and ``lse`` ``[r, h, q]`` into ``rows``, ``heads`` and
-        ``queries``."""
-        old = self.lse[rows, heads, queries]
-        new = torch.logaddexp(old, lse)
-        kept, added = torch.exp(old - new), torch.exp(lse - new)
-        merged = self.out[rows, heads, queries] * kept[..., None] + out.float() * added[..., None]
-        self.out[rows, heads, queries] = merged
-        self.lse[rows, heads, queries] = new
+        ``queries`` (in place, on views of the accumulator)."""
+        acc, acc_lse = self.out[rows, heads, queries], self.lse[rows, heads, queries]
+        if self.empty:
+            acc.copy_(out)
+            acc_lse.copy_(lse)
+            self.empty = False
+            return
+        new = torch.logaddexp(acc_lse, lse)
+        acc.mul_(torch.exp(acc_lse - new)[..., None]).add_(out.float() * torch.exp(lse - new)[..., None])
+        acc_lse.copy_(new)
 
 
 def segmented_prefill(
@@ -235,15 +243,30 @@ def segmented_prefill(
     def attend(merge: _Merge, rows: slice, k: torch.Tensor, v: torch.Tensor, causal: bool, q_from: int, merged) -> None:
         """One part for the sequences ``rows`` (queries from ``q_from``), merged into ``merge`` at ``merged`` (its
         rows): keys that every query sees in one call, the query heads of each KV head stacked as more queries of
-        it (no copy of the keys and values per query head); the causal part one KV head at a time."""
+        it (no copy of the keys and values per query head); the causal part, short, in one call over keys and values
+        repeated per query head, else one KV head at a time."""
         q = query[rows, :, q_from:]
         if not causal and group > 1:
             b, _, n_q, _ = q.shape  # query head h * group + g of KV head h: its queries g * n_q + i
             o, lse = _attention_with_lse(q.reshape(b, kv_heads, group * n_q, head_dim).contiguous(), k.contiguous(),
                                          v.contiguous(), False, scaling)  # fmt: skip
             o, lse = o.view(b, kv_heads, group, n_q, head_dim), lse.view(b, kv_heads, group, n_q)
+            if 4 * o.numel() <= MERGE_BYTES:  # one merge for every query head (query head h * group + g)
+                merge.add(o.reshape(b, q_heads, n_q, head_dim), lse.reshape(b, q_heads, n_q), merged, slice(None),
+                          slice(q_from, None))  # fmt: skip
+                return
             for h in range(kv_heads):  # merged a KV head at a time: the merge's temporaries stay a head's
                 merge.add(o[:, h], lse[:, h], merged, slice(h * group, (h + 1) * group), slice(q_from, None))
+            return
+        b, _, n_q, _ = q.shape
+        repeated = 2 * b * q_heads * k.shape[-2] * head_dim * k.element_size() if group > 1 else 0
+        if repeated <= REPEAT_BYTES and 4 * b * q_heads * n_q * head_dim <= MERGE_BYTES:
+            # A short part: every query head in one call (the keys and values repeated per query head) and one merge.
+            if group > 1:
+                k = k[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, q_heads, k.shape[-2], head_dim)
+                v = v[:, :, None].expand(-1, -1, group, -1, -1).reshape(b, q_heads, v.shape[-2], head_dim)
+            o, lse = _attention_with_lse(q.contiguous(), k.contiguous(), v.contiguous(), causal, scaling)
+            merge.add(o, lse, merged, slice(None), slice(q_from, None))
             return
         sub = repeat_rows(group, k.shape[-2], head_dim, k.element_size())
         for r in range(0, q.shape[0], sub):

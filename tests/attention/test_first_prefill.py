@@ -154,8 +154,9 @@ def test_later_prefill_chunks_in_slices_of_the_batch_match_dense(monkeypatch, re
     # No padding: the batch is attended at once or in slices.
     cache = _chunked_matches_dense([45, 45, 45], 3, 16, 4)
     assert cache.stats()["recalled_bytes"] > 0  # the later chunks recalled the earlier blocks
-    # Each later chunk of each layer: one sequence per slice, or the whole batch of 3 at once.
-    assert rows and (set(rows) == {1} if repeat_bytes else min(rows) >= 3)
+    # Each later chunk of each layer: one sequence per slice, or the whole batch of 3 at once (a short part takes
+    # every query head in one call and asks for no slices).
+    assert (rows and set(rows) == {1}) if repeat_bytes else min(rows, default=3) >= 3
 
 
 @pytest.mark.parametrize("lengths", [[45, 45, 45], [45, 20, 38]])
@@ -182,6 +183,28 @@ def test_later_prefill_chunks_in_segments_match_dense(monkeypatch, lengths, accu
     # Every chunk after the first, in every layer: segments of one block.
     later = -(-45 // chunk) - 1
     assert len(segments) == later * len(cache.offload_layers) and set(segments) == {1}
+
+
+@pytest.mark.parametrize("merge_bytes", [None, 1])
+def test_segment_parts_merge_all_heads_at_once_or_a_kv_head_at_a_time(monkeypatch, merge_bytes):
+    """A short part of a segmented chunk is one attention call and one merge for every query head; past
+    MERGE_BYTES, one merge per KV head (and the causal part one call per KV head): both match DynamicCache, with
+    left padding and chunks that cut blocks."""
+    from hf_offload.attention import prefill
+
+    monkeypatch.setattr(prefill, "SEGMENT_BYTES", 1)
+    monkeypatch.setattr(prefill, "segments_pay", lambda *args: True)
+    if merge_bytes is not None:
+        monkeypatch.setattr(prefill, "MERGE_BYTES", merge_bytes)
+    heads = []
+    add = prefill._Merge.add
+    monkeypatch.setattr(prefill._Merge, "add", lambda self, o, *a: heads.append(o.shape[1]) or add(self, o, *a))
+    from ..helpers import build_model
+
+    _chunked_matches_dense([45, 20, 38], 2, 12, 4)
+    config = build_model("llama").config
+    group = config.num_attention_heads // config.num_key_value_heads
+    assert heads and set(heads) == ({group} if merge_bytes else {config.num_attention_heads})
 
 
 def test_a_failed_check_keeps_the_unsegmented_path(monkeypatch):
