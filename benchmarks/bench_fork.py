@@ -110,19 +110,41 @@ def profile_question(model, make_cache, ids: torch.Tensor, device: torch.device)
         synced_clock(device)
     count: dict[str, int] = {}
     host_us: dict[str, float] = {}
+    kinds: dict[str, dict[str, int]] = {}
     for event in prof.events():
         if cuda:
             if not event.name.startswith(HOST_CALLS):
                 continue
+            kind = _host_call_kind(event.name)
         elif not event.name.startswith("aten::") or (event.cpu_parent is not None
                                                       and event.cpu_parent.name.startswith("aten::")):  # fmt: skip
             continue
+        else:
+            kind = event.name
         line = source_line(event)
         count[line] = count.get(line, 0) + 1
         host_us[line] = host_us.get(line, 0.0) + event.cpu_time_total
+        per_line = kinds.setdefault(line, {})
+        per_line[kind] = per_line.get(kind, 0) + 1
     by_line = sorted(((line, n, host_us[line] / 1e3) for line, n in count.items()), key=lambda r: -r[1])
+    totals: dict[str, int] = {}
+    for per_line in kinds.values():
+        for kind, n in per_line.items():
+            totals[kind] = totals.get(kind, 0) + n
     return {"kind": "launches, copies and synchronisations" if cuda else "top-level aten operations",
-            "events": sum(count.values()), "host_ms": sum(host_us.values()) / 1e3, "by_line": by_line}
+            "events": sum(count.values()), "host_ms": sum(host_us.values()) / 1e3, "by_line": by_line,
+            "by_kind": kinds, "kinds": totals}  # fmt: skip
+
+
+def _host_call_kind(name: str) -> str:
+    """``launch``, ``copy``, ``memset`` or ``sync`` for a host-side runtime call of :data:`HOST_CALLS`."""
+    if "Launch" in name:
+        return "launch"
+    if "Memcpy" in name:
+        return "copy"
+    if "Memset" in name:
+        return "memset"
+    return "sync"
 
 
 def main(argv=None) -> int:
@@ -200,8 +222,10 @@ def main(argv=None) -> int:
         p = result["profile"]
         print(f"refilled fork and question to the first token: {p['events']} {p['kind']}, {p['host_ms']:.1f} ms of "
               "host time in them; by source line:")  # fmt: skip
-        for line, count, ms in p["by_line"][:15]:
-            print(f"{count:>7} {ms:>8.2f} ms  {line}")
+        print("  in all: " + ", ".join(f"{n} {kind}" for kind, n in sorted(p["kinds"].items(), key=lambda r: -r[1])))
+        for line, count, ms in p["by_line"][:25]:
+            top = sorted(p["by_kind"][line].items(), key=lambda r: -r[1])[:3]
+            print(f"{count:>7} {ms:>8.2f} ms  {line}  ({', '.join(f'{n} {kind}' for kind, n in top)})")
     if args.out:
         write_results(args.out, {**result, "complete": True})
     return 0

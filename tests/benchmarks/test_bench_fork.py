@@ -28,3 +28,13 @@ def test_every_way_answers_and_the_refilled_fork_answers_as_a_new_one(tmp_path, 
     assert profile["events"] == sum(n for _, n, _ in profile["by_line"]) > 0
     lines = [line for line, _, _ in profile["by_line"]]
     assert any(line.startswith(("cache/", "attention/", "kernels/", "store/")) and ".py(" in line for line in lines)
+    # Per line, the operations by name; their totals add up to the events.
+    assert set(profile["by_kind"]) == set(lines)
+    assert sum(profile["kinds"].values()) == profile["events"]
+    assert all(sum(profile["by_kind"][line].values()) == n for line, n, _ in profile["by_line"])
+    assert all(kind.startswith("aten::") for kind in profile["kinds"])
+
+
+def test_host_calls_are_sorted_into_launches_copies_memsets_and_syncs():
+    assert [bench_fork._host_call_kind(name) for name in bench_fork.HOST_CALLS] == [
+        "launch", "launch", "launch", "launch", "copy", "memset", "sync", "sync", "sync"]
