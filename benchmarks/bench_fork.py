@@ -82,15 +82,31 @@ HOST_CALLS = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLau
 """Host-side runtime calls counted per source line on CUDA."""
 
 
-def source_line(event) -> str:
-    """The innermost frame of this library or of a model's code that ``event`` ran under (profiler events of Python
-    frames are the parents of the operations they ran), ``"?"`` where none."""
-    while event is not None:
-        name = event.name
-        if ".py(" in name and ("hf_offload" in name or "transformers/models" in name):
-            return name.split("site-packages/")[-1].split("hf_offload/", 1)[-1]
-        event = event.cpu_parent
-    return "?"
+def _frame_label(name: str) -> str | None:
+    """The source line of a profiler event of a Python frame of this library or of a model's code, else ``None``."""
+    if ".py(" in name and ("hf_offload" in name or "transformers/models" in name):
+        return name.split("site-packages/")[-1].split("hf_offload/", 1)[-1]
+    return None
+
+
+def source_lines(events, targets) -> list[str]:
+    """For each of ``targets`` (profiler events), the innermost frame of this library or of a model's code whose time
+    span holds its start, ``"?"`` where none. By time, not by parent links: on CUDA the runtime calls (launches,
+    copies) are not children of the Python frames they ran under. Frames of one thread nest, so one sweep over the
+    frames and the targets in order of start, with a stack of the open frames, finds each target's innermost one."""
+    items = [(e.time_range.start, 0, -e.time_range.end, label) for e in events if (label := _frame_label(e.name))]
+    items += [(t.time_range.start, 1, i, None) for i, t in enumerate(targets)]
+    items.sort()
+    lines = ["?"] * len(targets)
+    stack: list[tuple[int, str]] = []  # (end, label) of the open frames, innermost last
+    for start, is_target, value, label in items:
+        while stack and stack[-1][0] < start:
+            stack.pop()
+        if is_target:
+            lines[value] = stack[-1][1] if stack else "?"
+        else:
+            stack.append((-value, label))
+    return lines
 
 
 def profile_question(model, make_cache, ids: torch.Tensor, device: torch.device) -> dict:
@@ -111,17 +127,14 @@ def profile_question(model, make_cache, ids: torch.Tensor, device: torch.device)
     count: dict[str, int] = {}
     host_us: dict[str, float] = {}
     kinds: dict[str, dict[str, int]] = {}
-    for event in prof.events():
-        if cuda:
-            if not event.name.startswith(HOST_CALLS):
-                continue
-            kind = _host_call_kind(event.name)
-        elif not event.name.startswith("aten::") or (event.cpu_parent is not None
-                                                      and event.cpu_parent.name.startswith("aten::")):  # fmt: skip
-            continue
-        else:
-            kind = event.name
-        line = source_line(event)
+    events = list(prof.events())
+    if cuda:
+        targets = [e for e in events if e.name.startswith(HOST_CALLS)]
+    else:
+        targets = [e for e in events if e.name.startswith("aten::")
+                   and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
+    for event, line in zip(targets, source_lines(events, targets)):
+        kind = _host_call_kind(event.name) if cuda else event.name
         count[line] = count.get(line, 0) + 1
         host_us[line] = host_us.get(line, 0.0) + event.cpu_time_total
         per_line = kinds.setdefault(line, {})

@@ -38,3 +38,20 @@ def test_every_way_answers_and_the_refilled_fork_answers_as_a_new_one(tmp_path, 
 def test_host_calls_are_sorted_into_launches_copies_memsets_and_syncs():
     assert [bench_fork._host_call_kind(name) for name in bench_fork.HOST_CALLS] == [
         "launch", "launch", "launch", "launch", "copy", "memset", "sync", "sync", "sync"]
+
+
+def test_each_runtime_call_goes_to_the_innermost_frame_that_holds_it():
+    """Attribution by time: a call inside a nested frame goes to the inner one, one after it back to the outer,
+    one outside every frame to "?", and frames of other code are skipped."""
+    from types import SimpleNamespace
+
+    def event(name, start, end):
+        return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start, end=end))
+
+    outer = event("hf_offload/cache/blocks.py(10): refill", 0, 100)
+    inner = event("site-packages/hf_offload/attention/prefill.py(20): add", 10, 30)
+    other = event("torch/nn/modules/module.py(5): _call_impl", 12, 20)
+    calls = [event("cudaLaunchKernel", 15, 16), event("cudaMemcpyAsync", 40, 41), event("cudaLaunchKernel", 150, 151),
+             event("cudaLaunchKernel", 30, 31)]  # fmt: skip
+    assert bench_fork.source_lines([outer, inner, other, *calls], calls) == [
+        "attention/prefill.py(20): add", "cache/blocks.py(10): refill", "?", "attention/prefill.py(20): add"]

@@ -105,7 +105,9 @@ def test_disk_tier_with_graphs_replays_two_graphs_a_step_and_matches_op_by_op(ar
     DynamicCache at a full budget)."""
     block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
     disk = {"host_chunk_mib": 2 * block_bytes / 2**20, "host_memory_gib": 8 * block_bytes / 2**30}
-    settings = FULL if budget == "full" else dict(TINY_SPARSE, admission="always", disk_stage_near=2, lookahead=True,
+    # The full budget with a pool of every block (a step that recalls more than the pool holds runs in rounds,
+    # without graphs).
+    settings = dict(FULL, pool_tokens=256) if budget == "full" else dict(TINY_SPARSE, admission="always", disk_stage_near=2, lookahead=True,
                                                   decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
     settings = {**settings, **disk}
     model = build_model(arch).cuda()
