@@ -289,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookahead", choices=("off", "on", "both"), default="off",
                         help="the disk tier with lookahead (the next layer's likely blocks staged from disk during this "
                         "layer's work): off, on, or both as two configurations")  # fmt: skip
-    parser.add_argument("--graphs", choices=("off", "on", "both"), default="off",
-                        help="the disk tier's decode steps replayed from CUDA graphs (cuda_graphs=True; CUDA only): "
-                             "each step of a layer two graphs with the host's reads from disk between them")
+    parser.add_argument("--graphs", choices=("off", "on", "both"), default=None,
+                        help="the disk tier's decode steps op by op (off: cuda_graphs=False) or replayed from CUDA "
+                             "graphs (on: cuda_graphs=True, CUDA only; each step of a layer two graphs with the host's "
+                             "reads from disk between them); default: on with CUDA (the library's default), else off")
     parser.add_argument("--stage-near", type=int, nargs="+", default=[0], metavar="N",
                         help="disk_stage_near of the disk tier; each value is one configuration (0: 'disk_tier', N: "
                         "'disk_tier_nearN')")  # fmt: skip
@@ -359,9 +360,12 @@ def main(argv: list[str] | None = None) -> int:
             configs.append((f"disk_tier{tag}", with_near))
         if args.lookahead in ("on", "both"):
             configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
-    if args.graphs != "off":  # the disk configurations again with graphs (two a step, the host's reads between)
+    graphs = args.graphs or ("on" if device.type == "cuda" else "off")
+    if graphs != "on":  # op by op
+        configs = configs[:1] + [(name, dict(disk, cuda_graphs=False)) for name, disk in configs[1:]]
+    if graphs != "off":  # the disk configurations again with graphs (two a step, the host's reads between)
         graphed = [(f"{name}_graphs", dict(disk, cuda_graphs=True)) for name, disk in configs[1:]]
-        configs = configs[:1] + graphed if args.graphs == "on" else configs + graphed
+        configs = configs[:1] + graphed if graphs == "on" else configs + graphed
     runs, repeats = {}, {name: [] for name, _ in configs}
     for _ in range(args.repeats):
         for name, disk in configs:

@@ -138,7 +138,7 @@ class Execution:
             (default): ``"paged"`` on CUDA with the kernel transfer path, else ``"pool"``.
         cuda_graphs: replay each offloaded layer's decode step from a CUDA graph (CUDA, kernel transfer path; not
             prefill nor ``timing``; lookahead turns graphs off under ``graph_scope="attention"``; with ``disk_dir``
-            on with ``True`` only: graphs split by the host's disk reads). Default ``None``.
+            each layer step is graphs split where the host reads from disk). Default ``None``.
         graph_scope: what a replayed graph covers: ``"layer"`` (default): the whole decoder layer (a layer that
             cannot be captured warns once and keeps ``"attention"``); ``"attention"``: the offloaded attention.
         decode_capacity_blocks: a decode step scores the sealed blocks rounded up to a multiple of this (its shapes

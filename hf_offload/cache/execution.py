@@ -112,7 +112,7 @@ def want_paged(config: OffloadConfig, use_kernels: bool, device: torch.device, p
 
 def resolve(execution: LayerExecution, config: OffloadConfig, device: torch.device | None, masks_invalid: bool) -> None:
     """Set ``lookahead``, ``graphs``, ``fusions`` and ``capacity_blocks`` of ``execution`` from ``config``: ``None``
-    means on with the kernel path on CUDA (for graphs: unless timing is on, a disk tier is set, or lookahead is with
+    means on with the kernel path on CUDA (for graphs: unless timing is on or lookahead is with
     ``graph_scope="attention"``).
 
     Args:
@@ -132,11 +132,9 @@ def resolve(execution: LayerExecution, config: OffloadConfig, device: torch.devi
             "use cuda_graphs=None (on where it can run) or False."
         )
     # The disk tier reads blocks on the host between a layer's plan and its recall: its captured steps are two
-    # graphs with that host work between them, on with cuda_graphs=True only (None: op by op). Lookahead runs inside
-    # the graphs of whole decoder layers (the prefetch forked and joined in the layer's graph), not in graphs of the
-    # attention alone.
+    # graphs with that host work between them. Lookahead runs inside the graphs of whole decoder layers (the
+    # prefetch forked and joined in the layer's graph), not in graphs of the attention alone.
     execution.graphs = bool(kernels_on_cuda and graphs is not False and not config.timing
-                            and (config.disk_dir is None or graphs is True)
                             and not (execution.lookahead and config.graph_scope != "layer"))  # fmt: skip
     execution.fusions = None if device is None else fusions_on(config, device)
     capacity = config.decode_capacity_blocks

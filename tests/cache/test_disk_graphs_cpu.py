@@ -143,3 +143,21 @@ def test_replayed_steps_with_blocks_on_disk_select_and_count_as_op_by_op(stand_i
     assert all(int(layer.stats.layer_graph_replays) > 0 for layer in graphed.offload_layers)
     eager.close()
     graphed.close()
+
+
+@pytest.mark.parametrize("cuda_graphs, expected", [(None, True), (True, True), (False, False)])
+def test_graphs_with_a_disk_tier_follow_cuda_graphs_as_without_one(tmp_path, cuda_graphs, expected):
+    """With a disk tier a layer on CUDA with the kernel path replays graphs by default (and with True); False keeps
+    it op by op; timing turns them off as without a disk tier."""
+    from hf_offload.cache.execution import LayerExecution, resolve
+    from hf_offload.config import OffloadConfig
+
+    for disk_dir in (None, str(tmp_path)):
+        tier = {} if disk_dir is None else {"disk_dir": disk_dir, "host_memory_gib": 1.0}
+        config = OffloadConfig(budget_tokens=64, cuda_graphs=cuda_graphs, **tier)
+        execution = LayerExecution(use_kernels=True)
+        resolve(execution, config, torch.device("cuda"), False)
+        assert execution.graphs is expected
+        execution = LayerExecution(use_kernels=True)
+        resolve(execution, OffloadConfig(budget_tokens=64, timing=True, **tier), torch.device("cuda"), False)
+        assert execution.graphs is False
