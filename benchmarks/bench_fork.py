@@ -128,11 +128,12 @@ def profile_question(model, make_cache, ids: torch.Tensor, device: torch.device)
     host_us: dict[str, float] = {}
     kinds: dict[str, dict[str, int]] = {}
     events = list(prof.events())
-    if cuda:
-        targets = [e for e in events if e.name.startswith(HOST_CALLS)]
-    else:
-        targets = [e for e in events if e.name.startswith("aten::")
-                   and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
+    top_ops = [e for e in events if e.name.startswith("aten::")
+               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::"))]  # fmt: skip
+    ops: dict[str, int] = {}
+    for line in source_lines(events, top_ops):
+        ops[line] = ops.get(line, 0) + 1
+    targets = [e for e in events if e.name.startswith(HOST_CALLS)] if cuda else top_ops
     for event, line in zip(targets, source_lines(events, targets)):
         kind = _host_call_kind(event.name) if cuda else event.name
         count[line] = count.get(line, 0) + 1
@@ -146,7 +147,8 @@ def profile_question(model, make_cache, ids: torch.Tensor, device: torch.device)
             totals[kind] = totals.get(kind, 0) + n
     return {"kind": "launches, copies and synchronisations" if cuda else "top-level aten operations",
             "events": sum(count.values()), "host_ms": sum(host_us.values()) / 1e3, "by_line": by_line,
-            "by_kind": kinds, "kinds": totals}  # fmt: skip
+            "by_kind": kinds, "kinds": totals,
+            "aten_ops_by_line": sorted(ops.items(), key=lambda r: -r[1])}  # fmt: skip
 
 
 def _host_call_kind(name: str) -> str:
@@ -239,6 +241,10 @@ def main(argv=None) -> int:
         for line, count, ms in p["by_line"][:25]:
             top = sorted(p["by_kind"][line].items(), key=lambda r: -r[1])[:3]
             print(f"{count:>7} {ms:>8.2f} ms  {line}  ({', '.join(f'{n} {kind}' for kind, n in top)})")
+        if device.type == "cuda":
+            print(f"top-level aten operations by source line ({sum(n for _, n in p['aten_ops_by_line'])} in all):")
+            for line, n in p["aten_ops_by_line"][:25]:
+                print(f"{n:>7}  {line}")
     if args.out:
         write_results(args.out, {**result, "complete": True})
     return 0

@@ -33,6 +33,7 @@ def test_every_way_answers_and_the_refilled_fork_answers_as_a_new_one(tmp_path, 
     assert sum(profile["kinds"].values()) == profile["events"]
     assert all(sum(profile["by_kind"][line].values()) == n for line, n, _ in profile["by_line"])
     assert all(kind.startswith("aten::") for kind in profile["kinds"])
+    assert sum(n for _, n in profile["aten_ops_by_line"]) == profile["events"]  # the same operations on the CPU
 
 
 def test_host_calls_are_sorted_into_launches_copies_memsets_and_syncs():
