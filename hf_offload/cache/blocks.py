@@ -358,19 +358,19 @@ class BlockStore:
             buffers.append(self.block_table_dev)
         return all(buffer.shape[1] >= need for buffer in buffers)
 
-    def refill(self, other: "BlockStore", rows: torch.Tensor, synced: bool = False) -> None:
+    def refill(self, other: "BlockStore", rows: torch.Tensor) -> None:
         """Drop this store's tokens and continue the sequences ``rows`` of ``other`` again (this store is an earlier
         fork of ``other``: :meth:`share_rows`), in this store's own buffers: ``other``'s sealed blocks are shared
         again, this store's references go back to the shared pool (blocks only it held are freed), and the block
         tables, summaries and open block are copied into the buffers this store already has, so that the graphs
-        captured over them replay. Nothing is allocated on the device.
+        captured over them replay. Nothing is allocated on the device. The caller has synchronised the device since
+        the last work on either store (side-stream writes and prefetches into these buffers, host writes of
+        ``other``): :meth:`OffloadCache.fork` does it once for every layer.
 
         Args:
             other: the store this one was forked from (the same host pool).
             rows: which of ``other``'s sequences each of this store's sequences continues, ``[batch]``,
                 ``torch.int64``, CPU.
-            synced: the caller synchronized the device since the last work on either store (a fork refilled layer
-                by layer synchronizes once, not twice per layer).
 
         Raises:
             ValueError: for a store that is not an initialized fork of ``other`` with ``len(rows)`` sequences, or
@@ -379,10 +379,6 @@ class BlockStore:
         if self.host is not other.host or len(rows) != self.batch or not self.refill_fits(other):
             raise ValueError(f"Layer {self.layer_idx}: refill takes an initialized fork of the store, of its batch, "
                              "whose buffers hold the store's blocks and summaries.")  # fmt: skip
-        if not synced:
-            if self.execution.streams is not None:
-                torch.cuda.synchronize(self.device)  # side-stream writes and prefetches into these buffers finish first
-            other.wait_host_writes()
         table = other.block_table[rows]
         dev = rows.to(other.device)
         summaries = {name: view[dev] for name, view in other.summaries.items()}

@@ -580,14 +580,15 @@ class OffloadCache(Cache):
             return False  # coarsened summaries, or more blocks than that fork's buffers take: a new fork
         for statics in into._shared.statics.values():
             statics.forget_last()
-        # One synchronisation per device for the whole refill: side-stream writes of either cache finish first.
+        # One synchronisation per device for the whole refill (BlockStore.refill needs it): side-stream writes and
+        # prefetches of either cache, and the host writes of this one, finish first.
         for device in {b.blocks.device for a, b in held if b.blocks.device.type == "cuda"}:
             torch.cuda.synchronize(device)
         try:
             for idx, (mine, theirs) in enumerate(pairs):
                 if isinstance(mine, OffloadLayer):
                     if mine.blocks.is_initialized:
-                        theirs.refill_rows(mine, rows, synced=True)
+                        theirs.refill_rows(mine, rows)
                 else:
                     into.layers[idx] = _sliding_rows(mine, rows)
         except BaseException:

@@ -374,13 +374,13 @@ class OffloadLayer(CacheLayerMixin):
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
         self.blocks.share_rows(other.blocks, rows)
 
-    def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor, synced: bool = False) -> None:
+    def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor) -> None:
         """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's
         buffers and captured graphs (this layer is an earlier fork of ``other``: :meth:`share_rows`,
-        :meth:`BlockStore.refill`, which says what it refuses and what ``synced`` means); the counters start at
-        zero."""
+        :meth:`BlockStore.refill`, which says what it refuses and what it needs of the caller); the counters start
+        at zero."""
         self.recaller.wait_prefetch()
-        self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows, synced))
+        self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows))
 
     @normal_tensors
     def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:

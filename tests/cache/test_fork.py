@@ -229,11 +229,11 @@ def test_a_refill_stopped_part_way_leaves_the_fork_broken_and_the_pool_counted(m
     _answer(model, cache, document, _questions(1, 4))
     refill, calls = OffloadLayer.refill_rows, []
 
-    def stops_at_the_second_layer(self, other, rows, synced=False):
+    def stops_at_the_second_layer(self, other, rows):
         calls.append(self.layer_idx)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        refill(self, other, rows, synced)
+        refill(self, other, rows)
 
     monkeypatch.setattr(OffloadLayer, "refill_rows", stops_at_the_second_layer)
     with pytest.raises(KeyboardInterrupt):
