@@ -11,12 +11,15 @@ import torch
 from hf_offload import OffloadCache
 from hf_offload.cache import GRAPH_CAPACITY_BLOCKS
 from hf_offload.cache.recaller import Recaller
+from hf_offload.kernels.gather import kernels_available
 
 from ..cache.test_disk_tier import DISK, _generate, _recorded
 from ..cache.test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
 from ..helpers import TINY_SPARSE, build_model, left_padded
 
-pytestmark = pytest.mark.triton
+# The stand-in graphs run on the CPU: Triton's interpreter, not Triton on CUDA.
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(not kernels_available(torch.device("cpu")),
+                                                    reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")]
 
 
 @pytest.mark.parametrize("lookahead", [False, True])

@@ -7,9 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_offload.kernels.gather import kernels_available
+
 from ..cache.test_layer_graphs_cpu import seal_capture_fails, stand_in_graphs  # noqa: F401 (fixtures)
 
-pytestmark = pytest.mark.triton
+# The stand-in graphs run on the CPU: Triton's interpreter, not Triton on CUDA.
+pytestmark = [pytest.mark.triton, pytest.mark.skipif(not kernels_available(torch.device("cpu")),
+                                                    reason="needs Triton's CPU interpreter (TRITON_INTERPRET=1)")]
 
 
 def test_graphed_lookahead_on_the_kernel_path_counts_as_op_by_op(stand_in_graphs):  # noqa: F811
