@@ -306,9 +306,10 @@ class DecodePlanner:
             tail_lse: log-sum-exp of the estimate, ``[batch, kv_heads, group]``, float32, or ``None``.
             selection_lse: log-sum-exp of the exact attention over the selection, same shape as ``tail_lse``.
         """
-        if tail_lse is not None:  # per sequence: the mean over its query heads
-            missed, source = torch.sigmoid(tail_lse - selection_lse).mean(dim=(1, 2), dtype=torch.float64), "tail"
-        elif exact:
+        if tail_lse is not None:  # per sequence: the mean over its query heads (LayerStats.record_step)
+            self.stats.record_step(selection.keep, None, "tail", tail_lse=tail_lse, selection_lse=selection_lse)
+            return
+        if exact:
             missed, source = None, "exact"
         elif self.selector.mass_scores and not self.selector.per_head and selection.scores is not None:
             missed, source = missed_share(selection, query_heads).to(torch.float64), "scores"

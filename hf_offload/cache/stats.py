@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+
 class LayerStats:
     """Counters of one layer.
 
@@ -93,7 +94,9 @@ class LayerStats:
             slot = self._capture_slots.get((fields, factor))
             if slot is None:
                 if len(self._capture_slots) == self._CAPTURE_SLOTS:
-                    raise RuntimeError(f"LayerStats: more than {self._CAPTURE_SLOTS} distinct counts in captured graphs")
+                    raise RuntimeError(
+                        f"LayerStats: more than {self._CAPTURE_SLOTS} distinct counts in captured graphs"
+                    )
                 slot = self._capture_slots[(fields, factor)] = len(self._capture_slots)
             self._captured.select(0, slot).add_(value)
             return
@@ -179,17 +182,54 @@ class LayerStats:
             with torch.inference_mode(False), torch.no_grad():
                 self._rows = old.index_select(1, rows.to(old.device))
 
-    def record_step(self, keep: torch.Tensor, missed: torch.Tensor | None, source: str | None) -> None:
+    def record_step(
+        self,
+        keep: torch.Tensor,
+        missed: torch.Tensor | None,
+        source: str | None,
+        tail_lse: torch.Tensor | None = None,
+        selection_lse: torch.Tensor | None = None,
+    ) -> None:
         """Record one decode step's kept entries and estimated share of attention left out (device operations only,
-        in place on persistent buffers: no host synchronisation, and a captured graph's replays record too).
+        in place on persistent buffers: no host synchronisation, and a captured graph's replays record too). One
+        launch where Triton runs (:mod:`hf_offload.kernels.certificate`), else :meth:`record_step_reference`.
 
         Args:
             keep: the step's kept entries, ``[batch, 1 or kv_heads, k]``, ``torch.bool``, compute device.
             missed: the share per sequence, ``[batch]`` float64 on that device (pooled as its mean), or ``None``
-                (``source`` ``"exact"``: 0).
+                (``source`` ``"exact"``: 0; ``"tail"``: from ``tail_lse`` and ``selection_lse``).
             source: ``"tail"`` (the selector's estimate of the unselected blocks), ``"scores"`` (the selector's
                 block masses), ``"exact"`` (every sealed block attended) or ``None`` (no estimate).
+            tail_lse, selection_lse: with ``source`` ``"tail"`` and no ``missed``: the log-sum-exps of the estimate
+                and of the exact attention over the selection, ``[batch, kv_heads, group]``, float32; a sequence's
+                share is the mean of ``sigmoid(tail_lse - selection_lse)`` over its query heads.
         """
+        from ..kernels import certificate
+
+        if keep.is_cuda and torch.cuda.is_current_stream_capturing() and getattr(self, "_steps", None) is None:
+            raise RuntimeError("LayerStats.record_step inside a capture needs prepare_capture() before it.")
+        lse = missed is None and tail_lse is not None
+        per_seq = tail_lse[0].numel() if lse else 1
+        if not certificate.record_step_supported(keep.device, keep.shape[0], per_seq):
+            if lse:
+                missed = torch.sigmoid(tail_lse - selection_lse).mean(dim=tuple(range(1, tail_lse.dim())),
+                                                                      dtype=torch.float64)  # fmt: skip
+            self.record_step_reference(keep, missed, source)
+            return
+        steps, patterns = self._step_buffers(keep.device)
+        rows = self._row_buffer(keep.device, keep.shape[0])
+        if lse:
+            mode = certificate.LSE
+        elif missed is not None:
+            mode = certificate.GIVEN
+        else:
+            mode = certificate.EXACT if source == "exact" else certificate.NONE
+        certificate.record_step(steps, patterns[self._SOURCES.index(source)], rows, keep, mode, self._MISSED_MAX,
+                                self._MISSED_LAST, missed=missed, tail_lse=tail_lse,
+                                selection_lse=selection_lse)  # fmt: skip
+
+    def record_step_reference(self, keep: torch.Tensor, missed: torch.Tensor | None, source: str | None) -> None:
+        """:meth:`record_step` in torch (about thirteen operations), with the share per sequence given."""
         if keep.is_cuda and torch.cuda.is_current_stream_capturing() and getattr(self, "_steps", None) is None:
             raise RuntimeError("LayerStats.record_step inside a capture needs prepare_capture() before it.")
         steps, patterns = self._step_buffers(keep.device)

@@ -17,7 +17,8 @@ pure torch, ``chunk_blocks`` blocks dequantized at a time. Nothing is chosen thr
 waits for the host, so a captured CUDA graph can hold them. A decode step calls :func:`tail_attention_merged`,
 whose one more launch merges the ranges, adds the blocks counted by their mass alone and merges the estimate with
 the selection's attention; with the bounded estimate :func:`tail_plan` finds the near blocks' tokens and the far
-blocks in one launch before it.
+blocks in one launch before it, its programs each owning a range of one sequence's blocks (many ranges per sequence
+where the batch is small).
 """
 
 from __future__ import annotations
@@ -976,8 +977,18 @@ def tail_plan_reference(
     return near_ok, tail.all(dim=-1).scatter(1, index, False)
 
 
+PLAN_PROGRAMS = 128
+"""Programs the plan kernel aims at over the whole batch. Each program owns a range of one sequence's blocks:
+``batch * n / PLAN_PROGRAMS`` blocks rounded up to a power of two, at least :data:`PLAN_MIN_BLOCKS` and at most the
+whole sequence; so a small batch spreads the pass over its token masks across many programs, and a large one keeps
+one or a few ranges per sequence."""
+
+PLAN_MIN_BLOCKS = 256
+"""Fewest blocks in one range of the plan kernel (rounded up to a power of two), unless the sequence has fewer."""
+
 PLAN_BLOCK_N = 2048
-"""Blocks per step of the plan kernel's pass over a sequence's token masks (one program per sequence)."""
+"""Blocks per step of the plan kernel's pass over a range's token masks (a power of two; a range smaller than this
+is one step)."""
 
 PLAN_NEAR_BLOCK = 64
 """Near blocks per step of the plan kernel's membership test against the selection."""
@@ -1003,17 +1014,21 @@ if triton is not None:
         k,
         near,
         T: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        STEPS: tl.constexpr,  # a power of two >= cdiv(n, BLOCK_N)
+        RANGE_N: tl.constexpr,  # blocks of one program's range: program (b, p) owns far[b, p * RANGE_N:][:RANGE_N]
+        BLOCK_N: tl.constexpr,  # divides RANGE_N
         KP: tl.constexpr,  # a power of two >= k
         NEAR_BLOCK: tl.constexpr,
         NEAR_STEPS: tl.constexpr,  # a power of two >= cdiv(near, NEAR_BLOCK)
+        OWN_STEPS: tl.constexpr,  # a power of two >= cdiv(cdiv(near, NEAR_BLOCK), ranges)
     ):
         b = tl.program_id(0).to(tl.int64)
+        p = tl.program_id(1)
+        ranges = tl.num_programs(1)
+        lo = p * RANGE_N
         t = tl.arange(0, T)
-        # Every block whose tokens are all attendable, first.
-        for step in range(STEPS):
-            j = step * BLOCK_N + tl.arange(0, BLOCK_N)
+        # Every block of the range whose tokens are all attendable, first.
+        for step in range(RANGE_N // BLOCK_N):
+            j = lo + step * BLOCK_N + tl.arange(0, BLOCK_N)
             live = j < n
             r = tl.load(rows_ptr + b * rows_sb + j[:, None] * rows_sn + t[None, :], mask=live[:, None], other=0)
             tl.store(far_ptr + b * n + j, (tl.min(r, axis=1) != 0).to(tl.uint8), mask=live)
@@ -1021,10 +1036,9 @@ if triton is not None:
         in_k = kk < k
         kept = in_k & (tl.load(keep_ptr + b * keep_sb + kk, mask=in_k, other=0) != 0)
         blk = tl.where(kept, tl.load(blocks_ptr + b * blocks_sb + kk, mask=in_k, other=0), n)  # n: none
-        tl.debug_barrier()  # the stores below overwrite some of those above (other threads' entries)
-        tl.store(far_ptr + b * n + blk, tl.zeros([KP], tl.uint8), mask=kept & (blk < n))
-        for step in range(NEAR_STEPS):
-            jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
+        # The near blocks' tokens: the ranges of the sequence share its steps of near blocks.
+        for step in range(OWN_STEPS):
+            jn = (step * ranges + p) * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
             in_near = jn < near
             idx = tl.load(idx_ptr + b * idx_sb + jn, mask=in_near, other=0)
             score = tl.load(scores_ptr + b * scores_sb + idx, mask=in_near, other=float("-inf"))
@@ -1033,15 +1047,25 @@ if triton is not None:
             r = tl.load(rows_ptr + b * rows_sb + idx[:, None] * rows_sn + t[None, :], mask=ok[:, None], other=0)
             tl.store(near_ok_ptr + (b * near + jn)[:, None] * T + t[None, :], (r != 0).to(tl.uint8),
                      mask=in_near[:, None])  # fmt: skip
-            tl.store(far_ptr + b * n + idx, tl.zeros([NEAR_BLOCK], tl.uint8), mask=in_near)
+        # Kept and near blocks are not far: stores over the first pass's, each by the program that owns the entry.
+        tl.debug_barrier()  # the stores below overwrite some of the pass's (other threads' entries)
+        tl.store(far_ptr + b * n + blk, tl.zeros([KP], tl.uint8), mask=kept & (blk >= lo) & (blk < lo + RANGE_N))
+        for step in range(NEAR_STEPS):
+            jn = step * NEAR_BLOCK + tl.arange(0, NEAR_BLOCK)
+            idx = tl.load(idx_ptr + b * idx_sb + jn, mask=jn < near, other=n)  # n: none
+            tl.store(far_ptr + b * n + idx, tl.zeros([NEAR_BLOCK], tl.uint8),
+                     mask=(idx >= lo) & (idx < lo + RANGE_N) & (idx < n))  # fmt: skip
 
 
 def tail_plan(
     rows: torch.Tensor, blocks: torch.Tensor, keep: torch.Tensor, index: torch.Tensor, scores: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`tail_plan_reference` in one launch (one program per sequence) where Triton runs on ``rows``' device;
-    the same result. Arguments and result as the reference's (any strides with the last dimension contiguous;
-    ``rows``' ``block_tokens`` a power of two). Allocates only its results and never waits for the device."""
+    """:func:`tail_plan_reference` in one launch where Triton runs on ``rows``' device; the same result. Each
+    program owns a range of one sequence's blocks (:data:`PLAN_PROGRAMS`, :data:`PLAN_MIN_BLOCKS`): it writes their
+    ``far`` entries from the token masks, then zeroes those of the kept and near blocks in its range, and finds the
+    tokens of its share of the near blocks. Arguments and result as the reference's (any strides with the last
+    dimension contiguous; ``rows``' ``block_tokens`` a power of two). Allocates only its results and never waits for
+    the device."""
     batch, n, tokens = rows.shape
     k, near = blocks.shape[-1], index.shape[-1]
     if (not kernels_available(rows.device) or tokens & (tokens - 1) or n == 0
@@ -1051,12 +1075,17 @@ def tail_plan(
     near_ok = torch.empty((batch, near, tokens), dtype=torch.bool, device=rows.device)
     if batch == 0:
         return near_ok, far
-    step = min(PLAN_BLOCK_N, triton.next_power_of_2(n))
-    _tail_plan_kernel[(batch,)](
+    wanted = max(PLAN_MIN_BLOCKS, triton.cdiv(batch * n, PLAN_PROGRAMS))
+    per = triton.next_power_of_2(min(n, wanted))  # blocks of one range
+    step = min(PLAN_BLOCK_N, per)
+    ranges = triton.cdiv(n, per)
+    near_steps = triton.cdiv(near, PLAN_NEAR_BLOCK)
+    _tail_plan_kernel[(batch, ranges)](
         rows.view(torch.uint8), blocks, keep.view(torch.uint8), index, scores, far.view(torch.uint8),
         near_ok.view(torch.uint8), rows.stride(0), rows.stride(1), blocks.stride(0), keep.stride(0), index.stride(0),
-        scores.stride(0), n, k, near, T=tokens, BLOCK_N=step, STEPS=triton.next_power_of_2(triton.cdiv(n, step)),
-        KP=triton.next_power_of_2(k), NEAR_BLOCK=PLAN_NEAR_BLOCK,
-        NEAR_STEPS=triton.next_power_of_2(max(1, triton.cdiv(near, PLAN_NEAR_BLOCK))), num_warps=8,
+        scores.stride(0), n, k, near, T=tokens, RANGE_N=per, BLOCK_N=step, KP=triton.next_power_of_2(max(1, k)),
+        NEAR_BLOCK=PLAN_NEAR_BLOCK, NEAR_STEPS=triton.next_power_of_2(max(1, near_steps)),
+        OWN_STEPS=triton.next_power_of_2(max(1, triton.cdiv(near_steps, ranges))),
+        num_warps=8 if step * tokens >= 16384 else 4,
     )  # fmt: skip
     return near_ok, far

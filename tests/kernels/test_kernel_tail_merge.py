@@ -208,20 +208,29 @@ def _plan_inputs(batch=3, capacity=70, n=64, k=9, near=20, tokens=16, seed=0):
     return to(rows)[:, :n], to(wide)[:, :k], to(keep), to(wide)[:, k : k + near], to(scores)
 
 
+_PLAN_SPLITS = [
+    dict(),
+    dict(PLAN_BLOCK_N=64),  # ranges walked 64 blocks a step
+    dict(PLAN_BLOCK_N=2048, PLAN_MIN_BLOCKS=1 << 30),  # one program per sequence
+    # Several ranges per sequence (the last one partly past the end) of several steps each, the near blocks' steps
+    # shared among them unevenly.
+    dict(PLAN_BLOCK_N=16, PLAN_MIN_BLOCKS=16, PLAN_PROGRAMS=8, PLAN_NEAR_BLOCK=8),
+]
+
+
 @needs_kernels
-@pytest.mark.parametrize("shape", [dict(), dict(batch=2, capacity=5000, n=4100, k=128, near=384)])
-def test_plan_kernel_matches_the_torch_code(shape):
+@pytest.mark.parametrize("shape", [dict(), dict(batch=2, capacity=5000, n=4100, k=128, near=384),
+                                   dict(batch=1, capacity=8300, n=8200, k=128, near=400)])  # fmt: skip
+def test_plan_kernel_matches_the_torch_code(shape, monkeypatch):
     rows, blocks, keep, index, scores = _plan_inputs(**shape)
-    assert rows.stride(1) == rows.shape[-1] and not rows.is_contiguous()
-    old = tail_module.PLAN_BLOCK_N
-    try:
-        for step in (old, 64, 2048):
-            tail_module.PLAN_BLOCK_N = step
+    assert rows.stride(1) == rows.shape[-1] and (rows.shape[0] == 1 or not rows.is_contiguous())
+    want_ok, want_far = tail_module.tail_plan_reference(rows, blocks, keep, index, scores)
+    for split in _PLAN_SPLITS:
+        with monkeypatch.context() as patch:
+            for name, value in split.items():
+                patch.setattr(tail_module, name, value)
             near_ok, far = tail_module.tail_plan(rows, blocks, keep, index, scores)
-            want_ok, want_far = tail_module.tail_plan_reference(rows, blocks, keep, index, scores)
-            assert torch.equal(near_ok, want_ok) and torch.equal(far, want_far)
-    finally:
-        tail_module.PLAN_BLOCK_N = old
+        assert torch.equal(near_ok, want_ok) and torch.equal(far, want_far), split
     assert not near_ok[0, 0].any()  # score -inf: nothing to estimate
     assert not far.gather(1, index).any() and not far.gather(1, blocks)[keep].any()
     assert far.any() and near_ok.any()
