@@ -551,6 +551,15 @@ def fill_dense(cache, batch: int, tokens: int, layers: int, kv_heads: int, head_
         del k, v
 
 
+def seal_warmup(method: str, args, device: torch.device, config: OffloadConfig | None) -> int:
+    """Warm-up steps added for a cache that captures CUDA graphs: a block and two tokens, so that the first seal,
+    which captures the seal's graphs (seconds at long contexts), falls in the warm-up and not in the timed steps."""
+    if method not in OFFLOAD_METHODS or device.type != "cuda" or getattr(args, "cuda_graphs", "default") == "off":
+        return 0
+    block = config.block_tokens if config is not None else OffloadConfig(budget_tokens=args.budget).block_tokens
+    return block + 2
+
+
 def run_config(model, env: dict, method: str, context: int, batch: int, args,
                config: OffloadConfig | None = None) -> dict:  # fmt: skip
     """Fill a cache of ``method`` (an OffloadCache one with ``config``) with ``context - warmup - steps`` tokens per
@@ -561,8 +570,11 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
     cfg = model.config
     layers, kv_heads, head_dim = cfg.num_hidden_layers, cfg.num_key_value_heads, env["head_dim"]
     cuda = device.type == "cuda"
-    fill_tokens = context - args.warmup - args.steps - (
-        args.profile_seal + args.profile_kernels if method in OFFLOAD_METHODS else 0)
+    profiled = args.profile_seal + args.profile_kernels if method in OFFLOAD_METHODS else 0
+    warmup = args.warmup + seal_warmup(method, args, device, config)
+    if context - warmup - args.steps - profiled < 1:  # a context too short for the seal's warm-up: without it
+        warmup = args.warmup
+    fill_tokens = context - warmup - args.steps - profiled
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if cuda else None
@@ -608,7 +620,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         mask = torch.ones(batch, context, dtype=torch.long, device=device)
         pos = fill_tokens
         warm_s = []
-        for _ in range(args.warmup):
+        for _ in range(warmup):
             sync(device)
             t0 = time.perf_counter()
             ids = decode(model, cache, kw, ids, pos, 1, mask)
@@ -630,7 +642,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         timed_s = sum(spans)
         step_s = timed_s / steps
         row.update(
-            warmup_steps=args.warmup, warmup_step_s=warm_s, steps=steps, kv_tokens_end=pos, timed_s=timed_s,
+            warmup_steps=warmup, warmup_step_s=warm_s, steps=steps, kv_tokens_end=pos, timed_s=timed_s,
             step_ms=step_s * 1e3, step_ms_median=sorted(spans)[len(spans) // 2] * 1e3,
             step_ms_each=[round(x * 1e3, 3) for x in spans], host_ms_each=[round(x * 1e3, 3) for x in host_spans],
             tokens_per_s=batch / step_s, ms_per_output_token=step_s * 1e3 / batch,
@@ -665,7 +677,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
             row["cache_device_bytes"], row["host_bytes"], row["host_kv_bytes"] = on_device, elsewhere, elsewhere
             row["hit_rate"] = row["selected_mass"] = row["attended_tokens"] = row["missed_mass"] = None
             # transformers' offloading copies every layer's whole KV to the device (and back) at every step.
-            kv_mid = fill_tokens + args.warmup + (steps + 1) / 2
+            kv_mid = fill_tokens + warmup + (steps + 1) / 2
             pcie_per_step = layers * batch * kv_mid * 2 * kv_heads * head_dim * 2 if method == "hf-offloaded" else 0
             recalled_per_step = pcie_per_step
         owned, _ = pinned_allocator_bytes()
@@ -674,7 +686,7 @@ def run_config(model, env: dict, method: str, context: int, batch: int, args,
         row["recalled_gbps"] = recalled_per_step / step_s / 1e9
         row["host_recalled_bytes_per_step"] = pcie_per_step
         row["pcie_gbps"] = pcie_per_step / step_s / 1e9
-        kv_mid = fill_tokens + args.warmup + (steps + 1) / 2  # KV tokens per sequence, mean over the timed steps
+        kv_mid = fill_tokens + warmup + (steps + 1) / 2  # KV tokens per sequence, mean over the timed steps
         row["roofline"] = roofline(method, env, batch, kv_mid, pcie_per_step, step_s, layers, kv_heads, head_dim,
                                    stats, recalled_per_step - pcie_per_step)  # fmt: skip
         cfg_off = cache.config if method in OFFLOAD_METHODS else OffloadConfig(budget_tokens=args.budget)
@@ -879,7 +891,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="untimed decode steps per configuration (with CUDA graphs the first runs op by op and the "
                         "second captures, so the third is the first replay: the step --config-seconds divides by); "
                         "default 3, and 3 + --reselect-every where steps reuse selections (the choosing and the "
-                        "reusing step capture their graphs in turn: four steps before both replay)")
+                        "reusing step capture their graphs in turn: four steps before both replay); an OffloadCache "
+                        "with CUDA graphs takes a block and two tokens more, so that its first seal (which captures "
+                        "the seal's graphs) is not timed")
     parser.add_argument("--steps", type=int, default=16, help="most timed decode steps per configuration")
     parser.add_argument("--min-steps", type=int, default=2, help="fewest timed decode steps per configuration")
     parser.add_argument("--config-seconds", type=float, default=3.0,

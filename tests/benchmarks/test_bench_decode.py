@@ -255,3 +255,18 @@ def test_the_fit_check_leaves_admitted_blocks_out_and_takes_the_process_headroom
     pred["admitted_reserved_bytes"] = 0
     problem = bench_decode.fit_problem("defaults", pred, torch.device("cuda"), args)
     assert problem == "predicted not to fit device memory: 67.0 GiB needed, 40.0 GiB free"
+
+
+def test_a_cache_with_graphs_warms_up_past_its_first_seal():
+    """On CUDA an OffloadCache method warms up a block and two tokens more (its first seal captures the seal's graphs,
+    which must not be timed); other caches, the CPU and --cuda-graphs off do not."""
+    from hf_offload import OffloadConfig
+
+    args = bench_decode.parse_args(["--budget", "512"])
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert bench_decode.seal_warmup("defaults", args, cuda, None) == 16 + 2
+    assert bench_decode.seal_warmup("quantkey", args, cuda, OffloadConfig(budget_tokens=512, block_tokens=8)) == 10
+    assert bench_decode.seal_warmup("defaults", args, cpu, None) == 0
+    assert bench_decode.seal_warmup("dynamic", args, cuda, None) == 0
+    args = bench_decode.parse_args(["--budget", "512", "--cuda-graphs", "off"])
+    assert bench_decode.seal_warmup("quantkey", args, cuda, None) == 0
