@@ -23,6 +23,8 @@ CPU under Triton's interpreter.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .gather import kernels_available, tl, triton
@@ -32,10 +34,24 @@ MAX_SLOTS = 256
 the slot in 9 bits, and the search for hits, unrolled over the slots, compares every wanted block with every slot)."""
 
 
+def _language_supported() -> bool:
+    """Whether this Triton has what the kernel uses: ``tl.gather`` and ``tl.histogram``'s ``mask`` (Triton 3.4 on;
+    with an older one, which torch before 2.8 brings, the pool assigns in torch)."""
+    if tl is None or not hasattr(tl, "gather"):
+        return False
+    try:
+        return "mask" in inspect.signature(tl.histogram).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return False
+
+
+LANGUAGE_SUPPORTED = _language_supported()
+
+
 def assign_supported(device: torch.device, slots: int, n: int) -> bool:
     """Whether :func:`assign_slots` runs for a pool of ``slots`` slots per row and ``n`` wanted blocks per row on
-    ``device`` (Triton there; both at most :data:`MAX_SLOTS`)."""
-    return kernels_available(device) and 0 < n <= slots <= MAX_SLOTS
+    ``device`` (Triton 3.4 or later there, :data:`LANGUAGE_SUPPORTED`; both at most :data:`MAX_SLOTS`)."""
+    return LANGUAGE_SUPPORTED and kernels_available(device) and 0 < n <= slots <= MAX_SLOTS
 
 
 if triton is not None:

@@ -102,3 +102,20 @@ def test_assign_kernel_limits():
     assert not assign_supported(DEVICE, 16, 17)
     assert not assign_supported(DEVICE, 16, 0)
     assert not assign_supported(torch.device("meta"), 16, 4)
+
+
+def test_a_triton_without_gather_or_a_masked_histogram_assigns_in_torch(monkeypatch):
+    """Triton before 3.4 (torch before 2.8) lacks ``tl.gather`` or ``tl.histogram``'s mask: the pool assigns in
+    torch there, with the same result."""
+    from hf_offload.kernels import slots as slots_module
+
+    monkeypatch.setattr(slots_module, "LANGUAGE_SUPPORTED", False)
+    assert not assign_supported(DEVICE, 160, 128)
+    pool, reference = _pools(1, 2, 12)
+    g = torch.Generator().manual_seed(5)
+    for step in range(4):
+        blocks = torch.rand(1, 1, 36, generator=g).argsort(-1)[..., :5].to(DEVICE)
+        keep = torch.ones(1, 1, 5, dtype=torch.bool, device=DEVICE)
+        got, want = pool.assign(blocks, keep), reference.assign(blocks, keep)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), step
+    assert torch.equal(pool.block, reference.block)
