@@ -23,6 +23,19 @@ def _pools(batch, heads, slots):
     return pools
 
 
+def _assign_both(kernel_pool, torch_pool, blocks, keep, touch, step):
+    """Assign ``blocks`` in both pools; the slots, misses and pool state must be the same. Returns the kernel's."""
+    blocks, keep = blocks.to(DEVICE), keep.to(DEVICE)
+    got = kernel_pool.assign(blocks, keep, touch=touch)
+    want = torch_pool.assign(blocks, keep, touch=touch)
+    assert torch.equal(got[1], want[1]), step
+    assert torch.equal(got[0], want[0]), step
+    assert torch.equal(kernel_pool.block, torch_pool.block), step
+    assert torch.equal(kernel_pool.last_used, torch_pool.last_used), step
+    assert torch.equal(kernel_pool.clock, torch_pool.clock), step
+    return got
+
+
 @pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("slots,n", [(12, 5), (160, 127), (40, 40), (7, 1)])
 def test_assign_kernel_matches_the_torch_code(shared, slots, n):
@@ -36,14 +49,7 @@ def test_assign_kernel_matches_the_torch_code(shared, slots, n):
         blocks = torch.rand(batch, rows, universe, generator=g).argsort(-1)[..., :n]
         keep = torch.rand(batch, rows, n, generator=g) > 0.2
         touch = step % 4 != 3  # every fourth: a speculative assignment
-        blocks, keep = blocks.to(DEVICE), keep.to(DEVICE)
-        got = kernel_pool.assign(blocks, keep, touch=touch)
-        want = torch_pool.assign(blocks, keep, touch=touch)
-        assert torch.equal(got[1], want[1]), step
-        assert torch.equal(got[0], want[0]), step
-        assert torch.equal(kernel_pool.block, torch_pool.block), step
-        assert torch.equal(kernel_pool.last_used, torch_pool.last_used), step
-        assert torch.equal(kernel_pool.clock, torch_pool.clock), step
+        _assign_both(kernel_pool, torch_pool, blocks, keep, touch, step)
     assert (kernel_pool.block >= 0).any()  # the pool filled up
 
 
@@ -60,13 +66,7 @@ def test_assign_kernel_matches_at_the_decode_shape(shared):
     for step in range(10):
         keep = torch.rand(batch, rows, n, generator=g) > 0.05
         touch = step % 4 != 3
-        got = kernel_pool.assign(blocks.to(DEVICE), keep.to(DEVICE), touch=touch)
-        want = torch_pool.assign(blocks.to(DEVICE), keep.to(DEVICE), touch=touch)
-        assert torch.equal(got[1], want[1]), step
-        assert torch.equal(got[0], want[0]), step
-        assert torch.equal(kernel_pool.block, torch_pool.block), step
-        assert torch.equal(kernel_pool.last_used, torch_pool.last_used), step
-        assert torch.equal(kernel_pool.clock, torch_pool.clock), step
+        got = _assign_both(kernel_pool, torch_pool, blocks, keep, touch, step)
         # the next selection: three quarters of these blocks (a random choice) and new ones outside them
         again = blocks.gather(-1, torch.rand(batch, rows, n, generator=g).argsort(-1)[..., : n * 3 // 4])
         score = torch.rand(batch, rows, universe, generator=g).scatter_(-1, blocks, 2.0)
@@ -88,12 +88,7 @@ def test_assign_kernel_matches_with_block_ids_beyond_int32():
         blocks[0] += (torch.rand(heads, n, generator=g) < 0.5).long() << 32
         keep = torch.rand(batch, heads, n, generator=g) > 0.2
         touch = step % 4 != 3
-        got = kernel_pool.assign(blocks.to(DEVICE), keep.to(DEVICE), touch=touch)
-        want = torch_pool.assign(blocks.to(DEVICE), keep.to(DEVICE), touch=touch)
-        assert torch.equal(got[1], want[1]), step
-        assert torch.equal(got[0], want[0]), step
-        assert torch.equal(kernel_pool.block, torch_pool.block), step
-        assert torch.equal(kernel_pool.last_used, torch_pool.last_used), step
+        _assign_both(kernel_pool, torch_pool, blocks, keep, touch, step)
     assert (kernel_pool.block[0] >= 2**32).any()
 
 
