@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels import certificate
+
 
 class LayerStats:
     """Counters of one layer.
@@ -204,8 +206,6 @@ class LayerStats:
                 and of the exact attention over the selection, ``[batch, kv_heads, group]``, float32; a sequence's
                 share is the mean of ``sigmoid(tail_lse - selection_lse)`` over its query heads.
         """
-        from ..kernels import certificate
-
         if keep.is_cuda and torch.cuda.is_current_stream_capturing() and getattr(self, "_steps", None) is None:
             raise RuntimeError("LayerStats.record_step inside a capture needs prepare_capture() before it.")
         lse = missed is None and tail_lse is not None
