@@ -14,6 +14,7 @@ import torch
 
 from ..attention.handoff import OffloadMask
 from ..config import OffloadConfig
+from ..kernels import recall as recall_kernels
 from .lookahead import speculative_query
 from ..selectors import Selection, Selector
 from ..store import transfer
@@ -22,6 +23,12 @@ from .capture import between_graphs
 from .execution import LayerExecution, hidden_states
 from .planner import DecodePlanner
 from .stats import LayerStats, count_recall
+
+
+FUSED_RECALL = True
+"""Whether a decode step's recall of a shared selection on the kernel path runs as one launch that also counts
+(:meth:`Recaller._recall_entries`); ``False``: the index tensors, the copy launch and the counters as separate
+operations (the path of prefill rounds, per-head selections and the disk tier)."""
 
 
 class Recaller:
@@ -131,6 +138,8 @@ class Recaller:
             self.wait_side_streams()  # blocks sealed on a side stream reach their chunks first
             yield selection.blocks, keep, self._zero_slots(total), None, None
             return
+        # A decode step's single round of a shared selection on the kernel path recalls and counts in one launch.
+        counts = self._entry_counts() if decode and total <= per_round and stage is None else None
         for start in range(0, total, per_round):
             if total <= per_round:
                 blocks, keep = selection.blocks, selection.keep
@@ -139,8 +148,8 @@ class Recaller:
                 keep = selection.keep[..., start : start + per_round]
             slots, miss = pool.assign(blocks, self.pool_keep(blocks, keep) if in_place else keep)
             if decode:
-                # Device-side counts, summed when stats() reads them.
-                self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
+                if counts is None:  # device-side counts, summed when stats() reads them
+                    self.stats.count_later(("lookups", "hits"), keep, heads // keep.shape[1])
                 if prefetched is not None and start == 0:
                     used = keep.expand_as(miss) & ~miss & (prefetched.gather(-1, slots) > 0)
                     prefetched.zero_()  # counted once: the next step's prefetch marks anew
@@ -150,6 +159,11 @@ class Recaller:
                 # Stream order: the recall below may overwrite slots a prefetch was filling, and the gather reads
                 # them; both must come after the prefetch. Recalled blocks must have reached the host.
                 self.wait_side_streams()
+            if counts is not None:
+                self._recall_entries(blocks, keep, slots, miss, counts)
+                keys, values = pool.gather(slots) if gather else (None, None)
+                yield blocks, keep, slots, keys, values
+                continue
             count, unit, host_count = self.recall(blocks, slots, miss, stage=stage if start == 0 else None)
             count_recall(self.stats, count, unit, decode=decode, host_count=host_count)
             if decode:
@@ -171,11 +185,43 @@ class Recaller:
         if not host.admitted_chunks:
             return keep
         _, on_host = host.chunk_tables(self.blocks.device)
-        table = self.blocks.block_table_dev
         # Entries past the sealed blocks (a step's capacity) are never kept: any column serves them.
-        ids = table.gather(1, blocks.reshape(blocks.shape[0], -1).clamp(0, table.shape[1] - 1)).view(blocks.shape)
-        chunk = torch.where(ids >= 0, ids // host.chunk_blocks, len(on_host) - 1)  # -1 reads False
-        return keep & on_host[chunk]
+        if self.execution.use_kernels:
+            return recall_kernels.pool_keep(blocks, keep, self.blocks.block_table_dev, on_host, host.chunk_blocks)
+        return recall_kernels.pool_keep_reference(blocks, keep, self.blocks.block_table_dev, on_host,
+                                                  host.chunk_blocks)  # fmt: skip
+
+    def _entry_counts(self) -> torch.Tensor | None:
+        """The counter a decode step's :meth:`_recall_entries` adds into (kept entries, recalled blocks, recalled
+        blocks read from host memory, :data:`~hf_offload.kernels.recall.COUNTS`), or ``None`` where that launch does
+        not serve the step: not the kernel path or no Triton on the device, a selection per head, a disk tier (the
+        host reads blocks on disk between plan and copy), :data:`FUSED_RECALL` off, or a capture that finds no counter
+        made before it."""
+        store = self.blocks
+        if not (FUSED_RECALL and self.execution.use_kernels) or self.selector.per_head or store.host.disk is not None:
+            return None
+        if not recall_kernels.supported(store.device):
+            return None
+        heads, unit = store.kv_heads, store.host.block_bytes
+        meanings = (
+            ((("lookups", "hits"), heads),),
+            ((("recalled_blocks", "decode_recalled_blocks"), 1), (("recalled_bytes", "decode_recalled_bytes"), unit),
+             (("hits",), -heads)),  # a shared selection: one recalled block is a miss of every head
+            ((("decode_host_bytes",), unit),),
+        )  # fmt: skip
+        return self.stats.kernel_counts(store.device, meanings)
+
+    def _recall_entries(self, blocks: torch.Tensor, keep: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor,
+                        counts: torch.Tensor) -> None:  # fmt: skip
+        """A decode step's recall of a shared selection and its counts, in one launch on the compute stream
+        (:func:`~hf_offload.kernels.recall.recall_entries`); arguments as :meth:`recall`'s, ``keep`` the
+        selection's kept entries and ``counts`` :meth:`_entry_counts`'."""
+        store = self.blocks
+        host = store.host
+        addrs, on_host = host.chunk_tables(store.device)
+        recall_kernels.recall_entries(blocks, keep, miss, slots, store.block_table_dev, addrs, on_host,
+                                      host.chunk_blocks, host.block_words, store.pool.data, counts,
+                                      **transfer.RECALL_LAUNCH)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------------- recall
     def recall(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor, stream=None,

@@ -49,6 +49,8 @@ class LayerStats:
     def __init__(self) -> None:
         # (fields, factor, mask shape) -> per-element counts of the masks captured graphs add (count_later)
         self._captured_masks: dict[tuple[tuple[str, ...], int, tuple[int, ...]], torch.Tensor] = {}
+        # meanings -> the counts kernels add into (kernel_counts)
+        self._kernel_counts: dict[tuple, torch.Tensor] = {}
         self.reset()
 
     def reset(self) -> None:
@@ -59,7 +61,7 @@ class LayerStats:
         with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into them
             if getattr(self, "_captured", None) is not None:
                 self._captured.zero_()
-            for buffer in self._captured_masks.values():
+            for buffer in (*self._captured_masks.values(), *self._kernel_counts.values()):
                 buffer.zero_()
             if getattr(self, "_steps", None) is not None:
                 self._steps.zero_()
@@ -106,6 +108,24 @@ class LayerStats:
         self._n_queued += 1
         if self._n_queued >= self._QUEUE:
             self.settle()
+
+    def kernel_counts(self, device: torch.device, meanings: tuple) -> torch.Tensor | None:
+        """Persistent device counts that kernels add into (in steps run op by op and in replayed graphs alike):
+        ``[len(meanings)]``, ``torch.int64``; entry ``i`` adds ``factor`` times its value to each of ``fields`` for
+        every ``(fields, factor)`` of ``meanings[i]`` when a counter is read. The same ``meanings`` give the same
+        tensor. Made outside a capture: a capture that finds none gets ``None`` (the caller counts otherwise).
+
+        Args:
+            device: the compute device.
+            meanings: per entry, a tuple of ``(fields, factor)`` pairs.
+        """
+        counts = self._kernel_counts.get(meanings)
+        if counts is None:
+            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return None
+            with torch.inference_mode(False), torch.no_grad():
+                counts = self._kernel_counts[meanings] = torch.zeros(len(meanings), dtype=torch.int64, device=device)
+        return counts
 
     def count_later(self, fields: tuple[str, ...], mask: torch.Tensor, factor: int = 1) -> None:
         """Add ``factor`` times the number of ``True`` elements of ``mask`` to each of ``fields`` when the counters
@@ -290,6 +310,11 @@ def _counter(name: str) -> property:
         for (fields, factor, _), buffer in getattr(self, "_captured_masks", {}).items():
             if name in fields:
                 total = total + buffer.sum() * factor
+        for meanings, counts in getattr(self, "_kernel_counts", {}).items():
+            for i, meaning in enumerate(meanings):
+                for fields, factor in meaning:
+                    if name in fields:
+                        total = total + counts[i] * factor
         return total
 
     def set(self: LayerStats, value) -> None:

@@ -1,4 +1,5 @@
-"""Block scores of a shared selection from per-head block log-sum-exps, in two small launches.
+"""Block scores of a shared selection from per-head block log-sum-exps, in two small launches (the second may also
+write the log-sum-exps with the blocks that are not valid at ``-inf``, what the bounded estimate reads).
 
 ``quantkey`` scores a block by its attention mass summed over heads: per query head the softmax over blocks of the
 block log-sum-exps, summed over the query heads, with blocks that may not be attended left out of every softmax,
@@ -88,10 +89,12 @@ if triton is not None:
         forced_ptr,  # uint8 [B, N]
         stats_ptr,  # float32 [B, R, 2]
         out_ptr,  # float32 [B, N]
+        masked_ptr,  # float32 [B, R, N]: lse, -inf where not valid (written with MASKED)
         rows,
         n_blocks,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
+        MASKED: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -103,6 +106,9 @@ if triton is not None:
         total = tl.load(stats_ptr + (b * rows + r) * 2 + 1, mask=row_live, other=1.0)
         x = tl.load(lse_ptr + (b * rows + r[:, None]) * n_blocks + n[None, :],
                     mask=row_live[:, None] & (live & ok)[None, :], other=float("-inf"))  # fmt: skip
+        if MASKED:
+            tl.store(masked_ptr + (b * rows + r[:, None]) * n_blocks + n[None, :], x,
+                     mask=row_live[:, None] & live[None, :])  # fmt: skip
         # A row whose valid blocks are all -inf (top -inf) adds nothing.
         p = tl.where(x == float("-inf"), 0.0, tl.exp(x - top[:, None]) / total[:, None])
         acc = tl.sum(p, axis=0)
@@ -120,15 +126,18 @@ def block_scores_supported(lse: torch.Tensor) -> bool:
             and heads * group <= 128)  # fmt: skip
 
 
-def block_scores(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -> torch.Tensor:
+def block_scores(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor,
+                 masked: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`block_scores_reference` in two launches where :func:`block_scores_supported`, else the reference.
 
-    Allocates only its result and one small float32 temporary and never waits for the
-    device, so it can be captured in a CUDA graph once it has run outside one. Arguments and result as the
-    reference's.
+    Allocates only its result (and, with ``masked``, the masked log-sum-exps) and one small float32 temporary and
+    never waits for the device, so it can be captured in a CUDA graph once it has run outside one. Arguments and
+    result as the reference's; with ``masked`` also ``lse`` with ``-inf`` for the blocks that are not valid
+    (``lse.masked_fill(~valid[:, None, None, :], -inf)``, written by the second launch), as ``(scores, masked)``.
     """
     if not block_scores_supported(lse):
-        return block_scores_reference(lse, valid, forced)
+        scores = block_scores_reference(lse, valid, forced)
+        return (scores, lse.masked_fill(~valid[:, None, None, :], float("-inf"))) if masked else scores
     batch, heads, group, n = lse.shape
     rows, chunks = heads * group, triton.cdiv(n, BLOCK_N)
     lse = lse.contiguous()
@@ -136,9 +145,10 @@ def block_scores(lse: torch.Tensor, valid: torch.Tensor, forced: torch.Tensor) -
     forced_u8 = forced.contiguous().view(torch.uint8)
     stats = torch.empty((batch, rows, 2), dtype=torch.float32, device=lse.device)
     out = torch.empty((batch, 1, n), dtype=torch.float32, device=lse.device)
+    lse_masked = torch.empty_like(lse) if masked else out
     step = min(STATS_BLOCK_N, max(128, triton.next_power_of_2(n)))
     _row_stats_kernel[(batch * rows,)](lse, valid_u8, stats, rows, n, BLOCK=step,
                                        STEPS=triton.next_power_of_2(triton.cdiv(n, step)), num_warps=4)
-    _scores_kernel[(batch, chunks)](lse, valid_u8, forced_u8, stats, out, rows, n,
-                                    ROWS=triton.next_power_of_2(rows), BLOCK=BLOCK_N)  # fmt: skip
-    return out
+    _scores_kernel[(batch, chunks)](lse, valid_u8, forced_u8, stats, out, lse_masked, rows, n,
+                                    ROWS=triton.next_power_of_2(rows), BLOCK=BLOCK_N, MASKED=masked)  # fmt: skip
+    return (out, lse_masked) if masked else out

@@ -401,8 +401,12 @@ class QuantKeySelector(Selector):
         from ..kernels.topk import ranked_topk_keep
 
         lse = self.block_lse(query, summaries, scaling)
-        # The masses, forced and invalid blocks in two launches where Triton runs (kernels/mass.py).
-        scores = block_scores(lse, valid, forced)
+        # The masses, forced and invalid blocks in two launches where Triton runs (kernels/mass.py); with
+        # tail_near, the second also writes the estimate's far blocks' log-sum-exps (valid blocks only).
+        if self.tail_near:
+            scores, lse = block_scores(lse, valid, forced, masked=True)
+        else:
+            scores = block_scores(lse, valid, forced)
         n = valid.shape[-1]
         ranked = min(n, k + math.ceil(self.tail_near * k)) if self.tail_near else k
         # One top-k serves the selection (its first k) and the bounded estimate's near blocks (the next ones), each
@@ -412,6 +416,5 @@ class QuantKeySelector(Selector):
         blocks = indices[..., :k]
         if not self.tail_near:
             return Selection(blocks=blocks, keep=keep, scores=scores)
-        lse = lse.masked_fill(~valid[:, None, None, :], float("-inf"))  # the estimate's far blocks: valid ones only
         return Selection(blocks=blocks, keep=keep, scores=scores, block_lse=lse,
                          ranked=indices if ranked > k else None)  # fmt: skip

@@ -86,3 +86,14 @@ def test_the_quantkey_selection_is_the_one_of_the_torch_scores():
             near = scores.topk(k + k).indices[..., k:]
             assert torch.equal(sel.ranked[..., k:].sort(-1).values, near.sort(-1).values)
             assert bool((sel.block_lse[0, :, :, 5:9] == float("-inf")).all())
+
+
+@pytest.mark.parametrize("batch,heads,group,n", [(3, 2, 4, 37), (1, 4, 1, 3 * BLOCK_N + 5)])
+def test_block_scores_also_write_the_masked_log_sum_exps(batch, heads, group, n):
+    """With ``masked``, the second launch also writes ``lse`` with ``-inf`` for the blocks that are not valid; the
+    scores are those without it."""
+    lse, valid, forced = _inputs(batch, heads, group, n, seed=n + 1)
+    scores, masked = block_scores(lse, valid, forced, masked=True)
+    assert torch.equal(scores, block_scores(lse, valid, forced))
+    assert torch.equal(masked, lse.masked_fill(~valid[:, None, None, :], float("-inf")))
+    assert (~valid).any()
