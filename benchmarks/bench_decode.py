@@ -345,11 +345,9 @@ def offload_config(method: str, args) -> OffloadConfig | None:
 def adaptive_of(args) -> dict:
     """OffloadConfig.max_budget_tokens and missed_mass_target for ``--max-budget`` and ``--missed-mass-target``
     (the adaptive budget of every OffloadCache method but ``headwise-copy``; none where they are not given), and
-    ``lookahead=True`` (and ``lookahead_query``) for ``--lookahead on``."""
+    ``lookahead=True`` for ``--lookahead on``."""
     cap, target = getattr(args, "max_budget", None), getattr(args, "missed_mass_target", None)
-    ahead = {}
-    if getattr(args, "lookahead", "off") == "on":
-        ahead = {"lookahead": True, "lookahead_query": getattr(args, "lookahead_query", "next")}
+    ahead = {"lookahead": True} if getattr(args, "lookahead", "off") == "on" else {}
     return ahead if cap is None and target is None else {"max_budget_tokens": cap, "missed_mass_target": target,
                                                         **ahead}
 
@@ -864,8 +862,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--lookahead", choices=["off", "on"], default="off",
                         help="OffloadConfig.lookahead of the OffloadCache methods (inside the whole-layer graphs "
                         "where they run)")  # fmt: skip
-    parser.add_argument("--lookahead-query", choices=["next", "same", "selection"], default="next",
-                        help="OffloadConfig.lookahead_query with --lookahead on")
     parser.add_argument("--missed-mass-target", type=float, default=None,
                         help="missed_mass_target of the OffloadCache methods: a step leaving out more of the "
                         "estimated attention takes more blocks, up to --max-budget")  # fmt: skip
@@ -1011,7 +1007,7 @@ def _child_argv(args: argparse.Namespace) -> list[str]:
             "--fused-rotary", args.fused_rotary, "--fused-projections", args.fused_projections,
             "--seal-graphs", args.seal_graphs, "--reselect-every", str(args.reselect_every),
             "--profile-seal", str(args.profile_seal), "--profile-kernels", str(args.profile_kernels),
-            "--lookahead", args.lookahead, "--lookahead-query", args.lookahead_query]  # fmt: skip
+            "--lookahead", args.lookahead]  # fmt: skip
     if args.max_budget is not None:
         out += ["--max-budget", str(args.max_budget)]
     if args.missed_mass_target is not None:

@@ -1,8 +1,7 @@
 """How well layer-ahead lookahead guesses the next layer's blocks, per query source, on a real or random model.
 
 For each setting (lookahead off; ``lookahead_query="same"``: the layer's own query; ``"next"``: the next layer's
-query predicted from the layer's input, ``hf_offload.cache.lookahead``; ``"selection"``: the blocks the layer's own
-exact plan kept, nothing scored) the same needle prompts decode greedily through an
+query predicted from the layer's input, ``hf_offload.cache.lookahead``) the same needle prompts decode greedily through an
 ``OffloadCache`` (every block offloaded) and the script reports, from ``cache.stats()``: blocks prefetched per
 decode step, the share of them that the next layer's exact plan attended (``prefetch_used_blocks /
 prefetched_blocks``: the guess's precision), the share of the exact plans' misses that a prefetch had already
@@ -29,8 +28,7 @@ from benchmarks.common import run_metadata, write_results  # noqa: E402
 from hf_offload import OffloadCache, generate_cache_kwarg  # noqa: E402
 
 SETTINGS = {"off": dict(lookahead=False), "same": dict(lookahead=True, lookahead_query="same"),
-            "next": dict(lookahead=True, lookahead_query="next"),
-            "selection": dict(lookahead=True, lookahead_query="selection")}  # fmt: skip
+            "next": dict(lookahead=True, lookahead_query="next")}  # fmt: skip
 
 
 def _random_llama(layers: int):
@@ -104,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name]["same_tokens_as_off"] = tokens == rows["off"]["tokens"]
         r = rows[name]
         fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
-        print(f"{name:9s} prefetched {r['prefetched']:7d} used {r['used']:6d} precision {fmt(r['precision'])} "
+        print(f"{name:5s} prefetched {r['prefetched']:7d} used {r['used']:6d} precision {fmt(r['precision'])} "
               f"covered {fmt(r['covered'])} hit rate {fmt(r['hit_rate'])} same tokens {r['same_tokens_as_off']} "
               f"({r['seconds']:.1f} s)", flush=True)  # fmt: skip
     if args.out:

@@ -147,9 +147,9 @@ class Execution:
         lookahead: prefetch the next offloaded layer's likely blocks on a side stream (its own plan still decides
             what it attends). ``False`` (default); ``None``: on where blocks move through the copy kernels on CUDA;
             ``True``: on everywhere, without CUDA synchronously.
-        lookahead_query: the lookahead's guess: ``"next"`` (default): a plan with the next layer's query predicted
-            from this layer's input (else ``"same"``); ``"same"``: a plan with this layer's query; ``"selection"``:
-            the blocks this layer's plan kept, nothing scored (docs/tuning.md).
+        lookahead_query: what the lookahead plan scores with: ``"next"`` (default): the next layer's query predicted
+            from this layer's input (Llama-form layers, next offloaded layer adjacent; else ``"same"``); ``"same"``:
+            this layer's query.
         lookahead_blocks: most blocks per sequence (and KV head, for per-head selectors) a lookahead plan selects
             besides sink and window; ``>= 0``, or ``None`` (default): as many as the budget.
         fused_norms: the decoder layers' RMS norms as one Triton launch each (:mod:`hf_offload.patches.norms`); an element
@@ -398,10 +398,10 @@ class OffloadConfig:
                 f"lookahead must be True, False or None (None: on where blocks move through the copy kernels on "
                 f"CUDA), got {self.lookahead!r}."
             )
-        if self.lookahead_query not in ("next", "same", "selection"):
+        if self.lookahead_query not in ("next", "same"):
             raise ValueError(
-                f"lookahead_query must be 'next' (the next layer's query predicted from this layer's input), 'same' "
-                f"(this layer's query) or 'selection' (the blocks this layer selected), got {self.lookahead_query!r}."
+                f"lookahead_query must be 'next' (the next layer's query predicted from this layer's input) or 'same' "
+                f"(this layer's query), got {self.lookahead_query!r}."
             )
         ahead = self.lookahead_blocks
         if ahead is not None and (isinstance(ahead, bool) or not isinstance(ahead, int) or ahead < 0):

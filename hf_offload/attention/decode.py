@@ -95,11 +95,11 @@ def decode_body(
     capture = layer.graphs.layer_capture
     if capture is not None and capture.ahead is not None:
         # Lookahead inside the whole layer's graph, from this layer's query: joined at the end of the layer's work.
-        capture.ahead.prefetch_in_graph(q, scaling, inputs, n, k, selection)
+        capture.ahead.prefetch_in_graph(q, scaling, inputs, n, k)
     if layer.execution.lookahead and count_step and not recaller.prefetched_ahead:
         # Lookahead: the next offloaded layer's likely blocks start moving now, behind this layer's work (unless
         # they started before this layer, from the next layer's predicted query: lookahead_query="next").
-        recaller.lookahead_next(q, mask, scaling, selection)
+        recaller.lookahead_next(q, mask, scaling)
         if timer is not None:
             timer.add("prefetch", t_select, t_select := timer.mark())
     # With a disk tier the recall reads the blocks on disk on the host and stages those ranked below the selection.

@@ -484,17 +484,15 @@ class Recaller:
         batch, q_heads, _, head_dim = query.shape
         return query.view(batch, other.kv_heads, q_heads // other.kv_heads, head_dim), scaling
 
-    def lookahead_next(self, query: torch.Tensor, mask, scaling: float, selection: Selection | None = None) -> None:
+    def lookahead_next(self, query: torch.Tensor, mask, scaling: float) -> None:
         """After this layer's decode plan: speculatively plan :attr:`next`'s layer with this layer's query and start
-        recalling its misses (see :meth:`prefetch`); with ``lookahead_query="selection"`` the next layer recalls the
-        blocks of this layer's ``selection`` instead (:meth:`prefetch_selection`). A no-op unless lookahead is on and
-        the next layer has the same geometry on the same device.
+        recalling its misses (see :meth:`prefetch`). A no-op unless lookahead is on and the next layer has the same
+        geometry on the same device.
 
         Args:
             query: this layer's decode query, ``[batch, kv_heads, group, head_dim]``, compute device.
             mask: the forward's :class:`~hf_offload.attention.OffloadMask`, or ``None``.
             scaling: softmax scale.
-            selection: this layer's plan of the step.
         """
         nxt = self.next
         if not self.execution.lookahead or nxt is None or not nxt.blocks.is_initialized:
@@ -504,23 +502,7 @@ class Recaller:
             query.shape[0], query.shape[1], query.shape[-1]
         ):
             return
-        if self.config.lookahead_query == "selection":
-            if selection is not None:
-                nxt.prefetch_selection(selection)
-            return
         nxt.prefetch(query, mask, scaling)
-
-    def prefetch_selection(self, selection: Selection) -> None:
-        """Recall the blocks another layer's plan of this step selected as this layer's guess
-        (``lookahead_query="selection"``): the same sealed blocks per sequence, bounded as :meth:`prefetch` bounds
-        its plan; on the prefetch stream where there is one. Never changes what is attended."""
-        n = self.blocks.n_blocks
-        if n == 0 or selection.blocks.shape[-1] > self.blocks.pool.slots:
-            return  # nothing sealed, or the exact plan runs in rounds that cycle the whole pool
-        # Only blocks this layer has sealed (a step run op by op may have sealed one more in the other layer).
-        guess = Selection(blocks=selection.blocks, keep=selection.keep & (selection.blocks < n), scores=selection.scores)
-        streams = self.execution.streams
-        self._recall_guess(guess, streams.prefetch if streams else None)
 
     def prefetch(self, query: torch.Tensor, mask, scaling: float) -> None:
         """Speculative plan of this layer's coming decode step from an earlier layer's query; recalls its misses.
@@ -586,8 +568,7 @@ class Recaller:
             return None  # the exact plan runs in rounds that cycle the whole pool: nothing would stay resident
         return nxt
 
-    def prefetch_in_graph(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int,
-                          selection: Selection | None = None) -> None:
+    def prefetch_in_graph(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
         """:meth:`prefetch` in a form a CUDA graph of the previous layer captures: the plan scores the step's
         capacity ``n`` with the step's shared ``inputs`` (valid and forced blocks) and selects ``k``, as this
         layer's own step will. With side streams the plan, the slot assignment and the copy all run on the prefetch
@@ -600,37 +581,27 @@ class Recaller:
             scaling: softmax scale.
             inputs: the step's :class:`~hf_offload.attention.inputs.DecodeInputs`.
             n, k: blocks the step scores and selects.
-            selection: the previous layer's plan of the step (``lookahead_query="selection"``: recalled as this
-                layer's guess, nothing scored).
         """
-        if self.config.lookahead_query != "selection":
-            selection = None
         streams = self.execution.streams
         if streams is None or self.blocks.host.disk is not None:
             # CPU, torch path: synchronously. A disk tier: the host stages the plan's blocks on disk part-way
             # (between two graphs), which a fork to the prefetch stream would leave open: on the current stream.
-            self._prefetch_planned(query, scaling, inputs, n, k, selection)
+            self._prefetch_planned(query, scaling, inputs, n, k)
             return
         side = streams.prefetch
         side.wait_stream(torch.cuda.current_stream(self.blocks.device))
         try:
-            for tensor in (query,) if selection is None else (selection.blocks, selection.keep, selection.scores):
-                if tensor is not None:
-                    tensor.record_stream(side)  # made on the compute stream, read on the side stream
+            query.record_stream(side)  # made on the compute stream, read on the side stream
             with torch.cuda.stream(side):
-                self._prefetch_planned(query, scaling, inputs, n, k, selection)
+                self._prefetch_planned(query, scaling, inputs, n, k)
         finally:  # the fork is joined (wait_prefetch) even after a failure: a capture must not end unjoined
             event = torch.cuda.Event()
             event.record(side)
             self._prefetch_event = event
 
-    def _prefetch_planned(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int,
-                          selection: Selection | None = None) -> None:
-        """The plan (or the previous layer's ``selection``) and recall of :meth:`prefetch_in_graph`, on the current
-        stream."""
-        if selection is None:
-            selection = self.planner.plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k)
-        self._recall_guess(selection, None)
+    def _prefetch_planned(self, query: torch.Tensor, scaling: float, inputs, n: int, k: int) -> None:
+        """The plan and recall of :meth:`prefetch_in_graph`, on the current stream."""
+        self._recall_guess(self.planner.plan(query, None, scaling, n, 0, 0, inputs=inputs, k=k), None)
 
     def held_buffers(self) -> tuple:
         """What a graph of this layer reads besides the block store: the prefetch marks, where they exist."""

@@ -80,11 +80,10 @@ def _deep_llama(layers=6):
     return LlamaForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("query", ["next", "same", "selection"])
+@pytest.mark.parametrize("query", ["next", "same"])
 def test_lookahead_never_changes_the_tokens(query, monkeypatch):
-    """Tokens with lookahead (any query) are those without; with "next" every offloaded layer but the last
-    plans its successor before it runs (the speculative plans' count), with "same" after its own plan, with
-    "selection" not at all (the successor recalls the layer's own selection)."""
+    """Tokens with lookahead (either query) are those without; with "next" every offloaded layer but the last
+    plans its successor before it runs (the speculative plans' count), with "same" after its own plan."""
     from hf_offload.cache import Recaller
 
     model = _deep_llama()
@@ -125,46 +124,6 @@ def test_the_predicted_query_prefetches_what_the_next_layer_attends():
         stats = cache.stats()
         used[query] = stats["prefetch_used_blocks"] / max(stats["prefetched_blocks"], 1)
     assert used["next"] > used["same"]
-
-
-def test_the_selection_source_recalls_the_previous_layers_blocks_without_scoring(monkeypatch):
-    """With ``lookahead_query="selection"`` no speculative plan is scored: each offloaded layer but the first
-    recalls, as its guess, the blocks the previous layer's exact plan kept (bounded by ``lookahead_blocks``), and the
-    guess counts as prefetched."""
-    from hf_offload.cache import Recaller
-    from hf_offload.cache.planner import DecodePlanner
-
-    model = _deep_llama()
-    ids = torch.randint(3, 90, (1, 400), generator=torch.Generator().manual_seed(4))
-    plans, guesses = [], []
-    plan = DecodePlanner.plan
-    monkeypatch.setattr(DecodePlanner, "plan", lambda self, *a, **k: plans.append(1) or plan(self, *a, **k))
-    guess = Recaller._recall_guess
-    monkeypatch.setattr(Recaller, "_recall_guess",
-                        lambda self, selection, stream: guesses.append((self, selection.blocks.clone(),
-                                                                        selection.keep.clone())) or
-                        guess(self, selection, stream))  # fmt: skip
-    cache = OffloadCache(model, budget_tokens=96, block_tokens=8, lookahead=True, lookahead_query="selection")
-    exact = []
-    plan_decode = DecodePlanner.plan_decode
-    def recorded(self, *args, **kwargs):
-        selection = plan_decode(self, *args, **kwargs)
-        exact.append((self, selection))
-        return selection
-
-    monkeypatch.setattr(DecodePlanner, "plan_decode", recorded)
-    model.generate(ids, past_key_values=cache, max_new_tokens=6, do_sample=False)
-    layers = cache.offload_layers
-    decode_plans = sum(1 for _ in exact)
-    assert decode_plans > 0 and len(plans) == decode_plans  # one scored plan per layer and step: the exact ones
-    assert guesses and all(recaller is not layers[0].recaller for recaller, _, _ in guesses)
-    # Each guess is the previous layer's exact selection of that step.
-    by_planner = {layer.planner: i for i, layer in enumerate(layers)}
-    for (recaller, blocks, keep), (planner, selection) in zip(guesses, [e for e in exact if
-                                                                         by_planner[e[0]] < len(layers) - 1]):
-        assert recaller is layers[by_planner[planner] + 1].recaller
-        assert torch.equal(blocks, selection.blocks) and torch.equal(keep, selection.keep)
-    assert cache.stats()["prefetched_blocks"] > 0
 
 
 def test_an_unknown_query_source_is_refused():
