@@ -96,7 +96,7 @@ def test_pool_keep_matches_the_torch_code(sel_heads):
 @pytest.mark.parametrize("admission", ["always", "auto"])
 @pytest.mark.parametrize("selector", ["solohead", "quantkey[bits=4,tail_bits=2,tail_near=3]"])
 def test_cache_counts_and_tokens_equal_the_separate_operations(admission, selector, monkeypatch):
-    """Greedy tokens, selections and every counter of a cache whose decode steps recall through the one launch
+    """Greedy tokens and every counter of a cache whose decode steps recall through the one launch
     equal those of the separate operations, in host memory only and with some chunks admitted (paged attention)."""
     if DEVICE.type == "cpu":
         monkeypatch.setattr(quantkey_kernels, "block_lse_supported", lambda *args: False)
