@@ -102,14 +102,14 @@ def test_cache_counts_and_tokens_equal_the_separate_operations(admission, select
         monkeypatch.setattr(quantkey_kernels, "block_lse_supported", lambda *args: False)
         monkeypatch.setattr(tail_kernels, "tail_kernel_supported", lambda *args: False)
     model = build_model("llama").to(DEVICE)
-    ids, mask = left_padded([120, 97], seed=5)
+    ids, mask = left_padded([80, 61], seed=5)
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
     settings = dict(budget_tokens=48, block_tokens=8, selector=selector, transfer="kernel", cuda_graphs=False,
                     host_chunk_mib=4 * block_bytes / 2**20, decode_attention="paged")  # fmt: skip
     if admission == "auto":
         probe = OffloadCache(model, admission="always", **settings)
-        model.generate(ids, attention_mask=mask, past_key_values=probe, max_new_tokens=8, do_sample=False)
+        model.generate(ids, attention_mask=mask, past_key_values=probe, max_new_tokens=5, do_sample=False)
         buffers = sum(layer.blocks.device_buffer_bytes() for layer in probe.offload_layers)
         settings.update(admission="auto", device_memory_gib=(buffers + 16 * block_bytes) / 2**30)
     else:
@@ -123,7 +123,7 @@ def test_cache_counts_and_tokens_equal_the_separate_operations(admission, select
         monkeypatch.setattr(recaller_module, "FUSED_RECALL", on)
         calls.clear()
         cache = OffloadCache(model, **settings)
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=5, do_sample=False)
         assert (len(calls) > 0) == on
         if admission == "auto":
             host = cache.offload_layers[0].blocks.host
