@@ -33,8 +33,8 @@ def test_graphed_lookahead_on_the_kernel_path_counts_as_op_by_op(stand_in_graphs
                              admission="always", transfer="kernel", lookahead=True, selector="quantkey[bits=4]",
                              cuda_graphs=graphs, decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS)  # fmt: skip
         with torch.no_grad():
-            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=20,
-                                 min_new_tokens=20, do_sample=False)  # fmt: skip
+            out = model.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, max_new_tokens=12,
+                                 min_new_tokens=12, do_sample=False)  # fmt: skip
         runs[graphs] = (out, cache)
     (expected, eager), (got, graphed) = runs[False], runs[None]
     assert torch.equal(got, expected)
