@@ -93,11 +93,14 @@ def test_pool_keep_matches_the_torch_code(sel_heads):
     assert want.any() and (keep & ~want).any()  # some kept entries lie in admitted chunks
 
 
-@pytest.mark.parametrize("admission", ["always", "auto"])
-@pytest.mark.parametrize("selector", ["solohead", "quantkey[bits=4,tail_bits=2,tail_near=3]"])
-def test_cache_counts_and_tokens_equal_the_separate_operations(admission, selector, monkeypatch):
+@pytest.mark.parametrize("admission,selector,attention", [
+    ("always", "solohead", "paged"), ("auto", "solohead", "paged"), ("auto", "solohead", "pool"),
+    ("always", "quantkey[bits=4,tail_bits=2,tail_near=3]", "paged"),
+    ("auto", "quantkey[bits=4,tail_bits=2,tail_near=3]", "paged")])  # fmt: skip
+def test_cache_counts_and_tokens_equal_the_separate_operations(admission, selector, attention, monkeypatch):
     """Greedy tokens and every counter of a cache whose decode steps recall through the one launch
-    equal those of the separate operations, in host memory only and with some chunks admitted (paged attention)."""
+    equal those of the separate operations, in host memory only and with some chunks admitted (read in place by the
+    paged attention, or recalled from device memory into slots by the pool path)."""
     if DEVICE.type == "cpu":
         monkeypatch.setattr(quantkey_kernels, "block_lse_supported", lambda *args: False)
         monkeypatch.setattr(tail_kernels, "tail_kernel_supported", lambda *args: False)
@@ -106,7 +109,7 @@ def test_cache_counts_and_tokens_equal_the_separate_operations(admission, select
     ids, mask = ids.to(DEVICE), mask.to(DEVICE)
     block_bytes = 2 * 2 * 8 * 16 * 4  # K and V, 2 KV heads, 8 tokens, head_dim 16, float32
     settings = dict(budget_tokens=48, block_tokens=8, selector=selector, transfer="kernel", cuda_graphs=False,
-                    host_chunk_mib=4 * block_bytes / 2**20, decode_attention="paged")  # fmt: skip
+                    host_chunk_mib=4 * block_bytes / 2**20, decode_attention=attention)  # fmt: skip
     if admission == "auto":
         probe = OffloadCache(model, admission="always", **settings)
         model.generate(ids, attention_mask=mask, past_key_values=probe, max_new_tokens=5, do_sample=False)
@@ -135,6 +138,8 @@ def test_cache_counts_and_tokens_equal_the_separate_operations(admission, select
                  "decode_host_bytes", "decode_steps"):  # fmt: skip
         assert fused_stats[name] == separate[name], name
     assert fused_stats["decode_recalled_blocks"] > 0
+    if attention == "pool" and admission == "auto":  # some recalls read admitted chunks: not host bytes
+        assert 0 < fused_stats["decode_host_bytes"] < fused_stats["decode_recalled_bytes"]
     # A reset zeroes the kernel's counts with the rest.
     layer_stats = cache.offload_layers[0].stats
     layer_stats.reset()
