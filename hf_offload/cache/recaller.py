@@ -161,15 +161,13 @@ class Recaller:
                 self.wait_side_streams()
             if counts is not None:
                 self._recall_entries(blocks, keep, slots, miss, counts)
-                keys, values = pool.gather(slots) if gather else (None, None)
-                yield blocks, keep, slots, keys, values
-                continue
-            count, unit, host_count = self.recall(blocks, slots, miss, stage=stage if start == 0 else None)
-            count_recall(self.stats, count, unit, decode=decode, host_count=host_count)
-            if decode:
-                # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss of
-                # every head.
-                self.stats.add_later(("hits",), count, -heads if shared else -1)
+            else:
+                count, unit, host_count = self.recall(blocks, slots, miss, stage=stage if start == 0 else None)
+                count_recall(self.stats, count, unit, decode=decode, host_count=host_count)
+                if decode:
+                    # A shared selection keeps all heads of a slot on the same block: one recalled block is a miss
+                    # of every head.
+                    self.stats.add_later(("hits",), count, -heads if shared else -1)
             keys, values = pool.gather(slots) if gather else (None, None)
             yield blocks, keep, slots, keys, values
 
