@@ -326,7 +326,7 @@ class BlockStore:
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         self.adopt(self.refer(ids, index), other.summaries, other.keys, other.values, other.n_tokens)
 
-    def share_rows(self, other: "BlockStore", rows: torch.Tensor) -> None:
+    def share_rows(self, other: "BlockStore", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Continue the sequences ``rows`` of ``other`` (the same layer of another cache with the same settings,
         whose host pool this store was allocated with: :meth:`allocate`'s ``host``): the sealed host blocks are
         shared, not copied (a sealed block never changes; each reference is counted, and new blocks of either store
@@ -336,13 +336,14 @@ class BlockStore:
         Args:
             rows: which of ``other``'s sequences each of this store's sequences continues, ``[batch]``,
                 ``torch.int64``, CPU (repeats allowed).
+            rows_dev: ``rows`` on ``other``'s device; ``None``: made here.
         """
         if self.host is not other.host:
             raise ValueError(f"Layer {self.layer_idx}: share_rows needs the store allocated with the other's host pool.")
         other.wait_host_writes()
         table = other.block_table[rows]
         self.host.share(table.flatten())
-        dev = rows.to(other.device)
+        dev = rows.to(other.device) if rows_dev is None else rows_dev
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         summaries = {name: view[dev] for name, view in other.summaries.items()}
         self.adopt(table, summaries, other.keys[dev], other.values[dev], other.n_tokens)
@@ -358,19 +359,21 @@ class BlockStore:
             buffers.append(self.block_table_dev)
         return all(buffer.shape[1] >= need for buffer in buffers)
 
-    def refill(self, other: "BlockStore", rows: torch.Tensor) -> None:
+    def refill(self, other: "BlockStore", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Drop this store's tokens and continue the sequences ``rows`` of ``other`` again (this store is an earlier
         fork of ``other``: :meth:`share_rows`), in this store's own buffers: ``other``'s sealed blocks are shared
         again, this store's references go back to the shared pool (blocks only it held are freed), and the block
         tables, summaries and open block are copied into the buffers this store already has, so that the graphs
-        captured over them replay. Nothing is allocated on the device. The caller has synchronised the device since
-        the last work on either store (side-stream writes and prefetches into these buffers, host writes of
-        ``other``): :meth:`OffloadCache.fork` does it once for every layer.
+        captured over them replay. Nothing is allocated on the device and the host is not synchronised (the device
+        copies read ``other``'s device buffers). The caller has synchronised the device since the last work on
+        either store (side-stream writes and prefetches into these buffers, host writes of ``other``):
+        :meth:`OffloadCache.fork` does it once for every layer.
 
         Args:
             other: the store this one was forked from (the same host pool).
             rows: which of ``other``'s sequences each of this store's sequences continues, ``[batch]``,
                 ``torch.int64``, CPU.
+            rows_dev: ``rows`` on ``other``'s device (one copy for every layer of a cache); ``None``: made here.
 
         Raises:
             ValueError: for a store that is not an initialized fork of ``other`` with ``len(rows)`` sequences, or
@@ -380,27 +383,37 @@ class BlockStore:
             raise ValueError(f"Layer {self.layer_idx}: refill takes an initialized fork of the store, of its batch, "
                              "whose buffers hold the store's blocks and summaries.")  # fmt: skip
         table = other.block_table[rows]
-        dev = rows.to(other.device)
-        summaries = {name: view[dev] for name, view in other.summaries.items()}
-        open_keys, open_values, n_tokens = other.keys[dev], other.values[dev], other.n_tokens
-        n, left = table.shape[1], n_tokens - table.shape[1] * self.block_tokens
-        # References: the prefix's counted first, then this store's let go of, then the table that holds them.
-        self.host.share(table.flatten())
-        self.host.free(self.block_table.flatten())
+        n, left = table.shape[1], other.n_tokens - table.shape[1] * self.block_tokens
+        # Rows read as they are (no gather): every row of a one-sequence prefix, or the prefix's own rows in order.
+        whole = other.batch == 1 or (other.batch == len(rows) and bool((rows == torch.arange(len(rows))).all()))
+        dev = None if whole else (rows.to(other.device) if rows_dev is None else rows_dev)
+
+        def rows_of(tensor: torch.Tensor) -> torch.Tensor:  # copy_ broadcasts a one-sequence prefix to every row
+            return tensor if dev is None else tensor[dev]
+
+        # References: the prefix's counted first, then this store's let go of, then the table that holds them. A
+        # fork refilled from the prefix it still starts with lets go of only the blocks it sealed itself.
+        mine = self.block_table
+        if mine.shape[1] >= n and torch.equal(mine[:, :n], table):
+            self.host.free(mine[:, n:].flatten())
+        else:
+            self.host.share(table.flatten())
+            self.host.free(mine.flatten())
         self._block_table_store[:, :n] = table
         self._block_table_store[:, n:] = -1
         self.block_table = self._block_table_store[:, :n]
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         self._restart_in_place()
         if self.block_table_dev is not None:
-            self.block_table_dev[:, :n].copy_(table.to(self.device))
+            source = other.block_table_dev
+            self.block_table_dev[:, :n].copy_(rows_of(source[:, :n]) if source is not None else table.to(self.device))
             self.block_table_dev[:, n:] = -1
         for name, store in self.summary_store.items():
-            store[:, :n].copy_(summaries[name])
+            store[:, :n].copy_(rows_of(other.summaries[name]))
             store[:, n:].zero_()
-        self.open_k[:, :, :left] = open_keys.to(self.device)
-        self.open_v[:, :, :left] = open_values.to(self.device)
-        self.n_blocks, self.n_tokens = n, n_tokens
+        self.open_k[:, :, :left] = rows_of(other.keys)
+        self.open_v[:, :, :left] = rows_of(other.values)
+        self.n_blocks, self.n_tokens = n, other.n_tokens
         self.summaries = {name: store[:, :n] for name, store in self.summary_store.items()}
         self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]
 
@@ -967,7 +980,7 @@ class BlockStore:
         batch, n, heads, T, D = r1 - r0, n_blocks - first, self.kv_heads, self.block_tokens, self.head_dim
         tail = 0 if tail_keys is None else tail_keys.shape[-2]
         if self.execution.use_kernels and not self.host.disk_chunks:
-            scratch = DeviceSlotPool(batch, n + -(-tail // T), heads, T, D, self.dtype, self.device)
+            scratch = DeviceSlotPool.scratch(batch, n + -(-tail // T), heads, T, D, self.dtype, self.device)
             transfer.wait_event(self.selectable_written, self.device)
             self.selectable_written = None
             slots = torch.arange(n, device=self.device).repeat(batch)

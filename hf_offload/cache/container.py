@@ -549,9 +549,12 @@ class OffloadCache(Cache):
             return into
         clone = OffloadCache(model, config=self.config)
         clone._fork_of = weakref.ref(self)
+        rows_dev: dict[torch.device, torch.Tensor] = {}  # rows on each device, copied once, not per layer
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OffloadLayer):
-                clone.layers[idx].share_rows(layer, rows)
+                if layer.blocks.is_initialized and layer.device not in rows_dev:
+                    rows_dev[layer.device] = rows.to(layer.device)
+                clone.layers[idx].share_rows(layer, rows, rows_dev.get(layer.device))
             else:
                 clone.layers[idx] = _sliding_rows(layer, rows)
         return clone
@@ -582,13 +585,16 @@ class OffloadCache(Cache):
             statics.forget_last()
         # One synchronisation per device for the whole refill (BlockStore.refill needs it): side-stream writes and
         # prefetches of either cache, and the host writes of this one, finish first.
-        for device in {b.blocks.device for a, b in held if b.blocks.device.type == "cuda"}:
-            torch.cuda.synchronize(device)
+        devices = {a.blocks.device for a, b in held}
+        for device in devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        rows_dev = {device: rows.to(device) for device in devices}  # once per device, not per layer
         try:
             for idx, (mine, theirs) in enumerate(pairs):
                 if isinstance(mine, OffloadLayer):
                     if mine.blocks.is_initialized:
-                        theirs.refill_rows(mine, rows)
+                        theirs.refill_rows(mine, rows, rows_dev[mine.blocks.device])
                 else:
                     into.layers[idx] = _sliding_rows(mine, rows)
         except BaseException:

@@ -364,23 +364,24 @@ class OffloadLayer(CacheLayerMixin):
         self.blocks.load(other.blocks)
 
     @normal_tensors
-    def share_rows(self, other: "OffloadLayer", rows: torch.Tensor) -> None:
+    def share_rows(self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Continue the sequences ``rows`` (``[batch]``, ``torch.int64``, CPU) of ``other``, the same layer of
         another cache with the same settings, sharing its sealed host blocks (:meth:`BlockStore.share_rows`); used
-        by ``OffloadCache.fork``. This layer must be empty."""
+        by ``OffloadCache.fork``. This layer must be empty. ``rows_dev``: ``rows`` on ``other``'s device (one copy
+        for every layer); ``None``: made here."""
         if not other.blocks.is_initialized:
             return
-        dev = rows.to(other.device)
+        dev = rows.to(other.device) if rows_dev is None else rows_dev
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
-        self.blocks.share_rows(other.blocks, rows)
+        self.blocks.share_rows(other.blocks, rows, dev)
 
-    def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor) -> None:
+    def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's
         buffers and captured graphs (this layer is an earlier fork of ``other``: :meth:`share_rows`,
-        :meth:`BlockStore.refill`, which says what it refuses and what it needs of the caller); the counters start
-        at zero."""
+        :meth:`BlockStore.refill`, which says what it refuses and what it needs of the caller, and what
+        ``rows_dev`` is); the counters start at zero."""
         self.recaller.wait_prefetch()
-        self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows))
+        self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows, rows_dev))
 
     @normal_tensors
     def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:

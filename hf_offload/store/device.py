@@ -61,6 +61,19 @@ class DeviceSlotPool:
         self._b = torch.arange(batch, device=device)[:, None, None]
         self._h = torch.arange(kv_heads, device=device)[None, :, None]
 
+    @classmethod
+    def scratch(cls, batch: int, slots: int, kv_heads: int, block_tokens: int, head_dim: int, dtype,
+                device) -> "DeviceSlotPool":  # fmt: skip
+        """A pool used only as the destination of one recall (a prefill chunk's earlier blocks, in order): its
+        slot data uninitialised and no replacement state (:meth:`assign` and :meth:`clear` do not apply), so that
+        making it is one allocation."""
+        pool = cls.__new__(cls)
+        pool.data = torch.empty((2, batch, kv_heads, slots, block_tokens, head_dim), dtype=dtype, device=device)
+        pool.keys = pool.data[0].view(batch, kv_heads, slots * block_tokens, head_dim)
+        pool.values = pool.data[1].view(batch, kv_heads, slots * block_tokens, head_dim)
+        pool.has_open_slot, pool.n_slots, pool._pieces = False, slots, None
+        return pool
+
     def piece_index(self, device) -> torch.Tensor:
         """``arange(2 * kv_heads)`` on ``device`` (``kv * kv_heads + head`` of each piece of a block), made once."""
         if self._pieces is None or self._pieces.device != torch.device(device):

@@ -101,6 +101,28 @@ def test_a_prefix_with_several_documents_forks_each(arch):
     assert torch.equal(_answer(model, prefix.fork(batch=4), rows, questions), expected)
 
 
+@pytest.mark.parametrize("batch", [2, 4], ids=["own_rows", "repeated_rows"])
+def test_a_prefix_with_several_documents_refills_its_fork(batch):
+    """fork(batch, into=...) of a two-document prefix: each document's rows (its own rows in order, or each
+    repeated) get the answers of a new fork, question after question, and the pool holds the prefix again after."""
+    model = build_model("llama")
+    prefix, documents = _prefix(model, SPARSE, rows=2, seed=3)
+    host = prefix.offload_layers[0].blocks.host
+    prefix_blocks = host.used_blocks
+    rows = documents.repeat_interleave(batch // 2, dim=0)
+    cache = prefix.fork(batch=batch)
+    for seed in (4, 5):
+        questions = _questions(batch, seed=seed)
+        expected = _answer(model, prefix.fork(batch=batch), rows, questions)
+        assert prefix.fork(batch=batch, into=cache) is cache
+        assert torch.equal(_answer(model, cache, rows, questions), expected)
+        gc.collect()
+    prefix.fork(batch=batch, into=cache)
+    del expected
+    gc.collect()
+    assert host.used_blocks == prefix_blocks
+
+
 def test_fork_edits_never_reach_the_prefix():
     model = build_model("llama")
     prefix, document = _prefix(model, FULL)
@@ -229,11 +251,11 @@ def test_a_refill_stopped_part_way_leaves_the_fork_broken_and_the_pool_counted(m
     _answer(model, cache, document, _questions(1, 4))
     refill, calls = OffloadLayer.refill_rows, []
 
-    def stops_at_the_second_layer(self, other, rows):
+    def stops_at_the_second_layer(self, other, rows, *args):
         calls.append(self.layer_idx)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        refill(self, other, rows)
+        refill(self, other, rows, *args)
 
     monkeypatch.setattr(OffloadLayer, "refill_rows", stops_at_the_second_layer)
     with pytest.raises(KeyboardInterrupt):
