@@ -326,7 +326,9 @@ class BlockStore:
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         self.adopt(self.refer(ids, index), other.summaries, other.keys, other.values, other.n_tokens)
 
-    def share_rows(self, other: "BlockStore", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
+    def share_rows(
+        self, other: "BlockStore", rows: torch.Tensor, rows_dev: torch.Tensor | None = None, synced: bool = False
+    ) -> None:
         """Continue the sequences ``rows`` of ``other`` (the same layer of another cache with the same settings,
         whose host pool this store was allocated with: :meth:`allocate`'s ``host``): the sealed host blocks are
         shared, not copied (a sealed block never changes; each reference is counted, and new blocks of either store
@@ -337,16 +339,21 @@ class BlockStore:
             rows: which of ``other``'s sequences each of this store's sequences continues, ``[batch]``,
                 ``torch.int64``, CPU (repeats allowed).
             rows_dev: ``rows`` on ``other``'s device; ``None``: made here.
+            synced: the caller has synchronised the device since ``other``'s last host write (``OffloadCache.fork``
+                does it once for every layer); ``False``: done here.
         """
         if self.host is not other.host:
             raise ValueError(f"Layer {self.layer_idx}: share_rows needs the store allocated with the other's host pool.")
-        other.wait_host_writes()
+        if not synced:
+            other.wait_host_writes()
         table = other.block_table[rows]
         self.host.share(table.flatten())
         dev = rows.to(other.device) if rows_dev is None else rows_dev
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         summaries = {name: view[dev] for name, view in other.summaries.items()}
-        self.adopt(table, summaries, other.keys[dev], other.values[dev], other.n_tokens)
+        # The device table from the prefix's device one (no copy from the host).
+        table_dev = None if other.block_table_dev is None else other.block_table_dev[:, : table.shape[1]][dev]
+        self.adopt(table, summaries, other.keys[dev], other.values[dev], other.n_tokens, table_dev=table_dev)
 
     def refill_fits(self, other: "BlockStore") -> bool:
         """Whether :meth:`refill` from ``other`` can keep this store's buffers: the summaries laid out alike (the
@@ -445,6 +452,7 @@ class BlockStore:
         open_values: torch.Tensor,
         n_tokens: int,
         keep_summaries: bool = False,
+        table_dev: torch.Tensor | None = None,
     ) -> None:
         """Hold these tokens (an empty store, allocated for their batch and shapes): the sealed blocks ``table``
         refers to (references already counted in this store's host pool), their summaries and the open block.
@@ -458,6 +466,7 @@ class BlockStore:
             n_tokens: tokens per sequence (padding included).
             keep_summaries: ``summaries`` are buffers made for this store to keep as they are (no copy):
                 ``[batch, summary_capacity(n_blocks), ...]``, contiguous, on its device, zeros past ``n_blocks``.
+            table_dev: ``table`` on this store's device where the caller has it there; ``None``: copied here.
         """
         n, left = table.shape[1], n_tokens - table.shape[1] * self.block_tokens
         if not 0 <= left < self.block_tokens or open_keys.shape[-2] != left:
@@ -477,7 +486,7 @@ class BlockStore:
         self._room_for_bytes(sum(self._buffer_bytes_for(like, capacity) for like in buffers))
         self._block_table_store = self._grown(table, table, n, fill=-1, host=True)
         if self.block_table_dev is not None:
-            table_dev = table.to(self.device)
+            table_dev = table.to(self.device) if table_dev is None else table_dev
             self.block_table_dev = self._grown(table_dev, table_dev, n, fill=-1, room_made=True)
         self.summary_store = {}
         for name, summary in summaries.items():

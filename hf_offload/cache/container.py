@@ -549,12 +549,17 @@ class OffloadCache(Cache):
             return into
         clone = OffloadCache(model, config=self.config)
         clone._fork_of = weakref.ref(self)
-        rows_dev: dict[torch.device, torch.Tensor] = {}  # rows on each device, copied once, not per layer
+        # Once per device, not per layer: the rows copied there, and one synchronisation (host writes of this cache
+        # that a shared block's later recall would read).
+        rows_dev: dict[torch.device, torch.Tensor] = {}
+        for layer in self.offload_layers:
+            if layer.blocks.is_initialized and layer.device not in rows_dev:
+                if layer.device.type == "cuda":
+                    torch.cuda.synchronize(layer.device)
+                rows_dev[layer.device] = rows.to(layer.device)
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OffloadLayer):
-                if layer.blocks.is_initialized and layer.device not in rows_dev:
-                    rows_dev[layer.device] = rows.to(layer.device)
-                clone.layers[idx].share_rows(layer, rows, rows_dev.get(layer.device))
+                clone.layers[idx].share_rows(layer, rows, rows_dev.get(layer.device), synced=True)
             else:
                 clone.layers[idx] = _sliding_rows(layer, rows)
         return clone

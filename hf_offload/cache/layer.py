@@ -364,16 +364,17 @@ class OffloadLayer(CacheLayerMixin):
         self.blocks.load(other.blocks)
 
     @normal_tensors
-    def share_rows(self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
+    def share_rows(
+        self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None, synced: bool = False
+    ) -> None:
         """Continue the sequences ``rows`` (``[batch]``, ``torch.int64``, CPU) of ``other``, the same layer of
-        another cache with the same settings, sharing its sealed host blocks (:meth:`BlockStore.share_rows`); used
-        by ``OffloadCache.fork``. This layer must be empty. ``rows_dev``: ``rows`` on ``other``'s device (one copy
-        for every layer); ``None``: made here."""
+        another cache with the same settings, sharing its sealed host blocks (:meth:`BlockStore.share_rows`, which
+        says what ``rows_dev`` and ``synced`` are); used by ``OffloadCache.fork``. This layer must be empty."""
         if not other.blocks.is_initialized:
             return
         dev = rows.to(other.device) if rows_dev is None else rows_dev
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
-        self.blocks.share_rows(other.blocks, rows, dev)
+        self.blocks.share_rows(other.blocks, rows, dev, synced)
 
     def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's

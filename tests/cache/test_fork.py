@@ -266,3 +266,22 @@ def test_a_refill_stopped_part_way_leaves_the_fork_broken_and_the_pool_counted(m
     gc.collect()
     assert host.used_blocks == held  # every reference of the fork went back, none twice
     assert prefix.get_seq_length() == DOCUMENT
+
+
+@pytest.mark.triton
+def test_forks_on_the_kernel_path_take_the_prefix_device_tables():
+    """On the kernel path a new fork and a refilled one take the block table from the prefix's device table (no copy
+    from the host): their answers are DynamicCache's at a budget that covers the context, question after question."""
+    model = build_model("llama")
+    prefix, document = _prefix(model, dict(FULL, transfer="kernel", cuda_graphs=False))
+    assert prefix.offload_layers[0].blocks.block_table_dev is not None
+    cache = None
+    for seed in (1, 2):
+        questions = _questions(2, seed)
+        expected = _answer(model, DynamicCache(config=model.config), document, questions)
+        assert torch.equal(_answer(model, prefix.fork(batch=2), document, questions), expected)
+        cache = prefix.fork(batch=2, into=cache)
+        for layer, mine in zip(cache.offload_layers, prefix.offload_layers):
+            n = mine.blocks.n_blocks
+            assert torch.equal(layer.blocks.block_table_dev[:, :n].cpu(), mine.blocks.block_table.expand(2, -1))
+        assert torch.equal(_answer(model, cache, document, questions), expected)
