@@ -559,7 +559,8 @@ class OffloadCache(Cache):
                 rows_dev[layer.device] = rows.to(layer.device)
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OffloadLayer):
-                clone.layers[idx].share_rows(layer, rows, rows_dev.get(layer.device), synced=True)
+                held = rows_dev.get(layer.device) if layer.blocks.is_initialized else None
+                clone.layers[idx].share_rows(layer, rows, held, synced=True)
             else:
                 clone.layers[idx] = _sliding_rows(layer, rows)
         return clone
