@@ -549,14 +549,8 @@ class OffloadCache(Cache):
             return into
         clone = OffloadCache(model, config=self.config)
         clone._fork_of = weakref.ref(self)
-        # Once per device, not per layer: the rows copied there, and one synchronisation (host writes of this cache
-        # that a shared block's later recall would read).
-        rows_dev: dict[torch.device, torch.Tensor] = {}
-        for layer in self.offload_layers:
-            if layer.blocks.is_initialized and layer.device not in rows_dev:
-                if layer.device.type == "cuda":
-                    torch.cuda.synchronize(layer.device)
-                rows_dev[layer.device] = rows.to(layer.device)
+        # Host writes of this cache that a shared block's later recall would read: done, once per device.
+        rows_dev = _synced_rows({layer.device for layer in self.offload_layers if layer.blocks.is_initialized}, rows)
         for idx, layer in enumerate(self.layers):
             if isinstance(layer, OffloadLayer):
                 held = rows_dev.get(layer.device) if layer.blocks.is_initialized else None
@@ -591,11 +585,7 @@ class OffloadCache(Cache):
             statics.forget_last()
         # One synchronisation per device for the whole refill (BlockStore.refill needs it): side-stream writes and
         # prefetches of either cache, and the host writes of this one, finish first.
-        devices = {a.blocks.device for a, b in held}
-        for device in devices:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-        rows_dev = {device: rows.to(device) for device in devices}  # once per device, not per layer
+        rows_dev = _synced_rows({a.blocks.device for a, b in held}, rows)
         try:
             for idx, (mine, theirs) in enumerate(pairs):
                 if isinstance(mine, OffloadLayer):
@@ -821,6 +811,15 @@ class OffloadCache(Cache):
         if not isinstance(layer, OffloadLayer):
             raise ValueError(f"Layer {layer_idx} is a sliding-window layer; its KV is layers[{layer_idx}].keys.")
         return layer.dense_kv()
+
+
+def _synced_rows(devices: set[torch.device], rows: torch.Tensor) -> dict[torch.device, torch.Tensor]:
+    """``rows`` copied to each of ``devices`` after one synchronisation of each CUDA one: what a fork does once per
+    device instead of once per layer."""
+    for device in devices:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    return {device: rows.to(device) for device in devices}
 
 
 def _sliding_rows(layer: DynamicSlidingWindowLayer, rows: torch.Tensor) -> DynamicSlidingWindowLayer:
