@@ -164,6 +164,33 @@ def test_register_selector():
         register_selector(type("NoName", (SoloHeadSelector,), {"name": "base"}))
 
 
+def test_sequence_order_indices_are_kept_per_shape():
+    """A later chunk's recall of its earlier blocks in sequence order: entry ``b * n + j`` goes to slot ``j`` of
+    sequence ``b`` with the offsets ``block_piece_offsets`` gives; the same shapes return the kept tensors, other
+    shapes new ones, and only the last few shapes are kept."""
+    from hf_offload.store import transfer
+
+    heads, tokens, dim = 2, 4, 8
+    host = HostBlockPool((2, heads, tokens, dim), torch.bfloat16, False, 4 * 2 * heads * tokens * dim * 2,
+                         HostMemoryBudget(None))  # fmt: skip
+    scratch = DeviceSlotPool.scratch(3, 5, heads, tokens, dim, torch.bfloat16, "cpu")
+    transfer._SEQUENCE_ORDER.clear()
+    batch_idx, slot_idx, (host_off, dev_base) = transfer.sequence_order_indices(host, scratch, 3, 5)
+    assert batch_idx.tolist() == [b for b in range(3) for _ in range(5)]
+    assert slot_idx.tolist() == list(range(5)) * 3
+    expected = transfer.block_piece_offsets(host, scratch, batch_idx)
+    assert torch.equal(host_off, expected[0]) and torch.equal(dev_base, expected[1])
+    again = transfer.sequence_order_indices(host, scratch, 3, 5)
+    assert again[0] is batch_idx and again[1] is slot_idx and again[2][1] is dev_base
+    fewer = transfer.sequence_order_indices(host, scratch, 3, 4)
+    assert fewer[1].tolist() == list(range(4)) * 3
+    for n in range(1, 2 * transfer._SEQUENCE_ORDER_ENTRIES):
+        transfer.sequence_order_indices(host, scratch, 1, n)
+    assert len(transfer._SEQUENCE_ORDER) == transfer._SEQUENCE_ORDER_ENTRIES
+    assert transfer.sequence_order_indices(host, scratch, 3, 5)[0] is not batch_idx  # dropped, made anew
+    transfer._SEQUENCE_ORDER.clear()
+
+
 def test_block_piece_offsets_point_at_each_piece():
     """The whole-block recall's word offsets (``transfer.block_piece_offsets`` plus ``slot * piece_words``) land on
     the K or V of head ``h`` of the entry's block in the host pool and on slot ``slot`` of its sequence in the

@@ -992,10 +992,9 @@ class BlockStore:
             scratch = DeviceSlotPool.scratch(batch, n + -(-tail // T), heads, T, D, self.dtype, self.device)
             transfer.wait_event(self.selectable_written, self.device)
             self.selectable_written = None
-            slots = torch.arange(n, device=self.device).repeat(batch)
-            dest = torch.arange(batch, device=self.device).repeat_interleave(n)
+            dest, slots, offsets = transfer.sequence_order_indices(self.host, scratch, batch, n)
             ids = self.block_table_dev[r0:r1, first:n_blocks].flatten()
-            transfer.recall_blocks_kernel(self.host, scratch, ids, dest, slots)
+            transfer.recall_blocks_kernel(self.host, scratch, ids, dest, slots, offsets=offsets)
             # Slot j holds block first + j: the pool is the sequence in order, the tail behind it.
             end = n * T + tail
             keys, values = scratch.keys[:, :, :end], scratch.values[:, :, :end]

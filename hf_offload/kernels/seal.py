@@ -17,6 +17,8 @@ and clamped to ``[0, levels]``, packed ``8 // bits`` per byte, channel ``per * j
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .gather import kernels_available, tl, triton
@@ -94,7 +96,7 @@ def seal_block(
     else:
         vcodes, vlow, vstep = codes, low, step  # not read
     # float32(1 / levels) as torch's CUDA division by a number forms it (a float32 division)
-    inv = [float(torch.tensor(1.0) / ((1 << b) - 1)) for b in (bits, value_bits or bits)]
+    inv = [_inverse_levels(b) for b in (bits, value_bits or bits)]
     write_block = chunk_addrs is not None
     write_table = table is not None
     _seal_kernel[(batch, heads)](
@@ -123,6 +125,12 @@ def quantize_blocks_supported(keys: torch.Tensor, bits: int) -> bool:
     return tokens > 0 and not tokens & (tokens - 1) and dim >= 8 and not dim & (dim - 1) and dim % (8 // bits) == 0
 
 
+@functools.cache
+def _inverse_levels(bits: int) -> float:
+    """``float32(1 / levels)`` of ``bits``-bit codes, as :func:`seal_block` computes it (made once per ``bits``)."""
+    return float(torch.tensor(1.0) / ((1 << bits) - 1))
+
+
 def quantize_blocks(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     """:func:`~hf_offload.kernels.quant.quantize_keys_reference` in one launch (one program per block and KV head),
     bit for bit, where :func:`quantize_blocks_supported`: the summaries of many blocks at once (a prefill's seal)
@@ -143,7 +151,7 @@ def quantize_blocks(keys: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
     if batch * n * heads:
         kind = DTYPE_KIND[keys.dtype]
         as_kind = (lambda t: t.view(torch.int16)) if kind == 2 else (lambda t: t)  # noqa: E731
-        inv = float(torch.tensor(1.0) / ((1 << bits) - 1))  # float32(1 / levels), as in seal_block
+        inv = _inverse_levels(bits)
         _quantize_kernel[(batch * n, heads)](
             as_kind(keys), keys.stride(0), keys.stride(1), keys.stride(2), keys.stride(3), codes, as_kind(low),
             as_kind(step), n, heads, inv, TOKENS=tokens, DIM=dim, KIND=kind, BITS=bits, PRECISE=keys.is_cuda,

@@ -11,6 +11,7 @@ far on the compute stream and followed by an event that the consumers wait on (:
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
@@ -116,6 +117,35 @@ def block_piece_offsets(
     host_off = (kv_h * piece).expand(len(batch_idx), -1).contiguous()
     dev_base = ((kv[None, :] * batch + batch_idx[:, None]) * heads + h[None, :]) * (total * piece)
     return host_off, dev_base
+
+
+_SEQUENCE_ORDER: OrderedDict[tuple, tuple] = OrderedDict()  # sequence_order_indices: key -> (batch, slot, offsets)
+_SEQUENCE_ORDER_ENTRIES = 8
+
+
+def sequence_order_indices(
+    host: HostBlockPool, pool: DeviceSlotPool, batch: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """``(batch_idx, slot_idx, offsets)`` of a recall of ``n`` whole blocks per sequence into slots ``0 .. n - 1`` of
+    ``pool`` in order (sequence-major: entry ``b * n + j`` is block ``j`` of sequence ``b``), with
+    :func:`block_piece_offsets` of them: what a later prefill chunk's recall of its earlier blocks into a scratch pool
+    (:meth:`~hf_offload.cache.blocks.BlockStore.sealed_kv`) passes to :func:`recall_blocks_kernel`. They depend only
+    on the shapes, so the last few are kept per device (a question over the same prefix, chunk after chunk, reuses
+    them instead of a dozen small operations per layer). Read-only: callers must not write into them."""
+    _, pool_batch, heads, total, _, _ = pool.data.shape
+    device = pool.data.device
+    key = (device, batch, n, pool_batch, heads, total, host.block_words)
+    found = _SEQUENCE_ORDER.get(key)
+    if found is not None:
+        _SEQUENCE_ORDER.move_to_end(key)
+        return found
+    slot_idx = torch.arange(n, device=device).repeat(batch)
+    batch_idx = torch.arange(batch, device=device).repeat_interleave(n)
+    found = (batch_idx, slot_idx, block_piece_offsets(host, pool, batch_idx))
+    _SEQUENCE_ORDER[key] = found
+    if len(_SEQUENCE_ORDER) > _SEQUENCE_ORDER_ENTRIES:
+        _SEQUENCE_ORDER.popitem(last=False)
+    return found
 
 
 def recall_blocks_kernel(
