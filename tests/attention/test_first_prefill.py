@@ -314,6 +314,50 @@ def test_cuda_segments_of_a_later_chunk_match_the_whole_kv(monkeypatch, dtype):
         torch.testing.assert_close(a, b, atol=tolerance * max(1.0, b.abs().max().item()), rtol=tolerance)
 
 
+@pytest.mark.cuda
+def test_cuda_later_chunks_read_each_kv_head_once_for_its_query_heads(monkeypatch):
+    """On CUDA in bfloat16 the flash kernel's grouped-query form passes its check, and a chunked prefill with left
+    padding (two query heads per KV head, the whole earlier KV at once) gives the logits of the same cache attending
+    keys and values repeated per query head, one KV head at a time."""
+    from hf_offload import OffloadCache
+    from hf_offload.attention import prefill
+
+    from ..helpers import build_model, left_padded
+
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    model = build_model("llama").to(device, dtype)
+    config = model.config
+    assert config.num_attention_heads > config.num_key_value_heads  # query heads share KV heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert prefill.flash_grouped_available(device, dtype, head_dim)
+    ids, mask = left_padded([61, 30, 50], seed=5)
+    ids, mask = ids.to(device), mask.to(device)
+    kwargs = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, prefill_chunk_size=16,
+                  output_scores=True, return_dict_in_generate=True)  # fmt: skip
+    settings = dict(budget_tokens=4096, block_tokens=8, sink_tokens=8, window_tokens=8, pool_tokens=64)
+    monkeypatch.setattr(prefill, "segments_pay", lambda *args: False)
+    grouped_calls = []
+    original = prefill.grouped_flash
+
+    def spied(q, k, *rest):
+        grouped_calls.append(k.shape[1])
+        return original(q, k, *rest)
+
+    monkeypatch.setattr(prefill, "grouped_flash", spied)
+    runs = []
+    for grouped in (False, True):
+        monkeypatch.setattr(prefill, "flash_grouped_available", lambda *args, on=grouped: on)
+        with torch.no_grad():
+            runs.append(model.generate(past_key_values=OffloadCache(model, **settings), **kwargs))
+    repeated, once = runs
+    assert torch.equal(once.sequences, repeated.sequences)
+    for a, b in zip(once.scores, repeated.scores):
+        torch.testing.assert_close(a, b, atol=2e-2 * max(1.0, b.abs().max().item()), rtol=2e-2)
+    layers = config.num_hidden_layers
+    assert grouped_calls and len(grouped_calls) % layers == 0  # later chunks only, once per layer and sequence
+    assert set(grouped_calls) == {config.num_key_value_heads}  # the KV heads as they are, not repeated
+
+
 def test_the_padding_is_read_on_the_host_once_per_forward(monkeypatch):
     """Where each sequence starts is read from the padding mask on the host (a device synchronisation on CUDA) once
     per prefill forward, not once per layer; the tokens are those of DynamicCache."""
