@@ -211,9 +211,8 @@ def flash_grouped_available(device: torch.device, dtype: torch.dtype, head_dim: 
     """Whether the fused flash kernel on ``device`` attends queries of several heads per KV head directly (its
     grouped-query form) with the causal mask aligned to the last key (``is_causal`` with fewer queries than keys),
     giving what ``scaled_dot_product_attention`` gives over keys and values repeated per query head: then a later
-    prefill chunk attends in one call instead of one call per KV head over repeated copies (on an H100 at the
-    Qwen2.5-Coder-1.5B shape with a 32K prefix those copies were about a third of a 36-token question's device time).
-    Checked once per combination on a small random case; CUDA with float16 or bfloat16 only."""
+    prefill chunk attends in one call instead of one call per KV head over repeated copies. Checked once per
+    combination on a small random case; CUDA with float16 or bfloat16 only."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256 or head_dim % 8:
         return False
     key = (device.type, device.index, dtype, head_dim)
