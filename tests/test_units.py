@@ -164,17 +164,19 @@ def test_register_selector():
         register_selector(type("NoName", (SoloHeadSelector,), {"name": "base"}))
 
 
-def test_sequence_order_indices_are_kept_per_shape():
+def test_sequence_order_indices_are_kept_per_shape(monkeypatch):
     """A later chunk's recall of its earlier blocks in sequence order: entry ``b * n + j`` goes to slot ``j`` of
     sequence ``b`` with the offsets ``block_piece_offsets`` gives; the same shapes return the kept tensors, other
-    shapes new ones, and only the last few shapes are kept."""
+    shapes new ones; the kept sets stay within their byte bound (least recently used dropped first), a set above a
+    quarter of it is not kept, and ``release_parked`` frees them."""
+    from hf_offload import release_parked
     from hf_offload.store import transfer
 
     heads, tokens, dim = 2, 4, 8
     host = HostBlockPool((2, heads, tokens, dim), torch.bfloat16, False, 4 * 2 * heads * tokens * dim * 2,
                          HostMemoryBudget(None))  # fmt: skip
     scratch = DeviceSlotPool.scratch(3, 5, heads, tokens, dim, torch.bfloat16, "cpu")
-    transfer._SEQUENCE_ORDER.clear()
+    transfer.forget_sequence_order()
     batch_idx, slot_idx, (host_off, dev_base) = transfer.sequence_order_indices(host, scratch, 3, 5)
     assert batch_idx.tolist() == [b for b in range(3) for _ in range(5)]
     assert slot_idx.tolist() == list(range(5)) * 3
@@ -184,11 +186,19 @@ def test_sequence_order_indices_are_kept_per_shape():
     assert again[0] is batch_idx and again[1] is slot_idx and again[2][1] is dev_base
     fewer = transfer.sequence_order_indices(host, scratch, 3, 4)
     assert fewer[1].tolist() == list(range(4)) * 3
-    for n in range(1, 2 * transfer._SEQUENCE_ORDER_ENTRIES):
-        transfer.sequence_order_indices(host, scratch, 1, n)
-    assert len(transfer._SEQUENCE_ORDER) == transfer._SEQUENCE_ORDER_ENTRIES
-    assert transfer.sequence_order_indices(host, scratch, 3, 5)[0] is not batch_idx  # dropped, made anew
-    transfer._SEQUENCE_ORDER.clear()
+    # A set of e entries takes e * (8 + 8 + 2 * (2 * heads) * 8) = 80 e bytes; the bound here keeps sets of up to 9.
+    monkeypatch.setattr(transfer, "SEQUENCE_ORDER_BYTES", 4 * 80 * 9)
+    transfer.forget_sequence_order()
+    shapes = [(3, 3), (3, 2), (2, 3), (3, 1), (2, 2), (2, 1), (1, 3), (1, 2), (1, 1), (1, 4)]  # 40 entries
+    for batch, n in shapes:
+        transfer.sequence_order_indices(host, scratch, batch, n)
+    kept = [(key[1], key[2]) for key in transfer._SEQUENCE_ORDER]
+    assert sum(transfer._index_bytes(v) for v in transfer._SEQUENCE_ORDER.values()) <= 4 * 80 * 9
+    assert kept == shapes[-len(kept):] and (3, 3) not in kept  # the least recently used went first
+    transfer.sequence_order_indices(host, scratch, 3, 4)  # 12 entries: above a quarter of the bound
+    assert (3, 4) not in [(key[1], key[2]) for key in transfer._SEQUENCE_ORDER]
+    release_parked()
+    assert not transfer._SEQUENCE_ORDER
 
 
 def test_block_piece_offsets_point_at_each_piece():

@@ -184,6 +184,9 @@ def release_parked(model: torch.nn.Module | None = None) -> int:
                 record.parked = None
     for state in states:
         state.release()
+    from ..store.transfer import forget_sequence_order
+
+    forget_sequence_order()  # the kept recall indices of later prefill chunks (a few MiB at most)
     return len(states)
 
 

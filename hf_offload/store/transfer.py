@@ -120,7 +120,9 @@ def block_piece_offsets(
 
 
 _SEQUENCE_ORDER: OrderedDict[tuple, tuple] = OrderedDict()  # sequence_order_indices: key -> (batch, slot, offsets)
-_SEQUENCE_ORDER_ENTRIES = 8
+SEQUENCE_ORDER_BYTES = 8 << 20
+"""Device bytes the kept index sets of :func:`sequence_order_indices` take at most, together (least recently used
+dropped first); a set larger than a quarter of it is made for its call and not kept."""
 
 
 def sequence_order_indices(
@@ -130,8 +132,9 @@ def sequence_order_indices(
     ``pool`` in order (sequence-major: entry ``b * n + j`` is block ``j`` of sequence ``b``), with
     :func:`block_piece_offsets` of them: what a later prefill chunk's recall of its earlier blocks into a scratch pool
     (:meth:`~hf_offload.cache.blocks.BlockStore.sealed_kv`) passes to :func:`recall_blocks_kernel`. They depend only
-    on the shapes, so the last few are kept per device (a question over the same prefix, chunk after chunk, reuses
-    them instead of a dozen small operations per layer). Read-only: callers must not write into them."""
+    on the shapes, so small sets are kept per device, within :data:`SEQUENCE_ORDER_BYTES` (a question over the same
+    prefix, chunk after chunk, reuses them instead of a dozen small operations per layer; :func:`forget_sequence_order`
+    frees them). Read-only: callers must not write into them."""
     _, pool_batch, heads, total, _, _ = pool.data.shape
     device = pool.data.device
     key = (device, batch, n, pool_batch, heads, total, host.block_words)
@@ -142,10 +145,22 @@ def sequence_order_indices(
     slot_idx = torch.arange(n, device=device).repeat(batch)
     batch_idx = torch.arange(batch, device=device).repeat_interleave(n)
     found = (batch_idx, slot_idx, block_piece_offsets(host, pool, batch_idx))
-    _SEQUENCE_ORDER[key] = found
-    if len(_SEQUENCE_ORDER) > _SEQUENCE_ORDER_ENTRIES:
-        _SEQUENCE_ORDER.popitem(last=False)
+    size = _index_bytes(found)
+    if size <= SEQUENCE_ORDER_BYTES // 4:
+        _SEQUENCE_ORDER[key] = found
+        while sum(_index_bytes(v) for v in _SEQUENCE_ORDER.values()) > SEQUENCE_ORDER_BYTES:
+            _SEQUENCE_ORDER.popitem(last=False)
     return found
+
+
+def _index_bytes(found: tuple) -> int:
+    batch_idx, slot_idx, (host_off, dev_base) = found
+    return sum(t.numel() * t.element_size() for t in (batch_idx, slot_idx, host_off, dev_base))
+
+
+def forget_sequence_order() -> None:
+    """Free the index sets :func:`sequence_order_indices` keeps."""
+    _SEQUENCE_ORDER.clear()
 
 
 def recall_blocks_kernel(
