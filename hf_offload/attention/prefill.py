@@ -169,10 +169,15 @@ def lse_attention_available(device: torch.device, dtype: torch.dtype, head_dim: 
     merged, give the attention ``scaled_dot_product_attention`` gives over all keys at once; checked once per
     combination on a small random case (a torch build without these entry points, or with other conventions,
     keeps the unsegmented path)."""
+    return _checked_once(_LSE_CHECKED, _check_lse, device, dtype, head_dim)
+
+
+def _checked_once(checked: dict, check, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """``check(device, dtype, head_dim)``, run once per combination and remembered in ``checked``."""
     key = (device.type, device.index, dtype, head_dim)
-    if key not in _LSE_CHECKED:
-        _LSE_CHECKED[key] = _check_lse(device, dtype, head_dim)
-    return _LSE_CHECKED[key]
+    if key not in checked:
+        checked[key] = check(device, dtype, head_dim)
+    return checked[key]
 
 
 def _check_lse(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
@@ -215,10 +220,7 @@ def flash_grouped_available(device: torch.device, dtype: torch.dtype, head_dim: 
     combination on a small random case; CUDA with float16 or bfloat16 only."""
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256 or head_dim % 8:
         return False
-    key = (device.type, device.index, dtype, head_dim)
-    if key not in _GROUPED_CHECKED:
-        _GROUPED_CHECKED[key] = _check_flash_grouped(device, dtype, head_dim)
-    return _GROUPED_CHECKED[key]
+    return _checked_once(_GROUPED_CHECKED, _check_flash_grouped, device, dtype, head_dim)
 
 
 def _check_flash_grouped(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
