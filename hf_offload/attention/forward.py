@@ -51,8 +51,13 @@ def offload_attention_forward(
         if out is None:
             out = chunk_prefill(handoff, query, mask, scaling)
         if out is not None:
-            layer.finish_step()
+            if layer.graphs.question_capture is None:  # a replayed question's append is followed by its own
+                layer.finish_step()
             return out
+    if layer.graphs.question_capture is not None:
+        from ..cache.graphs import NotCapturable
+
+        raise NotCapturable("a question whose attention takes the tiled path")
     grouped = query.view(batch, heads, q_heads // heads, q_len, head_dim)
     device = query.device
     end = handoff.first_recent_pos + handoff.key.shape[-2]

@@ -207,7 +207,7 @@ class CapturedLayer:
 
 
 def capture_decoder_layer(forward, args: tuple, kwargs: dict, statics: "StaticInputs", pool, held: tuple,
-                  stream: torch.cuda.Stream | None = None) -> CapturedLayer:
+                  stream: torch.cuda.Stream | None = None, pad: Padding | None = None) -> CapturedLayer:
     """Capture one call ``forward(*args, **kwargs)`` of a decoder layer into a CUDA graph, its tensor arguments read
     from ``statics``' buffers (filled with this call's values first, on the current stream).
 
@@ -216,33 +216,76 @@ def capture_decoder_layer(forward, args: tuple, kwargs: dict, statics: "StaticIn
         args, kwargs: the call's arguments (tensors on one CUDA device; any other value is fixed in the graph).
         statics: the fixed-address input buffers (shared by the layers of a cache on one device).
         pool, held, stream: as for :func:`capture`.
+        pad: the call's tokens padded to more (a later prefill chunk's graph serves every length up to its own).
     """
-    buffers, static_args, static_kwargs = statics.load(args, kwargs)
+    buffers, static_args, static_kwargs = statics.load(args, kwargs, pad=pad)
     device = next(b.device for b in buffers if b is not None)
     graph, out = _capture_on(device, lambda: forward(*static_args, **static_kwargs), pool, stream)
     return CapturedLayer(graph=graph, statics=buffers, inputs=statics, out=out, held=held)
 
 
-def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict, flat: tuple | None = None):
+def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict, flat: tuple | None = None,
+                 pad: Padding | None = None):
     """Fill the buffers ``captured`` reads with this call's tensor arguments, replay it and return fresh copies of
     its outputs (the graph's own outputs are overwritten by its next replay). ``flat``: ``tree_flatten((args,
-    kwargs))`` where the caller has it (:func:`call_signature` made it)."""
-    buffers, _, _ = captured.inputs.load(args, kwargs, flat=flat, rebuild=False)
+    kwargs))`` where the caller has it (:func:`call_signature` made it). ``pad``: the call's tokens padded as at
+    the capture; the outputs are then cut back to the call's tokens (:meth:`Padding.trim`)."""
+    buffers, _, _ = captured.inputs.load(args, kwargs, flat=flat, rebuild=False, pad=pad)
     if any(a is not b for a, b in zip(buffers, captured.statics)):
         raise RuntimeError("replay_layer: the static input buffers changed since the capture (shapes differ?)")
     captured.graph.replay()
-    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, captured.out)
+    trim = (lambda x: x) if pad is None else pad.trim
+    return tree_map(lambda x: trim(x).clone() if isinstance(x, torch.Tensor) else x, captured.out)
 
 
-def call_signature(args: tuple, kwargs: dict, flat: tuple | None = None) -> tuple:
+@dataclass(frozen=True)
+class Padding:
+    """A decoder-layer call of ``tokens`` tokens per sequence run as one of ``padded`` tokens (a later prefill
+    chunk's graph, captured once for every length up to ``padded``): each tensor argument with the tokens along
+    :meth:`token_dim` is read from a buffer of ``padded`` tokens whose first ``tokens`` are the call's. The padded
+    tokens come after the real ones, so under a causal mask no real token reads them; their outputs are cut off
+    (:meth:`trim`), their keys and values never stored."""
+
+    tokens: int
+    padded: int
+    batch: int
+
+    def token_dim(self, tensor: torch.Tensor) -> int | None:
+        """The dimension of ``tensor`` that runs over the call's tokens: 1 for ``[batch or 1, tokens, ...]`` (the
+        hidden states, rotary embeddings, position ids), 0 for ``[tokens]`` (cache positions); ``None``: not
+        padded."""
+        if tensor.dim() >= 2 and tensor.shape[1] == self.tokens and tensor.shape[0] in (1, self.batch):
+            return 1
+        if tensor.dim() == 1 and tensor.shape[0] == self.tokens:
+            return 0
+        return None
+
+    def shape(self, tensor: torch.Tensor) -> tuple:
+        """The shape of ``tensor``'s buffer."""
+        dim = self.token_dim(tensor)
+        shape = list(tensor.shape)
+        if dim is not None:
+            shape[dim] = self.padded
+        return tuple(shape)
+
+    def trim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """An output of the padded call, ``[batch, padded, ...]``, cut back to the call's tokens (any other
+        shape as it is)."""
+        if tensor.dim() >= 2 and tensor.shape[1] == self.padded:
+            return tensor.narrow(1, 0, self.tokens)
+        return tensor
+
+
+def call_signature(args: tuple, kwargs: dict, flat: tuple | None = None, pad: Padding | None = None) -> tuple:
     """What a captured decoder-layer call depends on besides tensor contents: each tensor argument's position,
     shape, dtype and device, and each other argument's type (its value, for a bool, number, string or ``None``).
-    ``flat``: ``tree_flatten((args, kwargs))`` if the caller has it."""
+    ``flat``: ``tree_flatten((args, kwargs))`` if the caller has it; ``pad``: shapes as padded."""
     leaves, spec = tree_flatten((args, kwargs)) if flat is None else flat
     sig = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            sig.append((tuple(leaf.shape), leaf.dtype, leaf.device, leaf.requires_grad))
+            shape = tuple(leaf.shape) if pad is None else pad.shape(leaf)
+            sig.append((shape, leaf.dtype, leaf.device, leaf.requires_grad))
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             sig.append((type(leaf), leaf))
         else:
@@ -265,7 +308,7 @@ class StaticInputs:
         self._last: dict[tuple, torch.Tensor] = {}
 
     def load(
-        self, args: tuple, kwargs: dict, flat: tuple | None = None, rebuild: bool = True
+        self, args: tuple, kwargs: dict, flat: tuple | None = None, rebuild: bool = True, pad: Padding | None = None
     ) -> tuple[list, tuple | None, dict | None]:
         """Copy the tensor arguments into their buffers (on the current stream).
 
@@ -273,6 +316,9 @@ class StaticInputs:
             args, kwargs: the call's arguments.
             flat: ``tree_flatten((args, kwargs))`` if the caller has it.
             rebuild: also return the arguments rebuilt around the buffers (a capture needs them, a replay not).
+            pad: buffers of the padded length for the arguments that run over the tokens, the call's values copied
+                into their first tokens (made zero-filled: the rest holds zeros or an earlier call's values, finite
+                either way).
 
         Returns:
             ``(buffers, static_args, static_kwargs)``: one buffer (or ``None``) per flattened argument, and the
@@ -285,13 +331,17 @@ class StaticInputs:
                 buffers.append(None)
                 static.append(leaf)
                 continue
-            slot = (i, tuple(leaf.shape), leaf.dtype, leaf.device)
+            dim = None if pad is None else pad.token_dim(leaf)
+            shape = tuple(leaf.shape) if dim is None else pad.shape(leaf)
+            slot = (i, shape, leaf.dtype, leaf.device)
             buffer = self._buffers.get(slot)
             if buffer is None:
-                buffer = self._buffers[slot] = torch.empty_like(leaf, memory_format=torch.contiguous_format)
+                buffer = torch.empty_like(leaf, memory_format=torch.contiguous_format) if dim is None else (
+                    torch.zeros(shape, dtype=leaf.dtype, device=leaf.device))  # fmt: skip
+                self._buffers[slot] = buffer
                 self._last.pop(slot, None)
             if self._last.get(slot) is not leaf:
-                buffer.copy_(leaf)
+                (buffer if dim is None else buffer.narrow(dim, 0, leaf.shape[dim])).copy_(leaf)
                 self._last[slot] = leaf
             buffers.append(buffer)
             static.append(buffer)

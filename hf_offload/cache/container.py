@@ -732,7 +732,10 @@ class OffloadCache(Cache):
             (those of them that captured / replayed the whole decoder layer, ``graph_scope="layer"``),
             ``graph_pool_bytes`` (device memory the cache's graph captures reserved, while its graphs live; not
             counted under ``device_memory_gib``), ``seal_graph_captures`` and ``seal_graph_replays``
-            (seals of a full block after a replayed step captured into / replayed from a CUDA graph), ``timing``
+            (seals of a full block after a replayed step captured into / replayed from a CUDA graph),
+            ``question_graph_captures`` and ``question_graph_replays`` (a fork's later prefill chunks of up to 512
+            tokens, questions over its prefix, captured into / replayed from a CUDA graph of their decoder layer),
+            ``timing``
             (with ``timing=True``: mean ms per decode step of select, prefetch, recall, attention, rest and the whole step; else ``None``),
             ``hit_rate`` (share of selected blocks already resident during decode, prefetched ones included;
             with the paged decode attention, blocks of admitted chunks are read in place and count as resident;

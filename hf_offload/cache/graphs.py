@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -24,12 +25,13 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..attention.handoff import OffloadMask, plain_causal, take_handoff
+from ..attention.prefill import left_padding
 from ..config import OffloadConfig
 from ..selectors import Selector
 from ..store import transfer
 from .blocks import BlockStore
 from ..attention.inputs import DecodeInputs
-from .capture import CapturedDecode, CapturedLayer, call_signature, replay_layer
+from .capture import CapturedDecode, CapturedLayer, Padding, call_signature, replay_layer
 from .execution import LayerExecution, hidden_states
 from .planner import DecodePlanner
 from .recaller import Recaller
@@ -48,6 +50,34 @@ class LayerCapture:
     k: int
     reuse: bool = False
     ahead: Recaller | None = None  # the next layer, prefetched for from this layer's query (lookahead in the graph)
+
+
+# Questions over a shared prefix (a fork's later prefill chunks) of at most this many tokens replay a graph of the
+# whole decoder layer; the graph of a chunk runs it padded to the next power of two from QUESTION_MIN_TOKENS.
+QUESTION_GRAPH_TOKENS = 512
+QUESTION_MIN_TOKENS = 32
+# Question graphs kept per layer (least recently used dropped first).
+QUESTION_GRAPHS = 4
+
+
+def question_tokens(q_len: int) -> int:
+    """The tokens a question of ``q_len`` tokens runs as in its graph: the next power of two, at least
+    :data:`QUESTION_MIN_TOKENS` (one graph serves every length up to it)."""
+    return max(QUESTION_MIN_TOKENS, 1 << (q_len - 1).bit_length())
+
+
+class NotCapturable(Exception):
+    """Raised inside a question's capture where its attention would take a path that synchronises with the host
+    (the tiled one: soft-capping, sink logits): the layer's questions run op by op."""
+
+
+@dataclass
+class QuestionCapture:
+    """A question's decoder layer being captured (or run once before its capture): the chunk's keys and values as
+    the layer's update received them (``[batch, tokens, kv_heads, head_dim]`` views), for the append after each
+    replay."""
+
+    kv: tuple | None = None
 
 
 class GraphRunner:
@@ -110,6 +140,13 @@ class GraphRunner:
         self.ahead_graphs = True  # False once a capture with the next layer's prefetch in it failed
         self.seal_graphs = True
         self.last_key: tuple | None = None  # the graph key of this layer's last decode step
+        # Questions over a shared prefix: the tokens of the prefix a fork continues (OffloadCache.fork sets it, a
+        # refill again), whose first later prefill chunk replays a graph; None: not a fork, or its questions run
+        # op by op. Their graphs by key, least recently used first; the one being captured.
+        self.questions: int | None = None
+        self.question_graphs_on = True  # False once a question's capture failed
+        self.question_graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.question_capture: QuestionCapture | None = None
         # The block capacity of the first decode step since the layer was allocated or recycled: its graphs are kept
         # beside those of the current capacity, so that the next cache that takes this layer (parking) finds them.
         self.entry_n: int | None = None
@@ -131,10 +168,12 @@ class GraphRunner:
     def clear(self) -> None:
         """Drop every captured graph (each is captured again at its next step)."""
         self.graphs.clear()
+        self.question_graphs.clear()
 
     def reset(self) -> None:
         """Drop the graphs and what the layer's earlier steps taught (a reset cache starts afresh)."""
         self.graphs.clear()
+        self.question_graphs.clear()
         self.warm_geometries.clear()
         self.last_key = None
         self.entry_n = None
@@ -153,6 +192,9 @@ class GraphRunner:
             return attention[5] in live_rows and attention[6][:2] == now
 
         self.graphs = {key: graph for key, graph in self.graphs.items() if live(key)}
+        # A question's graph reads only buffers that the storage key names (a refilled fork keeps them).
+        self.question_graphs = OrderedDict((key, g) for key, g in self.question_graphs.items() if key[4][:2] == now)
+        self.questions = None  # a fork's refill sets it again
         self.entry_n = None
         self.warned_rounds = False
 
@@ -416,6 +458,145 @@ class GraphRunner:
         self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
         return graph
 
+    # ------------------------------------------------------------------------------ questions over a shared prefix
+    def question_step(self, args: tuple, kwargs: dict) -> tuple | None:
+        """``(graph key, padding, flattened arguments)`` of a decoder layer call that a question graph serves, or
+        ``None``: not the first chunk of a fork after its prefix (:attr:`questions`: a question; later chunks,
+        such as the turns of a conversation, would each need a graph of their own) of 2 to
+        :data:`QUESTION_GRAPH_TOKENS` tokens per sequence on this layer's device, after sealed blocks, with a plain
+        causal mask and no padding, gradients off; on CUDA, the kernel path without a disk tier (the one whose
+        recall of the earlier blocks does not synchronise with the host).
+
+        The key holds what the graph's work depends on besides buffer contents: the padded length, the sealed
+        blocks before the chunk and the open block's tokens (the same after every refill of a fork from one
+        prefix), the buffers (:meth:`BlockStore.storage_key`) and the call's signature."""
+        store = self.blocks
+        if self.questions is None or not (self.question_graphs_on and self.execution.graphs):
+            return None
+        if not store.is_initialized or store.n_tokens != self.questions or not store.n_blocks:
+            return None
+        if self.config.cuda_graphs is False or torch.is_grad_enabled() or len(args) > 1:
+            return None
+        hidden = hidden_states(args, kwargs)
+        if not isinstance(hidden, torch.Tensor) or hidden.dim() != 3 or hidden.shape[0] != store.batch:
+            return None
+        tokens = hidden.shape[1]
+        if not 1 < tokens <= QUESTION_GRAPH_TOKENS or hidden.device != store.device:
+            return None
+        if store.device.type == "cuda" and (not self.execution.use_kernels or store.host.disk_chunks):
+            return None
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if not (isinstance(mask, OffloadMask) and plain_causal(mask)):
+                return None
+            left_padded, starts = left_padding(mask, store.n_tokens + tokens)
+            if not left_padded or starts is not None:  # padded sequences: op by op
+                return None
+        pad = Padding(tokens, question_tokens(tokens), store.batch)
+        kwargs = {**kwargs, "attention_mask": None} if "attention_mask" in kwargs else kwargs
+        flat = tree_flatten((args, kwargs))
+        key = ("question", pad.padded, store.n_blocks, store.keys.shape[-2], store.storage_key(),
+               call_signature(args, kwargs, flat, pad))  # fmt: skip
+        return key, pad, args, kwargs, flat
+
+    def run_question(self, step: tuple, forward: Callable, note_forward: Callable[[int], None]):
+        """Run a decoder layer call that :meth:`question_step` accepted: replay its graph (captured first if it is
+        the first call of its key), then append the chunk's keys and values to the cache as an update run op by op
+        does (sealing the blocks they fill) and count what it counts. ``None`` where the layer's questions turn out
+        not to be capturable (the caller runs the call op by op; this layer's questions stay op by op).
+
+        Args:
+            step: :meth:`question_step`'s value.
+            forward: the decoder layer's own forward.
+            note_forward: the layer's bookkeeping at the start of a forward, given the chunk's tokens.
+        """
+        key, pad, args, kwargs, flat = step
+        store = self.blocks
+        note_forward(pad.tokens)
+        # The chunk reads only blocks sealed before it: their host writes are waited for here, outside the graph.
+        transfer.wait_event(store.last_write, store.device)
+        store.selectable_written = None
+        self.recaller.wait_side_streams()
+        found, reference = self.question_graphs.get(key), None
+        if found is None:
+            captured = self._capture_question(key, pad, forward, args, kwargs)
+            if captured is None:
+                return None
+            found, reference = captured
+        else:
+            self.question_graphs.move_to_end(key)
+        graph, counted = found
+        out, keys, values = replay_layer(graph, args, kwargs, flat, pad)
+        replayed = reference is None or _same_outputs((out, keys, values), reference, pad)
+        if not replayed:
+            # The first replay must give what the same padded call gave op by op: where it does not, the layer's
+            # questions run op by op from now on, and this one takes the op-by-op results.
+            self.question_graphs.pop(key, None)
+            self.question_graphs_on = False
+            warnings.warn(
+                f"Layer {self.layer_idx}: a question's replayed CUDA graph did not reproduce the same call run op by "
+                "op; this layer's questions over a shared prefix run op by op from now on.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            out, keys, values = (pad.trim(t) for t in reference)
+        store.append(keys.transpose(1, 2), values.transpose(1, 2))
+        self.recaller.wait_prefetch()
+        store.finish_step()
+        for name, value in counted.items():
+            self.stats.add((name,), value)
+        self.stats.add(("question_graph_replays",), int(replayed))
+        return out
+
+    def _capture_question(self, key: tuple, pad: Padding, forward: Callable, args: tuple, kwargs: dict):
+        """Capture the question graph of ``key``: the padded call run once op by op in the capture's mode first
+        (kernels compiled and checked, nothing of the cache changed), then captured. Returns ``((graph, counts),
+        reference)``: the counters that one call adds (added again at each replay) and the op-by-op run's outputs
+        (the first replay is checked against them), or ``None`` after turning this layer's question graphs off
+        (with a warning where the capture itself failed)."""
+        store = self.blocks
+
+        def padded_forward(*a, **kw):
+            self.question_capture = QuestionCapture()
+            try:
+                out = forward(*a, **kw)
+                keys, values = self.question_capture.kv
+            finally:
+                self.question_capture = None
+            return out, keys, values
+
+        totals = self.stats.totals_snapshot()
+        start = time.perf_counter()
+        try:
+            with torch.no_grad():
+                padded_args, padded_kwargs = _padded_call(args, kwargs, pad)
+                reference = padded_forward(*padded_args, **padded_kwargs)  # op by op: kernels compiled, checks run
+            counted = self.stats.totals_delta(totals)
+            held = (*store.held_buffers(), *self.recaller.held_buffers(), store.open_k, store.open_v)
+            graph = self._capture_layer(store.device, padded_forward, args, kwargs, held, pad=pad)
+        except NotCapturable:
+            take_handoff()
+            self.question_graphs_on = False
+            return None
+        except Exception as error:  # noqa: BLE001 -- reported once; the layer runs op by op
+            take_handoff()  # an update the failed capture left for an attention that never ran
+            self.question_graphs_on = False
+            warnings.warn(
+                f"Layer {self.layer_idx}: capturing a question's decoder layer into a CUDA graph failed ({error}); "
+                "this layer's questions over a shared prefix run op by op from now on.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            return None
+        finally:
+            self.stats.restore_totals(totals)
+        self.question_graphs[key] = (graph, counted)
+        while len(self.question_graphs) > QUESTION_GRAPHS:
+            self.question_graphs.popitem(last=False)
+        self.stats.add(("question_graph_captures",), 1)
+        self.stats.add(("graph_capture_us",), round((time.perf_counter() - start) * 1e6))
+        return (graph, counted), reference
+
     def _with_lookahead(self, forward: Callable, ahead: Recaller, inputs: DecodeInputs, n: int, k: int) -> Callable:
         """``forward`` with the next layer's prefetch in it, for a capture of the whole layer: started from the next
         layer's query predicted from this layer's input (``lookahead_query="next"``) before the layer's work, else
@@ -499,3 +680,32 @@ class GraphRunner:
             return
         self.graphs[key] = graph
         self.stats.add(("seal_graph_captures",), 1)
+
+
+def _same_outputs(got: tuple, reference: tuple, pad: Padding) -> bool:
+    """Whether a question's first replay (``(out, keys, values)``, cut to the call's tokens) gave the padded call's
+    op-by-op outputs ``reference`` (the same kernels on the same inputs: equal but for a reduction order)."""
+    for a, b in zip(tree_flatten(got)[0], tree_flatten(reference)[0]):
+        if isinstance(a, torch.Tensor):
+            b = pad.trim(b)
+            if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2):
+                return False
+    return True
+
+
+def _padded_call(args: tuple, kwargs: dict, pad: Padding) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` with every tensor that runs over the call's tokens padded to ``pad.padded`` with zeros
+    (a question's call run once op by op before its capture, at the graph's length)."""
+    from torch.utils._pytree import tree_map
+
+    def padded(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        dim = pad.token_dim(leaf)
+        if dim is None:
+            return leaf
+        out = leaf.new_zeros(pad.shape(leaf))
+        out.narrow(dim, 0, pad.tokens).copy_(leaf)
+        return out
+
+    return tree_map(padded, (args, kwargs))

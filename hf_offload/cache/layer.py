@@ -229,6 +229,13 @@ class OffloadLayer(CacheLayerMixin):
                                     cpu=key_states.device.type == "cpu")  # fmt: skip
         )
 
+    def _note_question(self, tokens: int) -> None:
+        """:meth:`_note_forward` for a question replayed from its graph (its keys are not made before the
+        replay: a view of the open block's shape stands in for them)."""
+        if self.is_first_offload_layer:
+            store = self.blocks
+            self._note_forward(store.open_k[:, :, :1].expand(store.batch, store.kv_heads, tokens, store.head_dim))
+
     @normal_tensors
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Append new tokens; seal full blocks to the host. Returns the device-resident recent tokens.
@@ -255,6 +262,15 @@ class OffloadLayer(CacheLayerMixin):
             )
         if key_states.dtype != store.dtype:
             key_states, value_states = key_states.to(store.dtype), value_states.to(store.dtype)
+        question = self.graphs.question_capture
+        if question is not None:
+            # A question's decoder layer being captured (or run once before that): the chunk is attended after the
+            # open block's tokens, and appended to the cache only after each replay (GraphRunner.run_question).
+            question.kv = (key_states.transpose(1, 2), value_states.transpose(1, 2))
+            recent_k = torch.cat([store.keys, key_states], dim=-2)
+            recent_v = torch.cat([store.values, value_states], dim=-2)
+            leave_handoff(Handoff(self, recent_k, recent_v, store.n_blocks * self.block_tokens, store.n_blocks))
+            return recent_k, recent_v
         capturing = self.graphs.layer_capture
         if capturing is None and self.is_first_offload_layer:
             self._note_forward(key_states)
@@ -331,6 +347,11 @@ class OffloadLayer(CacheLayerMixin):
             step = self.graphs.layer_step(args, kwargs)
             if step is not None:
                 return self.graphs.run_decoder_layer(step, forward, args, kwargs)
+            question = self.graphs.question_step(args, kwargs)
+            if question is not None:
+                out = self.graphs.run_question(question, forward, self._note_question)
+                if out is not None:
+                    return out
             self.recaller.prefetched_ahead = self.recaller.lookahead_from_input(args, kwargs)
             try:
                 return forward(*args, **kwargs)
@@ -375,6 +396,7 @@ class OffloadLayer(CacheLayerMixin):
         dev = rows.to(other.device) if rows_dev is None else rows_dev
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
         self.blocks.share_rows(other.blocks, rows, dev, synced)
+        self.graphs.questions = self.blocks.n_tokens
 
     def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's
@@ -383,6 +405,7 @@ class OffloadLayer(CacheLayerMixin):
         ``rows_dev`` is); the counters start at zero."""
         self.recaller.wait_prefetch()
         self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows, rows_dev))
+        self.graphs.questions = self.blocks.n_tokens
 
     @normal_tensors
     def initialize_like(self, key_states: torch.Tensor, value_states: torch.Tensor, host=None) -> None:

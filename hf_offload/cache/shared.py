@@ -192,12 +192,15 @@ class DeviceResources:
         next capture of this or another cache takes one from there."""
         return self._in_pool(device, lambda pool, stream: capture(body, query, pool, held, stream))
 
-    def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple) -> CapturedLayer:
-        """Capture a whole decoder layer's decode step (:func:`~hf_offload.cache.capture.capture_decoder_layer`) into the same pool
-        and on the same stream as :meth:`capture_graph`, its tensor arguments read from :meth:`static_inputs`."""
+    def capture_layer(self, device: torch.device, forward, args: tuple, kwargs: dict, held: tuple,
+                      pad=None) -> CapturedLayer:  # fmt: skip
+        """Capture a whole decoder layer's decode step or question
+        (:func:`~hf_offload.cache.capture.capture_decoder_layer`) into the same pool and on the same stream as
+        :meth:`capture_graph`, its tensor arguments read from :meth:`static_inputs` (``pad``: padded as a
+        question's)."""
         statics = self.static_inputs(device)
         return self._in_pool(
-            device, lambda pool, stream: capture_decoder_layer(forward, args, kwargs, statics, pool, held, stream)
+            device, lambda pool, stream: capture_decoder_layer(forward, args, kwargs, statics, pool, held, stream, pad)
         )
 
     def capture_work(self, device: torch.device, enqueue, held: tuple) -> CapturedWork:

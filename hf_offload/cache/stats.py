@@ -42,6 +42,8 @@ class LayerStats:
         "seal_graph_captures",  # seals of a full block after a replayed step, captured into a CUDA graph
         "seal_graph_replays",  # seals of a full block after a replayed step, replayed from that graph
         "reused_selections",  # decode steps that attended the previous step's selection (reselect_every)
+        "question_graph_captures",  # later prefill chunks of a fork (questions) captured with their decoder layer
+        "question_graph_replays",  # later prefill chunks of a fork replayed from such a graph
     )
     _QUEUE = 256  # queued counts summed at once in the decode loop (bounds the tensors kept alive)
     _CAPTURE_SLOTS = 64  # distinct (fields, factor) counts that captured graphs may add into
@@ -77,6 +79,21 @@ class LayerStats:
         if getattr(self, "_captured", None) is None:
             self._captured = torch.zeros(self._CAPTURE_SLOTS, dtype=torch.int64, device=device)
             self._capture_slots: dict[tuple[tuple[str, ...], int], int] = {}  # (fields, factor) -> entry
+
+    def totals_snapshot(self) -> dict:
+        """The counters added now (not those queued on the device), to put back with :meth:`restore_totals`."""
+        return dict(self._totals)
+
+    def totals_delta(self, snapshot: dict) -> dict:
+        """What was added to each counter since ``snapshot`` (:meth:`totals_snapshot`): the counters that changed,
+        by name (ints, or 0-d device tensors)."""
+        delta = {name: self._totals[name] - snapshot[name] for name in self.FIELDS
+                 if self._totals[name] is not snapshot[name]}  # fmt: skip
+        return {name: value for name, value in delta.items() if isinstance(value, torch.Tensor) or value}
+
+    def restore_totals(self, snapshot: dict) -> None:
+        """Put the counters added now back to ``snapshot`` (work that ran only to be captured)."""
+        self._totals = dict(snapshot)
 
     def add(self, fields: tuple[str, ...], value) -> None:
         """Add ``value`` (an int or a 0-d device tensor) to each of ``fields`` now."""
@@ -476,6 +493,8 @@ def summarize(layers: list, timing: dict | None, fusions: dict, disk=None) -> di
         "layer_graph_replays": total("layer_graph_replays"),
         "seal_graph_captures": total("seal_graph_captures"),
         "seal_graph_replays": total("seal_graph_replays"),
+        "question_graph_captures": total("question_graph_captures"),
+        "question_graph_replays": total("question_graph_replays"),
         "hit_rate": total("hits") / lookups if lookups else None,
         "tail_share": _ratio(step_summaries.values(), "tail_sum", "tail_steps"),
         "missed_mass": _missed_mass(step_summaries.values()),

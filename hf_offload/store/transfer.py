@@ -138,7 +138,9 @@ def sequence_order_indices(
     _, pool_batch, heads, total, _, _ = pool.data.shape
     device = pool.data.device
     key = (device, batch, n, pool_batch, heads, total, host.block_words)
-    found = _SEQUENCE_ORDER.get(key)
+    # A graph being captured makes its own (the kept ones may be dropped while the graph lives).
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    found = None if capturing else _SEQUENCE_ORDER.get(key)
     if found is not None:
         _SEQUENCE_ORDER.move_to_end(key)
         return found
@@ -146,7 +148,7 @@ def sequence_order_indices(
     batch_idx = torch.arange(batch, device=device).repeat_interleave(n)
     found = (batch_idx, slot_idx, block_piece_offsets(host, pool, batch_idx))
     size = _index_bytes(found)
-    if size <= SEQUENCE_ORDER_BYTES // 4:
+    if size <= SEQUENCE_ORDER_BYTES // 4 and not capturing:  # made inside a graph: its values exist only there
         _SEQUENCE_ORDER[key] = found
         while sum(_index_bytes(v) for v in _SEQUENCE_ORDER.values()) > SEQUENCE_ORDER_BYTES:
             _SEQUENCE_ORDER.popitem(last=False)

@@ -51,3 +51,35 @@ def test_a_refilled_fork_replays_its_graphs_and_answers_as_a_new_fork(selector, 
             assert stats["layer_graph_replays"] >= (NEW - 2) * layers
     assert prefix.get_seq_length() == DOCUMENT
     release_parked()
+
+
+@pytest.mark.parametrize("admission", ["always", "auto"])
+def test_questions_replay_their_layers_graphs_and_answer_as_op_by_op(admission):
+    release_parked()
+    model = build_model("llama").cuda()
+    document = left_padded([DOCUMENT] * 2, seed=5)[0].cuda()
+
+    def ask(**options):
+        prefix = OffloadCache(model, **SMALL, admission=admission, **options)
+        with torch.no_grad():
+            model(input_ids=document, attention_mask=torch.ones_like(document), past_key_values=prefix)
+        fork, answers, counts = None, [], []
+        for seed, n in enumerate((6, 11, 20, 9)):  # one graph length (32) for all
+            fork = prefix.fork(into=fork)
+            ids = torch.cat([document, left_padded([n] * 2, seed=seed)[0].cuda()], dim=1)
+            with torch.no_grad():
+                out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=fork,
+                                     max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)  # fmt: skip
+            torch.cuda.synchronize()
+            answers.append(out)
+            stats = fork.stats()
+            counts.append((stats["question_graph_captures"], stats["question_graph_replays"]))
+        return answers, counts, len(fork.offload_layers)
+
+    expected, none, _ = ask(cuda_graphs=False)
+    got, counts, layers = ask()
+    assert none == [(0, 0)] * 4
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+    # Captured at the first question, replayed by every question (each refill keeps the graphs).
+    assert counts == [(layers, layers)] + [(0, layers)] * 3
