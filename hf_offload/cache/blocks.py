@@ -27,7 +27,7 @@ from ..config import OffloadConfig
 from ..kernels.seal import seal_block, seal_block_supported
 from ..selectors import Selector
 from ..selectors.quantkey import QuantKeySelector
-from ..store import DeviceSlotPool, HostBlockPool, HostMemoryBudget, transfer
+from ..store import DeviceSlotPool, HostBlockPool, HostMemoryBudget, transfer, writes
 from .execution import LayerExecution, decode_capacity
 from .stats import LayerStats, count_recall
 
@@ -226,8 +226,8 @@ class BlockStore:
         """Forget the per-step state and empty the slot pool, keeping every buffer a captured graph reads (the
         seal's arguments, the pool's storage): :meth:`recycle`, :meth:`refill`."""
         self.pool.clear()
-        self.pool.data.zero_()
-        self.pool.clock.zero_()
+        writes.zero_(self.pool.data)
+        writes.zero_(self.pool.clock)
         seal_args = self.seal_args
         self._clear()
         self.seal_args = seal_args  # a captured seal reads it
@@ -411,15 +411,17 @@ class BlockStore:
         self.block_table = self._block_table_store[:, :n]
         self.reserved_blocks = max(self.reserved_blocks, other.reserved_blocks)
         self._restart_in_place()
+        # The device writes of every layer go out together where the caller gathers them (OffloadCache.fork).
         if self.block_table_dev is not None:
             source = other.block_table_dev
-            self.block_table_dev[:, :n].copy_(rows_of(source[:, :n]) if source is not None else table.to(self.device))
-            self.block_table_dev[:, n:] = -1
+            writes.copy_(self.block_table_dev[:, :n],
+                         rows_of(source[:, :n]) if source is not None else table.to(self.device))  # fmt: skip
+            writes.fill_(self.block_table_dev[:, n:], -1)
         for name, store in self.summary_store.items():
-            store[:, :n].copy_(rows_of(other.summaries[name]))
-            store[:, n:].zero_()
-        self.open_k[:, :, :left] = rows_of(other.keys)
-        self.open_v[:, :, :left] = rows_of(other.values)
+            writes.copy_(store[:, :n], rows_of(other.summaries[name]))
+            writes.zero_(store[:, n:])
+        writes.copy_(self.open_k[:, :, :left], rows_of(other.keys))
+        writes.copy_(self.open_v[:, :, :left], rows_of(other.values))
         self.n_blocks, self.n_tokens = n, other.n_tokens
         self.summaries = {name: store[:, :n] for name, store in self.summary_store.items()}
         self.keys, self.values = self.open_k[:, :, :left], self.open_v[:, :, :left]

@@ -17,7 +17,7 @@ from ..config import OffloadConfig
 from ..kernels import recall as recall_kernels
 from .lookahead import speculative_query
 from ..selectors import Selection, Selector
-from ..store import transfer
+from ..store import transfer, writes
 from .blocks import BlockStore
 from .capture import between_graphs
 from .execution import LayerExecution, hidden_states
@@ -80,7 +80,7 @@ class Recaller:
         tensors (the block store keeps its shapes): :meth:`BlockStore.recycle`."""
         self._prefetch_event = None
         if self._prefetch_marks is not None:
-            self._prefetch_marks.zero_()
+            writes.zero_(self._prefetch_marks)
 
     # ------------------------------------------------------------------------------------------------- stream order
     def wait_prefetch(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import certificate
+from ..store import writes
 
 
 class LayerStats:
@@ -62,13 +63,13 @@ class LayerStats:
         self._n_queued = 0
         with torch.inference_mode():  # made in whatever mode the decode ran; in place, as graphs add into them
             if getattr(self, "_captured", None) is not None:
-                self._captured.zero_()
+                writes.zero_(self._captured)
             for buffer in (*self._captured_masks.values(), *self._kernel_counts.values()):
-                buffer.zero_()
+                writes.zero_(buffer)
             if getattr(self, "_steps", None) is not None:
-                self._steps.zero_()
+                writes.zero_(self._steps)
             if getattr(self, "_rows", None) is not None:
-                self._rows.zero_()
+                writes.zero_(self._rows)
 
     def prepare_capture(self, device: torch.device, batch: int | None = None) -> None:
         """Allocate the device counters that captured graphs add into (before the first capture; idempotent).

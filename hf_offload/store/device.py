@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.slots import assign_slots, assign_supported
+from . import writes
 
 _NEVER = torch.iinfo(torch.int64).max
 
@@ -114,8 +115,8 @@ class DeviceSlotPool:
 
     def clear(self) -> None:
         """Mark every slot empty."""
-        self._block.fill_(-1)
-        self._last_used.fill_(-1)
+        writes.fill_(self._block, -1)
+        writes.fill_(self._last_used, -1)
 
     def forget_from(self, first_block: int) -> None:
         """Mark empty every slot that holds a block at index ``first_block`` or later (blocks dropped by a crop:
