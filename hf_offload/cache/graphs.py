@@ -140,9 +140,9 @@ class GraphRunner:
         self.ahead_graphs = True  # False once a capture with the next layer's prefetch in it failed
         self.seal_graphs = True
         self.last_key: tuple | None = None  # the graph key of this layer's last decode step
-        # Questions over a shared prefix: the tokens of the prefix a fork continues (OffloadCache.fork sets it, a
-        # refill again), whose first later prefill chunk replays a graph; None: not a fork, or its questions run
-        # op by op. Their graphs by key, least recently used first; the one being captured.
+        # Questions over a shared prefix: the tokens of the prefix a refilled fork continues (OffloadCache.fork(into=
+        # ...) sets it at each refill), whose first later prefill chunk replays a graph; None: not a refilled fork,
+        # or its questions run op by op. Their graphs by key, least recently used first; the one being captured.
         self.questions: int | None = None
         self.question_graphs_on = True  # False once a question's capture failed
         self.question_graphs: OrderedDict[tuple, tuple] = OrderedDict()
@@ -461,8 +461,8 @@ class GraphRunner:
     # ------------------------------------------------------------------------------ questions over a shared prefix
     def question_step(self, args: tuple, kwargs: dict) -> tuple | None:
         """``(graph key, padding, flattened arguments)`` of a decoder layer call that a question graph serves, or
-        ``None``: not the first chunk of a fork after its prefix (:attr:`questions`: a question; later chunks,
-        such as the turns of a conversation, would each need a graph of their own) of 2 to
+        ``None``: not the first chunk of a refilled fork after its prefix (:attr:`questions`: a question; later
+        chunks, such as the turns of a conversation, would each need a graph of their own) of 2 to
         :data:`QUESTION_GRAPH_TOKENS` tokens per sequence on this layer's device, after sealed blocks, with a plain
         causal mask and no padding, gradients off; on CUDA, the kernel path without a disk tier (the one whose
         recall of the earlier blocks does not synchronise with the host).

@@ -396,7 +396,6 @@ class OffloadLayer(CacheLayerMixin):
         dev = rows.to(other.device) if rows_dev is None else rows_dev
         self.initialize_like(other.blocks.keys[dev], other.blocks.values[dev], host=other.blocks.host)
         self.blocks.share_rows(other.blocks, rows, dev, synced)
-        self.graphs.questions = self.blocks.n_tokens
 
     def refill_rows(self, other: "OffloadLayer", rows: torch.Tensor, rows_dev: torch.Tensor | None = None) -> None:
         """Drop this layer's tokens and continue the sequences ``rows`` of ``other`` again, keeping this layer's
@@ -405,6 +404,8 @@ class OffloadLayer(CacheLayerMixin):
         ``rows_dev`` is); the counters start at zero."""
         self.recaller.wait_prefetch()
         self._emptied_in_place(lambda: self.blocks.refill(other.blocks, rows, rows_dev))
+        # A refilled fork serves question after question over one prefix: its questions replay graphs (a new fork's
+        # first question runs op by op, which a fork used once would not gain from capturing).
         self.graphs.questions = self.blocks.n_tokens
 
     @normal_tensors

@@ -119,9 +119,10 @@ def test_replayed_questions_answer_as_op_by_op(arch, settings, question_captures
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     layers = len(graphed.offload_layers)
-    # The first question captured its layers' graphs; every question after it replayed them (each refill kept them).
-    assert [c for c, _, _ in counts] == [[1] * layers] + [[0] * layers] * (len(questions) - 1)
-    assert [r for _, r, _ in counts] == [[1] * layers] * len(questions)
+    # The first question (a new fork) ran op by op; the second (the first refill) captured its layers' graphs, and
+    # every question after it replayed them (each refill kept them).
+    assert [c for c, _, _ in counts] == [[0] * layers, [1] * layers] + [[0] * layers] * (len(questions) - 2)
+    assert [r for _, r, _ in counts] == [[0] * layers] + [[1] * layers] * (len(questions) - 1)
     for (_, _, a), (_, _, b) in zip(eager_counts, counts):
         for name in COUNTERS:
             assert a[name] == b[name], name
@@ -138,25 +139,28 @@ def test_replayed_questions_answer_as_op_by_op(arch, settings, question_captures
         torch.testing.assert_close(layer.keys, other.keys, **close)
 
 
-def test_only_a_forks_first_chunk_of_question_length_replays(question_captures):
+def test_only_a_refilled_forks_first_chunk_of_question_length_replays(question_captures):
     model = build_model("llama")
-    # A question longer than a graph takes runs op by op; so does a fresh cache's later chunk (not a fork).
-    long = _questions([QUESTION_GRAPH_TOKENS + 1])
-    _, fork, _ = _ask(model, TINY_PREFILL, long)
-    assert _captures(fork) == [0] * len(fork.offload_layers)
+    # A question longer than a graph takes runs op by op.
+    long = _questions([QUESTION_GRAPH_TOKENS + 1] * 2)
+    _, _, counts = _ask(model, TINY_PREFILL, long)
+    assert [c for c, _, _ in counts] == [[0, 0], [0, 0]]
+    # A new fork's question runs op by op; so do questions of a fork that is never refilled.
+    _, _, counts = _ask(model, TINY_PREFILL, _questions([5, 6]), refill=False)
+    assert [c for c, _, _ in counts] == [[0, 0], [0, 0]] and [r for _, r, _ in counts] == [[0, 0], [0, 0]]
     # Padded questions (several sequences of different lengths) run op by op.
     document = torch.randint(3, VOCAB, (2, DOCUMENT), generator=torch.Generator().manual_seed(1))
     prefix = OffloadCache(model, **TINY_PREFILL)
     with torch.no_grad():
         model(input_ids=document, past_key_values=prefix)
     ids, mask = left_padded([6, 9], seed=4)
-    fork = prefix.fork()
+    fork = prefix.fork(into=prefix.fork())
     with torch.no_grad():
         model(input_ids=ids, attention_mask=torch.cat([torch.ones(2, DOCUMENT, dtype=mask.dtype), mask], 1),
               past_key_values=fork)  # fmt: skip
     assert _captures(fork) == [0] * len(fork.offload_layers)
     # A second chunk after the question (the next turn of a conversation) runs op by op.
-    fork = prefix.fork()
+    fork = prefix.fork(into=fork)
     for n in (6, 7):
         with torch.no_grad():
             model(input_ids=torch.randint(3, VOCAB, (2, n)), past_key_values=fork)
@@ -176,9 +180,10 @@ def test_a_failed_question_capture_warns_once_and_answers_op_by_op(question_capt
         assert torch.equal(a, b)
     messages = [str(w.message) for w in caught if "question" in str(w.message)]
     assert len(messages) == 1 and "Layer 1" in messages[0] and "op by op" in messages[0]
-    # Layer 0 captured at the first question and replayed at every one; layer 1 ran every question op by op.
-    assert [c for c, _, _ in counts] == [[1, 0], [0, 0], [0, 0]]
-    assert [r for _, r, _ in counts] == [[1, 0]] * 3
+    # Layer 0 captured at the second question (the first refill) and replayed from then on; layer 1 ran every
+    # question op by op.
+    assert [c for c, _, _ in counts] == [[0, 0], [1, 0], [0, 0]]
+    assert [r for _, r, _ in counts] == [[0, 0], [1, 0], [1, 0]]
 
 
 def test_padding_of_a_call_and_its_buffers():
@@ -206,7 +211,7 @@ def test_padding_of_a_call_and_its_buffers():
 def test_a_replay_unlike_its_op_by_op_run_is_not_used(question_captures):
     model = build_model("llama")
     question_captures.add(100)  # layer 0's graph gives wrong outputs
-    questions = _questions([5, 7])
+    questions = _questions([5, 7, 6])
     expected, _, _ = _ask(model, TINY_PREFILL, questions, cuda_graphs=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -215,7 +220,8 @@ def test_a_replay_unlike_its_op_by_op_run_is_not_used(question_captures):
         assert torch.equal(a, b)
     messages = [str(w.message) for w in caught if "did not reproduce" in str(w.message)]
     assert len(messages) == 1 and "Layer 0" in messages[0]
-    assert [r for _, r, _ in counts] == [[0, 1], [0, 1]]  # layer 0 answered from its op-by-op run, then op by op
+    # Layer 0's capture (second question) answered from its op-by-op run, then ran op by op.
+    assert [r for _, r, _ in counts] == [[0, 0], [0, 1], [0, 1]]
 
 
 @pytest.mark.triton
@@ -230,5 +236,5 @@ def test_replayed_questions_on_the_kernel_path(question_captures):
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     layers = len(graphed.offload_layers)
-    assert [c for c, _, _ in counts] == [[1] * layers, [0] * layers, [0] * layers]
-    assert [r for _, r, _ in counts] == [[1] * layers] * 3
+    assert [c for c, _, _ in counts] == [[0] * layers, [1] * layers, [0] * layers]
+    assert [r for _, r, _ in counts] == [[0] * layers, [1] * layers, [1] * layers]
