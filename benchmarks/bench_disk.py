@@ -296,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stage-near", type=int, nargs="+", default=[0], metavar="N",
                         help="disk_stage_near of the disk tier; each value is one configuration (0: 'disk_tier', N: "
                         "'disk_tier_nearN')")  # fmt: skip
+    parser.add_argument("--disk-cap", type=int, nargs="+", default=[], metavar="N",
+                        help="disk_cap_blocks of the disk tier; each value adds one configuration ('disk_tier_capN', "
+                        "without disk_stage_near)")  # fmt: skip
     parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
                         help="'random' (random KV and queries, the worst case) or 'recorded:PATH', a decode recorded by "
                         "benchmarks/workload.py and replayed at the shape (the model's rope_theta becomes the "
@@ -360,6 +363,8 @@ def main(argv: list[str] | None = None) -> int:
             configs.append((f"disk_tier{tag}", with_near))
         if args.lookahead in ("on", "both"):
             configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
+    for cap in args.disk_cap:
+        configs.append((f"disk_tier_cap{cap}", dict(tier, disk_cap_blocks=cap)))
     graphs = args.graphs or ("on" if device.type == "cuda" else "off")
     if graphs != "on":  # op by op
         configs = configs[:1] + [(name, dict(disk, cuda_graphs=False)) for name, disk in configs[1:]]
@@ -379,7 +384,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"GB/s, tier read {r['tier_read_gbs']} GB/s, disk {r['stats']['disk_kv_bytes'] / MIB:.0f} MiB, "
                   f"hit rate {r['hit_rate']}, per step: {r['demand_read_blocks_per_step']:.1f} blocks read on demand, "
                   f"{r['staged_ahead_blocks_per_step']:.1f} staged ahead ({r['staged_used_blocks_per_step']:.1f} "
-                  f"used), {workload['kind']}", flush=True)  # fmt: skip
+                  f"used), missed mass {r['stats']['missed_mass']['mean'] if r['stats']['missed_mass'] else None}, "
+                  f"{workload['kind']}", flush=True)  # fmt: skip
     summary = {}
     for name in runs:
         if name == "host_only":
@@ -392,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
             f"decode_mean_disk_vs_host_only{tag}":
                 runs["host_only"]["decode_mean_step_ms"] / disk_run["decode_mean_step_ms"],
         })  # fmt: skip
-        if prompts is not None:  # the disk tier moves blocks, never what is attended: the same tokens
+        if prompts is not None:  # the disk tier moves blocks, never what is attended (but for a disk cap)
             summary[f"tokens_match_host_only{tag}"] = disk_run["tokens"] == runs["host_only"]["tokens"]
     print(summary)
     payload = {"metadata": run_metadata(args, workload=note, kv_bytes=kv_bytes, block_bytes=block_bytes,

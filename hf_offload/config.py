@@ -53,6 +53,9 @@ class Attended:
         transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer, resident blocks
             within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
         transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
+        disk_cap_blocks: most selected blocks per sequence, KV head, layer and decode step read from disk (not in
+            the slot pool); the lowest-scored others give way to the best unselected blocks in memory, or leave the
+            selection, to the selector's estimate. ``>= 0``, needs ``disk_dir``; ``None`` (default): no bound.
         max_budget_tokens: the adaptive budget's cap: with ``missed_mass_target``, a decode step attends up to this
             many tokens (sink, window and open block included); whole blocks above ``budget_tokens``. Default
             ``None``: every step attends ``budget_tokens``.
@@ -69,6 +72,7 @@ class Attended:
     reselect_every: int = 1
     transfer_cap_blocks: int | None = None
     transfer_cap_margin: float = 0.1
+    disk_cap_blocks: int | None = None
     max_budget_tokens: int | None = None
     missed_mass_target: float | None = None
 
@@ -374,6 +378,16 @@ class OffloadConfig:
         near = self.disk_stage_near
         if isinstance(near, bool) or not isinstance(near, int) or near < 0:
             raise ValueError(f"disk_stage_near must be a non-negative integer (blocks per sequence), got {near!r}.")
+        bound = self.disk_cap_blocks
+        if bound is not None:
+            if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:
+                raise ValueError(
+                    f"disk_cap_blocks must be a non-negative integer (blocks per sequence, KV head and layer read "
+                    f"from disk in a decode step) or None, got {bound!r}."
+                )
+            if self.disk_dir is None:
+                raise ValueError(f"disk_cap_blocks={bound!r} bounds the reads from the disk tier; set disk_dir too "
+                                 "(with host_memory_gib), or leave it None.")  # fmt: skip
         if self.transfer not in ("auto", "kernel", "torch"):
             raise ValueError(f"transfer must be 'auto', 'kernel' or 'torch', got {self.transfer!r}.")
         cap = self.transfer_cap_blocks

@@ -20,7 +20,7 @@ DEFAULTS = {
     "budget_tokens": 2048, "block_tokens": 16, "sink_tokens": None, "window_tokens": None,
     "selector": DEFAULT_SELECTOR, "pool_tokens": None, "prefill_chunk_tokens": 1024, "host_chunk_mib": 16,
     "host_memory_gib": None, "pin_memory": None, "transfer": "auto", "admission": "auto", "device_memory_gib": None,
-    "transfer_cap_blocks": None, "transfer_cap_margin": 0.1, "reselect_every": 1, "timing": False, "lookahead": False,
+    "transfer_cap_blocks": None, "transfer_cap_margin": 0.1, "disk_cap_blocks": None, "reselect_every": 1, "timing": False, "lookahead": False,
     "lookahead_query": "next", "lookahead_blocks": None, "cuda_graphs": None, "graph_scope": "layer",
     "decode_capacity_blocks": None, "decode_attention": "auto", "fused_norms": None, "fused_rotary": None,
     "fused_projections": None, "disk_dir": None, "disk_memory_gib": None, "disk_staging_chunks": 8, "disk_stage_near": 0,

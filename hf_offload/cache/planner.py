@@ -226,7 +226,27 @@ class DecodePlanner:
         if cap is not None and selection.scores is not None:
             resident = resident_blocks(store.pool.block, selection.blocks.shape[1], n)
             selection = cap_transfers(selection, resident, cap, self.config.transfer_cap_margin)
+        bound = self.config.disk_cap_blocks
+        if bound is not None and selection.scores is not None and store.host.disk is not None:
+            # Blocks read without the disk: those in the slot pool and those in host (or device) memory.
+            near = resident_blocks(store.pool.block, selection.blocks.shape[1], n) | ~self.on_disk(n)[:, None, :]
+            selection = cap_transfers(selection, near, bound, None, drop=True)
         return selection
+
+    def on_disk(self, n: int) -> torch.Tensor:
+        """Which of the first ``n`` blocks of each sequence lie in chunks spilled to disk, ``[batch, n]``,
+        ``torch.bool``, compute device (from the device block table and the pool's chunk table: no host
+        synchronisation, capturable; blocks past the sealed ones: ``False``)."""
+        store = self.blocks
+        table = store.block_table_dev
+        if table is None:
+            table = store.block_table.to(store.device)
+        if table.shape[1] < n:
+            table = torch.nn.functional.pad(table, (0, n - table.shape[1]), value=-1)
+        table = table[:, :n]
+        flags = store.host.chunk_on_disk(store.device)
+        chunk = torch.where(table >= 0, table // store.host.chunk_blocks, flags.shape[0] - 1)
+        return flags[chunk]
 
     def estimate_tail(
         self,

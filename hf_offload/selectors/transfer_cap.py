@@ -31,14 +31,18 @@ def resident_blocks(slot_blocks: torch.Tensor, heads: int, n_blocks: int) -> tor
     return out.scatter_(-1, index, True)[..., :n_blocks]
 
 
-def cap_transfers(selection: Selection, resident: torch.Tensor, cap_blocks: int, margin: float) -> Selection:
+def cap_transfers(selection: Selection, resident: torch.Tensor, cap_blocks: int, margin: float | None,
+                  drop: bool = False) -> Selection:  # fmt: skip
     """Apply the transfer cap to a selection.
 
     Args:
         selection: a selection with ``scores``.
         resident: which blocks are resident, shape ``[batch, heads_or_1, n_blocks]``, ``torch.bool``.
         cap_blocks: most blocks to recall per sequence and head in this step.
-        margin: relative score margin within which a resident block replaces a missing one.
+        margin: relative score margin within which a resident block replaces a missing one; ``None``: the best
+            resident blocks replace the excess whatever their scores.
+        drop: missing blocks past the cap that no resident block replaces leave the selection (fewer blocks are
+            attended; a hard bound); else they stay.
 
     Returns:
         The capped selection (same ``k``).
@@ -54,14 +58,12 @@ def cap_transfers(selection: Selection, resident: torch.Tensor, cap_blocks: int,
     spare_order = scores.masked_fill(~spare, float("-inf")).sort(dim=-1, descending=True).indices
     miss_score, spare_score = scores.gather(-1, miss_order), scores.gather(-1, spare_order)
     rank = torch.arange(scores.shape[-1], device=scores.device)
-    swap = (
-        (rank < excess)
-        & miss.gather(-1, miss_order)
-        & spare.gather(-1, spare_order)
-        & (spare_score >= miss_score - margin * miss_score.abs())
-    )
+    over = (rank < excess) & miss.gather(-1, miss_order)  # the lowest-scored misses past the cap
+    swap = over & spare.gather(-1, spare_order)
+    if margin is not None:
+        swap &= spare_score >= miss_score - margin * miss_score.abs()
     # Both orders are permutations, so each scatter writes every position once.
-    chosen = chosen.scatter(-1, miss_order, chosen.gather(-1, miss_order) & ~swap)
+    chosen = chosen.scatter(-1, miss_order, chosen.gather(-1, miss_order) & ~(over if drop else swap))
     chosen = chosen.scatter(-1, spare_order, chosen.gather(-1, spare_order) | swap)
     top = chosen.float().topk(k, dim=-1)
     return Selection(blocks=top.indices, keep=top.values > 0, scores=scores, block_lse=selection.block_lse)

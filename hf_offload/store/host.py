@@ -301,6 +301,7 @@ class HostBlockPool:
         # grows, so that a captured graph reading them stays valid; re-allocated, doubled, when full).
         self._chunk_addrs: torch.Tensor | None = None  # [capacity], int64: the chunks' addresses, 0 past them
         self._chunk_on_host: torch.Tensor | None = None  # [capacity + 1], bool: in host memory; the last: False
+        self._chunk_on_disk: torch.Tensor | None = None  # [capacity + 1], bool: spilled to disk; the last: False
         self._tables_filled = 0  # chunks entered in the tables
         self._chunk_on_host_cpu: torch.Tensor | None = None
         self.table_version = 0  # counts re-allocations of the device tables
@@ -329,17 +330,20 @@ class HostBlockPool:
             # stands for the id -1 (count_on_host). Device tables start zeroed and are filled below.
             self._chunk_addrs = torch.zeros(capacity, dtype=torch.int64, device=device)
             self._chunk_on_host = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
+            self._chunk_on_disk = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
             self._tables_filled = 0
             self.table_version += 1
         start = self._tables_filled
         if start < n:
             addrs = torch.tensor([c.data_ptr() for c in self.chunks[start:n]], dtype=torch.int64)
             on_host = torch.tensor([not a for a in self.chunk_admitted[start:n]])
+            on_disk = torch.tensor([d is not None for d in self.chunk_disk[start:n]])
             if device.type == "cuda":
                 # Asynchronous copies: no host synchronisation when the pool grows.
-                addrs, on_host = addrs.pin_memory(), on_host.pin_memory()
+                addrs, on_host, on_disk = addrs.pin_memory(), on_host.pin_memory(), on_disk.pin_memory()
             self._chunk_addrs[start:n].copy_(addrs, non_blocking=True)
             self._chunk_on_host[start:n].copy_(on_host, non_blocking=True)
+            self._chunk_on_disk[start:n].copy_(on_disk, non_blocking=True)
             self._tables_filled = n
         return self._chunk_addrs[:n]
 
@@ -350,6 +354,13 @@ class HostBlockPool:
         that outgrows them), and the graph holds the ones it read."""
         addrs = self.chunk_addrs(device)
         return addrs, self._chunk_on_host
+
+    def chunk_on_disk(self, device: torch.device) -> torch.Tensor:
+        """Per chunk of :meth:`chunk_tables`' capacity plus one last ``False`` entry (for the id ``-1``), whether its
+        blocks are on disk (``torch.bool``, ``[capacity + 1]``, on ``device``): kept with the other chunk tables
+        (same address while :attr:`table_version` holds), set when a chunk spills."""
+        self.chunk_addrs(device)
+        return self._chunk_on_disk
 
     def count_on_host(self, ids: torch.Tensor):
         """How many of ``ids`` are blocks in host memory, or ``None`` when no chunk is admitted (then all are).
@@ -444,6 +455,7 @@ class HostBlockPool:
         self._disk_free[chunk] = 0
         if self._chunk_addrs is not None and chunk < self._tables_filled:  # no kernel reads it: id -1 (recaller)
             self._chunk_addrs[chunk] = 0
+            self._chunk_on_disk[chunk] = True
 
     def on_disk(self, ids: torch.Tensor) -> torch.Tensor:
         """Which of ``ids`` (``[n]``, ``torch.int64``, CPU, ``>= 0``) are blocks of spilled chunks, ``[n]`` bool."""
@@ -672,6 +684,7 @@ class HostBlockPool:
             self.chunk_used = [self.chunk_used[c] for c in keep]
             self.chunk_disk = [None] * len(keep)
             self._chunk_addrs = self._chunk_on_host = self._chunk_on_host_cpu = None  # chunk indices changed
+            self._chunk_on_disk = None
             self._tables_filled = 0
             self._refs = torch.zeros(len(keep) * self.chunk_blocks, dtype=torch.int32)
         self._free.clear()
@@ -697,7 +710,7 @@ class HostBlockPool:
         self._chunk_on_host_cpu = None
         self._tables_filled = 0
         if not keep_tables:
-            self._chunk_addrs = self._chunk_on_host = None
+            self._chunk_addrs = self._chunk_on_host = self._chunk_on_disk = None
 
     def _by_chunk(self, ids: torch.Tensor):
         """``(chunk, rows, offsets)`` per chunk in memory of ``ids``; spilled chunks are the caller's."""

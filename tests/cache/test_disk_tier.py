@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import gc
+import itertools
 import os
 import stat
 import subprocess
@@ -419,3 +420,55 @@ def test_disk_memory_gib_bounds_the_spilled_bytes(tmp_path):
     cache = OffloadCache(model, **FULL, **DISK, disk_dir=tmp_path, disk_memory_gib=3 * CHUNK_BYTES / 2**30)
     with pytest.raises(MemoryError, match="disk_memory_gib"):
         _generate(model, ids, mask, cache)
+
+
+def _decode_reads(model, ids, mask, cache):
+    """``generate()``'s blocks read from disk by each decode step (not by its prefill), its tokens and every decode
+    step's selection."""
+    at_step, plan = [], DecodePlanner.plan
+
+    def noting(self, *args, **kwargs):
+        if self.blocks.layer_idx == 0:  # a decode step starts
+            at_step.append(cache.stats()["disk_read_blocks"])
+        return plan(self, *args, **kwargs)
+
+    DecodePlanner.plan = noting
+    try:
+        out, selections = _recorded(lambda: _generate(model, ids, mask, cache))
+    finally:
+        DecodePlanner.plan = plan
+    at_step.append(cache.stats()["disk_read_blocks"])
+    return [b - a for a, b in itertools.pairwise(at_step)], out, selections
+
+
+@pytest.mark.parametrize("selector", [None, "quantkey"])
+def test_disk_cap_bounds_the_blocks_a_decode_step_reads_from_disk(tmp_path, selector):
+    """``disk_cap_blocks=0``: no decode step reads a selected block from disk (the selection takes blocks in host
+    memory instead, or fewer blocks), but the first reads the sink blocks, which every step attends and the slot pool
+    keeps from then on; without the cap every step reads from disk. The cap never touches a step that selects every
+    block."""
+    model = build_model("llama")
+    ids, mask = left_padded([101, 77], seed=2)
+    chosen = {} if selector is None else {"selector": selector}
+    read, _, plain = _decode_reads(model, ids, mask, OffloadCache(model, **SPARSE, **DISK, **chosen,
+                                                                  disk_dir=tmp_path))  # fmt: skip
+    capped = OffloadCache(model, **SPARSE, **DISK, **chosen, disk_cap_blocks=0, disk_dir=tmp_path)
+    read_capped, _, bounded = _decode_reads(model, ids, mask, capped)
+    sinks = 2 * len(capped.offload_layers) * (SPARSE["sink_tokens"] // SPARSE["block_tokens"])  # per sequence, layer
+    assert len(read) == len(read_capped) == NEW - 1 and all(r > 0 for r in read)
+    assert 0 < read_capped[0] <= sinks and read_capped[1:] == [0] * (NEW - 2)
+    assert bounded != plain  # blocks on disk swapped for blocks in memory, or left out
+    assert capped.stats()["disk_kv_bytes"] > capped.stats()["host_kv_bytes"]  # most blocks stayed on disk
+    # At a budget that covers the context every block is selected: the cap changes nothing.
+    expected = _generate(model, ids, mask, DynamicCache(config=model.config))
+    full = OffloadCache(model, **FULL, **DISK, disk_cap_blocks=0, disk_dir=tmp_path)
+    assert torch.equal(_generate(model, ids, mask, full), expected)
+
+
+def test_disk_cap_settings_are_checked():
+    model = build_model("llama")
+    with pytest.raises(ValueError, match="set disk_dir too"):
+        OffloadCache(model, **SPARSE, disk_cap_blocks=2)
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="disk_cap_blocks must be a non-negative integer"):
+            OffloadCache(model, **SPARSE, **DISK, disk_cap_blocks=bad, disk_dir="/tmp")

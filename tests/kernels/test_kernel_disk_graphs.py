@@ -60,3 +60,32 @@ def test_replayed_steps_read_their_blocks_on_disk_between_plan_and_copy(stand_in
         assert any(key[1:2] == ("layer",) and key[4] is not None for key in graphed.offload_layers[0].graphs.graphs)
     for _, _, cache in runs.values():
         cache.close()
+
+
+def test_replayed_steps_under_a_disk_cap_read_only_the_sinks_from_disk(stand_in_graphs, tmp_path):  # noqa: F811
+    """``disk_cap_blocks=0`` in the replayed steps (the plan reads the device tables of the chunks on disk): the same
+    tokens and selections as op by op, and after the first decode step (which reads the sink blocks into the slot
+    pool) no block read from disk."""
+    model = build_model("llama")
+    ids, mask = left_padded([120, 90], seed=22)
+    settings = dict(TINY_SPARSE, selector="solohead", transfer="kernel", admission="always", disk_cap_blocks=0,
+                    decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS, **dict(DISK, disk_staging_chunks=8))  # fmt: skip
+    runs = {}
+    for graphs in (False, None):
+        directory = tmp_path / str(graphs)
+        directory.mkdir()
+        cache = OffloadCache(model, **settings, cuda_graphs=graphs, disk_dir=directory)
+        prefill = OffloadCache(model, **settings, cuda_graphs=graphs, disk_dir=directory)
+        with torch.no_grad():  # the reads of the prefill and the first decode step: a one-token generate
+            _generate(model, ids, mask, prefill, new_tokens=2)
+        first = prefill.stats()["disk_read_blocks"]
+        runs[graphs] = (*_recorded(lambda c=cache: _generate(model, ids, mask, c, new_tokens=12)), cache, first)
+        prefill.close()
+    (expected, chosen, _, _), (got, selections, graphed, _) = runs[False], runs[None]
+    assert torch.equal(got, expected) and selections == chosen
+    assert all(int(layer.stats.layer_graph_replays) > 0 for layer in graphed.offload_layers)
+    for _, _, cache, first in runs.values():
+        stats = cache.stats()
+        assert stats["disk_kv_bytes"] > stats["host_kv_bytes"] > 0
+        assert stats["disk_read_blocks"] == first  # the 10 later decode steps read nothing from disk
+        cache.close()
