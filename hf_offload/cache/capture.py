@@ -230,12 +230,20 @@ def replay_layer(captured: CapturedLayer, args: tuple, kwargs: dict, flat: tuple
     its outputs (the graph's own outputs are overwritten by its next replay). ``flat``: ``tree_flatten((args,
     kwargs))`` where the caller has it (:func:`call_signature` made it). ``pad``: the call's tokens padded as at
     the capture; the outputs are then cut back to the call's tokens (:meth:`Padding.trim`)."""
+    out = replay_layer_in_place(captured, args, kwargs, flat, pad)
+    return tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
+
+
+def replay_layer_in_place(captured: CapturedLayer, args: tuple, kwargs: dict, flat: tuple | None = None,
+                          pad: Padding | None = None):  # fmt: skip
+    """:func:`replay_layer` without the copies: the graph's own outputs (cut back to the call's tokens with
+    ``pad``), valid until its next replay (or that of a graph sharing its memory pool)."""
     buffers, _, _ = captured.inputs.load(args, kwargs, flat=flat, rebuild=False, pad=pad)
     if any(a is not b for a, b in zip(buffers, captured.statics)):
         raise RuntimeError("replay_layer: the static input buffers changed since the capture (shapes differ?)")
     captured.graph.replay()
     trim = (lambda x: x) if pad is None else pad.trim
-    return tree_map(lambda x: trim(x).clone() if isinstance(x, torch.Tensor) else x, captured.out)
+    return tree_map(lambda x: trim(x) if isinstance(x, torch.Tensor) else x, captured.out)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from ..attention.handoff import OffloadMask, plain_causal, take_handoff
 from ..attention.prefill import left_padding
@@ -31,7 +31,7 @@ from ..selectors import Selector
 from ..store import transfer
 from .blocks import BlockStore
 from ..attention.inputs import DecodeInputs
-from .capture import CapturedDecode, CapturedLayer, Padding, call_signature, replay_layer
+from .capture import CapturedDecode, CapturedLayer, Padding, call_signature, replay_layer, replay_layer_in_place
 from .execution import LayerExecution, hidden_states
 from .planner import DecodePlanner
 from .recaller import Recaller
@@ -526,7 +526,9 @@ class GraphRunner:
         else:
             self.question_graphs.move_to_end(key)
         graph, counted = found
-        out, keys, values = replay_layer(graph, args, kwargs, flat, pad)
+        # The keys and values are appended below, before any other replay: read in place; the output is copied.
+        out, keys, values = replay_layer_in_place(graph, args, kwargs, flat, pad)
+        out = tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, out)
         replayed = reference is None or _same_outputs((out, keys, values), reference, pad)
         if not replayed:
             # The first replay must give what the same padded call gave op by op: where it does not, the layer's
@@ -696,8 +698,6 @@ def _same_outputs(got: tuple, reference: tuple, pad: Padding) -> bool:
 def _padded_call(args: tuple, kwargs: dict, pad: Padding) -> tuple[tuple, dict]:
     """``(args, kwargs)`` with every tensor that runs over the call's tokens padded to ``pad.padded`` with zeros
     (a question's call run once op by op before its capture, at the graph's length)."""
-    from torch.utils._pytree import tree_map
-
     def padded(leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf
