@@ -76,19 +76,23 @@ def _stand_in_work(layer, fail_layers=()):
 def _stand_in_layer(layer, fail_layers=()):
     statics = StaticInputs()
 
-    def capture(device, forward, args, kwargs, held):
+    def capture(device, forward, args, kwargs, held, pad=None):
         if layer.layer_idx in fail_layers:
             raise RuntimeError("operation not permitted when stream is capturing")
-        buffers, static_args, static_kwargs = statics.load(args, kwargs)
+        buffers, static_args, static_kwargs = statics.load(args, kwargs, pad=pad)
         mode = layer.graphs.layer_capture  # what the capture records: run again in that mode at each replay
         captured = CapturedLayer(graph=None, statics=buffers, inputs=statics, out=None, held=held)
 
         def run():
             layer.graphs.layer_capture = mode
+            # A question's replay changes no counter on the host (the runner adds what one call counts).
+            totals = layer.stats.totals_snapshot() if pad is not None else None
             try:
                 captured.out = forward(*static_args, **static_kwargs)
             finally:
                 layer.graphs.layer_capture = None
+                if totals is not None:
+                    layer.stats.restore_totals(totals)
 
         captured.graph = _Replay(run)
         return captured
