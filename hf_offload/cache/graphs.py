@@ -460,16 +460,18 @@ class GraphRunner:
 
     # ------------------------------------------------------------------------------ questions over a shared prefix
     def question_step(self, args: tuple, kwargs: dict) -> tuple | None:
-        """``(graph key, padding, flattened arguments)`` of a decoder layer call that a question graph serves, or
+        """``(padding, arguments, flattened arguments, signature)`` of a decoder layer call that a question graph
+        serves (:meth:`run_question` makes its key), or
         ``None``: not the first chunk of a refilled fork after its prefix (:attr:`questions`: a question; later
         chunks, such as the turns of a conversation, would each need a graph of their own) of 2 to
         :data:`QUESTION_GRAPH_TOKENS` tokens per sequence on this layer's device, after sealed blocks, with a plain
         causal mask and no padding, gradients off; on CUDA, the kernel path without a disk tier (the one whose
         recall of the earlier blocks does not synchronise with the host).
 
-        The key holds what the graph's work depends on besides buffer contents: the padded length, the sealed
+        The graph's key holds what its work depends on besides buffer contents: the padded length, the sealed
         blocks before the chunk and the open block's tokens (the same after every refill of a fork from one
-        prefix), the buffers (:meth:`BlockStore.storage_key`) and the call's signature."""
+        prefix), the buffers (:meth:`BlockStore.storage_key`, read once the forward has made room on the device)
+        and the call's signature."""
         store = self.blocks
         if self.questions is None or not (self.question_graphs_on and self.execution.graphs):
             return None
@@ -495,9 +497,7 @@ class GraphRunner:
         pad = Padding(tokens, question_tokens(tokens), store.batch)
         kwargs = {**kwargs, "attention_mask": None} if "attention_mask" in kwargs else kwargs
         flat = tree_flatten((args, kwargs))
-        key = ("question", pad.padded, store.n_blocks, store.keys.shape[-2], store.storage_key(),
-               call_signature(args, kwargs, flat, pad))  # fmt: skip
-        return key, pad, args, kwargs, flat
+        return pad, args, kwargs, flat, call_signature(args, kwargs, flat, pad)
 
     def run_question(self, step: tuple, forward: Callable, note_forward: Callable[[int], None]):
         """Run a decoder layer call that :meth:`question_step` accepted: replay its graph (captured first if it is
@@ -510,9 +510,10 @@ class GraphRunner:
             forward: the decoder layer's own forward.
             note_forward: the layer's bookkeeping at the start of a forward, given the chunk's tokens.
         """
-        key, pad, args, kwargs, flat = step
+        pad, args, kwargs, flat, signature = step
         store = self.blocks
-        note_forward(pad.tokens)
+        note_forward(pad.tokens)  # may move admitted chunks to the host: the buffers are read after it
+        key = ("question", pad.padded, store.n_blocks, store.keys.shape[-2], store.storage_key(), signature)
         # The chunk reads only blocks sealed before it: their host writes are waited for here, outside the graph.
         transfer.wait_event(store.last_write, store.device)
         store.selectable_written = None
