@@ -168,9 +168,22 @@ def test_only_a_refilled_forks_first_chunk_of_question_length_replays(question_c
     assert _replays(fork) == [1] * len(fork.offload_layers)
 
 
-def test_a_failed_question_capture_warns_once_and_answers_op_by_op(question_captures):
+@pytest.mark.parametrize(
+    ("failing", "message", "captures", "replays"),
+    [
+        # Layer 1's capture fails: layer 0 captured at the second question (the first refill) and replayed from then
+        # on; layer 1 ran every question op by op.
+        (1, "capturing a question's decoder layer", [[0, 0], [1, 0], [0, 0]], [[0, 0], [1, 0], [1, 0]]),
+        # Layer 0's graph gives wrong outputs: its capture (second question) answered from its op-by-op run, then
+        # the layer ran op by op.
+        (100, "did not reproduce", [[0, 0], [1, 1], [0, 0]], [[0, 0], [0, 1], [0, 1]]),
+    ],
+    ids=["capture-fails", "replay-differs"],
+)
+def test_a_question_graph_that_fails_warns_once_and_the_layer_answers_op_by_op(question_captures, failing, message,
+                                                                               captures, replays):  # fmt: skip
     model = build_model("llama")
-    question_captures.add(1)
+    question_captures.add(failing)
     questions = _questions([5, 7, 6])
     expected, _, _ = _ask(model, TINY_PREFILL, questions, cuda_graphs=False)
     with warnings.catch_warnings(record=True) as caught:
@@ -179,11 +192,10 @@ def test_a_failed_question_capture_warns_once_and_answers_op_by_op(question_capt
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
     messages = [str(w.message) for w in caught if "question" in str(w.message)]
-    assert len(messages) == 1 and "Layer 1" in messages[0] and "op by op" in messages[0]
-    # Layer 0 captured at the second question (the first refill) and replayed from then on; layer 1 ran every
-    # question op by op.
-    assert [c for c, _, _ in counts] == [[0, 0], [1, 0], [0, 0]]
-    assert [r for _, r, _ in counts] == [[0, 0], [1, 0], [1, 0]]
+    assert len(messages) == 1 and message in messages[0] and "op by op" in messages[0]
+    assert f"Layer {failing % 100}" in messages[0]
+    assert [c for c, _, _ in counts] == captures
+    assert [r for _, r, _ in counts] == replays
 
 
 def test_padding_of_a_call_and_its_buffers():
@@ -206,22 +218,6 @@ def test_padding_of_a_call_and_its_buffers():
     out = torch.randn(2, 32, 16)
     assert torch.equal(pad.trim(out), out[:, :5]) and pad.trim(torch.randn(4)).shape == (4,)
     assert [question_tokens(n) for n in (2, 32, 33, 100, 512)] == [32, 32, 64, 128, 512]
-
-
-def test_a_replay_unlike_its_op_by_op_run_is_not_used(question_captures):
-    model = build_model("llama")
-    question_captures.add(100)  # layer 0's graph gives wrong outputs
-    questions = _questions([5, 7, 6])
-    expected, _, _ = _ask(model, TINY_PREFILL, questions, cuda_graphs=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        got, _, counts = _ask(model, TINY_PREFILL, questions)
-    for a, b in zip(got, expected):
-        assert torch.equal(a, b)
-    messages = [str(w.message) for w in caught if "did not reproduce" in str(w.message)]
-    assert len(messages) == 1 and "Layer 0" in messages[0]
-    # Layer 0's capture (second question) answered from its op-by-op run, then ran op by op.
-    assert [r for _, r, _ in counts] == [[0, 0], [0, 1], [0, 1]]
 
 
 @pytest.mark.triton
