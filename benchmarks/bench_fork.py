@@ -73,7 +73,9 @@ def answer(model, make_cache, ids: torch.Tensor, new_tokens: int) -> dict:
     stats = cache.stats() if hasattr(cache, "stats") else {}
     return {"cache": cache, "tokens": out[0, ids.shape[1]:].tolist(), "make_s": made - start,
             "ttft_s": first.at - start, "total_s": end - start,
-            "graph_captures": stats.get("graph_captures", 0) + stats.get("layer_graph_captures", 0),
+            "graph_captures": stats.get("graph_captures", 0) + stats.get("layer_graph_captures", 0)
+            + stats.get("question_graph_captures", 0),
+            "question_graph_replays": stats.get("question_graph_replays", 0),
             "hit_rate": stats.get("hit_rate")}  # fmt: skip
 
 
