@@ -608,8 +608,9 @@ class BlockStore:
         else:
             self.stats.add(("offloaded_bytes",), transfer.offload_blocks(self.host, ids, flat))
         self.make_summary_room(self.n_blocks + n_new)
-        for name, summary in self.summaries_of(keys, values).items():
-            self.summary_store[name] = self._appended(self.summary_store.get(name), summary)
+        with writes.gathered():  # the summaries' writes into their buffers: launched together
+            for name, summary in self.summaries_of(keys, values).items():
+                self.summary_store[name] = self._appended(self.summary_store.get(name), summary)
         self._sealed(ids, blocks, n_new)
 
     def summaries_of(self, keys: torch.Tensor, values: torch.Tensor, selector=None) -> dict[str, torch.Tensor]:
@@ -796,7 +797,7 @@ class BlockStore:
         n, need = self.n_blocks, self.n_blocks + new.shape[1]
         if store is None or store.shape[1] < need:
             store = self._grown(store, new, need, fill, host)
-        store[:, n:need] = new
+        writes.copy_(store[:, n:need], new)  # at once, or with the writes of a gathered block (seal)
         return store
 
     def _grown(
