@@ -472,3 +472,29 @@ def test_disk_cap_settings_are_checked():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="disk_cap_blocks must be a non-negative integer"):
             OffloadCache(model, **SPARSE, **DISK, disk_cap_blocks=bad, disk_dir="/tmp")
+
+
+def test_the_device_table_of_chunks_on_disk_follows_the_spills(tmp_path):
+    """``HostBlockPool.chunk_on_disk`` (what ``disk_cap_blocks`` reads in the plan) names exactly the spilled chunks,
+    those spilled after the table was made included (set in place), and ends with ``False`` for the id ``-1``."""
+    model = build_model("llama")
+    ids, mask = left_padded([101, 77], seed=2)
+    cache = OffloadCache(model, **SPARSE, **DISK, disk_dir=tmp_path)
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        model(input_ids=ids[:, :40], attention_mask=mask[:, :40], past_key_values=cache)  # a few chunks spill
+        pools = [layer.blocks.host for layer in cache.offload_layers]
+        before = [(pool.chunk_on_disk(cpu), pool.table_version, [d is not None for d in pool.chunk_disk])
+                  for pool in pools]  # fmt: skip
+        model(input_ids=ids[:, 40:], attention_mask=mask, past_key_values=cache)  # more spill
+    spilled_later = 0
+    for pool, (table, version, spilled_before) in zip(pools, before):
+        flags = pool.chunk_on_disk(cpu)
+        spilled = [extent is not None for extent in pool.chunk_disk]
+        assert flags[: len(spilled)].tolist() == spilled and not flags[-1]
+        later = [c for c, (was, now) in enumerate(zip(spilled_before, spilled)) if now and not was]
+        spilled_later += len(later)
+        if pool.table_version == version:  # the same table, its entries set as the chunks spilled
+            assert flags is table
+    assert spilled_later > 0  # chunks that were in memory when the table was made spilled since
+    cache.close()
