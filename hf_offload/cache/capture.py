@@ -268,9 +268,9 @@ class Padding:
             return 0
         return None
 
-    def shape(self, tensor: torch.Tensor) -> tuple:
-        """The shape of ``tensor``'s buffer."""
-        dim = self.token_dim(tensor)
+    def shape(self, tensor: torch.Tensor, dim: int | None = -1) -> tuple:
+        """The shape of ``tensor``'s buffer (``dim``: its :meth:`token_dim` where the caller has it)."""
+        dim = self.token_dim(tensor) if dim == -1 else dim
         shape = list(tensor.shape)
         if dim is not None:
             shape[dim] = self.padded
@@ -340,7 +340,7 @@ class StaticInputs:
                 static.append(leaf)
                 continue
             dim = None if pad is None else pad.token_dim(leaf)
-            shape = tuple(leaf.shape) if dim is None else pad.shape(leaf)
+            shape = tuple(leaf.shape) if dim is None else pad.shape(leaf, dim)
             slot = (i, shape, leaf.dtype, leaf.device)
             buffer = self._buffers.get(slot)
             if buffer is None:

@@ -31,7 +31,8 @@ from ..selectors import Selector
 from ..store import transfer
 from .blocks import BlockStore
 from ..attention.inputs import DecodeInputs
-from .capture import CapturedDecode, CapturedLayer, Padding, call_signature, replay_layer, replay_layer_in_place
+from .capture import (CapturedDecode, CapturedLayer, Padding, StaticInputs, call_signature, replay_layer,
+                      replay_layer_in_place)  # fmt: skip
 from .execution import LayerExecution, hidden_states
 from .planner import DecodePlanner
 from .recaller import Recaller
@@ -572,8 +573,10 @@ class GraphRunner:
         start = time.perf_counter()
         try:
             with torch.no_grad():
-                padded_args, padded_kwargs = _padded_call(args, kwargs, pad)
-                reference = padded_forward(*padded_args, **padded_kwargs)  # op by op: kernels compiled, checks run
+                # The padded call in buffers of its own (zeros past the call's tokens), run op by op: kernels
+                # compiled, checks run.
+                _, padded_args, padded_kwargs = StaticInputs().load(args, kwargs, pad=pad)
+                reference = padded_forward(*padded_args, **padded_kwargs)
             counted = self.stats.totals_delta(totals)
             held = (*store.held_buffers(), *self.recaller.held_buffers(), store.open_k, store.open_v)
             graph = self._capture_layer(store.device, padded_forward, args, kwargs, held, pad=pad)
@@ -694,19 +697,3 @@ def _same_outputs(got: tuple, reference: tuple, pad: Padding) -> bool:
             if a.shape != b.shape or not torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2):
                 return False
     return True
-
-
-def _padded_call(args: tuple, kwargs: dict, pad: Padding) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` with every tensor that runs over the call's tokens padded to ``pad.padded`` with zeros
-    (a question's call run once op by op before its capture, at the graph's length)."""
-    def padded(leaf):
-        if not isinstance(leaf, torch.Tensor):
-            return leaf
-        dim = pad.token_dim(leaf)
-        if dim is None:
-            return leaf
-        out = leaf.new_zeros(pad.shape(leaf))
-        out.narrow(dim, 0, pad.tokens).copy_(leaf)
-        return out
-
-    return tree_map(padded, (args, kwargs))
