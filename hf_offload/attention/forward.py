@@ -99,7 +99,9 @@ def offload_attention_forward(
             recaller.lookahead_next(grouped[:, :, :, 0], mask, scaling)
             if timer is not None:
                 timer.add("prefetch", t_select, t_select := timer.mark())
-        rounds = recaller.resident_rounds(selection, decode=q_len == 1)
+        # A decode step with a disk tier stages from disk what the selection left out or ranked just below it.
+        stage = selection if q_len == 1 and store.host.disk is not None else None
+        rounds = recaller.resident_rounds(selection, decode=q_len == 1, stage=stage)
         for blocks, keep, _, keys, values in rounds:
             tiled()
             if timer is not None:

@@ -228,15 +228,21 @@ class DecodePlanner:
             selection = cap_transfers(selection, resident, cap, self.config.transfer_cap_margin)
         bound = self.config.disk_cap_blocks
         if bound is not None and selection.scores is not None and store.host.disk is not None:
-            # Blocks read without the disk: those in the slot pool and those in host (or device) memory.
+            # Blocks read without the disk: those in the slot pool, in host (or device) memory, or staged.
             near = resident_blocks(store.pool.block, selection.blocks.shape[1], n) | ~self.on_disk(n)[:, None, :]
-            selection = cap_transfers(selection, near, bound, None, drop=True)
+            capped = cap_transfers(selection, near, bound, None, drop=True)
+            # The blocks the bound took out, best first: the recall stages them for the coming steps.
+            before = torch.zeros_like(near).scatter_(-1, selection.blocks, selection.keep)
+            out = before & ~torch.zeros_like(near).scatter_(-1, capped.blocks, capped.keep)
+            top = selection.scores.masked_fill(~out, float("-inf")).topk(selection.blocks.shape[-1], dim=-1)
+            capped.left_out = torch.where(out.gather(-1, top.indices), top.indices, -1)
+            selection = capped
         return selection
 
     def on_disk(self, n: int) -> torch.Tensor:
-        """Which of the first ``n`` blocks of each sequence lie in chunks spilled to disk, ``[batch, n]``,
-        ``torch.bool``, compute device (from the device block table and the pool's chunk table: no host
-        synchronisation, capturable; blocks past the sealed ones: ``False``)."""
+        """Which of the first ``n`` blocks of each sequence lie in chunks spilled to disk and are not staged,
+        ``[batch, n]``, ``torch.bool``, compute device (from the device block table and the pool's chunk and staging
+        tables: no host synchronisation, capturable; blocks past the sealed ones: ``False``)."""
         store = self.blocks
         table = store.block_table_dev
         if table is None:
@@ -246,7 +252,8 @@ class DecodePlanner:
         table = table[:, :n]
         flags = store.host.chunk_on_disk(store.device)
         chunk = torch.where(table >= 0, table // store.host.chunk_blocks, flags.shape[0] - 1)
-        return flags[chunk]
+        staged = store.host.block_staged(store.device)
+        return flags[chunk] & ~staged[torch.where(table >= 0, table, staged.shape[0] - 1)]
 
     def estimate_tail(
         self,

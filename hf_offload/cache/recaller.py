@@ -245,6 +245,7 @@ class Recaller:
         moved = self._recall_torch(blocks, slots, miss)
         if stage is not None:
             self.stage_near(stage)  # the reads queue behind the recall's own
+            self.blocks.host.sync_staged()  # what the next steps' plans may take from staging
         return moved
 
     def _recall_torch(self, blocks: torch.Tensor, slots: torch.Tensor, miss: torch.Tensor):
@@ -306,8 +307,9 @@ class Recaller:
                    head_idx: torch.Tensor | None, stage: Selection | None):
         """The host's part of a recall on the kernel path with a disk tier, as a function of no arguments (run
         between the graphs of a captured step, or at once op by op): recall the entries on disk
-        (:meth:`_recall_spilled`), then start staging the blocks ranked below ``stage`` (:meth:`stage_near`).
-        Without chunks on disk it does nothing (no synchronisation)."""
+        (:meth:`_recall_spilled`), start staging the blocks ``stage`` left out or ranked below it
+        (:meth:`stage_near`) and bring the pool's table of staged blocks up to date (``HostBlockPool.sync_staged``,
+        once per decode step). Without chunks on disk it does nothing (no synchronisation)."""
 
         def work() -> None:
             if not self.blocks.host.disk_chunks:
@@ -315,6 +317,7 @@ class Recaller:
             self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
             if stage is not None:
                 self.stage_near(stage)
+                self.blocks.host.sync_staged()  # what the next steps' plans may take from staging
 
         return work
 
@@ -368,11 +371,11 @@ class Recaller:
         miss.logical_and_(~on_disk)
 
     def stage_near(self, selection: Selection) -> None:
-        """With chunks on disk: start reading from disk the ``disk_stage_near`` blocks per sequence (and KV head)
-        ranked just below this step's selection, into the disk tier's staging, without waiting, so that a coming
-        step that selects them finds them staged. Call it with the step's recall, after its reads from disk (the
-        reads queue behind the recall's own). Synchronises with the host (in a captured step: host work between
-        two graphs).
+        """With chunks on disk: start reading from disk, into the disk tier's staging and without waiting, the
+        blocks ``disk_cap_blocks`` left out of this step's selection (``selection.left_out``) and the
+        ``disk_stage_near`` blocks per sequence (and KV head) ranked just below it, so that a coming step that
+        selects them finds them staged. Call it with the step's recall, after its reads from disk (the reads queue
+        behind the recall's own). Synchronises with the host (in a captured step: host work between two graphs).
 
         Args:
             selection: this step's plan: its ``ranked`` blocks past the selection where the selector ranked them,
@@ -380,7 +383,11 @@ class Recaller:
         """
         m = self.config.disk_stage_near
         store = self.blocks
-        if not m or not store.host.disk_chunks or selection.scores is None or not store.block_table.shape[1]:
+        if not store.host.disk_chunks or selection.scores is None or not store.block_table.shape[1]:
+            return
+        if selection.left_out is not None:
+            store.host.stage(torch.unique(self._host_ids(selection.left_out)))
+        if not m:
             return
         k = selection.blocks.shape[-1]
         scores = selection.scores

@@ -46,6 +46,9 @@ ALIGN = 4096
 block size."""
 
 _GIB = 1 << 30
+PUBLISHED_SYNCS = 2
+"""Syncs of its pool (one per layer and decode step) that a block staged ahead stays published to the planner
+(``disk_cap_blocks``) unless a recall uses it first."""
 
 
 class DiskTierError(OSError):
@@ -98,6 +101,23 @@ def _cleanup(files: _Files, executor: ThreadPoolExecutor) -> None:
     executor.shutdown(wait=False)
 
 
+class _Published:
+    """The blocks of one pool staged ahead that its planner may take as readable without the disk
+    (``disk_cap_blocks``): the pool's device table marks them (``HostBlockPool.block_staged``), and staging keeps them
+    (no eviction) until the pool unmarks them, so that a plan that trusts a mark never reads from disk.
+
+    Attributes:
+        since: published block -> the pool's sync count when it was published.
+        fresh: blocks staged ahead since the last sync, to publish.
+        gone: published blocks used by a recall (or dropped) since the last sync, to unpublish.
+    """
+
+    def __init__(self):
+        self.since: dict[int, int] = {}
+        self.fresh: set[int] = set()
+        self.gone: set[int] = set()
+
+
 class _Staging:
     """Block slots of one block shape in ``chunks`` chunk-sized buffers; least recently used slot evicted first.
 
@@ -106,6 +126,8 @@ class _Staging:
             where the block size is a multiple of it.
         entries: ``(pool serial, block id) -> slot``, least recently used first.
         ahead: the entries read by :meth:`DiskTier.stage` (a forecast) that no recall has used yet.
+        tracked: per pool serial whose planner reads what is staged (:meth:`DiskTier.track_staging`), its
+            :class:`_Published` blocks.
     """
 
     def __init__(self, n_slots: int, block_shape: tuple, dtype: torch.dtype, block_bytes: int, pin_memory: bool):
@@ -117,17 +139,47 @@ class _Staging:
         self.ahead: set[tuple[int, int]] = set()
         self.pending: dict[int, Future] = {}  # slot -> read in flight
         self.free = list(range(n_slots - 1, -1, -1))
+        self.tracked: dict[int, _Published] = {}
 
-    def take(self, protected: set) -> int | None:
-        """A free slot, else the least recently used one not in ``protected`` and not being read (after waiting for
-        the reads in flight if every other slot is); ``None``: every slot is protected."""
+    def note(self, key: tuple[int, int], ahead: bool) -> None:
+        """Entry ``key`` was staged ahead (``True``), or was used by a recall or left staging (``False``): noted
+        for its pool if tracked."""
+        published = self.tracked.get(key[0])
+        if published is None:
+            return
+        if ahead:
+            published.fresh.add(key[1])
+        else:
+            published.fresh.discard(key[1])
+            if key[1] in published.since:
+                published.gone.add(key[1])
+
+    def pinned(self, key: tuple[int, int]) -> bool:
+        """Whether entry ``key`` is published to its pool's planner (it stays until the pool unpublishes it)."""
+        published = self.tracked.get(key[0])
+        return published is not None and key[1] in published.since
+
+    def take(self, protected: set, evict_published: bool = False, ahead_first: bool = False) -> int | None:
+        """A free slot, else the least recently used one not in ``protected``, not being read and not published
+        (after waiting for the reads in flight if every other slot is); with ``ahead_first`` (a read ahead), among
+        the entries staged ahead and not used first (the speculative ones go before those a recall read); with
+        ``evict_published`` (a read on demand, which must find a slot), a published one when nothing else is left
+        (its pool unpublishes it at its next sync). ``None``: every slot is protected."""
         if self.free:
             return self.free.pop()
-        for attempt in range(2):
+        if ahead_first:
             for key, slot in self.entries.items():
-                if key not in protected and slot not in self.pending:
+                if key in self.ahead and key not in protected and slot not in self.pending and not self.pinned(key):
                     del self.entries[key]
                     self.ahead.discard(key)
+                    self.note(key, False)
+                    return slot
+        for attempt in range(3 if evict_published else 2):
+            for key, slot in self.entries.items():
+                if key not in protected and slot not in self.pending and (attempt == 2 or not self.pinned(key)):
+                    del self.entries[key]
+                    self.ahead.discard(key)
+                    self.note(key, False)
                     return slot
             self.settle(protected)
         return None
@@ -139,6 +191,7 @@ class _Staging:
             if self.pending.pop(slot).exception() is not None:
                 del self.entries[slots[slot]]
                 self.ahead.discard(slots[slot])
+                self.note(slots[slot], False)
                 self.free.append(slot)
 
     def forget(self, serial: int) -> None:
@@ -146,6 +199,7 @@ class _Staging:
         for key in [key for key in self.entries if key[0] == serial]:
             slot = self.entries.pop(key)
             self.ahead.discard(key)
+            self.note(key, False)
             future = self.pending.pop(slot, None)
             if future is not None:
                 future.exception()  # wait: the read must not land in a slot given to another block
@@ -415,6 +469,49 @@ class DiskTier:
         for staging in self._staging.values():
             staging.forget(pool.disk_serial)
 
+    def track_staging(self, pool) -> None:
+        """Publish from now on ``pool``'s blocks staged ahead to its planner (:meth:`staging_changes`); nothing is
+        published yet (a table made again starts empty)."""
+        staging = self._staging_for(pool)
+        old = staging.tracked.get(pool.disk_serial)
+        staging.tracked[pool.disk_serial] = _Published()
+        if old is not None:  # the old marks are gone with their table: the blocks are ordinary entries again
+            for block in old.since:
+                staging.ahead.discard((pool.disk_serial, block))
+
+    def untrack_staging(self, pool) -> None:
+        """Stop publishing ``pool``'s staged blocks (:meth:`track_staging`)."""
+        for staging in self._staging.values():
+            staging.tracked.pop(pool.disk_serial, None)
+
+    def staging_changes(self, pool, now: int, hold: int = PUBLISHED_SYNCS) -> dict[int, bool]:
+        """Block -> mark for ``pool``'s table at its sync number ``now``: ``True`` for the blocks staged ahead since
+        the last sync (published: staging keeps them; at most half of staging's slots are published at a time, the
+        rest stay ordinary entries), ``False`` for published ones a recall used or that were published ``hold``
+        syncs ago (unpublished: ordinary staging entries, evictable, no longer ahead); empty when not tracked."""
+        staging = self._staging_for(pool)
+        serial = pool.disk_serial
+        published = staging.tracked.get(serial)
+        if published is None:
+            return {}
+        changes = {}
+        for block in published.gone:
+            published.since.pop(block, None)
+            changes[block] = False
+        # At most half of staging is published (all pools together): the rest serves the reads on demand.
+        room = staging.n_slots // 2 - sum(len(p.since) for p in staging.tracked.values())
+        for block in sorted(published.fresh)[: max(room, 0)]:
+            if (serial, block) in staging.entries:
+                published.since[block] = now
+                changes[block] = True
+        for block, at in list(published.since.items()):
+            if now - at >= hold:
+                del published.since[block]
+                staging.ahead.discard((serial, block))
+                changes[block] = False
+        published.fresh, published.gone = set(), set()
+        return changes
+
     def _check_file(self) -> None:
         if self._files.path is None or os.fstat(self._buffered_fd).st_nlink == 0:
             raise DiskTierError(
@@ -457,11 +554,12 @@ class DiskTier:
         protected = {(serial, i) for i in ids}
         taken_ids, slots = [], []
         for block in wanted:
-            slot = staging.take(protected)
+            slot = staging.take(protected, ahead_first=True)
             if slot is None:
                 break
             staging.entries[(serial, block)] = slot
             staging.ahead.add((serial, block))
+            staging.note((serial, block), True)
             taken_ids.append(block)
             slots.append(slot)
         self._submit(pool, staging, taken_ids, slots)
@@ -489,9 +587,10 @@ class DiskTier:
                     self.counters["staging_hits"] += 1
                     if (serial, block) in staging.ahead:
                         staging.ahead.discard((serial, block))
+                        staging.note((serial, block), False)  # used: in the slot pool from now on
                         self.counters["staged_used_blocks"] += 1
                     continue
-                slot = staging.take(protected)
+                slot = staging.take(protected, evict_published=True)
                 staging.entries[(serial, block)] = slot
                 missing.append(block)
                 slots.append(slot)
@@ -506,6 +605,7 @@ class DiskTier:
                     except OSError as err:
                         del staging.entries[(serial, block)]
                         staging.ahead.discard((serial, block))
+                        staging.note((serial, block), False)
                         staging.free.append(slot)
                         raise self._io_error(err, "reading KV blocks from") from err
                 for row in row_of[block]:

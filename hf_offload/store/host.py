@@ -302,6 +302,10 @@ class HostBlockPool:
         self._chunk_addrs: torch.Tensor | None = None  # [capacity], int64: the chunks' addresses, 0 past them
         self._chunk_on_host: torch.Tensor | None = None  # [capacity + 1], bool: in host memory; the last: False
         self._chunk_on_disk: torch.Tensor | None = None  # [capacity + 1], bool: spilled to disk; the last: False
+        # Per block id of the same capacity (and a last False entry for the id -1): staged ahead and published to
+        # the planner (the disk tier keeps it staged until unpublished); made by block_staged() only.
+        self._block_staged: torch.Tensor | None = None
+        self._staged_syncs = 0
         self._tables_filled = 0  # chunks entered in the tables
         self._chunk_on_host_cpu: torch.Tensor | None = None
         self.table_version = 0  # counts re-allocations of the device tables
@@ -331,6 +335,9 @@ class HostBlockPool:
             self._chunk_addrs = torch.zeros(capacity, dtype=torch.int64, device=device)
             self._chunk_on_host = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
             self._chunk_on_disk = torch.zeros(capacity + 1, dtype=torch.bool, device=device)
+            if self._block_staged is not None:  # made again at the new capacity, from what is staged now
+                self._block_staged = torch.zeros(capacity * self.chunk_blocks + 1, dtype=torch.bool, device=device)
+                self.disk.track_staging(self)
             self._tables_filled = 0
             self.table_version += 1
         start = self._tables_filled
@@ -361,6 +368,37 @@ class HostBlockPool:
         (same address while :attr:`table_version` holds), set when a chunk spills."""
         self.chunk_addrs(device)
         return self._chunk_on_disk
+
+    def block_staged(self, device: torch.device) -> torch.Tensor:
+        """Per block id of the chunk tables' capacity plus one last ``False`` entry (for the id ``-1``), whether the
+        block is published by the disk tier's staging: read (or being read) from disk ahead of need and kept there
+        until unpublished, so that a plan may take it as readable without the disk. ``torch.bool``,
+        ``[capacity * chunk_blocks + 1]``, on ``device``: kept with the chunk tables (same address while
+        :attr:`table_version` holds), brought up to date by :meth:`sync_staged`. Made at the first call; from then
+        on the tier publishes this pool's blocks staged ahead."""
+        self.chunk_addrs(device)
+        if self._block_staged is None:
+            capacity = len(self._chunk_addrs)
+            self._block_staged = torch.zeros(capacity * self.chunk_blocks + 1, dtype=torch.bool,
+                                             device=self._chunk_addrs.device)  # fmt: skip
+            self.disk.track_staging(self)
+        return self._block_staged
+
+    def sync_staged(self) -> None:
+        """Publish the blocks staged ahead since the last call and unpublish those used, dropped or held long
+        enough (``disk.PUBLISHED_SYNCS`` calls), in :meth:`block_staged`'s table (on the current stream, before any
+        later plan; nothing without the table). Call it once per layer and decode step, after the recall."""
+        table = self._block_staged
+        if table is None or self.disk is None:
+            return
+        self._staged_syncs += 1
+        changes = self.disk.staging_changes(self, self._staged_syncs)
+        if not changes:
+            return
+        ids = torch.tensor(list(changes), dtype=torch.int64)
+        flags = torch.tensor(list(changes.values()), dtype=torch.bool)
+        inside = ids < len(table) - 1  # ids past the capacity: none while the tables cover the pool
+        table[ids[inside].to(table.device)] = flags[inside].to(table.device)
 
     def count_on_host(self, ids: torch.Tensor):
         """How many of ``ids`` are blocks in host memory, or ``None`` when no chunk is admitted (then all are).
@@ -685,6 +723,7 @@ class HostBlockPool:
             self.chunk_disk = [None] * len(keep)
             self._chunk_addrs = self._chunk_on_host = self._chunk_on_host_cpu = None  # chunk indices changed
             self._chunk_on_disk = None
+            self._drop_block_staged()
             self._tables_filled = 0
             self._refs = torch.zeros(len(keep) * self.chunk_blocks, dtype=torch.int32)
         self._free.clear()
@@ -711,6 +750,13 @@ class HostBlockPool:
         self._tables_filled = 0
         if not keep_tables:
             self._chunk_addrs = self._chunk_on_host = self._chunk_on_disk = None
+            self._drop_block_staged()
+
+    def _drop_block_staged(self) -> None:
+        """Forget :meth:`block_staged`'s table and stop noting the staging changes it needs."""
+        if self._block_staged is not None:
+            self._block_staged = None
+            self.disk.untrack_staging(self)
 
     def _by_chunk(self, ids: torch.Tensor):
         """``(chunk, rows, offsets)`` per chunk in memory of ``ids``; spilled chunks are the caller's."""

@@ -422,14 +422,19 @@ def test_disk_memory_gib_bounds_the_spilled_bytes(tmp_path):
         _generate(model, ids, mask, cache)
 
 
+def _demand_reads(cache) -> int:
+    stats = cache.stats()
+    return stats["disk_read_blocks"] - stats["disk_staged_ahead_blocks"]
+
+
 def _decode_reads(model, ids, mask, cache):
-    """``generate()``'s blocks read from disk by each decode step (not by its prefill), its tokens and every decode
-    step's selection."""
+    """``generate()``'s blocks read from disk on demand (not staged ahead) by each decode step (not by its prefill),
+    its tokens and every decode step's selection."""
     at_step, plan = [], DecodePlanner.plan
 
     def noting(self, *args, **kwargs):
         if self.blocks.layer_idx == 0:  # a decode step starts
-            at_step.append(cache.stats()["disk_read_blocks"])
+            at_step.append(_demand_reads(cache))
         return plan(self, *args, **kwargs)
 
     DecodePlanner.plan = noting
@@ -437,28 +442,33 @@ def _decode_reads(model, ids, mask, cache):
         out, selections = _recorded(lambda: _generate(model, ids, mask, cache))
     finally:
         DecodePlanner.plan = plan
-    at_step.append(cache.stats()["disk_read_blocks"])
+    at_step.append(_demand_reads(cache))
     return [b - a for a, b in itertools.pairwise(at_step)], out, selections
 
 
 @pytest.mark.parametrize("selector", [None, "quantkey"])
 def test_disk_cap_bounds_the_blocks_a_decode_step_reads_from_disk(tmp_path, selector):
-    """``disk_cap_blocks=0``: no decode step reads a selected block from disk (the selection takes blocks in host
-    memory instead, or fewer blocks), but the first reads the sink blocks, which every step attends and the slot pool
-    keeps from then on; without the cap every step reads from disk. The cap never touches a step that selects every
-    block."""
+    """``disk_cap_blocks=0``: no decode step reads a selected block from disk on demand (the selection takes blocks
+    in host memory or staged instead, or fewer blocks), but the first reads the sink blocks, which every step attends
+    and the slot pool keeps from then on; without the cap later steps read from disk. The blocks the cap leaves out
+    are staged ahead, and later steps attend some of them from staging. The cap never touches a step that selects
+    every block."""
     model = build_model("llama")
     ids, mask = left_padded([101, 77], seed=2)
     chosen = {} if selector is None else {"selector": selector}
-    read, _, plain = _decode_reads(model, ids, mask, OffloadCache(model, **SPARSE, **DISK, **chosen,
+    disk = dict(DISK, disk_staging_chunks=16)  # room for the blocks staged ahead beside those read on demand
+    sparse = TINY_SPARSE  # a slot pool that holds the selection: the sink and window blocks stay in it
+    read, _, plain = _decode_reads(model, ids, mask, OffloadCache(model, **sparse, **disk, **chosen,
                                                                   disk_dir=tmp_path))  # fmt: skip
-    capped = OffloadCache(model, **SPARSE, **DISK, **chosen, disk_cap_blocks=0, disk_dir=tmp_path)
+    capped = OffloadCache(model, **sparse, **disk, **chosen, disk_cap_blocks=0, disk_dir=tmp_path)
     read_capped, _, bounded = _decode_reads(model, ids, mask, capped)
     sinks = 2 * len(capped.offload_layers) * (SPARSE["sink_tokens"] // SPARSE["block_tokens"])  # per sequence, layer
-    assert len(read) == len(read_capped) == NEW - 1 and all(r > 0 for r in read)
+    assert len(read) == len(read_capped) == NEW - 1 and sum(read[1:]) > 0
     assert 0 < read_capped[0] <= sinks and read_capped[1:] == [0] * (NEW - 2)
     assert bounded != plain  # blocks on disk swapped for blocks in memory, or left out
-    assert capped.stats()["disk_kv_bytes"] > capped.stats()["host_kv_bytes"]  # most blocks stayed on disk
+    stats = capped.stats()
+    assert stats["disk_kv_bytes"] > stats["host_kv_bytes"]  # most blocks stayed on disk
+    assert stats["disk_staged_ahead_blocks"] > 0 and stats["disk_staged_used_blocks"] > 0  # left out, then attended
     # At a budget that covers the context every block is selected: the cap changes nothing.
     expected = _generate(model, ids, mask, DynamicCache(config=model.config))
     full = OffloadCache(model, **FULL, **DISK, disk_cap_blocks=0, disk_dir=tmp_path)
@@ -497,4 +507,49 @@ def test_the_device_table_of_chunks_on_disk_follows_the_spills(tmp_path):
         if pool.table_version == version:  # the same table, its entries set as the chunks spilled
             assert flags is table
     assert spilled_later > 0  # chunks that were in memory when the table was made spilled since
+    cache.close()
+
+
+def test_blocks_staged_ahead_stay_staged_while_published(tmp_path):
+    """What a plan under ``disk_cap_blocks`` takes as readable without the disk (``HostBlockPool.block_staged``)
+    stays in staging until the pool unpublishes it: reads ahead for other pools and reads on demand evict other
+    entries first; a recall's use unpublishes a block at the next sync, and so does ``PUBLISHED_SYNCS`` syncs' age;
+    at most half of staging is published at a time."""
+    from hf_offload.store.disk import PUBLISHED_SYNCS
+
+    model = build_model("llama")
+    ids, mask = left_padded([101, 77], seed=2)
+    cache = OffloadCache(model, **SPARSE, **dict(DISK, disk_staging_chunks=4), disk_dir=tmp_path)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+    first, second = (layer.blocks.host for layer in cache.offload_layers[:2])
+    cpu = torch.device("cpu")
+    table = first.block_staged(cpu)
+    staging = first.disk._staging_for(first)
+    spilled = [i for i in range(first._next_id) if first.on_disk(torch.tensor([i]))[0]]
+    other = [i for i in range(second._next_id) if second.on_disk(torch.tensor([i]))[0]]
+    assert staging.n_slots == 8 and len(spilled) >= 6 and len(other) >= staging.n_slots
+
+    def marked():
+        return table.nonzero().flatten().tolist()
+
+    def in_staging(pool, blocks):
+        return all((pool.disk_serial, b) in staging.entries for b in blocks)
+
+    first.stage(torch.tensor(spilled[:6]))
+    first.sync_staged()
+    published = marked()
+    assert len(published) == staging.n_slots // 2 and set(published) <= set(spilled[:6])  # half of staging at most
+    second.stage(torch.tensor(other))  # reads ahead for another pool: they take the other slots only
+    second.read(torch.tensor(other[-2:]))  # reads on demand too
+    assert in_staging(first, published)
+    first.read(torch.tensor(published[:1]))  # a recall uses one: unpublished at the next sync
+    assert marked() == published
+    first.sync_staged()
+    assert marked() == published[1:]
+    for _ in range(PUBLISHED_SYNCS - 1):  # the others age out
+        first.sync_staged()
+    assert marked() == []
+    second.stage(torch.tensor(other[:staging.n_slots]))  # now evictable
+    assert not in_staging(first, published)
     cache.close()
