@@ -53,9 +53,9 @@ class Attended:
         transfer_cap_blocks: most blocks one decode step recalls per sequence, KV head and layer, resident blocks
             within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
         transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
-        disk_cap_blocks: most selected blocks per sequence, KV head, layer and decode step read from disk (not in
-            the slot pool); the lowest-scored others give way to the best unselected blocks in memory, or leave the
-            selection, to the selector's estimate. ``>= 0``, needs ``disk_dir``; ``None`` (default): no bound.
+        disk_cap_blocks: most selected blocks per sequence, KV head, layer and decode step read from disk on demand;
+            the others give way to blocks in memory or staged, or to the estimate, and are staged for the next
+            steps. ``>= 0``, needs ``disk_dir``; ``None`` (default): no bound.
         max_budget_tokens: the adaptive budget's cap: with ``missed_mass_target``, a decode step attends up to this
             many tokens (sink, window and open block included); whole blocks above ``budget_tokens``. Default
             ``None``: every step attends ``budget_tokens``.
