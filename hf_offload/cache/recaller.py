@@ -314,15 +314,17 @@ class Recaller:
         def work() -> None:
             if not self.blocks.host.disk_chunks:
                 return
-            self._recall_spilled(ids, batch_idx, slot_idx, head_idx)
+            left = None if stage is None or stage.left_out is None else self._table_ids(stage.left_out)
+            ids_cpu = (ids if left is None else torch.cat([ids, left])).cpu()  # one transfer for both
+            self._recall_spilled(ids, batch_idx, slot_idx, head_idx, ids_cpu[: len(ids)])
             if stage is not None:
-                self.stage_near(stage)
+                self.stage_near(stage, None if left is None else ids_cpu[len(ids) :])
                 self.blocks.host.sync_staged()  # what the next steps' plans may take from staging
 
         return work
 
     def _recall_spilled(self, ids: torch.Tensor, batch_idx: torch.Tensor, slot_idx: torch.Tensor,
-                        head_idx: torch.Tensor | None) -> None:
+                        head_idx: torch.Tensor | None, ids_cpu: torch.Tensor | None = None) -> None:
         """Kernel path with chunks on disk: recall the entries whose blocks are on disk through the disk tier
         (read into staging on its worker threads, copied to their slots on the compute stream) and set those
         entries of ``ids`` to ``-1`` in place for the copy kernel. The host reads the ids: one synchronisation per
@@ -332,9 +334,10 @@ class Recaller:
             ids: host block id per entry or ``-1``, ``[n]``, ``torch.int64``, compute device.
             batch_idx, slot_idx: destination sequence and slot per entry, ``[n]``, ``torch.int64``, compute device.
             head_idx: the KV head per entry, or ``None`` (whole blocks).
+            ids_cpu: ``ids`` already on the host, if read.
         """
         host = self.blocks.host
-        ids_cpu = ids.cpu()
+        ids_cpu = ids.cpu() if ids_cpu is None else ids_cpu
         wanted = ids_cpu >= 0
         host.touch(ids_cpu[wanted])
         spilled = wanted & host.on_disk(ids_cpu.clamp(min=0))
@@ -370,7 +373,7 @@ class Recaller:
         store.pool.block.scatter_(-1, slots, torch.where(on_disk, torch.full_like(held, -1), held))
         miss.logical_and_(~on_disk)
 
-    def stage_near(self, selection: Selection) -> None:
+    def stage_near(self, selection: Selection, left_out_ids: torch.Tensor | None = None) -> None:
         """With chunks on disk: start reading from disk, into the disk tier's staging and without waiting, the
         blocks ``disk_cap_blocks`` left out of this step's selection (``selection.left_out``) and the
         ``disk_stage_near`` blocks per sequence (and KV head) ranked just below it, so that a coming step that
@@ -380,13 +383,15 @@ class Recaller:
         Args:
             selection: this step's plan: its ``ranked`` blocks past the selection where the selector ranked them,
                 else the best-scored blocks outside the selection.
+            left_out_ids: the host ids of ``selection.left_out`` (CPU, any shape, ``-1``: none), if already read.
         """
         m = self.config.disk_stage_near
         store = self.blocks
         if not store.host.disk_chunks or selection.scores is None or not store.block_table.shape[1]:
             return
         if selection.left_out is not None:
-            store.host.stage(torch.unique(self._host_ids(selection.left_out)))
+            left = self._host_ids(selection.left_out) if left_out_ids is None else left_out_ids
+            store.host.stage(torch.unique(left))
         if not m:
             return
         k = selection.blocks.shape[-1]
@@ -400,6 +405,13 @@ class Recaller:
             near = scores.topk(take, dim=-1).indices[..., k:]
         valid = scores.gather(-1, near).isfinite()  # forced blocks are selected; -inf ones are never attended
         store.host.stage(torch.unique(self._host_ids(torch.where(valid, near, -1))))
+
+    def _table_ids(self, blocks: torch.Tensor) -> torch.Tensor:
+        """The host block ids of block indices ``blocks`` (``[batch, heads_or_1, n]``, ``torch.int64``, ``-1``:
+        none) through the device block table, flattened, ``-1`` where ``blocks`` is; compute device, no transfer."""
+        table = self.blocks.block_table_dev
+        index = blocks.clamp(0, table.shape[1] - 1).reshape(blocks.shape[0], -1)
+        return torch.where(index == blocks.reshape(blocks.shape[0], -1), table.gather(1, index), -1).flatten()
 
     def _host_ids(self, blocks: torch.Tensor) -> torch.Tensor:
         """The host block ids of block indices ``blocks`` (``[batch, heads_or_1, n]``, ``torch.int64``, ``-1``:

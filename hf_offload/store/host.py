@@ -291,6 +291,8 @@ class HostBlockPool:
         self.chunk_used: list[tuple[int, int]] = []  # (last use, creation order)
         self._disk_free: dict[int, int] = {}
         self.disk_chunks = 0  # chunks whose blocks are on disk
+        self._spills = 0  # spills so far (the key of _spilled_flags, on_disk's CPU table)
+        self._spilled_flags: tuple | None = None
         self._placeholder = torch.empty((0, *self.block_shape), dtype=dtype)  # stands for a spilled chunk
         self._free: list[int] = []
         self._next_id = 0
@@ -395,10 +397,10 @@ class HostBlockPool:
         changes = self.disk.staging_changes(self, self._staged_syncs)
         if not changes:
             return
-        ids = torch.tensor(list(changes), dtype=torch.int64)
-        flags = torch.tensor(list(changes.values()), dtype=torch.bool)
-        inside = ids < len(table) - 1  # ids past the capacity: none while the tables cover the pool
-        table[ids[inside].to(table.device)] = flags[inside].to(table.device)
+        # One transfer: block id and mark packed as 2 * id + mark.
+        packed = torch.tensor([2 * block + mark for block, mark in changes.items() if block < len(table) - 1],
+                              dtype=torch.int64).to(table.device)  # fmt: skip
+        table[packed >> 1] = (packed & 1).bool()
 
     def count_on_host(self, ids: torch.Tensor):
         """How many of ``ids`` are blocks in host memory, or ``None`` when no chunk is admitted (then all are).
@@ -488,6 +490,7 @@ class HostBlockPool:
         """Chunk ``chunk`` was written to the disk tier's extent ``(offset, size)``: free its host memory."""
         self.chunks[chunk] = self._placeholder
         self.chunk_disk[chunk] = (offset, size)
+        self._spills += 1
         self.disk_chunks += 1
         self.budget.reserved_bytes -= self.chunk_nbytes
         self._disk_free[chunk] = 0
@@ -499,8 +502,10 @@ class HostBlockPool:
         """Which of ``ids`` (``[n]``, ``torch.int64``, CPU, ``>= 0``) are blocks of spilled chunks, ``[n]`` bool."""
         if not self.disk_chunks:
             return torch.zeros(len(ids), dtype=torch.bool)
-        spilled = torch.tensor([d is not None for d in self.chunk_disk])
-        return spilled[ids // self.chunk_blocks]
+        key = (id(self.chunk_disk), len(self.chunk_disk), self._spills)
+        if self._spilled_flags is None or self._spilled_flags[0] != key:  # made again after a spill or a growth
+            self._spilled_flags = (key, torch.tensor([d is not None for d in self.chunk_disk]))
+        return self._spilled_flags[1][ids // self.chunk_blocks]
 
     def touch(self, ids: torch.Tensor) -> None:
         """Note a use of the chunks of ``ids`` (``[n]``, ``torch.int64``, CPU) for the disk tier's choice."""
@@ -721,6 +726,7 @@ class HostBlockPool:
             self.chunk_admitted = [self.chunk_admitted[c] for c in keep]
             self.chunk_used = [self.chunk_used[c] for c in keep]
             self.chunk_disk = [None] * len(keep)
+            self._spilled_flags = None
             self._chunk_addrs = self._chunk_on_host = self._chunk_on_host_cpu = None  # chunk indices changed
             self._chunk_on_disk = None
             self._drop_block_staged()
@@ -743,6 +749,7 @@ class HostBlockPool:
         self.chunks.clear()
         self.chunk_admitted.clear()
         self.chunk_disk.clear()
+        self._spilled_flags = None
         self.chunk_used.clear()
         self._refs = torch.zeros(0, dtype=torch.int32)
         self.admitted_chunks = 0
