@@ -49,6 +49,8 @@ REPO = Path(__file__).resolve().parent.parent
 DENSE = "dense"
 _STATS_KEYS = ("device_kv_bytes", "host_kv_bytes", "recalled_bytes", "decode_recalled_bytes", "hit_rate",
                "attended_blocks")  # fmt: skip
+_DISK_STATS_KEYS = ("disk_kv_bytes", "disk_read_blocks", "disk_staged_ahead_blocks", "disk_staged_used_blocks")
+"""Recorded besides where the cache has a disk tier."""
 
 
 # ---------------------------------------------------------------------------------------------------------- budgets
@@ -351,7 +353,7 @@ def _cache_stats(cache) -> dict | None:
     if not callable(stats):
         return None
     s = stats()
-    return {k: s.get(k) for k in _STATS_KEYS}
+    return {k: s.get(k) for k in _STATS_KEYS + (_DISK_STATS_KEYS if "disk_kv_bytes" in s else ())}
 
 
 # -------------------------------------------------------------------------------------------------------------- run
