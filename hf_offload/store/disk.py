@@ -47,6 +47,8 @@ block size."""
 
 _GIB = 1 << 30
 PUBLISHED_SYNCS = 2
+AHEAD_TASKS = 2
+"""Worker tasks that one read ahead (:meth:`DiskTier.stage`) deals its runs of blocks to."""
 """Syncs of its pool (one per layer and decode step) that a block staged ahead stays published to the planner
 (``disk_cap_blocks``) unless a recall uses it first."""
 
@@ -108,13 +110,15 @@ class _Published:
 
     Attributes:
         since: published block -> the pool's sync count when it was published.
-        fresh: blocks staged ahead since the last sync, to publish.
+        fresh: blocks staged ahead since the last sync.
+        older: blocks staged ahead before the last sync, to publish at the next.
         gone: published blocks used by a recall (or dropped) since the last sync, to unpublish.
     """
 
     def __init__(self):
         self.since: dict[int, int] = {}
         self.fresh: set[int] = set()
+        self.older: set[int] = set()
         self.gone: set[int] = set()
 
 
@@ -151,6 +155,7 @@ class _Staging:
             published.fresh.add(key[1])
         else:
             published.fresh.discard(key[1])
+            published.older.discard(key[1])
             if key[1] in published.since:
                 published.gone.add(key[1])
 
@@ -159,21 +164,13 @@ class _Staging:
         published = self.tracked.get(key[0])
         return published is not None and key[1] in published.since
 
-    def take(self, protected: set, evict_published: bool = False, ahead_first: bool = False) -> int | None:
+    def take(self, protected: set, evict_published: bool = False) -> int | None:
         """A free slot, else the least recently used one not in ``protected``, not being read and not published
-        (after waiting for the reads in flight if every other slot is); with ``ahead_first`` (a read ahead), among
-        the entries staged ahead and not used first (the speculative ones go before those a recall read); with
-        ``evict_published`` (a read on demand, which must find a slot), a published one when nothing else is left
-        (its pool unpublishes it at its next sync). ``None``: every slot is protected."""
+        (after waiting for the reads in flight if every other slot is); with ``evict_published`` (a read on demand,
+        which must find a slot), a published one when nothing else is left (its pool unpublishes it at its next
+        sync). ``None``: every slot is protected."""
         if self.free:
             return self.free.pop()
-        if ahead_first:
-            for key, slot in self.entries.items():
-                if key in self.ahead and key not in protected and slot not in self.pending and not self.pinned(key):
-                    del self.entries[key]
-                    self.ahead.discard(key)
-                    self.note(key, False)
-                    return slot
         for attempt in range(3 if evict_published else 2):
             for key, slot in self.entries.items():
                 if key not in protected and slot not in self.pending and (attempt == 2 or not self.pinned(key)):
@@ -488,7 +485,8 @@ class DiskTier:
         """Block -> mark for ``pool``'s table at its sync number ``now``: ``True`` for the blocks staged ahead since
         the last sync (published: staging keeps them; at most half of staging's slots are published at a time, the
         rest stay ordinary entries), ``False`` for published ones a recall used or that were published ``hold``
-        syncs ago (unpublished: ordinary staging entries, evictable, no longer ahead); empty when not tracked."""
+        syncs ago (unpublished: ordinary staging entries, evictable, no longer ahead); empty when not tracked. Blocks
+        staged ahead are published at the second sync after (the first moves them to ``older``)."""
         staging = self._staging_for(pool)
         serial = pool.disk_serial
         published = staging.tracked.get(serial)
@@ -498,18 +496,26 @@ class DiskTier:
         for block in published.gone:
             published.since.pop(block, None)
             changes[block] = False
-        # At most half of staging is published (all pools together): the rest serves the reads on demand.
+        # At most half of staging is published (all pools together): the rest serves the reads on demand. A block
+        # is published a sync after it was staged (its read had a step to finish, so a plan seldom waits for the
+        # drive), after its read: the same blocks whatever the drive's timing.
         room = staging.n_slots // 2 - sum(len(p.since) for p in staging.tracked.values())
-        for block in sorted(published.fresh)[: max(room, 0)]:
-            if (serial, block) in staging.entries:
-                published.since[block] = now
-                changes[block] = True
+        for block in sorted(published.older):
+            slot = staging.entries.get((serial, block))
+            if slot is None or room <= 0:
+                continue
+            future = staging.pending.get(slot)
+            if future is not None and future.exception() is not None:  # waits for the read; a failed one: skipped
+                continue
+            published.since[block] = now
+            changes[block] = True
+            room -= 1
         for block, at in list(published.since.items()):
             if now - at >= hold:
                 del published.since[block]
                 staging.ahead.discard((serial, block))
                 changes[block] = False
-        published.fresh, published.gone = set(), set()
+        published.older, published.fresh, published.gone = published.fresh, set(), set()
         return changes
 
     def _check_file(self) -> None:
@@ -521,27 +527,33 @@ class DiskTier:
                 "build a new OffloadCache, and use a disk_dir nothing else deletes from.",
             )
 
-    def _submit(self, pool, staging: _Staging, ids: list[int], slots: list[int]) -> None:
+    def _submit(self, pool, staging: _Staging, ids: list[int], slots: list[int], tasks: int | None = None) -> None:
         """Start reading blocks ``ids`` (sorted, all on disk) into staging ``slots``: one ``preadv`` per run of
-        consecutive blocks of one chunk."""
+        consecutive blocks of one chunk, each its own task on the worker threads, or, with ``tasks``, the runs dealt
+        round-robin to at most that many tasks (reads ahead: fewer submissions for the host, parallel enough)."""
         i = 0
         block_bytes = pool.block_bytes
         direct = self.direct and block_bytes % ALIGN == 0
         fd = self._direct_fd if direct else self._buffered_fd
+        runs = []
         while i < len(ids):
             chunk, first = divmod(ids[i], pool.chunk_blocks)
             n = 1
             while i + n < len(ids) and ids[i + n] == ids[i] + n and first + n < pool.chunk_blocks:
                 n += 1
             offset = pool.chunk_disk[chunk][0] + first * block_bytes
-            views = [staging.views[s] for s in slots[i : i + n]]
-            future = self._executor.submit(_preadv_all, fd, views, offset)
-            for s in slots[i : i + n]:
-                staging.pending[s] = future
+            runs.append((slots[i : i + n], offset))
             self.counters["reads"] += 1
             self.counters["read_bytes"] += n * block_bytes
             self.counters["read_blocks"] += n
             i += n
+        groups = [[run] for run in runs] if tasks is None else [runs[t::tasks] for t in range(min(tasks, len(runs)))]
+        for group in groups:
+            work = [([staging.views[s] for s in run_slots], offset) for run_slots, offset in group]
+            future = self._executor.submit(_preadv_runs, fd, work)
+            for run_slots, _ in group:
+                for s in run_slots:
+                    staging.pending[s] = future
 
     def stage(self, pool, ids: list[int]) -> None:
         """Start reading the blocks ``ids`` of ``pool`` that are on disk and not staged into staging, without
@@ -554,7 +566,7 @@ class DiskTier:
         protected = {(serial, i) for i in ids}
         taken_ids, slots = [], []
         for block in wanted:
-            slot = staging.take(protected, ahead_first=True)
+            slot = staging.take(protected)
             if slot is None:
                 break
             staging.entries[(serial, block)] = slot
@@ -562,7 +574,7 @@ class DiskTier:
             staging.note((serial, block), True)
             taken_ids.append(block)
             slots.append(slot)
-        self._submit(pool, staging, taken_ids, slots)
+        self._submit(pool, staging, taken_ids, slots, tasks=AHEAD_TASKS)
         self.counters["staged_ahead_blocks"] += len(taken_ids)
 
     def read_blocks(self, pool, ids: list[int]) -> torch.Tensor:
@@ -634,6 +646,12 @@ class DiskTier:
         """Zero the counters (not the bytes held)."""
         for name in self.counters:
             self.counters[name] = 0
+
+
+def _preadv_runs(fd: int, runs: list[tuple[list[memoryview], int]]) -> None:
+    """:func:`_preadv_all` of each ``(views, offset)`` in turn (one worker task)."""
+    for views, offset in runs:
+        _preadv_all(fd, views, offset)
 
 
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> None:
