@@ -299,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disk-cap", type=int, nargs="+", default=[], metavar="N",
                         help="disk_cap_blocks of the disk tier; each value adds one configuration ('disk_tier_capN', "
                         "without disk_stage_near)")  # fmt: skip
+    parser.add_argument("--stage-left-out", type=int, nargs="+", default=[0], metavar="M",
+                        help="disk_stage_left_out of each --disk-cap configuration; each value above 0 adds one more "
+                        "('disk_tier_capN_leftM')")  # fmt: skip
     parser.add_argument("--workload", default="random", metavar="random|recorded:PATH",
                         help="'random' (random KV and queries, the worst case) or 'recorded:PATH', a decode recorded by "
                         "benchmarks/workload.py and replayed at the shape (the model's rope_theta becomes the "
@@ -364,7 +367,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.lookahead in ("on", "both"):
             configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
     for cap in args.disk_cap:
-        configs.append((f"disk_tier_cap{cap}", dict(tier, disk_cap_blocks=cap)))
+        for left in args.stage_left_out:
+            tag, settings = (f"_left{left}", dict(disk_stage_left_out=left)) if left else ("", {})
+            configs.append((f"disk_tier_cap{cap}{tag}", dict(tier, disk_cap_blocks=cap, **settings)))
     graphs = args.graphs or ("on" if device.type == "cuda" else "off")
     if graphs != "on":  # op by op
         configs = configs[:1] + [(name, dict(disk, cuda_graphs=False)) for name, disk in configs[1:]]

@@ -54,8 +54,8 @@ class Attended:
             within ``transfer_cap_margin`` attended instead; ``>= 0``, or ``None`` (default): no cap.
         transfer_cap_margin: relative score margin of the transfer cap; ``>= 0``. Default 0.1.
         disk_cap_blocks: most selected blocks per sequence, KV head, layer and decode step read from disk on demand;
-            the others give way to blocks in memory or staged, or to the estimate, and are staged for the next
-            steps. ``>= 0``, needs ``disk_dir``; ``None`` (default): no bound.
+            the others give way to blocks in memory or staged, or to the estimate (``disk_stage_left_out``: staged).
+            ``>= 0``, needs ``disk_dir``; ``None`` (default): no bound.
         max_budget_tokens: the adaptive budget's cap: with ``missed_mass_target``, a decode step attends up to this
             many tokens (sink, window and open block included); whole blocks above ``budget_tokens``. Default
             ``None``: every step attends ``budget_tokens``.
@@ -112,6 +112,8 @@ class Memory:
         disk_stage_near: blocks per sequence (and KV head) ranked just below each decode step's selection whose
             reads from disk into staging start after the step's recall, without waiting (the likeliest next
             selections); ``>= 0``. Default 0: none.
+        disk_stage_left_out: of the blocks ``disk_cap_blocks`` leaves out of a decode step, the best-scored this
+            many per sequence (and KV head) are staged from disk for the next steps to attend; ``>= 0``. Default 0.
     """
 
     pool_tokens: int | None = None
@@ -127,6 +129,7 @@ class Memory:
     disk_staging_chunks: int = 8
     disk_read_threads: int = 16
     disk_stage_near: int = 0
+    disk_stage_left_out: int = 0
 
 
 @dataclass(frozen=True)
@@ -375,9 +378,10 @@ class OffloadConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}.")
-        near = self.disk_stage_near
-        if isinstance(near, bool) or not isinstance(near, int) or near < 0:
-            raise ValueError(f"disk_stage_near must be a non-negative integer (blocks per sequence), got {near!r}.")
+        for name in ("disk_stage_near", "disk_stage_left_out"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer (blocks per sequence), got {value!r}.")
         bound = self.disk_cap_blocks
         if bound is not None:
             if isinstance(bound, bool) or not isinstance(bound, int) or bound < 0:

@@ -662,14 +662,14 @@ class OffloadCache(Cache):
     def set_options(self, **changes) -> None:
         """Change settings that only affect coming decode steps (``lookahead``, ``cuda_graphs``, ``graph_scope``,
         ``timing``, ``fused_norms``, ``fused_rotary``, ``fused_projections``, ``reselect_every``,
-        ``disk_stage_near``) on a filled cache,
+        ``disk_stage_near``, ``disk_stage_left_out``) on a filled cache,
         e.g. to compare them on one cache. Captured decode graphs are dropped (captured again).
 
         Raises:
             ValueError: for any other field, or an invalid value (nothing is changed then).
         """
         options = {"lookahead", "cuda_graphs", "graph_scope", "timing", "fused_norms", "fused_rotary",
-                   "fused_projections", "reselect_every", "disk_stage_near"}  # fmt: skip
+                   "fused_projections", "reselect_every", "disk_stage_near", "disk_stage_left_out"}  # fmt: skip
         other = set(changes) - options
         if other:
             raise ValueError(

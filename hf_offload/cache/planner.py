@@ -231,11 +231,12 @@ class DecodePlanner:
             # Blocks read without the disk: those in the slot pool, in host (or device) memory, or staged.
             near = resident_blocks(store.pool.block, selection.blocks.shape[1], n) | ~self.on_disk(n)[:, None, :]
             capped = cap_transfers(selection, near, bound, None, drop=True)
-            # The blocks the bound took out, best first: the recall stages them for the coming steps.
-            before = torch.zeros_like(near).scatter_(-1, selection.blocks, selection.keep)
-            out = before & ~torch.zeros_like(near).scatter_(-1, capped.blocks, capped.keep)
-            top = selection.scores.masked_fill(~out, float("-inf")).topk(selection.blocks.shape[-1], dim=-1)
-            capped.left_out = torch.where(out.gather(-1, top.indices), top.indices, -1)
+            m = min(self.config.disk_stage_left_out, selection.blocks.shape[-1])
+            if m:  # the best blocks the bound took out: the recall stages them for the coming steps
+                before = torch.zeros_like(near).scatter_(-1, selection.blocks, selection.keep)
+                out = before & ~torch.zeros_like(near).scatter_(-1, capped.blocks, capped.keep)
+                top = selection.scores.masked_fill(~out, float("-inf")).topk(m, dim=-1)
+                capped.left_out = torch.where(out.gather(-1, top.indices), top.indices, -1)
             selection = capped
         return selection
 

@@ -34,9 +34,9 @@ class Selection:
             in descending order, ``[batch, heads_or_1, k + extra]``, ``torch.int64``, whose first ``k`` are
             ``blocks`` (the bounded estimate takes its near blocks from the rest); else ``None``. A selection that
             is changed after it was chosen (e.g. by the transfer cap) carries none.
-        left_out: where ``disk_cap_blocks`` took blocks on disk out of the selection, those blocks, best-scored
-            first, ``[batch, heads_or_1, min(k, n_blocks)]``, ``torch.int64``, ``-1`` past them (the recall stages
-            them, so that a later step finds them in memory); else ``None``.
+        left_out: where ``disk_cap_blocks`` took blocks on disk out of the selection, the best-scored
+            ``disk_stage_left_out`` of them, best first, ``[batch, heads_or_1, m]``, ``torch.int64``, ``-1`` past
+            them (the recall stages them, so that a later step finds them in memory); else ``None``.
     """
 
     blocks: torch.Tensor

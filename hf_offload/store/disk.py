@@ -160,9 +160,10 @@ class _Staging:
                 published.gone.add(key[1])
 
     def pinned(self, key: tuple[int, int]) -> bool:
-        """Whether entry ``key`` is published to its pool's planner (it stays until the pool unpublishes it)."""
+        """Whether entry ``key`` is published to its pool's planner, or to be published at its next sync (it stays
+        until the pool unpublishes it)."""
         published = self.tracked.get(key[0])
-        return published is not None and key[1] in published.since
+        return published is not None and (key[1] in published.since or key[1] in published.older)
 
     def take(self, protected: set, evict_published: bool = False) -> int | None:
         """A free slot, else the least recently used one not in ``protected``, not being read and not published

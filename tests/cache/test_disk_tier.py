@@ -450,9 +450,9 @@ def _decode_reads(model, ids, mask, cache):
 def test_disk_cap_bounds_the_blocks_a_decode_step_reads_from_disk(tmp_path, selector):
     """``disk_cap_blocks=0``: no decode step reads a selected block from disk on demand (the selection takes blocks
     in host memory or staged instead, or fewer blocks), but the first reads the sink blocks, which every step attends
-    and the slot pool keeps from then on; without the cap later steps read from disk. The blocks the cap leaves out
-    are staged ahead, and later steps attend some of them from staging. The cap never touches a step that selects
-    every block."""
+    and the slot pool keeps from then on; without the cap later steps read from disk. With ``disk_stage_left_out``
+    the best blocks the cap leaves out are staged ahead, and later steps attend some of them from staging (still no
+    read on demand); without it nothing is staged. The cap never touches a step that selects every block."""
     model = build_model("llama")
     ids, mask = left_padded([101, 77], seed=2)
     chosen = {} if selector is None else {"selector": selector}
@@ -460,15 +460,21 @@ def test_disk_cap_bounds_the_blocks_a_decode_step_reads_from_disk(tmp_path, sele
     sparse = TINY_SPARSE  # a slot pool that holds the selection: the sink and window blocks stay in it
     read, _, plain = _decode_reads(model, ids, mask, OffloadCache(model, **sparse, **disk, **chosen,
                                                                   disk_dir=tmp_path))  # fmt: skip
-    capped = OffloadCache(model, **sparse, **disk, **chosen, disk_cap_blocks=0, disk_dir=tmp_path)
-    read_capped, _, bounded = _decode_reads(model, ids, mask, capped)
-    sinks = 2 * len(capped.offload_layers) * (SPARSE["sink_tokens"] // SPARSE["block_tokens"])  # per sequence, layer
-    assert len(read) == len(read_capped) == NEW - 1 and sum(read[1:]) > 0
-    assert 0 < read_capped[0] <= sinks and read_capped[1:] == [0] * (NEW - 2)
-    assert bounded != plain  # blocks on disk swapped for blocks in memory, or left out
-    stats = capped.stats()
-    assert stats["disk_kv_bytes"] > stats["host_kv_bytes"]  # most blocks stayed on disk
-    assert stats["disk_staged_ahead_blocks"] > 0 and stats["disk_staged_used_blocks"] > 0  # left out, then attended
+    sinks = 2 * len(model.model.layers) * (SPARSE["sink_tokens"] // SPARSE["block_tokens"])  # per sequence, layer
+    assert len(read) == NEW - 1 and sum(read[1:]) > 0
+    for staged in (0, 4):
+        capped = OffloadCache(model, **sparse, **disk, **chosen, disk_cap_blocks=0, disk_stage_left_out=staged,
+                              disk_dir=tmp_path)  # fmt: skip
+        read_capped, _, bounded = _decode_reads(model, ids, mask, capped)
+        assert len(read_capped) == NEW - 1
+        assert 0 < read_capped[0] <= sinks and read_capped[1:] == [0] * (NEW - 2)
+        assert bounded != plain  # blocks on disk swapped for blocks in memory, or left out
+        stats = capped.stats()
+        assert stats["disk_kv_bytes"] > stats["host_kv_bytes"]  # most blocks stayed on disk
+        if staged:  # left out, staged, then attended
+            assert stats["disk_staged_ahead_blocks"] > 0 and stats["disk_staged_used_blocks"] > 0
+        else:
+            assert stats["disk_staged_ahead_blocks"] == 0
     # At a budget that covers the context every block is selected: the cap changes nothing.
     expected = _generate(model, ids, mask, DynamicCache(config=model.config))
     full = OffloadCache(model, **FULL, **DISK, disk_cap_blocks=0, disk_dir=tmp_path)
@@ -482,6 +488,8 @@ def test_disk_cap_settings_are_checked():
     for bad in (-1, 1.5, True):
         with pytest.raises(ValueError, match="disk_cap_blocks must be a non-negative integer"):
             OffloadCache(model, **SPARSE, **DISK, disk_cap_blocks=bad, disk_dir="/tmp")
+        with pytest.raises(ValueError, match="disk_stage_left_out must be a non-negative integer"):
+            OffloadCache(model, **SPARSE, **DISK, disk_cap_blocks=0, disk_stage_left_out=bad, disk_dir="/tmp")
 
 
 def test_the_device_table_of_chunks_on_disk_follows_the_spills(tmp_path):

@@ -74,6 +74,7 @@ def test_replayed_steps_under_a_disk_cap_read_only_the_sinks_from_disk(stand_in_
     model = build_model("llama")
     ids, mask = left_padded([120, 90], seed=22)
     settings = dict(TINY_SPARSE, selector="solohead", transfer="kernel", admission="always", disk_cap_blocks=0,
+                    disk_stage_left_out=4,
                     decode_capacity_blocks=GRAPH_CAPACITY_BLOCKS, **dict(DISK, disk_staging_chunks=8))  # fmt: skip
     runs = {}
     for graphs in (False, None):
