@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             configs.append((f"disk_tier{tag}_lookahead", dict(with_near, lookahead=True)))
     for cap in args.disk_cap:
         for left in args.stage_left_out:
-            tag, settings = (f"_left{left}", dict(disk_stage_left_out=left)) if left else ("", {})
+            tag, settings = (f"_left{left}", {"disk_stage_left_out": left}) if left else ("", {})
             configs.append((f"disk_tier_cap{cap}{tag}", dict(tier, disk_cap_blocks=cap, **settings)))
     graphs = args.graphs or ("on" if device.type == "cuda" else "off")
     if graphs != "on":  # op by op

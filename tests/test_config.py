@@ -23,7 +23,8 @@ DEFAULTS = {
     "transfer_cap_blocks": None, "transfer_cap_margin": 0.1, "disk_cap_blocks": None, "reselect_every": 1, "timing": False, "lookahead": False,
     "lookahead_query": "next", "lookahead_blocks": None, "cuda_graphs": None, "graph_scope": "layer",
     "decode_capacity_blocks": None, "decode_attention": "auto", "fused_norms": None, "fused_rotary": None,
-    "fused_projections": None, "disk_dir": None, "disk_memory_gib": None, "disk_staging_chunks": 8, "disk_stage_near": 0, "disk_stage_left_out": 0,
+    "fused_projections": None, "disk_dir": None, "disk_memory_gib": None, "disk_staging_chunks": 8, "disk_stage_near": 0,
+    "disk_stage_left_out": 0,
     "disk_read_threads": 16, "max_budget_tokens": None, "missed_mass_target": None, "coarsen_summaries": True,
 }  # fmt: skip
 

@@ -520,9 +520,9 @@ def test_the_device_table_of_chunks_on_disk_follows_the_spills(tmp_path):
 
 def test_blocks_staged_ahead_stay_staged_while_published(tmp_path):
     """What a plan under ``disk_cap_blocks`` takes as readable without the disk (``HostBlockPool.block_staged``) is
-    published at the second sync after its read ahead and stays in staging until the pool unpublishes it: reads ahead for other pools and reads on demand evict other
-    entries first; a recall's use unpublishes a block at the next sync, and so does ``PUBLISHED_SYNCS`` syncs' age;
-    at most half of staging is published at a time."""
+    published at the second sync after its read ahead and stays in staging until the pool unpublishes it: reads
+    ahead for other pools and reads on demand evict other entries first; a recall's use unpublishes a block at the
+    next sync, and so does ``PUBLISHED_SYNCS`` syncs' age; at most half of staging is published at a time."""
     from hf_offload.store.disk import PUBLISHED_SYNCS
 
     model = build_model("llama")
