@@ -483,11 +483,11 @@ class DiskTier:
             staging.tracked.pop(pool.disk_serial, None)
 
     def staging_changes(self, pool, now: int, hold: int = PUBLISHED_SYNCS) -> dict[int, bool]:
-        """Block -> mark for ``pool``'s table at its sync number ``now``: ``True`` for the blocks staged ahead since
-        the last sync (published: staging keeps them; at most half of staging's slots are published at a time, the
-        rest stay ordinary entries), ``False`` for published ones a recall used or that were published ``hold``
-        syncs ago (unpublished: ordinary staging entries, evictable, no longer ahead); empty when not tracked. Blocks
-        staged ahead are published at the second sync after (the first moves them to ``older``)."""
+        """Block -> mark for ``pool``'s table at its sync number ``now``: ``True`` for the blocks staged ahead before
+        the last sync, once their reads are done (published: staging keeps them; at most half of staging's slots are
+        published at a time), ``False`` for published ones a recall used or that were published ``hold`` syncs ago
+        (unpublished: ordinary staging entries, evictable, no longer ahead); empty when not tracked. The blocks
+        staged ahead since the last sync wait for the next (``older``)."""
         staging = self._staging_for(pool)
         serial = pool.disk_serial
         published = staging.tracked.get(serial)
