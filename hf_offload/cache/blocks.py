@@ -600,8 +600,7 @@ class BlockStore:
         elif self.execution.use_kernels:
             # Stream order: the write runs on the offload stream behind the computation of these keys and values
             # (launch_on waits for the compute stream); every later recall of these blocks waits for its event.
-            # The ids go through pinned memory so that their copy never blocks the host.
-            ids_dev = self._ids_on_device(ids)
+            ids_dev = self._ids_on_device(ids)  # never blocks the host
             self.last_write = self._offload_on_stream(ids_dev, flat)
             self.block_table_dev = self._appended(self.block_table_dev, ids_dev.view(batch, n_new), fill=-1)
             self.stats.add(("offloaded_bytes",), len(ids) * self.host.block_bytes)
@@ -617,9 +616,9 @@ class BlockStore:
         """Host block ids (``[n]``, ``torch.int64``, CPU) on the compute device without blocking the host: an
         ascending run of consecutive ids (what the pool hands out as it grows) made there by one launch, others
         copied through pinned memory."""
-        n = len(ids)
-        if n and int(ids[-1]) - int(ids[0]) == n - 1 and (n < 3 or bool((ids.diff() == 1).all())):
-            return torch.arange(int(ids[0]), int(ids[0]) + n, dtype=torch.int64, device=self.device)
+        first = int(ids[0]) if len(ids) else 0
+        if len(ids) and torch.equal(ids, torch.arange(first, first + len(ids))):
+            return torch.arange(first, first + len(ids), device=self.device)
         return (ids.pin_memory() if self.device.type == "cuda" else ids).to(self.device, non_blocking=True)
 
     def summaries_of(self, keys: torch.Tensor, values: torch.Tensor, selector=None) -> dict[str, torch.Tensor]:

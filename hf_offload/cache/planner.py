@@ -253,6 +253,9 @@ class DecodePlanner:
         table = table[:, :n]
         flags = store.host.chunk_on_disk(store.device)
         chunk = torch.where(table >= 0, table // store.host.chunk_blocks, flags.shape[0] - 1)
+        config = self.config
+        if not (config.disk_stage_left_out or config.disk_stage_near or config.lookahead):
+            return flags[chunk]  # nothing is staged ahead: no table of staged blocks to read
         staged = store.host.block_staged(store.device)
         return flags[chunk] & ~staged[torch.where(table >= 0, table, staged.shape[0] - 1)]
 

@@ -47,10 +47,10 @@ block size."""
 
 _GIB = 1 << 30
 PUBLISHED_SYNCS = 2
-AHEAD_TASKS = 2
-"""Worker tasks that one read ahead (:meth:`DiskTier.stage`) deals its runs of blocks to."""
 """Syncs of its pool (one per layer and decode step) that a block staged ahead stays published to the planner
 (``disk_cap_blocks``) unless a recall uses it first."""
+AHEAD_TASKS = 2
+"""Worker tasks that one read ahead (:meth:`DiskTier.stage`) deals its runs of blocks to."""
 
 
 class DiskTierError(OSError):

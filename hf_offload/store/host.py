@@ -291,8 +291,7 @@ class HostBlockPool:
         self.chunk_used: list[tuple[int, int]] = []  # (last use, creation order)
         self._disk_free: dict[int, int] = {}
         self.disk_chunks = 0  # chunks whose blocks are on disk
-        self._spills = 0  # spills so far (the key of _spilled_flags, on_disk's CPU table)
-        self._spilled_flags: tuple | None = None
+        self._spilled_flags: torch.Tensor | None = None  # on_disk's CPU table per chunk; None: to be made again
         self._placeholder = torch.empty((0, *self.block_shape), dtype=dtype)  # stands for a spilled chunk
         self._free: list[int] = []
         self._next_id = 0
@@ -490,7 +489,7 @@ class HostBlockPool:
         """Chunk ``chunk`` was written to the disk tier's extent ``(offset, size)``: free its host memory."""
         self.chunks[chunk] = self._placeholder
         self.chunk_disk[chunk] = (offset, size)
-        self._spills += 1
+        self._spilled_flags = None
         self.disk_chunks += 1
         self.budget.reserved_bytes -= self.chunk_nbytes
         self._disk_free[chunk] = 0
@@ -502,10 +501,10 @@ class HostBlockPool:
         """Which of ``ids`` (``[n]``, ``torch.int64``, CPU, ``>= 0``) are blocks of spilled chunks, ``[n]`` bool."""
         if not self.disk_chunks:
             return torch.zeros(len(ids), dtype=torch.bool)
-        key = (id(self.chunk_disk), len(self.chunk_disk), self._spills)
-        if self._spilled_flags is None or self._spilled_flags[0] != key:  # made again after a spill or a growth
-            self._spilled_flags = (key, torch.tensor([d is not None for d in self.chunk_disk]))
-        return self._spilled_flags[1][ids // self.chunk_blocks]
+        flags = self._spilled_flags
+        if flags is None or len(flags) != len(self.chunk_disk):  # made again after a spill, a growth or a clear
+            flags = self._spilled_flags = torch.tensor([d is not None for d in self.chunk_disk])
+        return flags[ids // self.chunk_blocks]
 
     def touch(self, ids: torch.Tensor) -> None:
         """Note a use of the chunks of ``ids`` (``[n]``, ``torch.int64``, CPU) for the disk tier's choice."""
